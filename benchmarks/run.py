@@ -1,0 +1,83 @@
+"""Benchmark runner: each entry of ``BENCHMARKS`` returns a dict of numbers; the table lands in results.md."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve().parent
+
+# name → ("module:function", what it measures, the target)
+BENCHMARKS: dict[str, tuple[str, str, str]] = {
+    "procedural_throughput": (
+        "benchmarks.bench_procedural:bench_procedural_throughput",
+        "procedural faces rendered per second on one core",
+        "≥ 500 images/s at 112×112",
+    ),
+    "tar_at_far_10m": (
+        "benchmarks.bench_metrics:bench_tar_at_far_10m",
+        "`tar_at_far` on 10M scores (1M genuine, 9M impostor)",
+        "seconds, not minutes",
+    ),
+    "pipeline_overhead": (
+        "benchmarks.bench_pipeline:bench_pipeline_overhead",
+        "Prefect task + MLflow run around a stage vs calling the stage function directly",
+        "≤ 5 % of stage time",
+    ),
+    "dvc_noop": (
+        "benchmarks.bench_pipeline:bench_dvc_noop",
+        "`dvc repro` with nothing changed (every stage skipped)",
+        "≤ 10 s",
+    ),
+}
+
+
+def _load(spec: str) -> Callable[[], dict[str, Any]]:
+    module, func = spec.split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    parser.add_argument("names", nargs="*", help=f"benchmarks to run (default: all): {', '.join(BENCHMARKS)}")
+    parser.add_argument("--out", type=Path, default=HERE / "results.json")
+    args = parser.parse_args(argv)
+    names = args.names or list(BENCHMARKS)
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        parser.error(f"unknown benchmark(s) {unknown}; choose from {list(BENCHMARKS)}")
+    results = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    for name in names:
+        spec, _, _ = BENCHMARKS[name]
+        start = time.perf_counter()
+        values = _load(spec)()
+        results[name] = {"values": values, "wall_s": round(time.perf_counter() - start, 2),
+                         "when": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                         "machine": f"{platform.machine()} {os.cpu_count()} cores"}
+        print(f"{name}: {values}")
+    args.out.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    (HERE / "results.md").write_text(render(results))
+
+
+def render(results: dict[str, Any]) -> str:
+    lines = ["# Benchmark results", "", "Written by `make bench` (`python -m benchmarks`); every number measured in the run noted.", "",
+             "| benchmark | measures | target | result | measured |", "|---|---|---|---|---|"]
+    for name, (_, what, target) in BENCHMARKS.items():
+        if name not in results:
+            lines.append(f"| {name} | {what} | {target} | not run | |")
+            continue
+        r = results[name]
+        shown = ", ".join(f"{k} = {v:.4g}" if isinstance(v, float) else f"{k} = {v}" for k, v in r["values"].items())
+        lines.append(f"| {name} | {what} | {target} | {shown} | {r['when']}, {r['machine']} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

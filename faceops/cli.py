@@ -1,0 +1,159 @@
+"""``faceops``: the human entry point. Heavy libraries are imported inside commands, so ``--help`` is instant."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(
+    name="faceops",
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode="markdown",
+    help=(
+        "**faceops** — reproducible face-recognition research pipelines.\n\n"
+        "The stage DAG lives in `dvc.yaml` (prepare → validate → train_fr → evaluate), its configuration in "
+        "`params.yaml`. Every stage execution is an MLflow run (store: `mlflow.db`, or `MLFLOW_TRACKING_URI`).\n\n"
+        "Typical use:\n\n"
+        "* `faceops run` — reproduce the whole pipeline as a Prefect flow (skips what DVC finds up to date)\n\n"
+        "* `faceops run --set fr.epochs=2` — the same with a params delta (like `dvc exp run -S`)\n\n"
+        "* `faceops run --preset smoke` — the whole DAG at toy size in under two minutes\n\n"
+        "* `faceops stage train_fr` — run one stage's code directly (what `dvc repro` calls)\n\n"
+        "* `faceops ls` — stages and their status, datasets, models and registry versions"
+    ),
+)
+
+
+def _fail(message: str, code: int = 2) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code)
+
+
+def _quiet_env() -> None:
+    for key, value in {
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
+        "GX_ANALYTICS_ENABLED": "false", "DVC_NO_ANALYTICS": "1", "HF_HUB_OFFLINE": "1",
+        "DO_NOT_TRACK": "1",
+    }.items():
+        os.environ.setdefault(key, value)
+
+
+def _root() -> Path:
+    root = Path.cwd()
+    if not (root / "dvc.yaml").is_file():
+        _fail(f"no dvc.yaml in {root}: run faceops from the repository root.")
+    return root
+
+
+@app.command()
+def run(
+    set_: Annotated[list[str], typer.Option("--set", "-S", help="params delta SECTION.KEY=VALUE (repeatable), e.g. `fr.epochs=2`")] = [],
+    preset: Annotated[Optional[str], typer.Option(help="named delta from presets.yaml, e.g. `smoke`")] = None,
+    stage: Annotated[list[str], typer.Option("--stage", help="only this stage and what it needs (repeatable)")] = [],
+    force: Annotated[bool, typer.Option(help="rerun stages even if DVC finds them up to date")] = False,
+) -> None:
+    """Reproduce the pipeline as a Prefect flow, one task per `dvc.yaml` stage.
+
+    Deltas (`--preset`, then `--set`) are written into `params.yaml` with comments kept, as `dvc exp run -S`
+    does; `git checkout params.yaml` returns to the embedded default. Results: `reports/benchmark.md`,
+    `metrics/`, `plots/`, `models/fr/`; runs in MLflow (`mlflow ui --backend-store-uri sqlite:///mlflow.db`) and,
+    with `PREFECT_API_URL` set, in the Prefect UI.
+    """
+    from ml.errors import FaceopsError
+    from tasks.params import apply_delta, load_preset, parse_assignments
+
+    root = _root()
+    _quiet_env()
+    try:
+        delta = load_preset(preset, root) if preset else {}
+        delta.update(parse_assignments(set_))
+        if delta:
+            for key, (old, new) in apply_delta(root / "params.yaml", delta).items():
+                typer.echo(f"params.yaml: {key}: {old!r} → {new!r}")
+    except FaceopsError as exc:
+        _fail(str(exc))
+    from flows.pipeline import StageFailed, pipeline
+
+    try:
+        results = pipeline(root=str(root), stages=stage or None, force=force)
+    except StageFailed as exc:
+        _fail(str(exc), code=1)
+    typer.echo("")
+    for r in results:
+        typer.echo(f"  {r['stage']:<12} {'ran' if r['ran'] else 'up to date':<11} {r['seconds']:6.1f}s")
+    typer.echo("\nResults:")
+    for label, path in [("benchmark report", "reports/benchmark.md"), ("metrics", "metrics/"), ("plots", "plots/"),
+                        ("FR model", "models/fr/"), ("validation (Data Docs)", "reports/validation/docs/index.html")]:
+        if (root / path).exists():
+            typer.echo(f"  {label:<24} {root / path}")
+    typer.echo(f"  {'MLflow runs':<24} {os.environ.get('MLFLOW_TRACKING_URI') or 'sqlite:///' + str(root / 'mlflow.db')}")
+
+
+@app.command("stage")
+def stage_cmd(name: Annotated[str, typer.Argument(help="stage name from dvc.yaml, e.g. `train_fr`")]) -> None:
+    """Run one stage's code directly, bypassing DVC's cache (this is what `dvc.yaml`'s cmd runs).
+
+    To run a stage only when its inputs changed, use `dvc repro NAME` or `faceops run --stage NAME`.
+    """
+    from tasks import STAGES
+    from tasks.common import stage_main
+
+    if name not in STAGES:
+        _fail(f"unknown stage '{name}'. Stages: {', '.join(STAGES)}.")
+    _root()
+    _quiet_env()
+    stage_main(importlib.import_module(STAGES[name]).main)
+
+
+@app.command("ls")
+def ls() -> None:
+    """List stages (with DVC status), datasets, models and their MLflow registry versions."""
+    import subprocess
+
+    root = _root()
+    _quiet_env()
+    from flows.pipeline import stage_order
+
+    status = subprocess.run([sys.executable, "-m", "dvc", "status", "--json"], cwd=root, capture_output=True, text=True)
+    changed = json.loads(status.stdout or "{}") if status.returncode == 0 else {}
+    typer.secho("Stages", bold=True)
+    for name in stage_order(root):
+        typer.echo(f"  {name:<14} {'changed' if name in changed else 'up to date'}")
+    typer.secho("Datasets", bold=True)
+    for info_path in sorted(root.glob("data/**/dataset.json")):
+        info = json.loads(info_path.read_text())
+        typer.echo(f"  {str(info_path.parent.relative_to(root)):<28} {info.get('source'):<11} "
+                   f"{info.get('identity_count')} ids, {info.get('image_count')} images, digest {str(info.get('digest'))[:12]}")
+    typer.secho("Models", bold=True)
+    for cfg_path in sorted(root.glob("models/**/config.json")):
+        cfg = json.loads(cfg_path.read_text())
+        typer.echo(f"  {str(cfg_path.parent.relative_to(root)):<28} {cfg.get('backbone')}")
+    typer.secho("Registry", bold=True)
+    try:
+        from mlflow import MlflowClient
+
+        from tasks.tracking import configure
+
+        configure(root)
+        client = MlflowClient()
+        for model in client.search_registered_models():
+            for v in client.search_model_versions(f"name = '{model.name}'"):
+                aliases = ",".join(v.aliases) if v.aliases else ""
+                typer.echo(f"  {model.name} v{v.version:<4} {('@' + aliases) if aliases else '':<12} "
+                           f"source={v.tags.get('source', '?')} run={v.run_id[:8]}")
+    except Exception as exc:  # registry unreachable is not fatal for a listing
+        typer.echo(f"  (registry unavailable: {exc})")
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

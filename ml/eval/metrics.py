@@ -1,0 +1,470 @@
+"""Face-recognition evaluation metrics: arrays in, numbers out.
+
+* ``verification_accuracy`` - the LFW-style 10-fold pair accuracy of InsightFace
+  ``recognition/arcface_torch/eval/verification.py`` (``calculate_roc``), itself from FaceNet's
+  ``lfw.py`` (Schroff et al., "FaceNet", CVPR 2015; Huang et al., LFW tech. report 07-49, 2007).
+* ``tar_at_far`` / ``roc_curve`` - true accept rate at a fixed false accept rate, the IJB-B/C 1:1
+  verification protocol (Whitelam et al., "IARPA Janus Benchmark-B", CVPRW 2017; Maze et al.,
+  "IARPA Janus Benchmark-C", ICB 2018).
+* ``identification_rank`` - closed-set CMC (rank-k identification rate), as in MegaFace and the
+  IJB 1:N protocol.
+* ``template_features`` - IJB template pooling of InsightFace ``recognition/_evaluation_/ijb``
+  (``image2template_feature``): media-level mean, then template-level mean.
+* ``pair_scores`` - rowwise cosine similarity.
+
+Differences from the reference:
+
+* ``verification_accuracy`` counts correct predictions with sorted distances and ``searchsorted``
+  instead of one boolean pass per threshold; the counts, the first-best tie rule and the folds are
+  the same. It also returns the mean of the per-fold best thresholds, which ``calculate_roc``
+  computes but does not return, and it omits the optional PCA step.
+* ``tar_at_far`` reads the operating point from the impostor order statistic (``np.partition``)
+  instead of interpolating an ``sklearn.metrics.roc_curve``: the result is exact and the
+  threshold is always an observed impostor score (see its docstring for the tie convention).
+* ``template_features`` does not weight images by detector (faceness) score and does not add
+  flipped-image features; pass features already combined that way if wanted. A media id is
+  scoped to its template, so the same media id in two templates is pooled separately.
+* ``identification_rank`` counts ties against the probe (a gallery identity scoring exactly the
+  probe's true-identity score ranks ahead of it), so a constant embedding cannot score rank-1 = 1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from fractions import Fraction
+
+import numpy as np
+
+__all__ = [
+    "identification_rank",
+    "pair_scores",
+    "roc_curve",
+    "tar_at_far",
+    "template_features",
+    "verification_accuracy",
+]
+
+# Elements of one probe-by-gallery similarity block: 2**25 float64 = 256 MiB at most, i.e. 671
+# probes at a time against a 50k gallery.
+_BATCH_ELEMENTS = 1 << 25
+
+
+# --------------------------------------------------------------------------------------------
+# input checks
+# --------------------------------------------------------------------------------------------
+
+
+def _as_matrix(x: np.ndarray, name: str) -> np.ndarray:
+    """``x`` as a finite floating (N, D) array with N, D >= 1, else ValueError naming it."""
+    x = np.asarray(x)
+    if x.ndim != 2 or x.shape[0] == 0 or x.shape[1] == 0:
+        raise ValueError(f"{name} must be a non-empty (N, D) array of features; got shape {x.shape}")
+    if not np.issubdtype(x.dtype, np.floating):
+        x = x.astype(np.float64)
+    if not np.isfinite(x).all():
+        bad = int(np.flatnonzero(~np.isfinite(x).all(axis=1))[0])
+        raise ValueError(f"{name} has non-finite values (first at row {bad}); check the model output")
+    return x
+
+
+def _l2_normalize(x: np.ndarray, name: str) -> np.ndarray:
+    """Rows of ``x`` scaled to unit L2 norm; a zero row raises (it has no direction)."""
+    norms = np.linalg.norm(x, axis=1, keepdims=True)  # (N, 1)
+    zero = np.flatnonzero(norms[:, 0] == 0)
+    if zero.size:
+        raise ValueError(
+            f"{name} has {zero.size} all-zero row(s) (first at row {int(zero[0])}); "
+            "a zero feature has no direction, so its cosine similarity is undefined"
+        )
+    return x / norms
+
+
+def _as_vector(x: np.ndarray, name: str, length: int | None = None) -> np.ndarray:
+    x = np.asarray(x)
+    if x.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D array; got shape {x.shape}")
+    if length is not None and x.shape[0] != length:
+        raise ValueError(f"{name} has {x.shape[0]} entries but {length} were expected")
+    return x
+
+
+def _as_binary(labels: np.ndarray, name: str, length: int) -> np.ndarray:
+    """``labels`` (bool, or integers 0/1) as a bool vector of ``length`` entries."""
+    labels = _as_vector(labels, name, length)
+    if labels.dtype == bool:
+        return labels
+    is_one = labels == 1
+    if not (is_one | (labels == 0)).all():
+        bad = np.flatnonzero(~(is_one | (labels == 0)))[0]
+        raise ValueError(
+            f"{name} must hold only 1 (genuine / same) and 0 (impostor / different); "
+            f"found {labels[bad].item()!r} at index {int(bad)}"
+        )
+    return is_one
+
+
+# --------------------------------------------------------------------------------------------
+# verification: LFW-style k-fold accuracy
+# --------------------------------------------------------------------------------------------
+
+
+def _kfold_bounds(n: int, n_folds: int) -> list[tuple[int, int]]:
+    """Contiguous [start, stop) test folds; the first ``n % n_folds`` are one larger (sklearn KFold)."""
+    sizes = np.full(n_folds, n // n_folds, dtype=np.int64)
+    sizes[: n % n_folds] += 1
+    stops = np.cumsum(sizes)
+    return [(int(stop - size), int(stop)) for size, stop in zip(sizes, stops)]
+
+
+def _correct_counts(dist: np.ndarray, same: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
+    """Correct predictions per threshold when predicting "same" iff ``dist < threshold``."""
+    d_same = np.sort(dist[same])
+    d_diff = np.sort(dist[~same])
+    true_accepts = np.searchsorted(d_same, thresholds, side="left")  # same pairs with d < t
+    true_rejects = d_diff.size - np.searchsorted(d_diff, thresholds, side="left")  # diff with d >= t
+    return true_accepts + true_rejects
+
+
+def verification_accuracy(
+    emb1: np.ndarray, emb2: np.ndarray, issame: np.ndarray, n_folds: int = 10
+) -> dict[str, float]:
+    """K-fold pair-verification accuracy, the LFW protocol as InsightFace computes it.
+
+    Each embedding is L2-normalised and a pair's distance is d = ||a - b||^2 in [0, 4]. A pair is
+    predicted "same" iff d < t, for t in ``np.arange(0, 4, 0.01)``. The pairs are split, in order,
+    into ``n_folds`` contiguous folds (``sklearn.model_selection.KFold(shuffle=False)``: the first
+    ``n % n_folds`` folds hold one extra pair). For each fold, t is the threshold with the highest
+    accuracy on the other folds (the smallest such t on ties, as ``np.argmax`` picks), and the
+    fold's accuracy is measured at t on the fold itself.
+
+    Source: InsightFace ``eval/verification.py`` ``calculate_roc`` / ``evaluate``.
+
+    Args:
+        emb1, emb2: (N, D) embeddings of the two sides of N pairs.
+        issame: (N,) 1 / True where the pair shows one identity.
+        n_folds: number of folds, 2 <= n_folds <= N.
+
+    Returns:
+        ``accuracy``: mean test-fold accuracy (a fraction); ``std``: its population standard
+        deviation over folds (``np.std``, ddof=0); ``threshold``: mean of the per-fold best
+        thresholds, in squared-distance units.
+    """
+    emb1 = _as_matrix(emb1, "emb1")
+    emb2 = _as_matrix(emb2, "emb2")
+    if emb1.shape != emb2.shape:
+        raise ValueError(f"emb1 and emb2 must have the same shape; got {emb1.shape} and {emb2.shape}")
+    n = emb1.shape[0]
+    same = _as_binary(issame, "issame", n)
+    is_int = isinstance(n_folds, (int, np.integer)) and not isinstance(n_folds, bool)
+    if not is_int or not 2 <= n_folds <= n:
+        raise ValueError(
+            f"n_folds must be an integer in [2, {n}] (the number of pairs); got {n_folds!r}"
+        )
+
+    a = _l2_normalize(emb1.astype(np.float64, copy=False), "emb1")
+    b = _l2_normalize(emb2.astype(np.float64, copy=False), "emb2")
+    dist = np.sum(np.square(a - b), axis=1)  # (N,) in [0, 4]
+    thresholds = np.arange(0, 4, 0.01)  # 400 candidates, the reference grid
+
+    accuracies, best_thresholds = [], []
+    for start, stop in _kfold_bounds(n, int(n_folds)):
+        test = np.zeros(n, dtype=bool)
+        test[start:stop] = True
+        train_correct = _correct_counts(dist[~test], same[~test], thresholds)
+        best = thresholds[int(np.argmax(train_correct))]
+        test_correct = _correct_counts(dist[test], same[test], np.array([best]))[0]
+        accuracies.append(test_correct / (stop - start))
+        best_thresholds.append(best)
+    return {
+        "accuracy": float(np.mean(accuracies)),
+        "std": float(np.std(accuracies)),
+        "threshold": float(np.mean(best_thresholds)),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# verification: TAR @ FAR and ROC
+# --------------------------------------------------------------------------------------------
+
+
+def _split_scores(scores: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(genuine, impostor) scores, each non-empty and finite."""
+    scores = _as_vector(scores, "scores")
+    if not np.issubdtype(scores.dtype, np.floating):
+        scores = scores.astype(np.float64)
+    genuine_mask = _as_binary(labels, "labels", scores.shape[0])
+    if not np.isfinite(scores).all():
+        bad = int(np.flatnonzero(~np.isfinite(scores))[0])
+        raise ValueError(f"scores has a non-finite value {scores[bad]!r} at index {bad}")
+    genuine = scores[genuine_mask]
+    impostor = scores[~genuine_mask]
+    if genuine.size == 0 or impostor.size == 0:
+        raise ValueError(
+            f"need both genuine (label 1) and impostor (label 0) pairs; got {genuine.size} genuine "
+            f"and {impostor.size} impostor"
+        )
+    return genuine, impostor
+
+
+def _allowed_false_accepts(far: float, n_impostor: int) -> int:
+    """floor(far * n_impostor), with ``far`` read as the decimal it prints as.
+
+    ``0.29 * 100`` is 28.999999999999996 in binary floating point; reading 0.29 as 29/100 gives
+    the 29 that the user meant.
+    """
+    return math.floor(Fraction(repr(float(far))) * n_impostor)
+
+
+def tar_at_far(
+    scores: np.ndarray, labels: np.ndarray, fars: Sequence[float] = (1e-4, 1e-3, 1e-2)
+) -> dict[float, float]:
+    """True accept rate at each false accept rate, exactly, from similarity scores.
+
+    A pair is accepted iff its score is strictly greater than the threshold. With n_imp impostor
+    scores sorted in decreasing order s_1 >= s_2 >= ... and k = floor(far * n_imp) the number of
+    impostors that may be accepted, the threshold is s_{k+1}: the smallest impostor score that
+    accepts at most k impostors. Ties are never split: if s_k == s_{k+1}, every impostor tied at
+    the threshold is rejected, so the realised FAR may be below ``far``. Consequences:
+
+    * far * n_imp < 1 (k = 0): the threshold is the maximum impostor score (observed FAR 0);
+    * k >= n_imp (far = 1): every impostor may be accepted, the threshold is -inf and TAR = 1.
+
+    TAR is the fraction of genuine scores strictly greater than the threshold. Only impostor order
+    statistics are needed, so the cost is one ``np.partition`` of the impostors plus one pass over
+    the genuine scores per FAR; no ROC is built. ``far * n_imp`` is computed on the decimal value
+    of ``far`` (0.29 * 100 gives 29, not 28).
+
+    Source: the IJB-B / IJB-C 1:1 verification protocol (Whitelam et al. 2017; Maze et al. 2018).
+
+    Args:
+        scores: (N,) similarities, higher = more alike.
+        labels: (N,) 1 / True for genuine pairs, 0 / False for impostor pairs.
+        fars: target false accept rates, each in [0, 1].
+
+    Returns:
+        ``{far: tar}`` with ``far`` as a Python float.
+    """
+    fars = [float(f) for f in np.atleast_1d(np.asarray(fars, dtype=np.float64))]
+    for far in fars:
+        if not 0.0 <= far <= 1.0:
+            raise ValueError(f"each far must be in [0, 1]; got {far!r}")
+    genuine, impostor = _split_scores(scores, labels)
+    n_imp = impostor.size
+
+    allowed = {far: _allowed_false_accepts(far, n_imp) for far in fars}
+    # ascending order: the (k+1)-th largest impostor sits at index n_imp - k - 1
+    kth = sorted({n_imp - k - 1 for k in allowed.values() if k < n_imp})
+    part = np.partition(impostor, kth) if kth else impostor
+
+    result: dict[float, float] = {}
+    for far, k in allowed.items():
+        if k >= n_imp:
+            result[far] = 1.0
+            continue
+        threshold = part[n_imp - k - 1]
+        result[far] = float(np.count_nonzero(genuine > threshold) / genuine.size)
+    return result
+
+
+def _full_roc(
+    scores: np.ndarray, labels: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Exact ROC at every distinct score, accepting iff score >= threshold; starts at (0, 0, +inf).
+
+    Returns (fpr, tpr, thresholds, n_impostor).
+    """
+    genuine, impostor = _split_scores(scores, labels)
+    sorted_scores = np.concatenate([genuine, impostor])
+    is_genuine = np.zeros(sorted_scores.size, dtype=np.int64)
+    is_genuine[: genuine.size] = 1
+    order = np.argsort(sorted_scores, kind="stable")[::-1]  # decreasing score
+    sorted_scores = sorted_scores[order]
+    # last position of each run of equal scores: a threshold accepts the whole run
+    last = np.flatnonzero(np.diff(sorted_scores) != 0)
+    last = np.append(last, sorted_scores.size - 1)
+    tps = np.cumsum(is_genuine[order])[last]
+    fps = (last + 1) - tps
+    fpr = np.concatenate([[0.0], fps / impostor.size])
+    tpr = np.concatenate([[0.0], tps / genuine.size])
+    thresholds = np.concatenate([[np.inf], sorted_scores[last].astype(np.float64)])
+    return fpr, tpr, thresholds, impostor.size
+
+
+def roc_curve(
+    scores: np.ndarray, labels: np.ndarray, max_points: int = 2000
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ROC curve for plotting: (fpr, tpr, thresholds), at most ``max_points`` points.
+
+    A pair is accepted iff score >= threshold (the ``sklearn.metrics.roc_curve`` convention). The
+    exact curve has one point per distinct score plus (0, 0) at threshold +inf and ends at (1, 1).
+    If it has more than ``max_points`` points it is subsampled on a log-spaced FAR grid from
+    1 / n_impostor to 1 (plus FAR 0): for each grid value the exact point with the largest FAR not
+    above it (and so the highest TAR there) is kept. Every returned point lies on the exact curve;
+    fpr and tpr are non-decreasing and thresholds non-increasing.
+
+    Args:
+        scores: (N,) similarities, higher = more alike.
+        labels: (N,) 1 / True genuine, 0 / False impostor.
+        max_points: at most this many points are returned (>= 3).
+    """
+    if isinstance(max_points, bool) or not isinstance(max_points, (int, np.integer)) or max_points < 3:
+        raise ValueError(f"max_points must be an integer >= 3; got {max_points!r}")
+    fpr, tpr, thresholds, n_imp = _full_roc(scores, labels)
+    if fpr.size <= max_points:
+        return fpr, tpr, thresholds
+    # log10(1/n_imp) .. 0: e.g. 1e-7 .. 1 for 10M impostors, ~285 points per decade at 2000
+    grid = np.concatenate([[0.0], np.logspace(-np.log10(n_imp), 0.0, max_points - 2)])
+    keep = np.searchsorted(fpr, grid, side="right") - 1  # last point with fpr <= grid value
+    keep = np.unique(np.concatenate([[0], keep, [fpr.size - 1]]))
+    assert keep.size <= max_points, keep.size
+    return fpr[keep], tpr[keep], thresholds[keep]
+
+
+# --------------------------------------------------------------------------------------------
+# identification
+# --------------------------------------------------------------------------------------------
+
+
+def identification_rank(
+    probe: np.ndarray,
+    probe_labels: np.ndarray,
+    gallery: np.ndarray,
+    gallery_labels: np.ndarray,
+    ranks: Sequence[int] = (1, 5),
+) -> dict[int, float]:
+    """Closed-set CMC: the fraction of probes whose identity is among the top-r gallery identities.
+
+    Probe and gallery features are L2-normalised and compared by cosine similarity. A gallery
+    identity with several entries scores the best of them, so ranks count identities, not
+    entries: a probe's rank is 1 + the number of other gallery identities scoring at least as high
+    as its own identity (ties count against the probe). Every probe identity must be in the gallery
+    (closed set). Similarities are computed in probe blocks of at most ``_BATCH_ELEMENTS`` entries,
+    so a 50k x 50k search holds one (671, 50k) block at a time.
+
+    Source: cumulative match characteristic, e.g. Grother & Phillips, FRVT / IJB 1:N protocol.
+
+    Args:
+        probe: (P, D) probe features; probe_labels: (P,) identities.
+        gallery: (G, D) gallery features; gallery_labels: (G,) identities.
+        ranks: positive ranks r to report.
+
+    Returns:
+        ``{r: rate}``, each rate a fraction of probes in [0, 1].
+    """
+    probe = _as_matrix(probe, "probe")
+    gallery = _as_matrix(gallery, "gallery")
+    if probe.shape[1] != gallery.shape[1]:
+        raise ValueError(
+            f"probe and gallery features differ in dimension: {probe.shape[1]} vs {gallery.shape[1]}"
+        )
+    probe_labels = _as_vector(probe_labels, "probe_labels", probe.shape[0])
+    gallery_labels = _as_vector(gallery_labels, "gallery_labels", gallery.shape[0])
+    ranks = [int(r) for r in ranks]
+    if not ranks or min(ranks) < 1:
+        raise ValueError(f"ranks must be a non-empty list of integers >= 1; got {ranks!r}")
+
+    identities, gallery_id = np.unique(gallery_labels, return_inverse=True)
+    present = np.isin(probe_labels, identities)
+    if not present.all():
+        missing = np.unique(probe_labels[~present])
+        raise ValueError(
+            f"{int((~present).sum())} probe(s) have identities absent from the gallery "
+            f"(e.g. {missing[:5].tolist()}); closed-set identification needs every probe identity "
+            "in the gallery - drop those probes or use an open-set metric"
+        )
+    true_id = np.searchsorted(identities, probe_labels)  # (P,) index into identities
+
+    dtype = np.result_type(probe.dtype, gallery.dtype, np.float32)
+    p = _l2_normalize(probe.astype(dtype, copy=False), "probe")
+    g = _l2_normalize(gallery.astype(dtype, copy=False), "gallery")
+    # sort gallery by identity so each identity is one contiguous column run for reduceat
+    order = np.argsort(gallery_id, kind="stable")
+    g = g[order]
+    starts = np.flatnonzero(np.r_[True, np.diff(gallery_id[order]) != 0])
+    one_per_identity = starts.size == g.shape[0]
+
+    rank = np.empty(p.shape[0], dtype=np.int64)
+    batch = max(1, _BATCH_ELEMENTS // g.shape[0])
+    for lo in range(0, p.shape[0], batch):
+        sim = p[lo : lo + batch] @ g.T  # (B, G) cosine similarities
+        if not one_per_identity:
+            sim = np.maximum.reduceat(sim, starts, axis=1)  # (B, n_identities)
+        own = sim[np.arange(sim.shape[0]), true_id[lo : lo + batch]]  # (B,)
+        rank[lo : lo + batch] = np.count_nonzero(sim >= own[:, None], axis=1)  # includes itself
+    return {r: float(np.mean(rank <= r)) for r in ranks}
+
+
+# --------------------------------------------------------------------------------------------
+# templates and pairs
+# --------------------------------------------------------------------------------------------
+
+
+def template_features(
+    features: np.ndarray, template_ids: np.ndarray, media_ids: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """IJB template pooling: media means of unit features, then their mean, then L2-normalised.
+
+    For template t with media m_1..m_M, each holding images i:
+        f_t = normalise( (1/M) * sum_m (1/|m|) * sum_{i in m} x_i / ||x_i|| ).
+    A video contributes as much as a single still, however many frames it has. With
+    ``media_ids=None`` each image is its own media, so f_t is the normalised mean of the unit
+    features. Media ids are scoped to their template.
+
+    Source: InsightFace ``recognition/_evaluation_/ijb`` ``image2template_feature``; the IJB-B/C
+    protocol (Whitelam et al. 2017; Maze et al. 2018).
+
+    Args:
+        features: (N, D) image features.
+        template_ids: (N,) template of each image.
+        media_ids: (N,) media (still or video) of each image, or None.
+
+    Returns:
+        (sorted unique template ids (T,), unit template features (T, D)).
+    """
+    features = _as_matrix(features, "features")
+    n = features.shape[0]
+    template_ids = _as_vector(template_ids, "template_ids", n)
+    unit = _l2_normalize(features.astype(np.float64, copy=False), "features")
+
+    templates, t_idx = np.unique(template_ids, return_inverse=True)  # t_idx: (N,)
+    if media_ids is None:
+        m_idx = np.arange(n)
+        n_media = n
+    else:
+        media_ids = _as_vector(media_ids, "media_ids", n)
+        media, m_idx = np.unique(media_ids, return_inverse=True)
+        n_media = media.size
+    key = t_idx.astype(np.int64) * n_media + m_idx  # (template, media) pairs, template-major
+    order = np.argsort(key, kind="stable")
+    key = key[order]
+    media_starts = np.flatnonzero(np.r_[True, np.diff(key) != 0])
+    media_sizes = np.diff(np.r_[media_starts, n])
+    media_mean = np.add.reduceat(unit[order], media_starts, axis=0) / media_sizes[:, None]  # (M, D)
+
+    media_template = key[media_starts] // n_media  # (M,) sorted
+    template_starts = np.flatnonzero(np.r_[True, np.diff(media_template) != 0])
+    template_sizes = np.diff(np.r_[template_starts, media_mean.shape[0]])
+    pooled = np.add.reduceat(media_mean, template_starts, axis=0) / template_sizes[:, None]  # (T, D)
+
+    norms = np.linalg.norm(pooled, axis=1)
+    cancelled = np.flatnonzero(norms <= 1e-12)
+    if cancelled.size:
+        raise ValueError(
+            f"template {templates[cancelled[0]]!r} pools to a zero vector (its media features "
+            "cancel out); check its images"
+        )
+    return templates, pooled / norms[:, None]
+
+
+def pair_scores(feat_a: np.ndarray, feat_b: np.ndarray) -> np.ndarray:
+    """Cosine similarity of row i of ``feat_a`` with row i of ``feat_b``: (N,) in [-1, 1]."""
+    feat_a = _as_matrix(feat_a, "feat_a")
+    feat_b = _as_matrix(feat_b, "feat_b")
+    if feat_a.shape != feat_b.shape:
+        raise ValueError(
+            f"feat_a and feat_b must have the same shape; got {feat_a.shape} and {feat_b.shape}"
+        )
+    a = _l2_normalize(feat_a, "feat_a")
+    b = _l2_normalize(feat_b, "feat_b")
+    return np.einsum("nd,nd->n", a, b)

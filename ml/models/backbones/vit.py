@@ -1,0 +1,184 @@
+"""Plain Vision Transformer for face recognition, as used by insightface ``arcface_torch`` and LVFace.
+
+No CLS token: all ``grid²`` patch tokens (+ a learned position embedding) go through pre-LN blocks
+(ReLU6 MLP of ratio 4, qkv without bias), a final LayerNorm, and the head flattens every token:
+``Linear(T·dim → embed_dim, no bias) → BN → Linear(embed_dim → embed_dim, no bias) → BN``.
+During training a share ``mask_ratio`` of the tokens can be dropped at random before the blocks;
+their places are refilled with a learned mask token after the final norm, so the head always sees
+``T`` tokens.
+
+Differences from the reference (insightface ``backbones/vit.py``):
+
+- ``mask_ratio`` defaults to 0 in the constructor and the named variants; insightface's ``vit_t``/
+  ``vit_s``/``vit_b``/``vit_l`` use 0.1 (pass ``mask_ratio=0.1`` to reproduce them).
+- ``forward`` takes an optional ``attn_bias`` (one tensor for all layers, or one per layer) that is
+  added to the attention logits; the reference has no such hook. With masking active the bias is
+  gathered to the kept tokens.
+- No gradient checkpointing and no mixed-precision context inside the attention (use the trainer's
+  ``precision`` instead).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ml.errors import ConfigError
+from ml.models.layers import Block, PatchEmbed
+
+# What data code must feed the model; ``ViT.input_contract`` fills in size and embedding_dim.
+INPUT_CONTRACT: dict[str, Any] = {
+    "size": 112,  # square side in pixels
+    "colour": "RGB",
+    "scale": "x/255",  # the mean/std below apply to x/255, i.e. the model sees (x/255 - 0.5)/0.5
+    "mean": (0.5, 0.5, 0.5),
+    "std": (0.5, 0.5, 0.5),
+    "layout": "NCHW float32",
+    "embedding_dim": 512,
+}
+
+AttnBias = torch.Tensor | Sequence[torch.Tensor | None] | None
+
+
+def _gather_tokens_bias(bias: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Rows and columns of ``bias`` (B|1, H, T, T) for the kept token indices ``keep`` (B, T')."""
+    b, t_keep = keep.shape
+    bias = bias.expand(b, -1, -1, -1)
+    h, t = bias.shape[1], bias.shape[-1]
+    rows = bias.gather(2, keep[:, None, :, None].expand(b, h, t_keep, t))  # (B, H, T', T)
+    return rows.gather(3, keep[:, None, None, :].expand(b, h, t_keep, t_keep))  # (B, H, T', T')
+
+
+class ViT(nn.Module):
+    """ViT face backbone returning an unnormalised ``embed_dim`` embedding per image."""
+
+    def __init__(
+        self,
+        img_size: int = 112,
+        patch_size: int = 9,
+        dim: int = 512,
+        depth: int = 12,
+        heads: int = 8,
+        mlp_ratio: float = 4.0,
+        embed_dim: int = 512,
+        mask_ratio: float = 0.0,
+        drop_path: float = 0.0,
+    ) -> None:
+        super().__init__()
+        for name, value in (("img_size", img_size), ("patch_size", patch_size), ("dim", dim),
+                            ("depth", depth), ("heads", heads), ("embed_dim", embed_dim)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"ViT argument '{name}' must be a positive integer, got {value!r}")
+        if patch_size > img_size:
+            raise ConfigError(f"ViT patch_size {patch_size} is larger than img_size {img_size}")
+        if dim % heads != 0:
+            raise ConfigError(f"ViT dim {dim} must be divisible by heads {heads}")
+        if not 0.0 <= mask_ratio < 1.0:
+            raise ConfigError(f"ViT mask_ratio must be in [0, 1), got {mask_ratio}")
+        if not 0.0 <= drop_path < 1.0:
+            raise ConfigError(f"ViT drop_path must be in [0, 1), got {drop_path}")
+        self.img_size = img_size
+        self.dim = dim
+        self.depth = depth
+        self.heads = heads
+        self.embed_dim = embed_dim
+        self.mask_ratio = float(mask_ratio)
+
+        self.patch_embed = PatchEmbed(img_size, patch_size, 3, dim)
+        self.num_patches = self.patch_embed.num_patches
+        self.pos_embed = nn.Parameter(torch.zeros(1, self.num_patches, dim))
+        # stochastic depth grows linearly from 0 at the first block to drop_path at the last
+        rates = [drop_path * i / max(depth - 1, 1) for i in range(depth)]
+        self.blocks = nn.ModuleList(
+            Block(dim, heads, mlp_ratio, qkv_bias=False, act_layer=nn.ReLU6, drop_path=r) for r in rates
+        )
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.feature = nn.Sequential(
+            nn.Linear(self.num_patches * dim, embed_dim, bias=False),
+            nn.BatchNorm1d(embed_dim, eps=2e-5),
+            nn.Linear(embed_dim, embed_dim, bias=False),
+            nn.BatchNorm1d(embed_dim, eps=2e-5),
+        )
+        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        nn.init.normal_(self.mask_token, std=0.02)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.trunc_normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+    @property
+    def input_contract(self) -> dict[str, Any]:
+        return {**INPUT_CONTRACT, "size": self.img_size, "embedding_dim": self.embed_dim}
+
+    def _random_keep(self, b: int, device: torch.device) -> torch.Tensor:
+        """Indices (B, T') of the tokens kept this step, T' = ⌊T·(1 − mask_ratio)⌋, at least 1."""
+        keep = max(1, int(self.num_patches * (1.0 - self.mask_ratio)))
+        noise = torch.rand(b, self.num_patches, device=device)
+        return noise.argsort(dim=1)[:, :keep]
+
+    def forward_features(self, x: torch.Tensor, attn_bias: AttnBias = None) -> torch.Tensor:
+        """Images (B, 3, S, S) → normalised tokens (B, T, dim), mask tokens at dropped places."""
+        x = self.patch_embed(x) + self.pos_embed  # (B, T, dim)
+        b, t, d = x.shape
+        if attn_bias is None or isinstance(attn_bias, torch.Tensor):
+            biases: Sequence[torch.Tensor | None] = [attn_bias] * self.depth
+        else:
+            biases = list(attn_bias)
+            if len(biases) != self.depth:
+                raise ValueError(f"attn_bias has {len(biases)} entries for {self.depth} layers")
+        keep = None
+        if self.training and self.mask_ratio > 0:
+            keep = self._random_keep(b, x.device)
+            x = x.gather(1, keep[..., None].expand(-1, -1, d))  # (B, T', dim)
+            biases = [None if a is None else _gather_tokens_bias(a, keep) for a in biases]
+        for block, bias in zip(self.blocks, biases):
+            x = block(x, bias)
+        x = self.norm(x)
+        if keep is not None:
+            full = self.mask_token.expand(b, t, d).clone()
+            x = full.scatter(1, keep[..., None].expand(-1, -1, d), x)  # (B, T, dim)
+        return x
+
+    def forward(self, x: torch.Tensor, attn_bias: AttnBias = None) -> torch.Tensor:
+        tokens = self.forward_features(x, attn_bias)
+        return self.feature(tokens.flatten(1))  # (B, embed_dim)
+
+
+def _variant(defaults: dict[str, Any], overrides: dict[str, Any]) -> ViT:
+    return ViT(**{**defaults, **overrides})
+
+
+def vit_tiny(**overrides: Any) -> ViT:
+    """CPU default for the embedded dataset: 64 px, patch 8 (64 tokens), dim 128, depth 4, 128-d."""
+    return _variant(dict(img_size=64, patch_size=8, dim=128, depth=4, heads=4, embed_dim=128), overrides)
+
+
+def vit_t(**overrides: Any) -> ViT:
+    """insightface ``vit_t``: 112 px, patch 9 (144 tokens), dim 256, depth 12, 8 heads."""
+    return _variant(dict(img_size=112, patch_size=9, dim=256, depth=12, heads=8, drop_path=0.1), overrides)
+
+
+def vit_s(**overrides: Any) -> ViT:
+    """insightface ``vit_s``: 112 px, patch 9, dim 512, depth 12, 8 heads."""
+    return _variant(dict(img_size=112, patch_size=9, dim=512, depth=12, heads=8, drop_path=0.1), overrides)
+
+
+def vit_b(**overrides: Any) -> ViT:
+    """insightface ``vit_b``: 112 px, patch 9, dim 512, depth 24, 8 heads."""
+    return _variant(dict(img_size=112, patch_size=9, dim=512, depth=24, heads=8, drop_path=0.1), overrides)
+
+
+def vit_l(**overrides: Any) -> ViT:
+    """insightface ``vit_l``: 112 px, patch 9, dim 768, depth 24, 8 heads."""
+    return _variant(dict(img_size=112, patch_size=9, dim=768, depth=24, heads=8, drop_path=0.1), overrides)

@@ -1,0 +1,125 @@
+"""Models on disk: one directory with ``model.safetensors`` and ``config.json``.
+
+``config.json`` holds everything needed to rebuild the network without the training code's params::
+
+    {"format": 1, "backbone": "vit_tiny", "kwargs": {...constructor overrides...},
+     "input_contract": {...}, "extra": {...e.g. training data digest, metrics...}}
+
+Writes are atomic: both files go to a temporary sibling directory that then replaces ``model_dir``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ml.errors import ConfigError, DataError
+from ml.models.backbones import BACKBONES, build_backbone, input_contract
+
+log = logging.getLogger(__name__)
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+FORMAT = 1
+
+
+def _json_ready(value: Any, what: str) -> Any:
+    """Round-trip ``value`` through JSON so what is saved is exactly what loads (tuples → lists)."""
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{what} must be JSON-serialisable plain values: {exc}") from exc
+
+
+def save_model(
+    model_dir: str | os.PathLike,
+    model: nn.Module,
+    *,
+    backbone: str,
+    kwargs: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Write ``model`` (built as ``build_backbone(backbone, **kwargs)``) to ``model_dir``; return it."""
+    if backbone not in BACKBONES:
+        raise ConfigError(f"unknown backbone {backbone!r}; valid names: {', '.join(BACKBONES)}")
+    config = {
+        "format": FORMAT,
+        "backbone": backbone,
+        "kwargs": _json_ready(dict(kwargs), "model kwargs"),
+        "input_contract": _json_ready(input_contract(model), "input contract"),
+        "extra": _json_ready(dict(extra or {}), "model extra"),
+    }
+    # safetensors refuses shared or non-contiguous storage: store an independent contiguous copy.
+    state = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
+
+    model_dir = Path(model_dir)
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.", suffix=".tmp", dir=model_dir.parent))
+    try:
+        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        old = None
+        if model_dir.exists():
+            old = model_dir.with_name(f".{model_dir.name}.{os.getpid()}.old")
+            os.replace(model_dir, old)
+        os.replace(tmp, model_dir)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("saved %s (%d tensors) to %s", backbone, len(state), model_dir)
+    return model_dir
+
+
+def load_model(model_dir: str | os.PathLike) -> tuple[nn.Module, dict[str, Any]]:
+    """Rebuild the model saved in ``model_dir``; return it in eval mode with its config dict."""
+    model_dir = Path(model_dir)
+    config_path, weights_path = model_dir / CONFIG, model_dir / WEIGHTS
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise DataError(f"model file {path} is missing; a model directory needs {CONFIG} and {WEIGHTS}")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{config_path} is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict) or not isinstance(config.get("backbone"), str):
+        raise DataError(f"{config_path} has no 'backbone' name; re-save the model with save_model")
+    name = config["backbone"]
+    if name not in BACKBONES:
+        raise DataError(f"{config_path} names backbone {name!r}, which is not registered ({', '.join(BACKBONES)})")
+    kwargs = config.get("kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise DataError(f"{config_path}: 'kwargs' must be a mapping, got {kwargs!r}")
+    try:
+        model = build_backbone(name, **kwargs)
+    except ConfigError as exc:
+        raise DataError(f"{config_path}: cannot build {name!r} from its kwargs: {exc}") from exc
+    try:
+        state = load_file(str(weights_path))
+    except (OSError, SafetensorError) as exc:
+        raise DataError(f"{weights_path} is not a readable safetensors file: {exc}") from exc
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong = sorted(k for k in set(expected) & set(state) if expected[k].shape != state[k].shape)
+    if missing or unexpected or wrong:
+        raise DataError(
+            f"{weights_path} does not match {name}({kwargs}) in {config_path}: "
+            f"missing {missing[:5]}, unexpected {unexpected[:5]}, wrong shape {wrong[:5]}"
+        )
+    model.load_state_dict(state, strict=True)
+    model.eval()
+    return model, config
+
+
+__all__ = ["save_model", "load_model", "WEIGHTS", "CONFIG"]

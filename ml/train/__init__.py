@@ -1,0 +1,1 @@
+"""Training loops: ``ml.train.fr`` fits face-recognition backbones."""

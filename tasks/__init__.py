@@ -1,0 +1,19 @@
+"""One module per pipeline stage: ``run(cfg, paths) -> StageResult`` plus a tiny ``main()``.
+
+``STAGES`` maps each DVC stage to its module; ``PARAM_SECTIONS`` maps each ``params.yaml`` section to the
+frozen dataclass that reads it (``module:Class``), so a params delta is checked before anything runs.
+"""
+
+STAGES: dict[str, str] = {
+    "prepare": "tasks.prepare",
+    "validate": "tasks.validate",
+    "train_fr": "tasks.train_fr",
+    "evaluate": "tasks.evaluate",
+}
+
+PARAM_SECTIONS: dict[str, str] = {
+    "data": "tasks.prepare:DataConfig",
+    "validate": "tasks.validate:ValidateConfig",
+    "fr": "ml.train.fr:FRConfig",
+    "evaluate": "tasks.evaluate:EvaluateConfig",
+}

@@ -1,0 +1,175 @@
+"""What every stage module shares: paths, params, atomic writes, the stage result."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ml.errors import ConfigError
+
+PARAMS_FILE = "params.yaml"
+
+
+@dataclass(frozen=True)
+class Paths:
+    """Where each stage reads and writes, relative to the repository root (DVC runs cmds there)."""
+
+    root: Path = field(default_factory=Path.cwd)
+
+    @property
+    def params(self) -> Path:
+        return self.root / PARAMS_FILE
+
+    @property
+    def prepared(self) -> Path:
+        return self.root / "data" / "prepared"
+
+    @property
+    def train_set(self) -> Path:
+        return self.prepared / "train"
+
+    @property
+    def heldout_set(self) -> Path:
+        return self.prepared / "heldout"
+
+    @property
+    def template_set(self) -> Path:
+        return self.prepared / "templates"
+
+    @property
+    def real_set(self) -> Path:
+        return self.prepared / "real"
+
+    @property
+    def verification_dir(self) -> Path:
+        return self.prepared / "verification"
+
+    @property
+    def validation_reports(self) -> Path:
+        return self.root / "reports" / "validation"
+
+    @property
+    def fr_model(self) -> Path:
+        return self.root / "models" / "fr"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics"
+
+    @property
+    def plots(self) -> Path:
+        return self.root / "plots"
+
+    @property
+    def benchmark_report(self) -> Path:
+        return self.root / "reports" / "benchmark.md"
+
+
+@dataclass
+class StageResult:
+    """What a stage function returns: its metrics (``/``-names), the files it wrote, a summary line."""
+
+    stage: str
+    metrics: dict[str, float] = field(default_factory=dict)
+    outputs: list[Path] = field(default_factory=list)
+    summary: str = ""
+
+
+def load_params(path: Path | str = PARAMS_FILE) -> dict[str, Any]:
+    """Read ``params.yaml``; a missing or malformed file raises ConfigError naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: params file not found. Run from the repository root (where dvc.yaml is).")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({exc}). Fix the file or `git checkout {path}`.") from exc
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level.")
+    return dict(data)
+
+
+def section(params: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    value = params.get(name, {})
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"params section '{name}' must be a mapping, got {value!r}")
+    return value
+
+
+@contextlib.contextmanager
+def atomic_path(target: Path | str) -> Iterator[Path]:
+    """Yield a temporary sibling path; on success move it onto ``target``, on error delete it.
+
+    Works for files and directories: whatever the body creates at the yielded path replaces
+    ``target`` in one rename, so readers never see half-written output.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    tmp.rmdir()  # the body decides whether it is a file or a directory
+    try:
+        yield tmp
+        if not tmp.exists():
+            raise RuntimeError(f"nothing was written for {target}")
+        if target.is_dir() and not target.is_symlink():
+            old = target.with_name(f".{target.name}.old-{os.getpid()}")
+            os.replace(target, old)
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif tmp.exists():
+            tmp.unlink()
+
+
+def write_json(path: Path | str, payload: Any) -> Path:
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=_json_default) + "\n")
+    return path
+
+
+def write_text(path: Path | str, text: str) -> Path:
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+    return path
+
+
+def _json_default(obj: Any) -> Any:
+    if hasattr(obj, "item"):
+        return obj.item()
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, (set, tuple)):
+        return list(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def stage_main(main: Any) -> None:
+    """Run a stage's ``main()`` as a command: logging on, one clear line and exit 2 on a FaceopsError."""
+    import logging
+    import sys
+
+    from ml.errors import FaceopsError
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        main()
+    except FaceopsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -1,0 +1,267 @@
+"""Stage ``prepare``: build every dataset the pipeline reads, under ``data/prepared/``.
+
+- ``train/``      procedural faces of the training identities (split ``train``/``val``)
+- ``heldout/``    procedural faces of identities never seen in training (split ``gallery``/``probe``)
+- ``templates/``  IJB-style template set from video-like sequences, with ``meta/face_tid_mid.txt``
+                  (``img tid mid``) and ``meta/template_pair_label.txt`` (``tid1 tid2 label``)
+- ``verification/procedural.bin``  InsightFace verification pairs over the held-out identities
+- ``real/`` + ``verification/real.bin``  only when ``data.ingest_folder`` or ``data.ingest_recordio`` is set
+
+The whole directory is written to a temporary sibling and renamed on success.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from ml.config import from_mapping
+from ml.data.procedural import ProceduralConfig, ProceduralFaces
+from ml.errors import ConfigError, DataError
+from tasks.common import Paths, StageResult, atomic_path, load_params, section, stage_main
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """``params.yaml`` section ``data``."""
+
+    seed: int = 0
+    image_size: int = 64
+    train_identities: int = 200
+    images_per_identity: int = 20
+    val_fraction: float = 0.1
+    heldout_identities: int = 100
+    heldout_images_per_identity: int = 12
+    gallery_images_per_identity: int = 2
+    verification_pairs: int = 3000
+    template_identities: int = 60
+    templates_per_identity: int = 3
+    frames_per_template: int = 6
+    procedural: dict = field(default_factory=dict)
+    ingest_folder: str = ""
+    ingest_recordio: str = ""
+    ingest_max_images: int = 0
+
+    def procedural_config(self, aligned: bool = True) -> ProceduralConfig:
+        if "image_size" in self.procedural or "aligned" in self.procedural:
+            raise ConfigError("params key 'data.procedural.image_size'/'aligned': set 'data.image_size' instead.")
+        cfg = from_mapping(ProceduralConfig, self.procedural, "data.procedural")
+        return dataclasses.replace(cfg, image_size=self.image_size, aligned=aligned)
+
+    def __post_init__(self) -> None:
+        checks = {
+            "train_identities": self.train_identities >= 2,
+            "images_per_identity": self.images_per_identity >= 2,
+            "heldout_identities": self.heldout_identities >= 2,
+            "heldout_images_per_identity": self.heldout_images_per_identity > self.gallery_images_per_identity >= 1,
+            "val_fraction": 0.0 <= self.val_fraction < 1.0,
+            "template_identities": 2 <= self.template_identities <= self.heldout_identities,
+            "templates_per_identity": self.templates_per_identity >= 2,
+            "frames_per_template": self.frames_per_template >= 1,
+            "verification_pairs": self.verification_pairs >= 20,
+            "image_size": 32 <= self.image_size <= 256,
+        }
+        for key, ok in checks.items():
+            if not ok:
+                raise ConfigError(f"params key 'data.{key}' = {getattr(self, key)!r} is out of range.")
+
+
+def _sample_pairs(labels: np.ndarray, n_pairs: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Half genuine, half impostor index pairs, shuffled so every unshuffled fold is balanced."""
+    by_label: dict[int, np.ndarray] = {int(l): np.flatnonzero(labels == l) for l in np.unique(labels)}
+    multi = [l for l, idx in by_label.items() if len(idx) >= 2]
+    if len(multi) < 1 or len(by_label) < 2:
+        raise DataError("cannot build verification pairs: need ≥2 identities, one with ≥2 images.")
+    n_pos = n_pairs // 2
+    pairs, same = [], []
+    for _ in range(n_pos):
+        idx = by_label[multi[rng.integers(len(multi))]]
+        a, b = rng.choice(idx, size=2, replace=False)
+        pairs.append((a, b))
+        same.append(True)
+    keys = list(by_label)
+    for _ in range(n_pairs - n_pos):
+        la, lb = rng.choice(len(keys), size=2, replace=False)
+        pairs.append((rng.choice(by_label[keys[la]]), rng.choice(by_label[keys[lb]])))
+        same.append(False)
+    order = rng.permutation(len(pairs))
+    return np.asarray(pairs, dtype=np.int64)[order], np.asarray(same, dtype=bool)[order]
+
+
+def write_pairs_bin(path: Path, images: np.ndarray, labels: np.ndarray, n_pairs: int, seed: int) -> int:
+    from ml.data.formats import write_verification_bin
+
+    pairs, issame = _sample_pairs(labels, n_pairs, np.random.default_rng(seed))
+    flat = images[pairs.reshape(-1)]
+    write_verification_bin(path, flat, issame, image_format="jpg")
+    return len(issame)
+
+
+def _procedural_split(
+    out: Path, gen: ProceduralFaces, identities: range, per_identity: int, split_of, *, name: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """Write one procedural dataset directory; returns (images, labels) kept for pair building."""
+    from ml.data.dataset import DatasetWriter
+
+    images, labels = [], []
+    meta = {"generator": "procedural", "seed": gen.seed, "config": dataclasses.asdict(gen.config)}
+    with DatasetWriter(out, name=name, source="procedural", aligned=gen.config.aligned, generator=meta) as w:
+        for k, ident in enumerate(tqdm(identities, desc=f"prepare {name}", unit="id", leave=False)):
+            for i in range(per_identity):
+                s = gen.sample(ident, i)
+                w.add(
+                    s.image,
+                    identity=f"id{ident:06d}",
+                    split=split_of(i),
+                    landmarks=s.landmarks.reshape(-1),
+                    quality=s.quality,
+                )
+                images.append(s.image)
+                labels.append(k)
+    return np.stack(images), np.asarray(labels)
+
+
+def _template_set(out: Path, gen: ProceduralFaces, cfg: DataConfig, first_identity: int, seed: int) -> int:
+    """IJB-style template set: each template = one video-like sequence (one media) + one still (another)."""
+    from ml.data.dataset import DatasetWriter
+
+    rows: list[tuple[str, int, int]] = []
+    tid_identity: dict[int, int] = {}
+    with DatasetWriter(out, name="templates", source="procedural", aligned=gen.config.aligned) as w:
+        tid = mid = 0
+        for k in tqdm(range(cfg.template_identities), desc="prepare templates", unit="id", leave=False):
+            ident = first_identity + k
+            for t in range(cfg.templates_per_identity):
+                frames = gen.sequence(ident, cfg.frames_per_template, seq_index=t)
+                still = gen.sample(ident, 10_000 + t)
+                for media, samples in ((mid, frames), (mid + 1, [still])):
+                    for s in samples:
+                        rel = w.add(
+                            s.image, identity=f"id{ident:06d}", split="template",
+                            landmarks=s.landmarks.reshape(-1), quality=s.quality, template=tid, media=media,
+                        )
+                        rows.append((rel, tid, media))
+                tid_identity[tid] = ident
+                tid += 1
+                mid += 2
+    meta = out / "meta"
+    meta.mkdir()
+    (meta / "face_tid_mid.txt").write_text("".join(f"{p} {t} {m}\n" for p, t, m in rows))
+    tids = sorted(tid_identity)
+    lines = []
+    for i, a in enumerate(tids):
+        for b in tids[i + 1 :]:
+            lines.append(f"{a} {b} {int(tid_identity[a] == tid_identity[b])}\n")
+    (meta / "template_pair_label.txt").write_text("".join(lines))
+    return len(lines)
+
+
+def _ingest_real(out: Path, cfg: DataConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Ingest a user image folder or RecordIO into a ``real`` dataset resized to ``data.image_size``."""
+    from PIL import Image
+
+    from ml.data.dataset import DatasetWriter
+    from ml.data.formats import RecordIOReader, decode_image, ingest_image_folder
+
+    size = cfg.image_size
+
+    def resize(img: np.ndarray) -> np.ndarray:
+        if img.shape[:2] == (size, size):
+            return img
+        return np.asarray(Image.fromarray(img).resize((size, size), Image.BICUBIC))
+
+    def items():
+        if cfg.ingest_folder:
+            for path, identity in ingest_image_folder(Path(cfg.ingest_folder)):
+                yield decode_image(path.read_bytes(), source=str(path)), identity
+        else:
+            with RecordIOReader(Path(cfg.ingest_recordio)) as reader:
+                for i in range(len(reader)):
+                    img, label = reader[i]
+                    yield img, f"{label:06d}"
+
+    images, identities = [], []
+    source_name = cfg.ingest_folder or cfg.ingest_recordio
+    with DatasetWriter(out, name="real", source="real", aligned=True, generator={"ingested_from": source_name}) as w:
+        for n, (img, identity) in enumerate(tqdm(items(), desc="ingest real", unit="img", leave=False)):
+            if cfg.ingest_max_images and n >= cfg.ingest_max_images:
+                break
+            img = resize(img)
+            w.add(img, identity=identity, split="real")
+            images.append(img)
+            identities.append(identity)
+    uniq = {name: k for k, name in enumerate(sorted(set(identities)))}
+    return np.stack(images), np.asarray([uniq[i] for i in identities])
+
+
+def run(cfg: DataConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
+    gen = ProceduralFaces(cfg.procedural_config(aligned=True), seed=cfg.seed)
+    n_val = int(round(cfg.images_per_identity * cfg.val_fraction))
+    n_train_imgs = cfg.images_per_identity - n_val
+    result = StageResult("prepare")
+    with atomic_path(paths.prepared) as tmp:
+        tmp.mkdir()
+        train_ids = range(cfg.train_identities)
+        heldout_ids = range(cfg.train_identities, cfg.train_identities + cfg.heldout_identities)
+        _procedural_split(
+            tmp / "train", gen, train_ids, cfg.images_per_identity,
+            lambda i: "train" if i < n_train_imgs else "val", name="procedural-train",
+        )
+        h_images, h_labels = _procedural_split(
+            tmp / "heldout", gen, heldout_ids, cfg.heldout_images_per_identity,
+            lambda i: "gallery" if i < cfg.gallery_images_per_identity else "probe", name="procedural-heldout",
+        )
+        (tmp / "verification").mkdir()
+        n_pairs = write_pairs_bin(
+            tmp / "verification" / "procedural.bin", h_images, h_labels, cfg.verification_pairs, cfg.seed
+        )
+        n_tpairs = _template_set(tmp / "templates", gen, cfg, cfg.train_identities, cfg.seed)
+        result.metrics.update({
+            "data/train_images": cfg.train_identities * cfg.images_per_identity,
+            "data/heldout_images": len(h_labels),
+            "data/verification_pairs": n_pairs,
+            "data/template_pairs": n_tpairs,
+        })
+        if cfg.ingest_folder or cfg.ingest_recordio:
+            if cfg.ingest_folder and cfg.ingest_recordio:
+                raise ConfigError("set only one of 'data.ingest_folder' and 'data.ingest_recordio'.")
+            r_images, r_labels = _ingest_real(tmp / "real", cfg)
+            pairs = min(cfg.verification_pairs, 20 * len(r_labels))
+            result.metrics["data/real_images"] = len(r_labels)
+            result.metrics["data/real_verification_pairs"] = write_pairs_bin(
+                tmp / "verification" / "real.bin", r_images, r_labels, pairs, cfg.seed
+            )
+    result.outputs.append(paths.prepared)
+    result.summary = (
+        f"{cfg.train_identities} train identities × {cfg.images_per_identity} images, "
+        f"{cfg.heldout_identities} held-out identities, {n_pairs} verification pairs, "
+        f"{n_tpairs} template pairs → {paths.prepared}"
+    )
+    return result
+
+
+def main() -> None:
+    from tasks.tracking import stage_run
+
+    paths = Paths()
+    params = load_params(paths.params)
+    cfg = from_mapping(DataConfig, section(params, "data"), "data")
+    with stage_run("prepare", {"data": section(params, "data")}, paths.root) as tracker:
+        result = run(cfg, paths, tracker=tracker)
+        tracker.log_metrics(result.metrics)
+        for sub in ("train", "heldout", "templates", "real"):
+            if (paths.prepared / sub / "dataset.json").is_file():
+                tracker.log_dataset(paths.prepared / sub, context=sub)
+    log.info(result.summary)
+
+
+if __name__ == "__main__":
+    stage_main(main)

@@ -1,0 +1,119 @@
+"""Stage ``train_fr``: train the face recogniser on the prepared training set.
+
+Writes ``models/fr/`` (``model.safetensors`` + ``config.json``), ``metrics/train_fr.json`` and the loss
+curve (``plots/train_fr_history.csv`` for ``dvc plots``, ``plots/train_fr_loss.png`` for people). The model
+is logged to MLflow and registered as a new ``faceops-fr`` version with alias ``candidate``, tagged with
+its training source and data digest.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+from pathlib import Path
+from typing import Any
+
+from ml.config import from_mapping
+from ml.train.fr import FRConfig
+from tasks.common import Paths, StageResult, atomic_path, load_params, section, stage_main, write_json, write_text
+from tasks.prepare import DataConfig
+
+log = logging.getLogger(__name__)
+
+REGISTERED_MODEL = "faceops-fr"
+
+
+def plot_history(history: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [h["epoch"] for h in history]
+    fig, ax = plt.subplots(1, 2, figsize=(9, 3.2))
+    ax[0].plot(epochs, [h["train/loss"] for h in history], marker="o")
+    ax[0].set(xlabel="epoch", ylabel="loss", title="train/loss")
+    ax[1].plot(epochs, [h["train/accuracy"] for h in history], marker="o", color="tab:green")
+    ax[1].set(xlabel="epoch", ylabel="accuracy", title="train/accuracy (closed set, cosine arg-max)", ylim=(0, 1))
+    for a in ax:
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+def run(cfg: FRConfig, data: DataConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
+    from ml.data.dataset import load_images, read_dataset_info, read_manifest
+    from ml.models.io import save_model
+    from ml.train.fr import train
+
+    dataset = paths.train_set
+    manifest = read_manifest(dataset / "manifest.parquet")
+    rows = manifest[manifest["split"] == "train"].reset_index(drop=True)
+    images = load_images(dataset, rows, expected_size=(data.image_size, data.image_size), progress=True)
+    labels = rows["label"].to_numpy()
+    info = read_dataset_info(dataset)
+
+    loggers = None
+    if tracker is not None:
+        from lightning.pytorch.loggers import MLFlowLogger
+
+        from tasks.tracking import tracking_uri
+
+        loggers = [MLFlowLogger(run_id=tracker.run_id, tracking_uri=tracking_uri(paths.root))]
+    res = train(cfg, images, labels, loggers=loggers)
+
+    extra = {
+        "training_data_digest": info["digest"],
+        "training_source": info["source"],
+        "training_identities": int(labels.max()) + 1,
+        "training_images": int(len(labels)),
+    }
+    save_model(paths.fr_model, res.model, backbone=res.backbone, kwargs=res.backbone_kwargs, extra=extra)
+    last = res.history[-1] if res.history else {}
+    result = StageResult("train_fr", outputs=[paths.fr_model])
+    result.metrics = {
+        "train/loss": float(last.get("train/loss", float("nan"))),
+        "train/accuracy": float(last.get("train/accuracy", float("nan"))),
+        "train/seconds": float(res.seconds),
+        "train/images_per_second": float(len(labels) * max(len(res.history), 1) / max(res.seconds, 1e-9)),
+    }
+    write_json(paths.metrics / "train_fr.json", result.metrics)
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=["epoch", "train/loss", "train/accuracy"], extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(res.history)
+    write_text(paths.plots / "train_fr_history.csv", buf.getvalue())
+    plot_history(res.history, paths.plots / "train_fr_loss.png")
+    result.summary = (
+        f"{res.backbone} trained on {len(labels)} images of {extra['training_identities']} identities in "
+        f"{res.seconds:.0f}s (train/accuracy {result.metrics['train/accuracy']:.3f}) → {paths.fr_model}"
+    )
+    if tracker is not None:
+        tracker.log_dataset(dataset, context="train")
+        tracker.log_metrics(result.metrics)
+        tracker.log_artifact(paths.plots / "train_fr_loss.png", artifact_path="plots")
+        version = tracker.log_model_dir(
+            paths.fr_model, REGISTERED_MODEL,
+            tags={"source": info["source"], "data_digest": info["digest"], "backbone": res.backbone},
+        )
+        result.summary += f"; registered {REGISTERED_MODEL} v{version} @candidate"
+    return result
+
+
+def main() -> None:
+    from tasks.tracking import stage_run
+
+    paths = Paths()
+    params = load_params(paths.params)
+    cfg = from_mapping(FRConfig, section(params, "fr"), "fr")
+    data = from_mapping(DataConfig, section(params, "data"), "data")
+    with stage_run("train_fr", {"fr": section(params, "fr")}, paths.root) as tracker:
+        result = run(cfg, data, paths, tracker=tracker)
+    log.info(result.summary)
+
+
+if __name__ == "__main__":
+    stage_main(main)

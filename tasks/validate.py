@@ -1,0 +1,248 @@
+"""Stage ``validate``: the Great Expectations gate over every manifest ``prepare`` wrote.
+
+One suite per manifest kind (``train``, ``heldout``, ``templates``, ``real``); each expectation carries the
+risk it guards against in ``meta.risk``. Results land in ``reports/validation/<dataset>.json`` and as Data Docs
+HTML in ``reports/validation/docs/index.html``. A failed expectation stops the pipeline with one message
+naming the dataset, the expectation, the column and the offending rows.
+
+GX validates flat columns, so the manifest is viewed with derived columns: ``lm_x0..lm_y4`` (landmarks),
+``row`` (manifest row number), ``label_matches_identity`` (label = rank of the identity among sorted
+identities, i.e. contiguous 0..K-1), ``is_val`` (for split proportions).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from ml.config import from_mapping
+from ml.errors import DataError
+from tasks.common import Paths, StageResult, atomic_path, load_params, section, stage_main, write_json
+from tasks.prepare import DataConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ValidateConfig:
+    """``params.yaml`` section ``validate``."""
+
+    split_tolerance: float = 0.05     # |observed val share − data.val_fraction| allowed
+    count_tolerance: float = 0.0      # relative slack on expected image/identity counts (0 = exact)
+    min_images_per_identity: int = 2
+
+
+def manifest_view(manifest: pd.DataFrame) -> pd.DataFrame:
+    """The manifest with the flat derived columns the expectations read."""
+    view = manifest.drop(columns=["landmarks"]).copy()
+    view.insert(0, "row", np.arange(len(view)))
+    lm = np.full((len(manifest), 10), np.nan, dtype=np.float64)
+    for i, value in enumerate(manifest["landmarks"]):
+        if value is not None and not (isinstance(value, float) and np.isnan(value)):
+            arr = np.asarray(value, dtype=np.float64).reshape(-1)
+            lm[i, : min(10, arr.size)] = arr[:10]
+    for j in range(5):
+        view[f"lm_x{j}"] = lm[:, 2 * j]
+        view[f"lm_y{j}"] = lm[:, 2 * j + 1]
+    # lm_x_frac = x / (width-1): a single 0..1 range works whatever the image size
+    for j in range(5):
+        view[f"lm_x{j}_frac"] = view[f"lm_x{j}"] / (view["width"] - 1).clip(lower=1)
+        view[f"lm_y{j}_frac"] = view[f"lm_y{j}"] / (view["height"] - 1).clip(lower=1)
+    ranks = {name: k for k, name in enumerate(sorted(view["identity"].astype(str).unique()))}
+    view["label_matches_identity"] = view["label"].to_numpy() == view["identity"].astype(str).map(ranks).to_numpy()
+    view["is_val"] = (view["split"] == "val").astype(float)
+    per_identity = view.groupby("identity")["path"].transform("count")
+    view["images_of_identity"] = per_identity.astype(int)
+    return view
+
+
+def _between(n: int, tol: float) -> dict[str, int]:
+    slack = int(np.ceil(n * tol))
+    return {"min_value": max(n - slack, 0), "max_value": n + slack}
+
+
+def build_expectations(
+    kind: str, view: pd.DataFrame, data: DataConfig, cfg: ValidateConfig
+) -> list[Any]:
+    """The expectations of one manifest kind, each with the risk it guards against."""
+    import great_expectations as gx
+
+    E = gx.expectations
+    size = data.image_size
+    exps: list[Any] = [
+        E.ExpectColumnValuesToNotBeNull(column="path", meta={"risk": "rows without an image file"}),
+        E.ExpectColumnValuesToBeUnique(column="path", meta={"risk": "duplicate rows double-count an image"}),
+        E.ExpectColumnValuesToBeInSet(column="width", value_set=[size], meta={"risk": "images of the wrong size reach the model"}),
+        E.ExpectColumnValuesToBeInSet(column="height", value_set=[size], meta={"risk": "images of the wrong size reach the model"}),
+        E.ExpectColumnValuesToBeInSet(column="label_matches_identity", value_set=[True],
+                                      meta={"risk": "labels not contiguous 0..K-1 or not one per identity: the classifier head and metrics misalign"}),
+        E.ExpectColumnValuesToBeBetween(column="quality", min_value=0.0, max_value=1.0, meta={"risk": "quality outside [0,1] breaks quality-weighted fusion"}),
+        E.ExpectColumnValuesToBeInSet(column="source", value_set=["procedural", "real", "synthetic"], meta={"risk": "unknown provenance"}),
+        E.ExpectColumnValuesToBeBetween(column="images_of_identity", min_value=cfg.min_images_per_identity,
+                                        meta={"risk": "identities with a single image give no genuine pairs"}),
+    ]
+    for j in range(5):
+        for axis in ("x", "y"):
+            exps.append(E.ExpectColumnValuesToBeBetween(
+                column=f"lm_{axis}{j}_frac", min_value=0.0, max_value=1.0,
+                meta={"risk": f"landmark {j} ({axis}) outside the image: alignment and KP-RPE read garbage"},
+            ))
+    expected = {
+        "train": (data.train_identities, data.train_identities * data.images_per_identity),
+        "heldout": (data.heldout_identities, data.heldout_identities * data.heldout_images_per_identity),
+        "templates": (
+            data.template_identities,
+            data.template_identities * data.templates_per_identity * (data.frames_per_template + 1),
+        ),
+    }
+    if kind in expected:
+        ids, rows = expected[kind]
+        exps.append(E.ExpectTableRowCountToBeBetween(**_between(rows, cfg.count_tolerance),
+                                                     meta={"risk": "images lost or duplicated while preparing"}))
+        exps.append(E.ExpectColumnUniqueValueCountToBeBetween(column="identity", **_between(ids, cfg.count_tolerance),
+                                                              meta={"risk": "identities lost or merged"}))
+    if kind == "train":
+        expected_val = round(data.images_per_identity * data.val_fraction) / data.images_per_identity
+        exps.append(E.ExpectColumnValuesToBeInSet(column="split", value_set=["train", "val"], meta={"risk": "unknown split name"}))
+        exps.append(E.ExpectColumnMeanToBeBetween(
+            column="is_val", min_value=max(expected_val - cfg.split_tolerance, 0.0),
+            max_value=min(expected_val + cfg.split_tolerance, 1.0),
+            meta={"risk": "train/val proportions drifted from data.val_fraction"},
+        ))
+    if kind == "heldout":
+        exps.append(E.ExpectColumnValuesToBeInSet(column="split", value_set=["gallery", "probe"], meta={"risk": "unknown split name"}))
+    if kind == "templates":
+        exps.append(E.ExpectColumnValuesToNotBeNull(column="template", meta={"risk": "images outside any template"}))
+        exps.append(E.ExpectColumnValuesToNotBeNull(column="media", meta={"risk": "media pooling cannot group frames"}))
+    return exps
+
+
+def _describe_failure(dataset: str, res: Any) -> str:
+    cfg = res.expectation_config
+    kwargs = {k: v for k, v in cfg.kwargs.items() if k not in ("batch_id", "column")}
+    column = cfg.kwargs.get("column")
+    rows = res.result.get("unexpected_index_list") or []
+    shown = ", ".join(f"row {r.get('row')} ({r.get('path')})" for r in rows[:5] if isinstance(r, dict))
+    more = f" and {len(rows) - 5} more" if len(rows) > 5 else ""
+    observed = res.result.get("observed_value")
+    where = f" column '{column}'" if column else ""
+    what = f"; offending rows: {shown}{more}" if shown else (f"; observed {observed!r}" if observed is not None else "")
+    risk = (cfg.meta or {}).get("risk", "")
+    return (
+        f"dataset '{dataset}': expectation {cfg.type}{where} {kwargs} failed{what}. "
+        f"Risk: {risk}. Fix the data (or rerun `dvc repro prepare`) and validate again."
+    )
+
+
+def validate_manifests(
+    datasets: dict[str, tuple[str, pd.DataFrame]], data: DataConfig, cfg: ValidateConfig, report_dir: Path
+) -> dict[str, Any]:
+    """Run one GX checkpoint over ``{name: (kind, manifest)}``; write JSON + Data Docs into ``report_dir``.
+
+    Returns ``{name: result_json}``; raises DataError naming the first failure (after writing reports).
+    """
+    import great_expectations as gx
+    from great_expectations.data_context.types.base import ProgressBarsConfig
+
+    ctx = gx.get_context(mode="ephemeral")
+    ctx.variables.progress_bars = ProgressBarsConfig(globally=False)
+    docs_dir = report_dir / "docs"
+    ctx.add_data_docs_site(
+        site_name="faceops",
+        site_config={
+            "class_name": "SiteBuilder",
+            "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
+            "store_backend": {"class_name": "TupleFilesystemStoreBackend", "base_directory": str(docs_dir)},
+        },
+    )
+    source = ctx.data_sources.add_pandas("faceops")
+    definitions, frames = [], {}
+    for name, (kind, manifest) in datasets.items():
+        view = manifest_view(manifest)
+        frames[name] = view
+        batch = source.add_dataframe_asset(name=name).add_batch_definition_whole_dataframe("manifest")
+        suite = ctx.suites.add(gx.ExpectationSuite(name=f"{name}_manifest"))
+        for exp in build_expectations(kind, view, data, cfg):
+            suite.add_expectation(exp)
+        definitions.append(ctx.validation_definitions.add(gx.ValidationDefinition(name=name, data=batch, suite=suite)))
+    results: dict[str, Any] = {}
+    failures: list[str] = []
+    for vd in definitions:
+        checkpoint = ctx.checkpoints.add(gx.Checkpoint(
+            name=f"gate_{vd.name}", validation_definitions=[vd],
+            actions=[gx.checkpoint.UpdateDataDocsAction(name="docs", site_names=["faceops"])],
+            result_format={"result_format": "COMPLETE", "unexpected_index_column_names": ["row", "path"]},
+        ))
+        out = checkpoint.run(batch_parameters={"dataframe": frames[vd.name]})
+        for vr in out.run_results.values():
+            results[vd.name] = vr.to_json_dict()
+            failures += [_describe_failure(vd.name, r) for r in vr.results if not r.success]
+    for name, payload in results.items():
+        write_json(report_dir / f"{name}.json", payload)
+    if failures:
+        extra = f" ({len(failures) - 1} more failure(s) in {report_dir})" if len(failures) > 1 else ""
+        raise DataError(failures[0] + extra)
+    return results
+
+
+def run(data: DataConfig, cfg: ValidateConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
+    from ml.data.dataset import read_manifest
+
+    datasets: dict[str, tuple[str, pd.DataFrame]] = {}
+    for kind in ("train", "heldout", "templates", "real"):
+        directory = paths.prepared / kind
+        if kind != "real" or directory.exists():
+            datasets[kind] = (kind, read_manifest(directory / "manifest.parquet"))
+    result = StageResult("validate")
+    with atomic_path(paths.validation_reports) as tmp:
+        tmp.mkdir(parents=True)
+        try:
+            results = validate_manifests(datasets, data, cfg, tmp)
+        except DataError:
+            # keep the evidence: reports of a failed gate still land, then the stage fails
+            _publish_failed(tmp, paths.validation_reports)
+            raise
+    for name, payload in results.items():
+        stats = payload["statistics"]
+        result.metrics[f"validate/{name}/expectations"] = stats["evaluated_expectations"]
+        result.metrics[f"validate/{name}/success_percent"] = stats["success_percent"] or 0.0
+    result.outputs.append(paths.validation_reports)
+    result.summary = f"{len(results)} manifests passed the gate; Data Docs: {paths.validation_reports / 'docs' / 'index.html'}"
+    return result
+
+
+def _publish_failed(tmp: Path, target: Path) -> None:
+    import shutil
+
+    failed = target.with_name(target.name + "-failed")
+    shutil.rmtree(failed, ignore_errors=True)
+    shutil.copytree(tmp, failed)
+    log.error("validation reports of the failed gate: %s", failed)
+
+
+def main() -> None:
+    from tasks.tracking import stage_run
+
+    paths = Paths()
+    params = load_params(paths.params)
+    data = from_mapping(DataConfig, section(params, "data"), "data")
+    cfg = from_mapping(ValidateConfig, section(params, "validate"), "validate")
+    with stage_run("validate", {"validate": section(params, "validate")}, paths.root) as tracker:
+        try:
+            result = run(data, cfg, paths, tracker=tracker)
+        finally:
+            failed = paths.validation_reports.with_name("validation-failed")
+            for d in (paths.validation_reports, failed):
+                if d.exists():
+                    tracker.log_artifact(d, artifact_path=d.name)
+        tracker.log_metrics(result.metrics)
+    log.info(result.summary)
+
+
+if __name__ == "__main__":
+    stage_main(main)

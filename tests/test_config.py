@@ -1,0 +1,95 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import pytest
+import yaml
+
+from ml.config import from_mapping
+from ml.errors import ConfigError
+from tasks.params import apply_delta, check_params, load_preset, parse_assignments
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Inner:
+    p: float = 0.5
+
+
+@dataclass(frozen=True)
+class Cfg:
+    epochs: int = 3
+    lr: float = 1e-3
+    name: str = "x"
+    mode: Literal["a", "b"] = "a"
+    fars: tuple[float, ...] = (0.1,)
+    inner: Inner = field(default_factory=Inner)
+
+
+def test_defaults_and_conversion():
+    cfg = from_mapping(Cfg, {"lr": 1, "fars": [0.01, 0.001], "inner": {"p": 1}}, "fr")
+    assert cfg == Cfg(lr=1.0, fars=(0.01, 0.001), inner=Inner(p=1.0))
+    assert isinstance(cfg.lr, float)
+
+
+def test_unknown_key_named_with_suggestion():
+    with pytest.raises(ConfigError, match=r"unknown params key 'fr.epoch'.*Did you mean 'fr.epochs'"):
+        from_mapping(Cfg, {"epoch": 2}, "fr")
+
+
+@pytest.mark.parametrize(
+    ("mapping", "key"),
+    [({"epochs": "2"}, "fr.epochs"), ({"epochs": True}, "fr.epochs"), ({"lr": "fast"}, "fr.lr"),
+     ({"mode": "c"}, "fr.mode"), ({"fars": 0.1}, "fr.fars"), ({"inner": {"q": 1}}, "fr.inner.q")],
+)
+def test_wrong_types_name_the_key(mapping, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        from_mapping(Cfg, mapping, "fr")
+
+
+def test_shipped_params_are_valid():
+    check_params(yaml.safe_load((REPO / "params.yaml").read_text()))
+
+
+def test_parse_assignments():
+    assert parse_assignments(["fr.epochs=2", "evaluate.fars=[0.01, 0.1]", "data.ingest_folder="]) == {
+        "fr.epochs": 2, "evaluate.fars": [0.01, 0.1], "data.ingest_folder": ""}
+    with pytest.raises(ConfigError, match="SECTION.KEY=VALUE"):
+        parse_assignments(["epochs=2"])
+
+
+def test_apply_delta_keeps_comments_and_validates(tmp_path):
+    params = tmp_path / "params.yaml"
+    original = (REPO / "params.yaml").read_text()
+    params.write_text(original)
+    changes = apply_delta(params, {"fr.epochs": 2, "data.procedural.blur_prob": 0.1})
+    assert changes["fr.epochs"][1] == 2
+    text = params.read_text()
+    assert "# stage train_fr" in text  # comments survive
+    loaded = yaml.safe_load(text)
+    assert loaded["fr"]["epochs"] == 2 and loaded["data"]["procedural"] == {"blur_prob": 0.1}
+
+
+@pytest.mark.parametrize(("delta", "match"), [
+    ({"fr.epoch": 2}, r"fr\.epoch"), ({"fr.epochs": "many"}, r"fr\.epochs"), ({"nosuch.key": 1}, "nosuch"),
+])
+def test_apply_delta_rejects_bad_keys_without_writing(tmp_path, delta, match):
+    params = tmp_path / "params.yaml"
+    params.write_text((REPO / "params.yaml").read_text())
+    before = params.read_text()
+    with pytest.raises(ConfigError, match=match):
+        apply_delta(params, delta)
+    assert params.read_text() == before
+    assert list(tmp_path.iterdir()) == [params]  # no temp file left behind
+
+
+def test_smoke_preset_is_valid(tmp_path):
+    delta = load_preset("smoke", REPO)
+    params = tmp_path / "params.yaml"
+    params.write_text((REPO / "params.yaml").read_text())
+    apply_delta(params, delta)
+    with pytest.raises(ConfigError, match="unknown preset 'nope'"):
+        load_preset("nope", REPO)

@@ -1,0 +1,141 @@
+"""FR training on a tiny separable problem: learning, determinism, logging, embed() and I/O."""
+
+import csv
+
+import lightning
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+
+from ml.config import from_mapping
+from ml.errors import ConfigError, DataError
+from ml.models import backbones
+from ml.models.backbones.vit import vit_tiny
+from ml.models.io import load_model, save_model
+from ml.train.fr import FRConfig, embed, images_to_tensor, train, warmup_cosine
+
+SMALL = dict(depth=1)  # vit_tiny at 32 px: 16 tokens, one block
+
+
+def separable(k: int = 4, per_class: int = 32, size: int = 32, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Each class: its own random low-frequency colour pattern plus pixel noise."""
+    rng = np.random.default_rng(seed)
+    coarse = rng.integers(0, 256, (k, 4, 4, 3)).astype(np.float32)
+    protos = coarse.repeat(size // 4, axis=1).repeat(size // 4, axis=2)
+    labels = np.repeat(np.arange(k), per_class)
+    images = protos[labels] + rng.normal(0.0, 25.0, (len(labels), size, size, 3))
+    return np.clip(images, 0, 255).astype(np.uint8), labels
+
+
+CFG = FRConfig(epochs=5, batch_size=32, lr=2e-3, warmup_epochs=1.0, embedding_dim=32, accelerator="cpu")
+
+
+class CountSteps(lightning.Callback):
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def on_train_batch_end(self, *args, **kwargs) -> None:
+        self.steps += 1
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    images, labels = separable()
+    logdir = tmp_path_factory.mktemp("logs")
+    counter = CountSteps()
+    first = train(CFG, images, labels, progress=False, backbone_overrides=SMALL,
+                  loggers=[CSVLogger(logdir, name="fr")], callbacks=[counter])
+    second = train(CFG, images, labels, progress=False, backbone_overrides=SMALL)
+    return images, labels, first, second, logdir, counter
+
+
+def test_loss_decreases_and_accuracy_beats_chance(runs):
+    _, _, result, _, _, counter = runs
+    losses = [row["train/loss"] for row in result.history]
+    assert [row["epoch"] for row in result.history] == list(range(5))
+    assert losses[-1] < 0.7 * losses[0]
+    assert result.history[-1]["train/accuracy"] > 0.5  # chance = 0.25
+    assert counter.steps == 5 * 4  # 128 images / batch 32, user callbacks are called
+    assert not result.model.training
+    assert result.backbone == "vit_tiny"
+    assert result.backbone_kwargs == {"depth": 1, "img_size": 32, "embed_dim": 32}
+
+
+def test_same_seed_same_weights(runs):
+    _, _, first, second, _, _ = runs
+    assert first.history == second.history
+    a, b = first.model.state_dict(), second.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_metrics_reach_the_logger(runs):
+    *_, logdir, _ = runs
+    (metrics,) = logdir.glob("fr/*/metrics.csv")
+    with metrics.open() as f:
+        columns = set(csv.DictReader(f).fieldnames)
+    assert {"train/loss", "train/accuracy", "train/lr"} <= columns
+
+
+def test_embed_flip_is_sum_of_both_views_and_survives_save_load(runs, tmp_path):
+    images, _, result, _, _, _ = runs
+    subset = images[:10]
+    model = result.model
+    with torch.no_grad():
+        x = images_to_tensor(subset)
+        manual = (model(x) + model(x.flip(3))).numpy()
+    flipped = embed(model, subset, batch_size=10, flip=True)
+    assert flipped.dtype == np.float32 and flipped.shape == (10, 32)
+    np.testing.assert_array_equal(flipped, manual)
+    np.testing.assert_array_equal(embed(model, subset, batch_size=10, flip=False), model(x).detach().numpy())
+
+    save_model(tmp_path / "fr", model, backbone=result.backbone, kwargs=result.backbone_kwargs,
+               extra={"history": result.history})
+    loaded, config = load_model(tmp_path / "fr")
+    np.testing.assert_array_equal(embed(loaded, subset, batch_size=10), flipped)
+    assert config["input_contract"]["size"] == 32
+
+
+def test_images_to_tensor_matches_contract():
+    images = np.array([0, 128, 255], dtype=np.uint8).reshape(1, 1, 3, 1).repeat(3, axis=3)  # (1, 1, 3, 3)
+    x = images_to_tensor(images)
+    assert x.shape == (1, 3, 1, 3) and x.dtype == torch.float32
+    torch.testing.assert_close(x[0, 0, 0], torch.tensor([-1.0, (128 / 255 - 0.5) / 0.5, 1.0]))
+
+
+def test_warmup_cosine_schedule():
+    assert warmup_cosine(0, 4, 20) == pytest.approx(0.25)
+    assert warmup_cosine(3, 4, 20) == pytest.approx(1.0)
+    assert warmup_cosine(12, 4, 20) == pytest.approx(0.5)  # halfway through the cosine
+    assert warmup_cosine(20, 4, 20) == pytest.approx(0.0)
+
+
+def test_fr_config_from_params_section():
+    cfg = from_mapping(FRConfig, {"epochs": 3, "margin": "cosface", "lr": 1}, "fr")
+    assert cfg == FRConfig(epochs=3, margin="cosface", lr=1.0)
+    with pytest.raises(ConfigError, match="fr.epoch"):
+        from_mapping(FRConfig, {"epoch": 3}, "fr")
+    with pytest.raises(ConfigError, match="fr.margin"):
+        from_mapping(FRConfig, {"margin": "sphereface"}, "fr")
+    with pytest.raises(ConfigError, match="fr.backbone"):
+        from_mapping(FRConfig, {"backbone": "vit_xxl"}, "fr")
+
+
+def test_bad_labels_and_images_raise_data_error():
+    images, labels = separable(per_class=2)
+    with pytest.raises(DataError, match="contiguous"):
+        train(CFG, images, np.where(labels == 1, 7, labels), progress=False)
+    with pytest.raises(DataError, match="uint8"):
+        train(CFG, images.astype(np.float32), labels, progress=False)
+    with pytest.raises(DataError, match="square"):
+        train(CFG, images[:, :, :16], labels, progress=False)
+
+
+def test_fixed_size_backbone_rejects_other_sizes(monkeypatch):
+    def fixed64(embed_dim: int = 128):  # a registry entry that cannot change its input size
+        return vit_tiny(embed_dim=embed_dim, depth=1)
+
+    monkeypatch.setitem(backbones.BACKBONES, "fixed64", fixed64)
+    images, labels = separable(per_class=2)
+    with pytest.raises(ConfigError, match="64×64.*32×32"):
+        train(FRConfig(backbone="fixed64"), images, labels, progress=False)
