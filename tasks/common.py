@@ -167,7 +167,11 @@ def stage_main(main: Any) -> None:
 
     from ml.errors import FaceopsError
 
+    import warnings
+
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # MLflow's schema-inference hints about our manifests are noise for a pipeline log
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"mlflow(\..*)?")
     try:
         main()
     except FaceopsError as exc:

@@ -202,7 +202,40 @@ def _ingest_real(out: Path, cfg: DataConfig) -> tuple[np.ndarray, np.ndarray]:
     return np.stack(images), np.asarray([uniq[i] for i in identities])
 
 
+def _check_sources(cfg: DataConfig) -> None:
+    """Fail before any work when a named real-data source is missing."""
+    if cfg.ingest_folder and cfg.ingest_recordio:
+        raise ConfigError("set only one of 'data.ingest_folder' and 'data.ingest_recordio'.")
+    if cfg.ingest_folder and not Path(cfg.ingest_folder).is_dir():
+        raise DataError(f"data.ingest_folder: {cfg.ingest_folder} is not a directory. "
+                        "Point it at an image folder laid out as <identity>/<image>.")
+    if cfg.ingest_recordio and not Path(cfg.ingest_recordio).is_file():
+        raise DataError(f"data.ingest_recordio: {cfg.ingest_recordio} does not exist. "
+                        "Point it at an InsightFace train.rec with train.idx beside it.")
+
+
+def sample_grid(gen: ProceduralFaces, cfg: DataConfig, path: Path, rows: int = 6, cols: int = 8) -> None:
+    """A PNG of faces with their 5 landmarks: one row per training identity, the last row a video-like sequence."""
+    from PIL import Image, ImageDraw
+
+    size, pad = cfg.image_size, 2
+    canvas = Image.new("RGB", (cols * (size + pad) + pad, (rows + 1) * (size + pad) + pad), (255, 255, 255))
+    draw = ImageDraw.Draw(canvas)
+    grid = [[gen.sample(r, c) for c in range(cols)] for r in range(min(rows, cfg.train_identities))]
+    grid.append(gen.sequence(cfg.train_identities, cols, seq_index=0))
+    colours = [(255, 0, 0), (0, 255, 0), (0, 128, 255), (255, 0, 255), (255, 200, 0)]
+    for r, samples in enumerate(grid):
+        for c, s in enumerate(samples):
+            x0, y0 = pad + c * (size + pad), pad + r * (size + pad)
+            canvas.paste(Image.fromarray(s.image), (x0, y0))
+            for (x, y), colour in zip(s.landmarks, colours):
+                draw.ellipse((x0 + x - 1, y0 + y - 1, x0 + x + 1, y0 + y + 1), fill=colour)
+    with atomic_path(path) as tmp:
+        canvas.resize((canvas.width * 2, canvas.height * 2), Image.NEAREST).save(tmp, format="PNG")
+
+
 def run(cfg: DataConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
+    _check_sources(cfg)
     gen = ProceduralFaces(cfg.procedural_config(aligned=True), seed=cfg.seed)
     n_val = int(round(cfg.images_per_identity * cfg.val_fraction))
     n_train_imgs = cfg.images_per_identity - n_val
@@ -231,15 +264,14 @@ def run(cfg: DataConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
             "data/template_pairs": n_tpairs,
         })
         if cfg.ingest_folder or cfg.ingest_recordio:
-            if cfg.ingest_folder and cfg.ingest_recordio:
-                raise ConfigError("set only one of 'data.ingest_folder' and 'data.ingest_recordio'.")
             r_images, r_labels = _ingest_real(tmp / "real", cfg)
             pairs = min(cfg.verification_pairs, 20 * len(r_labels))
             result.metrics["data/real_images"] = len(r_labels)
             result.metrics["data/real_verification_pairs"] = write_pairs_bin(
                 tmp / "verification" / "real.bin", r_images, r_labels, pairs, cfg.seed
             )
-    result.outputs.append(paths.prepared)
+    sample_grid(gen, cfg, paths.plots / "samples.png")
+    result.outputs += [paths.prepared, paths.plots / "samples.png"]
     result.summary = (
         f"{cfg.train_identities} train identities × {cfg.images_per_identity} images, "
         f"{cfg.heldout_identities} held-out identities, {n_pairs} verification pairs, "
@@ -257,6 +289,7 @@ def main() -> None:
     with stage_run("prepare", {"data": section(params, "data")}, paths.root) as tracker:
         result = run(cfg, paths, tracker=tracker)
         tracker.log_metrics(result.metrics)
+        tracker.log_artifact(paths.plots / "samples.png", artifact_path="plots")
         for sub in ("train", "heldout", "templates", "real"):
             if (paths.prepared / sub / "dataset.json").is_file():
                 tracker.log_dataset(paths.prepared / sub, context=sub)

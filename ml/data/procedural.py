@@ -231,16 +231,16 @@ _SMOOTH_KEYS = (
 def quality_score(nuisance: dict) -> float:
     """Quality in [0, 1]: a product of factors, each non-increasing in one degradation.
 
-    blur σ (112-px): e^(−0.55σ); noise std: e^(−std/25); JPEG quality Q: 1 − 0.6·max(0, 90 − Q)/78;
-    low resolution r: r^0.8; occluders: mask 0.6, sunglasses 0.65, bar 0.75 − width, glasses 0.95;
-    pose: e^(−(yaw/45°)²)·e^(−(pitch/35°)²); small faces: min(1, scale)^0.5; darkness and flat
-    contrast: min(1, brightness·contrast/0.9)^1.5; light gradient: 1 − 0.3·strength; closed eyes: 1 − 0.1·closure.
+    blur σ (112-px): e^(−0.45σ); noise std: e^(−std/30); JPEG quality Q: 1 − 0.5·max(0, 90 − Q)/78;
+    low resolution r: r^0.7; occluders: mask 0.6, sunglasses 0.65, glasses 0.95, bar 0.75 − width;
+    pose: e^(−(yaw/50°)²)·e^(−(pitch/40°)²); small faces: min(1, scale)^0.5; darkness and flat
+    contrast: min(1, brightness·contrast/0.7)^1.5; light gradient: 1 − 0.2·strength; closed eyes: 1 − 0.1·closure.
     """
     n = nuisance
-    q = math.exp(-0.55 * max(0.0, n["blur"]))
-    q *= math.exp(-max(0.0, n["noise"]) / 25.0)
-    q *= 1.0 - 0.6 * min(1.0, max(0.0, 90.0 - n["jpeg_quality"]) / 78.0)
-    q *= min(1.0, max(0.0, n["lowres"])) ** 0.8
+    q = math.exp(-0.45 * max(0.0, n["blur"]))
+    q *= math.exp(-max(0.0, n["noise"]) / 30.0)
+    q *= 1.0 - 0.5 * min(1.0, max(0.0, 90.0 - n["jpeg_quality"]) / 78.0)
+    q *= min(1.0, max(0.0, n["lowres"])) ** 0.7
     if n["mask"]:
         q *= 0.6
     if n["sunglasses"]:
@@ -249,16 +249,32 @@ def quality_score(nuisance: dict) -> float:
         q *= 0.95
     if n["bar"]:
         q *= max(0.2, 0.75 - n["bar_width"])
-    q *= math.exp(-((n["yaw"] / 45.0) ** 2)) * math.exp(-((n["pitch"] / 35.0) ** 2))
+    q *= math.exp(-((n["yaw"] / 50.0) ** 2)) * math.exp(-((n["pitch"] / 40.0) ** 2))
     q *= min(1.0, n["scale"]) ** 0.5
-    q *= min(1.0, max(0.0, n["brightness"] * n["contrast"]) / 0.9) ** 1.5
-    q *= 1.0 - 0.3 * min(1.0, max(0.0, n["light_strength"]))
+    q *= min(1.0, max(0.0, n["brightness"] * n["contrast"]) / 0.7) ** 1.5
+    q *= 1.0 - 0.2 * min(1.0, max(0.0, n["light_strength"]))
     q *= 1.0 - 0.1 * min(1.0, max(0.0, n["eye_closure"]))
     return float(min(1.0, max(0.0, q)))
 
 
 # --------------------------------------------------------------------------------------------------
 # Identities
+
+
+def _face_half_width(p: dict[str, float], y: float) -> float:
+    """Half width of the face outline (see :func:`_face_sd`) at canonical height ``y``, by bisection."""
+    h, lam, mu = p["face_h"], p["face_square"], p["chin_shape"]
+    t = min(1.0, max(0.0, (y - p["face_cy"]) / h))
+    w = p["face_w"] * (1.0 - p["jaw_taper"] * ((1.0 - mu) * t + mu * t * t))
+    yy = min(1.0, abs(y - p["face_cy"]) / h)
+    lo, hi = 0.0, 1.0
+    for _ in range(30):
+        x = 0.5 * (lo + hi)
+        if (1.0 - lam) * math.hypot(x, yy) + lam * max(x, yy) < 1.0:
+            lo = x
+        else:
+            hi = x
+    return lo * w
 
 
 def _sample_identity(seed: int, identity: int) -> dict[str, float]:
@@ -272,8 +288,8 @@ def _sample_identity(seed: int, identity: int) -> dict[str, float]:
     p["face_w"] = u(32.5, 39.5)  # half width of the upper face
     p["face_h"] = u(41.5, 48.5)  # half height
     p["face_cy"] = u(62.5, 67.5)
-    p["face_square"] = u(0.0, 0.4)  # 0 = oval, higher = squarer (blend of L2 and L∞ norms)
-    p["jaw_taper"] = u(0.08, 0.42)  # how much the face narrows towards the chin
+    p["face_square"] = u(0.15, 0.55)  # 0 = oval, higher = squarer (blend of L2 and L∞ norms)
+    p["jaw_taper"] = u(0.05, 0.35)  # how much the face narrows towards the chin
     p["chin_shape"] = u(0.0, 1.0)  # taper profile: 0 = linear (V-shaped jaw), 1 = quadratic (round)
     tone, warmth = float(rng.beta(1.4, 1.4)), u(-1.0, 1.0)
     skin = _SKIN_LIGHT + (_SKIN_DARK - _SKIN_LIGHT) * tone + warmth * np.array([9.0, 0.0, -9.0])
@@ -297,7 +313,7 @@ def _sample_identity(seed: int, identity: int) -> dict[str, float]:
     p["nose_w"] = u(5.5, 9.5)  # half span of the nostril wings
     p["nose_tip"] = u(2.3, 3.8)  # tip radius
     p["nose_shade"] = u(0.1, 0.22)
-    p["mouth_w"] = u(11.5, 17.5)  # half width at rest
+    p["mouth_w"] = min(u(11.5, 17.5), 0.6 * _face_half_width(p, p["mouth_y"]))  # half width at rest
     p["lip_upper"] = u(1.3, 3.2)
     p["lip_lower"] = u(1.8, 4.2)
     lip = skin + (_LIP_RED - skin) * rng.uniform(0.25, 0.6)
@@ -745,8 +761,9 @@ class ProceduralFaces:
     def sequence(self, identity: int, length: int, seq_index: int = 0) -> list[FaceSample]:
         """A video-like sequence: pose, expression and degradations follow a smooth random walk.
 
-        Knots are drawn every 8 frames from the per-image distributions and joined by cosine
-        interpolation; background, colour cast and occluders stay fixed within the sequence.
+        Knots every 8 frames follow a random walk (each halfway from the previous knot to a fresh draw
+        from the per-image distributions) joined by cosine interpolation, so consecutive frames differ
+        a little and distant ones more; background, colour cast and occluders stay fixed.
         """
         face = self._face(identity)
         seq_index = self._check_index(seq_index, "seq_index")
@@ -755,7 +772,10 @@ class ProceduralFaces:
         rng = _rng(self.seed, _STREAM_SEQUENCE, int(identity), seq_index)
         static = self._draw_static(rng)
         stride = 8
-        knots = [self._draw_dynamic(rng) for _ in range((length - 1) // stride + 2)]
+        knots = [self._draw_dynamic(rng)]
+        for _ in range((length - 1) // stride + 1):  # a random walk: each knot halfway to a fresh draw
+            fresh = self._draw_dynamic(rng)
+            knots.append({key: 0.5 * (knots[-1][key] + fresh[key]) for key in _SMOOTH_KEYS})
         noise_seeds = [rng.getrandbits(31) for _ in range(length)]
         out = []
         for t in range(length):
@@ -927,10 +947,13 @@ def _draw_head(img: np.ndarray, view: _View, f: _Face, n: dict, rng: random.Rand
         face_a = _ramp(d, ppu)
         patch = img[:, rows, cols].copy()
         _over(patch, face_a, f.skin * rad)
-        if f.beard > 0:
-            top = f.mouth_y - 12.0 - fcy
-            ramp = v - top
-            ramp *= 0.25
+        if f.beard > 0:  # below a line over the upper lip that rises to the sideburns, soft-edged
+            tu = u * (1.0 / f.face_w)
+            tu *= tu
+            tu *= 14.0
+            ramp = v + tu
+            ramp -= f.mouth_y - 6.5 - fcy
+            ramp *= 0.2 * f.beard * 0.75
             np.clip(ramp, 0.0, f.beard * 0.75, out=ramp)
             ramp *= face_a
             _over(patch, ramp, f.hair)
@@ -1096,8 +1119,8 @@ def _draw_mouth(img: np.ndarray, view: _View, f: _Face, n: dict) -> None:
         _over(patch, _ramp(d, ppu), _TEETH)
     # The seam between the lips reaches exactly the corners (the mouth landmarks).
     v -= centre
-    d = 0.6 - np.abs(v, out=v)
-    side += 0.3
+    d = 0.65 - np.abs(v, out=v)
+    side += 0.5
     np.minimum(d, side, out=d)
     _over(patch, _ramp(d, ppu), f.seam)
     img[:, rows, cols] = patch
@@ -1255,7 +1278,7 @@ def _degrade(img: np.ndarray, view: _View, n: dict) -> np.ndarray:
     if sigma > 0.05:
         img = _gaussian_blur(img, sigma)
     np.clip(img, 0.0, 255.0, out=img)
-    out = img.transpose(1, 2, 0).astype(np.uint8)
+    out = img.transpose(1, 2, 0).astype(np.uint8, order="C")
     small = max(4, int(round(size * n["lowres"])))
     if small < size:  # area-average down to the capture size, bilinear back up
         pil = Image.fromarray(out).resize((small, small), Image.BOX)
@@ -1268,10 +1291,10 @@ def _degrade(img: np.ndarray, view: _View, n: dict) -> np.ndarray:
         noisy += out
         noisy += 0.5
         np.clip(noisy, 0.0, 255.0, out=noisy)
-        out = noisy.astype(np.uint8)
+        out = noisy.astype(np.uint8, order="C")
     if n["jpeg_quality"] < 100:
         buf = io.BytesIO()
         Image.fromarray(out).save(buf, format="JPEG", quality=int(n["jpeg_quality"]))
         buf.seek(0)
-        out = np.asarray(Image.open(buf).convert("RGB"))
+        out = np.asarray(Image.open(buf))  # RGB in, RGB out
     return out

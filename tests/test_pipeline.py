@@ -1,0 +1,164 @@
+"""Smoke pipeline end to end against real servers on loopback: a Prefect server and an MLflow tracking server.
+
+`faceops run --preset smoke` must leave every artifact, one MLflow run per stage nested under the flow's run
+(with params, metrics, dataset digests, git commit and DVC tags), a `faceops-fr` version with alias
+`candidate`, and a Prefect flow run with one task run per stage. `dvc repro` afterwards skips everything;
+`--set fr.epochs=2` reruns exactly the stages that read `fr`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from .conftest import copy_project
+
+pytestmark = pytest.mark.slow
+BIN = Path(sys.executable).parent
+STAGES = ["prepare", "validate", "train_fr", "evaluate"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(url: str, proc: subprocess.Popen, seconds: float = 90) -> None:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited early ({proc.returncode}): {url}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"server at {url} not healthy after {seconds}s")
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("servers")
+    env = {**os.environ, "PREFECT_HOME": str(tmp / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    p_port, m_port = _free_port(), _free_port()
+    prefect = subprocess.Popen(
+        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(p_port)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    mlflow = subprocess.Popen(
+        [str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{tmp / 'mlflow.db'}",
+         "--artifacts-destination", str(tmp / "artifacts"), "--host", "127.0.0.1", "--port", str(m_port),
+         "--workers", "1"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        _wait(f"http://127.0.0.1:{p_port}/api/health", prefect)
+        _wait(f"http://127.0.0.1:{m_port}/health", mlflow)
+        yield {"PREFECT_API_URL": f"http://127.0.0.1:{p_port}/api", "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{m_port}",
+               "PREFECT_HOME": str(tmp / "prefect")}
+    finally:
+        for proc in (prefect, mlflow):
+            proc.terminate()
+        for proc in (prefect, mlflow):
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@pytest.fixture(scope="module")
+def smoke_run(servers, tmp_path_factory):
+    root = copy_project(tmp_path_factory.mktemp("ws"))
+    env = {**os.environ, **servers, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    out = subprocess.run([str(BIN / "faceops"), "run", "--preset", "smoke"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return root, env, out.stdout
+
+
+def test_smoke_run_leaves_every_artifact(smoke_run):
+    root, _, stdout = smoke_run
+    for rel in ["data/prepared/train/manifest.parquet", "data/prepared/train/dataset.json",
+                "data/prepared/heldout/manifest.parquet", "data/prepared/templates/meta/face_tid_mid.txt",
+                "data/prepared/templates/meta/template_pair_label.txt", "data/prepared/verification/procedural.bin",
+                "reports/validation/train.json", "reports/validation/docs/index.html",
+                "models/fr/model.safetensors", "models/fr/config.json", "metrics/train_fr.json",
+                "metrics/evaluate.json", "plots/roc.png", "plots/samples.png", "plots/train_fr_loss.png",
+                "reports/benchmark.md", "dvc.lock"]:
+        assert (root / rel).is_file(), rel
+    lock = yaml.safe_load((root / "dvc.lock").read_text())
+    assert sorted(lock["stages"]) == sorted(STAGES)
+    metrics = json.loads((root / "metrics/evaluate.json").read_text())
+    assert 0.0 <= metrics["verification/procedural/accuracy"] <= 1.0
+    assert "identification/rank1" in metrics and "templates/tar@far=1e-2" in metrics
+    assert "reports/benchmark.md" in stdout
+    config = json.loads((root / "models/fr/config.json").read_text())
+    assert config["backbone"] == "vit_tiny" and config["input_contract"]["size"] == 64
+
+
+def test_every_stage_is_a_nested_mlflow_run_and_model_is_candidate(smoke_run):
+    from mlflow import MlflowClient
+
+    _, env, _ = smoke_run
+    client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"], registry_uri=env["MLFLOW_TRACKING_URI"])
+    exp = client.get_experiment_by_name("faceops")
+    runs = client.search_runs([exp.experiment_id])
+    by_name = {r.info.run_name: r for r in runs}
+    parent = by_name["pipeline"]
+    assert parent.data.tags["prefect.flow_run_id"]
+    for stage in STAGES:
+        run = by_name[stage]
+        assert run.info.status == "FINISHED"
+        tags = run.data.tags
+        assert tags["mlflow.parentRunId"] == parent.info.run_id
+        assert tags["dvc.stage"] == stage and tags["git.commit"] not in ("", "unknown")
+        assert tags["prefect.flow_run_id"] == parent.data.tags["prefect.flow_run_id"]
+        assert any(k.startswith("dvc.dep.") for k in tags), tags
+        assert run.data.params and run.data.metrics
+    assert by_name["prepare"].data.tags["dataset.train.digest"] == json.loads(
+        (smoke_run[0] / "data/prepared/train/dataset.json").read_text())["digest"]
+    assert by_name["train_fr"].inputs.dataset_inputs
+    version = client.get_model_version_by_alias("faceops-fr", "candidate")
+    assert version.tags["source"] == "procedural" and version.run_id == by_name["train_fr"].info.run_id
+    artifacts = {a.path for a in client.list_artifacts(by_name["evaluate"].info.run_id)}
+    assert {"plots", "reports"} <= artifacts
+
+
+def test_prefect_flow_run_has_one_task_per_stage(smoke_run):
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    _, env, _ = smoke_run
+    with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}):
+        with get_client(sync_client=True) as client:
+            flow_runs = client.read_flow_runs()
+            assert len(flow_runs) == 1 and flow_runs[0].state.is_completed()
+            task_runs = client.read_task_runs()
+    names = sorted(t.name for t in task_runs if t.flow_run_id == flow_runs[0].id)
+    assert names == sorted(STAGES)
+
+
+def test_second_repro_skips_every_stage_and_set_reruns_downstream(smoke_run):
+    root, env, _ = smoke_run
+    out = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=root, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("didn't change, skipping") == len(STAGES), out.stdout
+
+    out = subprocess.run([str(BIN / "faceops"), "run", "--set", "fr.epochs=2"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert yaml.safe_load((root / "params.yaml").read_text())["fr"]["epochs"] == 2
+    status = {line.split()[0]: " ".join(line.split()[1:-1]) for line in out.stdout.splitlines()
+              if line.strip() and line.split()[0] in STAGES}
+    assert status == {"prepare": "up to date", "validate": "up to date", "train_fr": "ran", "evaluate": "ran"}, out.stdout

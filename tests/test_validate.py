@@ -1,0 +1,97 @@
+"""The Great Expectations gate: a clean prepared set passes; each kind of broken manifest is rejected
+with a message naming the dataset, the expectation and the offending rows, and nothing half-written."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from ml.config import from_mapping
+from ml.data.dataset import read_manifest
+from ml.errors import DataError
+from tasks import prepare, validate
+from tasks.common import Paths
+from tasks.params import load_preset
+
+from .conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    import yaml
+
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    for key, value in load_preset("smoke", REPO).items():
+        section, name = key.split(".", 1)
+        params[section][name] = value
+    data = from_mapping(prepare.DataConfig, params["data"], "data")
+    paths = Paths(tmp_path_factory.mktemp("ws"))
+    prepare.run(data, paths)
+    return data, paths
+
+
+def _datasets(paths, **overrides):
+    out = {k: (k, read_manifest(paths.prepared / k / "manifest.parquet")) for k in ("train", "heldout", "templates")}
+    for k, df in overrides.items():
+        out[k] = (k, df)
+    return out
+
+
+def test_clean_data_passes_and_writes_reports(prepared, tmp_path):
+    data, paths = prepared
+    result = validate.run(data, validate.ValidateConfig(), dataclasses.replace(paths))
+    assert result.metrics["validate/train/success_percent"] == 100.0
+    assert (paths.validation_reports / "train.json").is_file()
+    assert (paths.validation_reports / "docs" / "index.html").is_file()
+
+
+def _corrupt(paths, kind, fn):
+    df = read_manifest(paths.prepared / kind / "manifest.parquet").copy()
+    fn(df)
+    return df
+
+
+@pytest.mark.parametrize(("kind", "mutate", "expectation", "row"), [
+    ("train", lambda df: df.__setitem__("path", df["path"].where(df.index != 3, df["path"][2])),
+     "expect_column_values_to_be_unique", "row 3"),
+    ("train", lambda df: df.__setitem__("landmarks", [np.array([70.0] + [30.0] * 9, dtype=np.float32) if i == 5 else v
+                                                     for i, v in enumerate(df["landmarks"])]),
+     "lm_x0_frac", "row 5"),
+    ("heldout", lambda df: df.__setitem__("label", df["label"].where(df.index != 7, 999)),
+     "label_matches_identity", "row 7"),
+    ("train", lambda df: df.__setitem__("width", df["width"].where(df.index != 0, 32)),
+     "column 'width'", "row 0"),
+    ("train", lambda df: df.__setitem__("split", "train"), "is_val", "observed"),
+    ("templates", lambda df: df.drop(index=[0, 1], inplace=True), "expect_table_row_count_to_be_between", "observed"),
+])
+def test_broken_manifest_is_rejected_naming_dataset_expectation_rows(prepared, tmp_path, kind, mutate, expectation, row):
+    data, paths = prepared
+    broken = _corrupt(paths, kind, mutate)
+    with pytest.raises(DataError) as err:
+        validate.validate_manifests(_datasets(paths, **{kind: broken}), data, validate.ValidateConfig(), tmp_path)
+    message = str(err.value)
+    assert f"dataset '{kind}'" in message and expectation in message and row in message, message
+
+
+def test_failed_gate_leaves_no_half_written_reports(prepared, tmp_path, monkeypatch):
+    data, paths = prepared
+    target = Paths(tmp_path)
+    (tmp_path / "data").symlink_to(paths.prepared.parent)
+    import ml.data.dataset as dataset
+
+    real_read = dataset.read_manifest
+
+    def read_broken(path):
+        df = real_read(path)
+        if "train" in str(path):
+            df.loc[1, "path"] = df.loc[0, "path"]
+        return df
+
+    monkeypatch.setattr(dataset, "read_manifest", read_broken)
+    with pytest.raises(DataError, match="dataset 'train'"):
+        validate.run(data, validate.ValidateConfig(), target)
+    assert not target.validation_reports.exists()
+    assert (tmp_path / "reports" / "validation-failed" / "train.json").is_file()
+    assert not [p for p in (tmp_path / "reports").iterdir() if p.name.startswith(".")]
