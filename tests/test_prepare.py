@@ -1,0 +1,86 @@
+"""Stage prepare: the benchmark files it writes are consistent, and real data can be ingested."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from ml.data.dataset import read_dataset_info, read_manifest
+from ml.data.formats import RecordIOReader, read_verification_bin, write_recordio
+from ml.data.procedural import ProceduralFaces
+from tasks.common import Paths
+from tasks.prepare import DataConfig, run
+
+TINY = DataConfig(train_identities=6, images_per_identity=5, val_fraction=0.2, heldout_identities=6, heldout_images_per_identity=4,
+                  gallery_images_per_identity=1, verification_pairs=40, template_identities=4,
+                  templates_per_identity=2, frames_per_template=3)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    paths = Paths(tmp_path_factory.mktemp("ws"))
+    result = run(TINY, paths)
+    return paths, result
+
+
+def test_split_sizes_and_disjoint_identities(prepared):
+    paths, result = prepared
+    train = read_manifest(paths.train_set / "manifest.parquet")
+    heldout = read_manifest(paths.heldout_set / "manifest.parquet")
+    assert len(train) == 30 and Counter(train["split"]) == {"train": 24, "val": 6}
+    assert set(train["identity"]).isdisjoint(set(heldout["identity"]))
+    assert Counter(heldout["split"]) == {"gallery": 6, "probe": 18}
+    assert sorted(train["label"].unique()) == list(range(6))
+    assert result.metrics["data/verification_pairs"] == 40
+
+
+def test_verification_bin_pairs_are_balanced_and_decodable(prepared):
+    paths, _ = prepared
+    images, issame = read_verification_bin(paths.verification_dir / "procedural.bin")
+    assert images.shape == (80, 64, 64, 3) and issame.sum() == 20
+
+
+def test_template_meta_files_match_manifest(prepared):
+    paths, _ = prepared
+    manifest = read_manifest(paths.template_set / "manifest.parquet")
+    meta = pd.read_csv(paths.template_set / "meta" / "face_tid_mid.txt", sep=" ", names=["path", "tid", "mid"])
+    assert list(meta["path"]) == list(manifest["path"])
+    assert (meta["tid"].to_numpy() == manifest["template"].to_numpy()).all()
+    assert len(meta) == 4 * 2 * (3 + 1)
+    pairs = np.loadtxt(paths.template_set / "meta" / "template_pair_label.txt", dtype=int)
+    assert len(pairs) == 8 * 7 // 2 and pairs[:, 2].sum() == 4  # one genuine pair per identity (2 templates)
+    # a genuine pair's templates hold the same identity
+    ident = manifest.groupby("template")["identity"].first()
+    for a, b, same in pairs:
+        assert (ident[a] == ident[b]) == bool(same)
+
+
+def test_ingest_recordio(tmp_path):
+    gen = ProceduralFaces(seed=3)
+    images = np.stack([gen.sample(i, j).image for i in range(3) for j in range(4)])
+    labels = np.repeat(np.arange(3), 4)
+    rec = tmp_path / "train.rec"
+    write_recordio(rec, images, labels)
+    assert len(RecordIOReader(rec)) == 12
+    cfg = dataclasses.replace(TINY, ingest_recordio=str(rec))
+    paths = Paths(tmp_path / "ws")
+    result = run(cfg, paths)
+    real = read_manifest(paths.real_set / "manifest.parquet")
+    assert len(real) == 12 and real["identity"].nunique() == 3 and set(real["source"]) == {"real"}
+    assert read_dataset_info(paths.real_set)["source"] == "real"
+    assert result.metrics["data/real_images"] == 12
+    assert (paths.verification_dir / "real.bin").is_file()
+
+
+def test_ingest_real_faces_folder(glint24, tmp_path):
+    cfg = dataclasses.replace(TINY, ingest_folder=str(glint24), ingest_max_images=120)
+    paths = Paths(tmp_path / "ws")
+    run(cfg, paths)
+    real = read_manifest(paths.real_set / "manifest.parquet")
+    assert len(real) == 120 and (real["width"] == 64).all()
+    images, issame = read_verification_bin(paths.verification_dir / "real.bin")
+    assert images.shape[1:] == (64, 64, 3) and issame.any() and (~issame).any()
