@@ -143,8 +143,11 @@ def ls() -> None:
         configure(root)
         client = MlflowClient()
         for model in client.search_registered_models():
+            by_version: dict[str, list[str]] = {}
+            for alias, version in (model.aliases or {}).items():
+                by_version.setdefault(str(version), []).append(alias)
             for v in client.search_model_versions(f"name = '{model.name}'"):
-                aliases = ",".join(v.aliases) if v.aliases else ""
+                aliases = ",".join(sorted(by_version.get(str(v.version), [])))
                 typer.echo(f"  {model.name} v{v.version:<4} {('@' + aliases) if aliases else '':<12} "
                            f"source={v.tags.get('source', '?')} run={v.run_id[:8]}")
     except Exception as exc:  # registry unreachable is not fatal for a listing

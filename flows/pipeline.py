@@ -9,11 +9,13 @@ parent run per flow run under which each stage's run nests.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 from prefect import flow, get_run_logger, task
@@ -71,15 +73,12 @@ def reproduce_stage(stage: str, root: str, parent_run_id: str | None = None, for
     start = time.perf_counter()
     proc = subprocess.Popen(
         cmd, cwd=root, env=_stage_env(Path(root), invocation, parent_run_id),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )
     tail: list[str] = []
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        line = line.rstrip()
-        if line:
-            tail = (tail + [line])[-40:]
-            logger.info(line)
+    for line in _lines(proc.stdout):
+        tail = (tail + [line])[-40:]
+        logger.info(line)
     rc = proc.wait()
     seconds = time.perf_counter() - start
     if rc != 0:
@@ -90,6 +89,17 @@ def reproduce_stage(stage: str, root: str, parent_run_id: str | None = None, for
         _tag_stage_run(Path(root), stage, invocation)
     logger.info("%s: %s in %.1fs", stage, "ran" if ran else "up to date", seconds)
     return {"stage": stage, "ran": ran, "seconds": seconds}
+
+
+def _lines(stream: Any) -> Iterator[str]:
+    """Non-empty lines of a byte stream split at \\n *and* \\r, so progress bars reach the log as they advance."""
+    pending = ""
+    for chunk in iter(lambda: stream.read1(65536), b""):
+        parts = re.split(r"[\r\n]", pending + chunk.decode("utf-8", errors="replace"))
+        pending = parts.pop()
+        yield from (p.rstrip() for p in parts if p.strip())
+    if pending.strip():
+        yield pending.rstrip()
 
 
 def _tag_stage_run(root: Path, stage: str, invocation: str) -> None:

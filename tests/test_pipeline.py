@@ -162,3 +162,13 @@ def test_second_repro_skips_every_stage_and_set_reruns_downstream(smoke_run):
     status = {line.split()[0]: " ".join(line.split()[1:-1]) for line in out.stdout.splitlines()
               if line.strip() and line.split()[0] in STAGES}
     assert status == {"prepare": "up to date", "validate": "up to date", "train_fr": "ran", "evaluate": "ran"}, out.stdout
+
+
+def test_ls_lists_stages_datasets_and_registry(smoke_run):
+    root, env, _ = smoke_run
+    out = subprocess.run([str(BIN / "faceops"), "ls"], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for stage in STAGES:
+        assert stage in out.stdout
+    assert "data/prepared/train" in out.stdout and "models/fr" in out.stdout
+    assert "faceops-fr v1" in out.stdout and "@candidate" in out.stdout

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ml.errors import ConfigError
+from ml.models.backbones.iresnet import iresnet18, iresnet34, iresnet50, iresnet100
 from ml.models.backbones.vit import vit_b, vit_l, vit_s, vit_t, vit_tiny
 
 BACKBONES: dict[str, Callable[..., nn.Module]] = {
@@ -21,6 +22,10 @@ BACKBONES: dict[str, Callable[..., nn.Module]] = {
     "vit_s": vit_s,
     "vit_b": vit_b,
     "vit_l": vit_l,
+    "iresnet18": iresnet18,
+    "iresnet34": iresnet34,
+    "iresnet50": iresnet50,
+    "iresnet100": iresnet100,
 }
 
 
