@@ -26,6 +26,11 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
         "`tar_at_far` on 10M scores (1M genuine, 9M impostor)",
         "seconds, not minutes",
     ),
+    "kprpe_forward_ratio": (
+        "benchmarks.bench_kprpe:bench_kprpe_forward_ratio",
+        "KP-RPE ViT-S forward vs plain ViT-S, batch 64, 112×112",
+        "≤ 1.25×",
+    ),
     "pipeline_overhead": (
         "benchmarks.bench_pipeline:bench_pipeline_overhead",
         "Prefect task + MLflow run around a stage vs calling the stage function directly",

@@ -37,8 +37,11 @@ def test_registry_contract_and_round_trip(name, tmp_path):
         k: INPUT_CONTRACT[k] for k in ("colour", "mean", "std", "layout")
     }
     x = _images(model)
+    inputs = (x,)
+    if getattr(model, "needs_keypoints", False):  # KP-RPE: 5 pixel landmarks per image
+        inputs = (x, torch.rand(3, 5, 2, generator=torch.Generator().manual_seed(1)) * (contract["size"] - 1))
     with torch.no_grad():
-        y = model(x)
+        y = model(*inputs)
     assert y.shape == (3, 16)
     assert torch.isfinite(y).all()
 
@@ -46,7 +49,7 @@ def test_registry_contract_and_round_trip(name, tmp_path):
     loaded, config = load_model(tmp_path / "m")
     assert not loaded.training
     with torch.no_grad():
-        assert torch.equal(loaded(x), y)
+        assert torch.equal(loaded(*inputs), y)
     on_disk = json.loads((tmp_path / "m" / CONFIG).read_text())
     assert on_disk["backbone"] == name
     assert on_disk["kwargs"] == kwargs

@@ -14,6 +14,7 @@ from torch import nn
 
 from ml.errors import ConfigError
 from ml.models.backbones.iresnet import iresnet18, iresnet34, iresnet50, iresnet100
+from ml.models.backbones.kprpe import vit_b_kprpe, vit_s_kprpe, vit_t_kprpe, vit_tiny_kprpe
 from ml.models.backbones.vit import vit_b, vit_l, vit_s, vit_t, vit_tiny
 
 BACKBONES: dict[str, Callable[..., nn.Module]] = {
@@ -22,6 +23,10 @@ BACKBONES: dict[str, Callable[..., nn.Module]] = {
     "vit_s": vit_s,
     "vit_b": vit_b,
     "vit_l": vit_l,
+    "vit_tiny_kprpe": vit_tiny_kprpe,
+    "vit_t_kprpe": vit_t_kprpe,
+    "vit_s_kprpe": vit_s_kprpe,
+    "vit_b_kprpe": vit_b_kprpe,
     "iresnet18": iresnet18,
     "iresnet34": iresnet34,
     "iresnet50": iresnet50,

@@ -73,7 +73,7 @@ def piecewise_index(delta: torch.Tensor, alpha: float = ALPHA, beta: float = BET
     truncated to an integer (so the cap is ⌊β⌋). ``round`` is half-to-even (``torch.round``), which is
     odd-symmetric: ``g(−Δ) = −g(Δ)``. Written with ``torch.where`` (no boolean-mask assignment).
     """
-    d = delta.to(torch.float64)
+    d = delta.to(torch.float32)  # exact for the integer offsets of a grid
     mag = d.abs()
     far = alpha + torch.log(mag.clamp(min=alpha) / alpha) / math.log(gamma / alpha) * (beta - alpha)
     g = torch.sign(d) * torch.round(torch.where(mag <= alpha, mag, far))
@@ -154,9 +154,6 @@ class KPRPE(nn.Module):
         self.register_buffer("centres", patch_centres(img_size, patch_size), persistent=False)  # (T, 2)
         buckets = relative_position_buckets(grid, alpha, beta, gamma)  # (T, T)
         self.register_buffer("buckets", buckets, persistent=False)
-        # Row i of the (T, NB) table flattened: element i·NB + bucket(i, j) is E[i, bucket(i, j)].
-        flat = torch.arange(self.num_tokens)[:, None] * self.num_buckets + buckets
-        self.register_buffer("flat_index", flat.reshape(-1), persistent=False)  # (T·T,)
         self.linear = nn.Linear(2 * num_keypoints, self.num_buckets * heads * depth)
         nn.init.zeros_(self.linear.weight)
         nn.init.zeros_(self.linear.bias)
@@ -174,10 +171,13 @@ class KPRPE(nn.Module):
         return e.view(b, t, self.depth, self.heads, self.num_buckets).permute(2, 0, 3, 1, 4)
 
     def layer_bias(self, table: torch.Tensor) -> torch.Tensor:
-        """One layer's table ``(B, H, T, NB)`` → bias ``(B, H, T, T)`` by a single 1-D gather."""
-        b, h, t, nb = table.shape
-        flat = table.reshape(b, h, t * nb).index_select(2, self.flat_index)  # (B, H, T·T)
-        return flat.view(b, h, t, t)
+        """One layer's table ``(B, H, T, NB)`` → bias ``(B, H, T, T)``: ``gather`` along the buckets.
+
+        ``gather`` with the broadcast (stride-0) bucket index timed at least as fast as index_select,
+        advanced indexing or a one-hot matmul on the CPU, and exports as ONNX GatherElements.
+        """
+        b, h, t, _ = table.shape
+        return table.gather(3, self.buckets.expand(b, h, t, t))
 
     def masked_layer_bias(self, table: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """Bias ``(B, H, T', T')`` among the kept tokens ``keep`` ``(B, T')`` only."""
