@@ -49,7 +49,7 @@ def _check_type(value: Any, annotation: Any, key: str) -> Any:
         if origin is tuple and args:
             if len(args) != len(value):
                 raise ConfigError(f"params key '{key}': expected {len(args)} items, got {len(value)}")
-            return tuple(_check_type(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(args, value)))
+            return tuple(_check_type(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
         conv = [_check_type(v, args[0], f"{key}[{i}]") if args else v for i, v in enumerate(value)]
         return tuple(conv) if origin is tuple else conv
     if origin is dict or annotation is dict:

@@ -55,10 +55,12 @@ def evaluate_model(model: Any, cfg: EvaluateConfig, paths: Paths, data: DataConf
     from ml.eval.metrics import (
         identification_rank, pair_scores, roc_curve, tar_at_far, template_features, verification_accuracy,
     )
-    from ml.train.fr import embed
+    from ml.data.dataset import landmarks_array
+    from ml.train.fr import embed, needs_keypoints
 
-    def emb(images: np.ndarray) -> np.ndarray:
-        return embed(model, images, batch_size=cfg.batch_size, flip=cfg.flip, progress=True)
+    def emb(images: np.ndarray, keypoints: np.ndarray | None = None) -> np.ndarray:
+        return embed(model, images, batch_size=cfg.batch_size, flip=cfg.flip, progress=True,
+                     keypoints=keypoints if needs_keypoints(model) else None)
 
     metrics: dict[str, float] = {}
     curves: dict[str, tuple[np.ndarray, np.ndarray]] = {}
@@ -74,7 +76,12 @@ def evaluate_model(model: Any, cfg: EvaluateConfig, paths: Paths, data: DataConf
     for bin_path in sorted(paths.verification_dir.glob("*.bin")):
         name = bin_path.stem
         images, issame = read_verification_bin(bin_path)
-        candidates = {"model": emb(images)}
+        sidecar = bin_path.with_suffix(".landmarks.npy")
+        if needs_keypoints(model) and not sidecar.is_file():
+            log.warning("%s: no landmarks (%s) for the KP-RPE model; not evaluated", bin_path, sidecar.name)
+            metrics[f"verification/{name}/skipped_no_landmarks"] = 1.0
+            continue
+        candidates = {"model": emb(images, np.load(sidecar) if sidecar.is_file() else None)}
         if probe is not None:
             candidates["raw_pixels"] = raw_pixels(images)
             candidates["linear_probe"] = probe.embed(images)
@@ -90,7 +97,7 @@ def evaluate_model(model: Any, cfg: EvaluateConfig, paths: Paths, data: DataConf
     # IJB-style templates
     tdir = paths.template_set
     manifest = read_manifest(tdir / "manifest.parquet")
-    feats = emb(load_images(tdir, manifest))
+    feats = emb(load_images(tdir, manifest), landmarks_array(manifest))
     tids, tfeats = template_features(feats, manifest["template"].to_numpy(), manifest["media"].to_numpy())
     pairs = np.loadtxt(tdir / "meta" / "template_pair_label.txt", dtype=np.int64, ndmin=2)
     index = {int(t): i for i, t in enumerate(tids)}
@@ -108,7 +115,7 @@ def evaluate_model(model: Any, cfg: EvaluateConfig, paths: Paths, data: DataConf
     # closed-set identification on held-out identities
     hdir = paths.heldout_set
     manifest = read_manifest(hdir / "manifest.parquet")
-    feats = emb(load_images(hdir, manifest))
+    feats = emb(load_images(hdir, manifest), landmarks_array(manifest))
     gallery = (manifest["split"] == "gallery").to_numpy()
     ranks = identification_rank(
         feats[~gallery], manifest["label"].to_numpy()[~gallery],
@@ -160,13 +167,15 @@ def render_report(metrics: dict[str, float], model_config: dict, data_info: dict
         )
     lines += ["", "## Verification (10-fold, flip TTA, held-out identities)", "",
               "| benchmark | FR model | raw-pixel cosine | linear probe on pixels |", "|---|---|---|---|"]
-    names = sorted({k.split("/")[1] for k in metrics if k.startswith("verification/")})
+    names = sorted({k.split("/")[1] for k in metrics if k.startswith("verification/") and k.endswith("/accuracy")})
     for name in names:
         def cell(prefix: str) -> str:
             acc = metrics.get(f"{prefix}verification/{name}/accuracy")
             std = metrics.get(f"{prefix}verification/{name}/std")
             return "—" if acc is None else f"{100 * acc:.2f} ± {100 * std:.2f} %"
         lines.append(f"| `{name}.bin` | {cell('')} | {cell('baseline/raw_pixels/')} | {cell('baseline/linear_probe/')} |")
+    for k in sorted(k for k in metrics if k.endswith("/skipped_no_landmarks")):
+        lines.append(f"| `{k.split('/')[1]}.bin` | not evaluated: the KP-RPE model needs landmarks and the file has none | — | — |")
     lines += ["", "## Templates (IJB-style: media mean → template mean)", "", "| metric | value |", "|---|---|"]
     for k in sorted(k for k in metrics if k.startswith("templates/tar")):
         lines.append(f"| {k.removeprefix('templates/')} | {100 * metrics[k]:.2f} % |")

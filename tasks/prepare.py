@@ -96,22 +96,28 @@ def _sample_pairs(labels: np.ndarray, n_pairs: int, rng: np.random.Generator) ->
     return np.asarray(pairs, dtype=np.int64)[order], np.asarray(same, dtype=bool)[order]
 
 
-def write_pairs_bin(path: Path, images: np.ndarray, labels: np.ndarray, n_pairs: int, seed: int) -> int:
+def write_pairs_bin(
+    path: Path, images: np.ndarray, labels: np.ndarray, n_pairs: int, seed: int, landmarks: np.ndarray | None = None
+) -> int:
+    """An InsightFace verification ``.bin``; with ``landmarks`` also ``<stem>.landmarks.npy`` (2P, 5, 2) beside it
+    (the keypoints KP-RPE models need, in the same order as the ``.bin``'s images)."""
     from ml.data.formats import write_verification_bin
 
     pairs, issame = _sample_pairs(labels, n_pairs, np.random.default_rng(seed))
-    flat = images[pairs.reshape(-1)]
-    write_verification_bin(path, flat, issame, image_format="jpg")
+    order = pairs.reshape(-1)
+    write_verification_bin(path, images[order], issame, image_format="jpg")
+    if landmarks is not None:
+        np.save(path.with_suffix(".landmarks.npy"), landmarks[order].astype(np.float32))
     return len(issame)
 
 
 def _procedural_split(
     out: Path, gen: ProceduralFaces, identities: range, per_identity: int, split_of, *, name: str
-) -> tuple[np.ndarray, np.ndarray]:
-    """Write one procedural dataset directory; returns (images, labels) kept for pair building."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Write one procedural dataset directory; returns (images, labels, landmarks) kept for pair building."""
     from ml.data.dataset import DatasetWriter
 
-    images, labels = [], []
+    images, labels, landmarks = [], [], []
     meta = {"generator": "procedural", "seed": gen.seed, "config": dataclasses.asdict(gen.config)}
     with DatasetWriter(out, name=name, source="procedural", aligned=gen.config.aligned, generator=meta) as w:
         for k, ident in enumerate(tqdm(identities, desc=f"prepare {name}", unit="id", leave=False)):
@@ -126,7 +132,8 @@ def _procedural_split(
                 )
                 images.append(s.image)
                 labels.append(k)
-    return np.stack(images), np.asarray(labels)
+                landmarks.append(s.landmarks)
+    return np.stack(images), np.asarray(labels), np.stack(landmarks)
 
 
 def _template_set(out: Path, gen: ProceduralFaces, cfg: DataConfig, first_identity: int, seed: int) -> int:
@@ -248,13 +255,14 @@ def run(cfg: DataConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
             tmp / "train", gen, train_ids, cfg.images_per_identity,
             lambda i: "train" if i < n_train_imgs else "val", name="procedural-train",
         )
-        h_images, h_labels = _procedural_split(
+        h_images, h_labels, h_landmarks = _procedural_split(
             tmp / "heldout", gen, heldout_ids, cfg.heldout_images_per_identity,
             lambda i: "gallery" if i < cfg.gallery_images_per_identity else "probe", name="procedural-heldout",
         )
         (tmp / "verification").mkdir()
         n_pairs = write_pairs_bin(
-            tmp / "verification" / "procedural.bin", h_images, h_labels, cfg.verification_pairs, cfg.seed
+            tmp / "verification" / "procedural.bin", h_images, h_labels, cfg.verification_pairs, cfg.seed,
+            landmarks=h_landmarks,
         )
         n_tpairs = _template_set(tmp / "templates", gen, cfg, cfg.train_identities, cfg.seed)
         result.metrics.update({

@@ -45,7 +45,8 @@ def plot_history(history: list[dict], path: Path) -> None:
 
 
 def run(cfg: FRConfig, data: DataConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
-    from ml.data.dataset import load_images, read_dataset_info, read_manifest
+    from ml.data.dataset import landmarks_array, load_images, read_dataset_info, read_manifest
+    from ml.models.backbones import input_contract
     from ml.models.io import save_model
     from ml.train.fr import train
 
@@ -63,7 +64,9 @@ def run(cfg: FRConfig, data: DataConfig, paths: Paths, *, tracker: Any = None) -
         from tasks.tracking import tracking_uri
 
         loggers = [MLFlowLogger(run_id=tracker.run_id, tracking_uri=tracking_uri(paths.root))]
-    res = train(cfg, images, labels, loggers=loggers)
+    # KP-RPE backbones read the manifest's landmarks (ground truth for procedural data, the aligner's otherwise)
+    keypoints = landmarks_array(rows) if input_contract(cfg.backbone).get("needs_keypoints") else None
+    res = train(cfg, images, labels, loggers=loggers, keypoints=keypoints)
 
     extra = {
         "training_data_digest": info["digest"],

@@ -26,12 +26,14 @@ class Cfg:
     name: str = "x"
     mode: Literal["a", "b"] = "a"
     fars: tuple[float, ...] = (0.1,)
+    pair: tuple[int, float] = (1, 0.5)
     inner: Inner = field(default_factory=Inner)
 
 
 def test_defaults_and_conversion():
-    cfg = from_mapping(Cfg, {"lr": 1, "fars": [0.01, 0.001], "inner": {"p": 1}}, "fr")
-    assert cfg == Cfg(lr=1.0, fars=(0.01, 0.001), inner=Inner(p=1.0))
+    cfg = from_mapping(Cfg, {"lr": 1, "fars": [0.01, 0.001], "pair": [2, 3], "inner": {"p": 1}}, "fr")
+    assert cfg == Cfg(lr=1.0, fars=(0.01, 0.001), pair=(2, 3.0), inner=Inner(p=1.0))
+    assert isinstance(cfg.pair[1], float)
     assert isinstance(cfg.lr, float)
 
 
@@ -43,7 +45,7 @@ def test_unknown_key_named_with_suggestion():
 @pytest.mark.parametrize(
     ("mapping", "key"),
     [({"epochs": "2"}, "fr.epochs"), ({"epochs": True}, "fr.epochs"), ({"lr": "fast"}, "fr.lr"),
-     ({"mode": "c"}, "fr.mode"), ({"fars": 0.1}, "fr.fars"), ({"inner": {"q": 1}}, "fr.inner.q")],
+     ({"mode": "c"}, "fr.mode"), ({"fars": 0.1}, "fr.fars"), ({"pair": [1, 2, 3]}, "fr.pair"), ({"pair": [1.5, 2]}, r"fr.pair\[0\]"), ({"inner": {"q": 1}}, "fr.inner.q")],
 )
 def test_wrong_types_name_the_key(mapping, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

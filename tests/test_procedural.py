@@ -289,12 +289,26 @@ def test_sequence_is_deterministic():
 @pytest.mark.parametrize("aligned", [True, False])
 def test_shapes_and_dtypes(size, aligned):
     gen = ProceduralFaces(ProceduralConfig(image_size=size, aligned=aligned), seed=0)
-    for s in [gen.sample(0, 0), gen.sample(11, 4), *gen.sequence(1, 3), gen.render(2, gen.clean_nuisance())]:
+    degraded = {**gen.clean_nuisance(), "jpeg_quality": 30, "lowres": 0.5, "blur": 1.0, "noise": 6.0, "bar": True}
+    samples = [gen.sample(0, 0), gen.sample(11, 4), *gen.sequence(1, 3), gen.render(2, gen.clean_nuisance())]
+    for s in [*samples, gen.render(2, degraded), gen.render(3, {**gen.clean_nuisance(), "jpeg_quality": 50})]:
         assert s.image.shape == (size, size, 3) and s.image.dtype == np.uint8
+        assert s.image.flags["C_CONTIGUOUS"] and s.image.flags["WRITEABLE"]
         assert s.landmarks.shape == (5, 2) and s.landmarks.dtype == np.float32
         assert isinstance(s.quality, float) and 0.0 <= s.quality <= 1.0
         assert set(s.nuisance) == set(NUISANCE_KEYS)
         assert all(isinstance(v, (bool, int, float)) for v in s.nuisance.values())
+
+
+def test_config_loads_from_params_mapping():
+    from ml.config import from_mapping
+
+    cfg = from_mapping(ProceduralConfig, {"blur_prob": 0.1, "scale_min": 0.5, "clutter_max": 3}, "data.procedural")
+    assert (cfg.blur_prob, cfg.scale_min, cfg.clutter_max) == (0.1, 0.5, 3)
+    with pytest.raises(ConfigError, match="blur_prb"):
+        from_mapping(ProceduralConfig, {"blur_prb": 0.1}, "data.procedural")
+    with pytest.raises(ConfigError, match="scale_min"):
+        from_mapping(ProceduralConfig, {"scale_min": 1.5}, "data.procedural")
 
 
 def test_config_is_frozen_and_validated():

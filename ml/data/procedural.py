@@ -11,16 +11,18 @@ strongly each nuisance occurs.
 Frames and the exact landmarks
 ------------------------------
 Shapes are defined in a *canonical frame* measured in ArcFace-112 units: an average frontal face put
-there has its 5 landmarks on the ArcFace template. Each feature has a depth ``z`` (nose tip 22, eyes 8,
-face outline 0, ears −18). Rendering a canonical point ``p`` at depth ``z`` takes two maps:
+there has its 5 landmarks on the ArcFace template. Each feature has a depth ``z`` (nose 22, mouth 9,
+eyes and brows 8, face outline 0, hair behind −6, ears −18). Rendering a canonical point ``p`` at depth
+``z`` takes two maps:
 
 - depth warp (yaw ψ, pitch φ):  ``q = C + diag(cos ψ, cos φ) (p − C) + z (sin ψ, sin φ)``, so the nose
   shifts sideways more than the eyes and the outline compresses;
 - similarity:                   ``out = s R(θ) (q − C) + C + t``, then ``pixel = out · size / 112``,
 
-with ``C = (56, 72)`` and pixel centres at integer coordinates. Both maps are affine for a fixed depth,
-so every feature is drawn by inverse-mapping its pixel box into its own canonical frame and evaluating
-soft-edged implicit shapes there (1-px linear edges for antialiasing), alpha-composited back to front.
+with ``C = (56, 72)``, ``t = 112·(tx, ty)`` and pixel centres at integer coordinates. Both maps are
+affine for a fixed depth, so every feature is drawn by inverse-mapping its pixel box into its own
+canonical frame and evaluating soft-edged implicit shapes there (1-px linear edges for antialiasing),
+alpha-composited back to front.
 The 5 landmarks are the canonical eye centres, nose tip and mouth corners pushed through the very same
 two maps, so they are exact for every pose and expression.
 
@@ -31,6 +33,17 @@ centre is composed on top of that fit.
 
 Quality is a product of per-degradation factors in ``[0, 1]`` (blur, noise, JPEG, low resolution,
 occlusion, pose, darkness), so more of any degradation never raises it; see :func:`quality_score`.
+
+Determinism and speed
+---------------------
+Identities draw from ``numpy.random.default_rng([seed, 1, identity])``; per-image nuisance draws from
+Python's ``random.Random`` seeded with strings such as ``"seed:2:identity:index"`` (hashed with SHA-512,
+the same on every platform, and far cheaper per scalar draw than numpy). Every draw is made whether or
+not its nuisance fires, so changing one probability does not reshuffle the others. A 112×112 face costs
+a few hundred small numpy calls, so the renderer minimises calls rather than arithmetic: features are
+evaluated only in their pixel box, mirrored pairs (eyes, brows, ears, nostrils) in one pass, on a
+contiguous copy of the box; Gaussian blur is separable shifted adds (no BLAS, whose threads misbehave
+in busy data loaders) and sensor noise is a seeded window of a fixed noise bank.
 """
 
 from __future__ import annotations
@@ -114,7 +127,8 @@ class ProceduralConfig:
     aligned_scale_jitter: float = 0.04  # std of log-scale jitter
     aligned_shift: float = 0.02  # std of translation jitter, fraction of image size
     rotation_deg: float = 30.0  # unaligned mode: |in-plane rotation| uniform up to this
-    scale_range: tuple[float, float] = (0.55, 1.05)  # unaligned mode: face scale
+    scale_min: float = 0.55  # unaligned mode: face scale uniform in [scale_min, scale_max]
+    scale_max: float = 1.05
     shift: float = 0.14  # unaligned mode: |translation| uniform up to this fraction of image size
     # expression
     smile_prob: float = 0.5
@@ -122,8 +136,10 @@ class ProceduralConfig:
     blink_prob: float = 0.1
     # illumination: multiplicative linear gradient, global gain/contrast, per-channel cast
     light_strength: float = 0.55  # gradient amplitude, uniform in [0, this]
-    brightness_range: tuple[float, float] = (0.6, 1.2)
-    contrast_range: tuple[float, float] = (0.6, 1.15)
+    brightness_min: float = 0.6  # global gain uniform in [brightness_min, brightness_max]
+    brightness_max: float = 1.2
+    contrast_min: float = 0.6  # contrast about mid-grey uniform in [contrast_min, contrast_max]
+    contrast_max: float = 1.15
     color_cast: float = 0.08  # std of per-channel gain
     # background
     clutter_max: int = 6  # random shapes behind the face, uniform count in [0, this]
@@ -157,11 +173,12 @@ class ProceduralConfig:
             "aligned_rotation_deg": self.aligned_rotation_deg >= 0.0,
             "aligned_scale_jitter": self.aligned_scale_jitter >= 0.0,
             "aligned_shift": self.aligned_shift >= 0.0,
-            "scale_range": 0.2 <= self.scale_range[0] <= self.scale_range[1] <= 2.0,
+            "scale_min": 0.2 <= self.scale_min <= self.scale_max,
+            "scale_max": self.scale_max <= 2.0,
             "shift": 0.0 <= self.shift <= 0.5,
             "light_strength": 0.0 <= self.light_strength <= 1.0,
-            "brightness_range": 0.1 <= self.brightness_range[0] <= self.brightness_range[1],
-            "contrast_range": 0.1 <= self.contrast_range[0] <= self.contrast_range[1],
+            "brightness_min": 0.1 <= self.brightness_min <= self.brightness_max,
+            "contrast_min": 0.1 <= self.contrast_min <= self.contrast_max,
             "color_cast": 0.0 <= self.color_cast <= 0.5,
             "clutter_max": 0 <= self.clutter_max <= 50,
             "blur_sigma_max": self.blur_sigma_max >= 0.4,
@@ -233,8 +250,9 @@ def quality_score(nuisance: dict) -> float:
 
     blur σ (112-px): e^(−0.45σ); noise std: e^(−std/30); JPEG quality Q: 1 − 0.5·max(0, 90 − Q)/78;
     low resolution r: r^0.7; occluders: mask 0.6, sunglasses 0.65, glasses 0.95, bar 0.75 − width;
-    pose: e^(−(yaw/50°)²)·e^(−(pitch/40°)²); small faces: min(1, scale)^0.5; darkness and flat
-    contrast: min(1, brightness·contrast/0.7)^1.5; light gradient: 1 − 0.2·strength; closed eyes: 1 − 0.1·closure.
+    pose: e^(−(yaw/50°)²)·e^(−(pitch/40°)²); small faces: min(1, scale/0.8)^0.5; darkness and flat
+    contrast: min(1, brightness·contrast/0.7)^1.5; light gradient: 1 − 0.2·strength; closed eyes:
+    1 − 0.1·closure.
     """
     n = nuisance
     q = math.exp(-0.45 * max(0.0, n["blur"]))
@@ -250,7 +268,7 @@ def quality_score(nuisance: dict) -> float:
     if n["bar"]:
         q *= max(0.2, 0.75 - n["bar_width"])
     q *= math.exp(-((n["yaw"] / 50.0) ** 2)) * math.exp(-((n["pitch"] / 40.0) ** 2))
-    q *= min(1.0, n["scale"]) ** 0.5
+    q *= min(1.0, n["scale"] / 0.8) ** 0.5
     q *= min(1.0, max(0.0, n["brightness"] * n["contrast"]) / 0.7) ** 1.5
     q *= 1.0 - 0.2 * min(1.0, max(0.0, n["light_strength"]))
     q *= 1.0 - 0.1 * min(1.0, max(0.0, n["eye_closure"]))
@@ -386,7 +404,8 @@ class _Face:
     @staticmethod
     def _marks_texture(p: dict[str, float]) -> tuple[np.ndarray | None, tuple[float, float]]:
         """Moles and freckles as an opacity texture at 0.5 canonical units per texel (None if none)."""
-        dots = [(p[f"mole{i}_x"], p[f"mole{i}_y"], p[f"mole{i}_r"], 0.9) for i in range(_N_MOLES) if p[f"mole{i}_r"] > 0]
+        moles = [i for i in range(_N_MOLES) if p[f"mole{i}_r"] > 0]
+        dots = [(p[f"mole{i}_x"], p[f"mole{i}_y"], p[f"mole{i}_r"], 0.9) for i in moles]
         if p["freckles"] > 0:
             rng = np.random.default_rng([int(p["freckle_seed"]), _STREAM_MARKS])
             n = int(10 + 40 * p["freckles"])
@@ -545,7 +564,9 @@ class _View:
         return slice(r0, r1), slice(c0, c1), u, v
 
 
-def _fit_similarity(src: list[tuple[float, float]], dst: list[tuple[float, float]]) -> tuple[float, float, float, float]:
+def _fit_similarity(
+    src: list[tuple[float, float]], dst: list[tuple[float, float]]
+) -> tuple[float, float, float, float]:
     """Least-squares similarity dst ≈ s R(θ) src + t (Umeyama); returns (s, θ radians, tx, ty).
 
     In 2-D the optimum is closed form: s·cosθ = Σ a·b / Σ|a|², s·sinθ = Σ a×b / Σ|a|² over centred points.
@@ -643,8 +664,8 @@ class ProceduralFaces:
         c = self.config
         r = [rng.random() for _ in range(24)]
         g = [rng.gauss(0.0, 1.0) for _ in range(4)]
-        blo, bhi = c.brightness_range
-        clo, chi = c.contrast_range
+        blo, bhi = c.brightness_min, c.brightness_max
+        clo, chi = c.contrast_min, c.contrast_max
         dyn = {
             "yaw": (2 * r[0] - 1) * c.yaw_deg,
             "pitch": (2 * r[1] - 1) * c.pitch_deg,
@@ -665,7 +686,7 @@ class ProceduralFaces:
             dyn["place_scale"] = math.exp(c.aligned_scale_jitter * g[1])
             dyn["place_tx"], dyn["place_ty"] = c.aligned_shift * g[2], c.aligned_shift * g[3]
         else:
-            lo, hi = c.scale_range
+            lo, hi = c.scale_min, c.scale_max
             dyn["place_rot"] = (2 * r[20] - 1) * c.rotation_deg
             dyn["place_scale"] = lo + (hi - lo) * r[21]
             dyn["place_tx"], dyn["place_ty"] = (2 * r[22] - 1) * c.shift, (2 * r[23] - 1) * c.shift
@@ -821,7 +842,7 @@ def _colour(rng: random.Random, lo: float, hi: float) -> np.ndarray:
 
 
 def _draw_background(img: np.ndarray, view: _View, n: dict, rng: random.Random) -> None:
-    """Two-colour linear gradient, optional stripes, then ``clutter`` random ellipses/rectangles/rings."""
+    """Two-colour linear gradient, optional stripes, then ``clutter`` random boxes, bars, ellipses, rings."""
     size, grid = view.size, view.grid
     c0, c1 = _colour(rng, 20, 235), _colour(rng, 20, 235)
     ang = rng.uniform(0, 2 * math.pi)
@@ -837,29 +858,33 @@ def _draw_background(img: np.ndarray, view: _View, n: dict, rng: random.Random) 
         alpha += amp  # in [0, 2·amp]
         _over(img, alpha, colour)
     for _ in range(n["clutter"]):
-        kind = rng.randrange(3)
+        kind = rng.randrange(4)
         cx, cy = rng.uniform(-0.1, 1.1) * size, rng.uniform(-0.1, 1.1) * size
-        a, b = rng.uniform(0.06, 0.35) * size, rng.uniform(0.06, 0.35) * size
+        a, b = rng.uniform(0.05, 0.3) * size, rng.uniform(0.05, 0.3) * size
         colour = _colour(rng, 0, 255)
         opacity = rng.uniform(0.5, 1.0)
         angle = math.radians(rng.uniform(0, 180))
         r = max(a, b)
-        r0, r1 = max(0, int(cy - r) - 1), min(size, int(cy + r) + 2)
-        c0_, c1_ = max(0, int(cx - r) - 1), min(size, int(cx + r) + 2)
+        ra, rb = (a, b) if kind == 0 else (r, r)  # an axis-aligned box is its own pixel box
+        r0, r1 = max(0, int(cy - rb) - 1), min(size, int(cy + rb) + 2)
+        c0_, c1_ = max(0, int(cx - ra) - 1), min(size, int(cx + ra) + 2)
         if r0 >= r1 or c0_ >= c1_:
             continue
-        ca, sa = math.cos(angle), math.sin(angle)
-        dx, dy = grid[c0_:c1_] - cx, grid[r0:r1] - cy
-        u = np.add.outer(dy * sa, dx * ca)
-        v = np.add.outer(dy * ca, dx * -sa)
-        if kind == 0:  # ellipse
-            d = _ellipse_sd(u, v, a, b)
-        elif kind == 1:  # rectangle
-            d = np.minimum(a - np.abs(u, out=u), b - np.abs(v, out=v))
-        else:  # ring
-            d = 0.18 * r - np.abs(_ellipse_sd(u, v, a, b))
         patch = img[:, r0:r1, c0_:c1_].copy()
-        _over(patch, _ramp(d, 1.0, opacity), colour)
+        if kind == 0:  # axis-aligned box, hard-edged
+            patch += opacity * (colour - patch)
+        else:
+            ca, sa = math.cos(angle), math.sin(angle)
+            dx, dy = grid[c0_:c1_] - cx, grid[r0:r1] - cy
+            v = np.add.outer(dy * ca, dx * -sa)
+            if kind == 1:  # rotated bar across the patch
+                d = np.subtract(0.25 * b, np.abs(v, out=v), out=v)
+            else:
+                u = np.add.outer(dy * sa, dx * ca)
+                d = _ellipse_sd(u, v, a, b)
+                if kind == 3:  # ring
+                    d = 0.18 * r - np.abs(d, out=d)
+            _over(patch, _ramp(d, 1.0, opacity), colour)
         img[:, r0:r1, c0_:c1_] = patch
 
 
@@ -1230,32 +1255,40 @@ def _noise_bank(size: int) -> np.ndarray:
     return bank
 
 
-def _gaussian_blur(img: np.ndarray, sigma: float) -> np.ndarray:
-    """Separable Gaussian blur of a (3, H, W) image, edges replicated; taps to 2σ, renormalised."""
-    r = max(1, math.ceil(2.0 * sigma))
-    w = np.exp(-0.5 * (np.arange(r + 1) / sigma) ** 2)
-    w /= w[0] + 2.0 * w[1:].sum()
-    w = w.tolist()
-    _, h, wd = img.shape
-    xp = np.empty((3, h + 2 * r, wd), dtype=np.float32)  # rows
-    xp[:, r : r + h] = img
-    xp[:, :r] = img[:, :1]
-    xp[:, r + h :] = img[:, -1:]
-    out = xp[:, r : r + h] * w[0]
+def _blur_axis(x: np.ndarray, w: list[float], axis: int) -> np.ndarray:
+    """Symmetric convolution of a (3, H, W) array along ``axis`` (1 or 2) with taps w[0], w[±1], ...;
+    edges replicated."""
+    r, n = len(w) - 1, x.shape[axis]
+    shape = list(x.shape)
+    shape[axis] = n + 2 * r
+    xp = np.empty(shape, dtype=np.float32)
+    sl = [slice(None)] * 3
+
+    def at(start: int, stop: int) -> tuple:
+        sl[axis] = slice(start, stop)
+        return tuple(sl)
+
+    xp[at(r, r + n)] = x
+    xp[at(0, r)] = x[at(0, 1)]
+    xp[at(r + n, n + 2 * r)] = x[at(n - 1, n)]
+    out = xp[at(r, r + n)] * w[0]
     for k in range(1, r + 1):
-        t = xp[:, r - k : r - k + h] + xp[:, r + k : r + k + h]
-        t *= w[k]
-        out += t
-    xp = np.empty((3, h, wd + 2 * r), dtype=np.float32)  # columns
-    xp[:, :, r : r + wd] = out
-    xp[:, :, :r] = out[:, :, :1]
-    xp[:, :, r + wd :] = out[:, :, -1:]
-    out = xp[:, :, r : r + wd] * w[0]
-    for k in range(1, r + 1):
-        t = xp[:, :, r - k : r - k + wd] + xp[:, :, r + k : r + k + wd]
+        t = xp[at(r - k, r - k + n)] + xp[at(r + k, r + k + n)]
         t *= w[k]
         out += t
     return out
+
+
+def _gaussian_taps(sigma: float) -> list[float]:
+    r = max(1, math.ceil(2.0 * sigma))
+    w = np.exp(-0.5 * (np.arange(r + 1) / sigma) ** 2)
+    return (w / (w[0] + 2.0 * w[1:].sum())).tolist()  # truncated at 2σ, renormalised
+
+
+def _gaussian_blur(img: np.ndarray, sigma: float) -> np.ndarray:
+    """Separable Gaussian blur of a (3, H, W) image, σ in pixels, edges replicated."""
+    w = _gaussian_taps(sigma)
+    return _blur_axis(_blur_axis(img, w, 1), w, 2)
 
 
 def _degrade(img: np.ndarray, view: _View, n: dict) -> np.ndarray:
@@ -1282,7 +1315,7 @@ def _degrade(img: np.ndarray, view: _View, n: dict) -> np.ndarray:
     small = max(4, int(round(size * n["lowres"])))
     if small < size:  # area-average down to the capture size, bilinear back up
         pil = Image.fromarray(out).resize((small, small), Image.BOX)
-        out = np.asarray(pil.resize((size, size), Image.BILINEAR))
+        out = np.array(pil.resize((size, size), Image.BILINEAR))
     if n["noise"] > 0:
         seed = n["noise_seed"]
         oy, ox = seed % size, (seed // size) % size
@@ -1295,6 +1328,6 @@ def _degrade(img: np.ndarray, view: _View, n: dict) -> np.ndarray:
     if n["jpeg_quality"] < 100:
         buf = io.BytesIO()
         Image.fromarray(out).save(buf, format="JPEG", quality=int(n["jpeg_quality"]))
-        buf.seek(0)
-        out = np.asarray(Image.open(buf))  # RGB in, RGB out
+        # The raw decoder skips the file-format layer of Image.open (a third of the decode time).
+        out = np.array(Image.frombytes("RGB", (size, size), buf.getvalue(), "jpeg", "RGB", ""))
     return out

@@ -102,10 +102,27 @@ def images_to_tensor(images: np.ndarray, contract: dict[str, Any] | None = None)
     return normalize(x, *_mean_std(contract)).contiguous()
 
 
-def augment_batch(x: torch.Tensor, max_zoom: float = 0.1, max_shift: float = 0.06) -> torch.Tensor:
+# ArcFace order: left eye, right eye, nose, left mouth, right mouth → after a horizontal flip
+FLIP_LANDMARK_ORDER = (1, 0, 2, 4, 3)
+
+
+def flip_keypoints(keypoints: torch.Tensor, size: int) -> torch.Tensor:
+    """Pixel landmarks (B, 5, 2) of a horizontally flipped image: x → S−1−x, left/right points swapped."""
+    flipped = keypoints[:, list(FLIP_LANDMARK_ORDER)].clone()
+    flipped[..., 0] = (size - 1) - flipped[..., 0]
+    return flipped
+
+
+def augment_batch(
+    x: torch.Tensor, max_zoom: float = 0.1, max_shift: float = 0.06, keypoints: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Random horizontal flip (p = 0.5), zoom-in by up to ``max_zoom`` of the side and translation by up
-    to ``max_shift`` of the side, per sample, as one bilinear affine resample of the batch (B, C, H, W)."""
-    b = x.shape[0]
+    to ``max_shift`` of the side, per sample, as one bilinear affine resample of the batch (B, C, H, W).
+
+    With ``keypoints`` (B, 5, 2) pixel (x, y), returns ``(images, keypoints)`` with the landmarks moved by
+    the same transform (and left/right swapped where flipped), so KP-RPE sees where the features went.
+    """
+    b, size = x.shape[0], x.shape[-1]
     dev = x.device
     flip = torch.where(torch.rand(b, device=dev) < 0.5, -1.0, 1.0)
     zoom = 1.0 - max_zoom * torch.rand(b, device=dev)  # sampled window side / image side
@@ -115,7 +132,18 @@ def augment_batch(x: torch.Tensor, max_zoom: float = 0.1, max_shift: float = 0.0
     theta[:, 1, 1] = zoom
     theta[:, :, 2] = shift
     grid = F.affine_grid(theta, list(x.shape), align_corners=False)
-    return F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
+    out = F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
+    if keypoints is None:
+        return out
+    # output grid g maps to input A·g + t; a landmark at input n sits at A⁻¹(n − t) in the output.
+    # pixel ↔ normalised (align_corners=False): n = (2p + 1)/S − 1
+    n = (2.0 * keypoints + 1.0) / size - 1.0
+    scale = torch.stack([zoom * flip, zoom], dim=1).unsqueeze(1)  # (B, 1, 2)
+    moved = (n - shift.unsqueeze(1)) / scale
+    moved = ((moved + 1.0) * size - 1.0) / 2.0
+    swap = (flip < 0).view(b, 1, 1)
+    moved = torch.where(swap, moved[:, list(FLIP_LANDMARK_ORDER)], moved)
+    return out, moved
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
@@ -139,15 +167,19 @@ class FRModule(lightning.LightningModule):
         self.register_buffer("mean", mean, persistent=False)
         self.register_buffer("std", std, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.backbone(x)
+    def forward(self, x: torch.Tensor, keypoints: torch.Tensor | None = None) -> torch.Tensor:
+        return self.backbone(x, keypoints) if needs_keypoints(self.backbone) else self.backbone(x)
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        images, labels = batch  # uint8 (B, 3, H, W), int64 (B,)
+    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
+        images, labels, *rest = batch  # uint8 (B, 3, H, W), int64 (B,), [float32 (B, 5, 2) pixel landmarks]
+        keypoints = rest[0] if rest else None
         x = normalize(images, self.mean, self.std)
         if self.cfg.augment:
-            x = augment_batch(x)
-        cosine = self.head.cosine(self.backbone(x))  # (B, C)
+            if keypoints is None:
+                x = augment_batch(x)
+            else:
+                x, keypoints = augment_batch(x, keypoints=keypoints)
+        cosine = self.head.cosine(self(x, keypoints))  # (B, C)
         loss = F.cross_entropy(self.head.apply_margin(cosine, labels), labels)
         accuracy = (cosine.argmax(dim=1) == labels).float().mean()
         b = labels.shape[0]
@@ -224,6 +256,29 @@ def _check_labels(labels: np.ndarray, n: int) -> np.ndarray:
     return labels.astype(np.int64)
 
 
+def needs_keypoints(model: nn.Module) -> bool:
+    """True for backbones (KP-RPE) that take 5 pixel landmarks per image beside the image."""
+    return bool(getattr(model, "needs_keypoints", False))
+
+
+def _check_keypoints(keypoints: np.ndarray | None, n: int, model_name: str) -> np.ndarray:
+    if keypoints is None:
+        raise DataError(
+            f"backbone {model_name!r} uses KP-RPE and needs 5 landmarks per image, but none were given; "
+            "pass keypoints (N, 5, 2) pixel x, y — from the manifest's landmarks or the aligner's predictions"
+        )
+    keypoints = np.asarray(keypoints, dtype=np.float32)
+    if keypoints.shape != (n, 5, 2):
+        raise DataError(f"keypoints must have shape ({n}, 5, 2), got {keypoints.shape}")
+    missing = np.flatnonzero(~np.isfinite(keypoints).all(axis=(1, 2)))
+    if missing.size:
+        raise DataError(
+            f"{missing.size} of {n} images have no landmarks (e.g. rows {missing[:5].tolist()}); "
+            "drop them or fill them with the aligner's predictions before training a KP-RPE backbone"
+        )
+    return keypoints
+
+
 def _backbone_kwargs(cfg: FRConfig, size: int, overrides: dict[str, Any] | None) -> dict[str, Any]:
     kwargs = dict(overrides or {})
     for key in ("img_size", "embed_dim"):
@@ -252,8 +307,11 @@ def train(
     callbacks: Sequence[Callback] = (),
     progress: bool = True,
     backbone_overrides: dict[str, Any] | None = None,
+    keypoints: np.ndarray | None = None,
 ) -> FRResult:
     """Fit ``cfg.backbone`` on uint8 RGB ``images`` (N, H, W, 3) with contiguous integer ``labels`` (N,).
+
+    KP-RPE backbones also need ``keypoints`` (N, 5, 2): pixel landmarks in ArcFace order.
 
     ``backbone_overrides`` are extra constructor arguments (e.g. ``depth``); the image size and the
     embedding dimension always come from the data and ``cfg``.
@@ -268,15 +326,18 @@ def train(
 
     lightning.seed_everything(cfg.seed, workers=True, verbose=False)
     backbone = build_backbone(cfg.backbone, **kwargs)
+    tensors = [
+        torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).contiguous(),  # uint8 (N, 3, H, W)
+        torch.from_numpy(labels),
+    ]
+    if needs_keypoints(backbone):
+        tensors.append(torch.from_numpy(_check_keypoints(keypoints, n, cfg.backbone)))
     num_classes = int(labels.max()) + 1
     head = CombinedMarginLoss(cfg.embedding_dim, num_classes, s=cfg.scale, **MARGINS[cfg.margin])
 
     batch_size = min(cfg.batch_size, n)
     steps_per_epoch = n // batch_size  # drop_last: a batch of 1 would break BatchNorm
-    data = TensorDataset(
-        torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).contiguous(),  # uint8 (N, 3, H, W)
-        torch.from_numpy(labels),
-    )
+    data = TensorDataset(*tensors)
     loader = DataLoader(
         data,
         batch_size=batch_size,
@@ -322,10 +383,13 @@ def embed(
     batch_size: int = 256,
     flip: bool = True,
     progress: bool = False,
+    keypoints: np.ndarray | None = None,
 ) -> np.ndarray:
     """float32 (N, D) embeddings of uint8 RGB ``images`` (N, H, W, 3): ``f(x) + f(flip x)`` when ``flip``
-    (horizontal flip), else ``f(x)``. Not L2-normalised; callers normalise."""
+    (horizontal flip), else ``f(x)``. Not L2-normalised; callers normalise. KP-RPE models also need
+    ``keypoints`` (N, 5, 2) pixel landmarks; the flipped pass gets the flipped, left/right-swapped ones."""
     _check_images(images)
+    kp = _check_keypoints(keypoints, len(images), type(model).__name__) if needs_keypoints(model) else None
     contract = getattr(model, "input_contract", None)
     if contract is not None and images.shape[1] != contract["size"]:
         raise DataError(
@@ -341,9 +405,15 @@ def embed(
         with torch.no_grad(), tqdm(total=len(images), unit="img", disable=not progress, desc="embed") as bar:
             for i in range(0, len(images), batch_size):
                 x = images_to_tensor(images[i : i + batch_size], contract).to(device)
-                feats = model(x)
-                if flip:
-                    feats = feats + model(x.flip(3))
+                if kp is None:
+                    feats = model(x)
+                    if flip:
+                        feats = feats + model(x.flip(3))
+                else:
+                    k = torch.from_numpy(kp[i : i + batch_size]).to(device)
+                    feats = model(x, k)
+                    if flip:
+                        feats = feats + model(x.flip(3), flip_keypoints(k, x.shape[-1]))
                 chunks.append(feats.float().cpu().numpy())
                 bar.update(x.shape[0])
     finally:
