@@ -18,13 +18,13 @@ app = typer.Typer(
     rich_markup_mode="markdown",
     help=(
         "**faceops** — reproducible face-recognition research pipelines.\n\n"
-        "The stage DAG lives in `dvc.yaml` (prepare → validate → train_fr → evaluate), its configuration in "
+        "The stage DAG lives in `dvc.yaml` (prepare → validate → train_fr@real → evaluate), its configuration in "
         "`params.yaml`. Every stage execution is an MLflow run (store: `mlflow.db`, or `MLFLOW_TRACKING_URI`).\n\n"
         "Typical use:\n\n"
         "* `faceops run` — reproduce the whole pipeline as a Prefect flow (skips what DVC finds up to date)\n\n"
         "* `faceops run --set fr.epochs=2` — the same with a params delta (like `dvc exp run -S`)\n\n"
         "* `faceops run --preset smoke` — the whole DAG at toy size in under two minutes\n\n"
-        "* `faceops stage train_fr` — run one stage's code directly (what `dvc repro` calls)\n\n"
+        "* `faceops stage train_fr@real` — run one stage's code directly (what `dvc repro` calls)\n\n"
         "* `faceops ls` — stages and their status, datasets, models and registry versions"
     ),
 )
@@ -96,7 +96,7 @@ def run(
 
 
 @app.command("stage")
-def stage_cmd(name: Annotated[str, typer.Argument(help="stage name from dvc.yaml, e.g. `train_fr`")]) -> None:
+def stage_cmd(name: Annotated[str, typer.Argument(help="stage name from dvc.yaml, e.g. `prepare` or `train_fr@real`")]) -> None:
     """Run one stage's code directly, bypassing DVC's cache (this is what `dvc.yaml`'s cmd runs).
 
     To run a stage only when its inputs changed, use `dvc repro NAME` or `faceops run --stage NAME`.
@@ -104,11 +104,13 @@ def stage_cmd(name: Annotated[str, typer.Argument(help="stage name from dvc.yaml
     from tasks import STAGES
     from tasks.common import stage_main
 
-    if name not in STAGES:
-        _fail(f"unknown stage '{name}'. Stages: {', '.join(STAGES)}.")
+    base, _, item = name.partition("@")  # foreach stages: train_fr@real → tasks.train_fr.main("real")
+    if base not in STAGES:
+        _fail(f"unknown stage '{name}'. Stages: {', '.join(STAGES)} (foreach stages as NAME@ITEM, e.g. train_fr@real).")
     _root()
     _quiet_env()
-    stage_main(importlib.import_module(STAGES[name]).main)
+    main = importlib.import_module(STAGES[base]).main
+    stage_main((lambda: main(item)) if item else main)
 
 
 @app.command("ls")

@@ -58,8 +58,12 @@ class Paths:
         return self.root / "reports" / "validation"
 
     @property
-    def fr_model(self) -> Path:
+    def fr_models(self) -> Path:
         return self.root / "models" / "fr"
+
+    def fr_model(self, source: str) -> Path:
+        """``models/fr/<source>/``: one trained FR model per training source (``real``, ``synthetic``, ``mixed``)."""
+        return self.fr_models / source
 
     @property
     def metrics(self) -> Path:

@@ -47,15 +47,51 @@ def _fmt_far(far: float) -> str:
     return f"{far:.0e}".replace("e-0", "e-")
 
 
-def evaluate_model(model: Any, cfg: EvaluateConfig, paths: Paths, data: DataConfig) -> tuple[dict, dict]:
-    """All benchmark numbers of one model; returns (metrics, curves for plotting)."""
-    from ml.data.dataset import load_images, read_manifest
+def _verification_sets(paths: Paths) -> list[tuple[str, np.ndarray, np.ndarray, np.ndarray | None]]:
+    """(name, images, issame, landmarks or None) for every ``.bin`` in ``data/prepared/verification``."""
     from ml.data.formats import read_verification_bin
+
+    sets = []
+    for bin_path in sorted(paths.verification_dir.glob("*.bin")):
+        images, issame = read_verification_bin(bin_path)
+        sidecar = bin_path.with_suffix(".landmarks.npy")
+        sets.append((bin_path.stem, images, issame, np.load(sidecar) if sidecar.is_file() else None))
+    return sets
+
+
+def _pair_metrics(feats: np.ndarray, issame: np.ndarray, n_folds: int) -> tuple[dict[str, float], tuple]:
+    from ml.eval.metrics import pair_scores, roc_curve, verification_accuracy
+
+    acc = verification_accuracy(feats[0::2], feats[1::2], issame, n_folds=n_folds)
+    scores = pair_scores(_normalise(feats[0::2]), _normalise(feats[1::2]))
+    fpr, tpr, _ = roc_curve(scores, issame.astype(int))
+    return {"accuracy": acc["accuracy"], "std": acc["std"]}, (fpr, tpr)
+
+
+def evaluate_baselines(cfg: EvaluateConfig, paths: Paths, data: DataConfig, sets: list) -> tuple[dict, dict]:
+    """Raw-pixel cosine and a linear probe on pixels (fitted on the training identities) on every ``.bin``."""
+    from ml.data.dataset import load_images, read_manifest
     from ml.eval.baselines import LinearProbe, raw_pixels
-    from ml.eval.metrics import (
-        identification_rank, pair_scores, roc_curve, tar_at_far, template_features, verification_accuracy,
+
+    manifest = read_manifest(paths.train_set / "manifest.parquet")
+    rows = manifest[manifest["split"] == "train"].reset_index(drop=True)
+    probe = LinearProbe(epochs=cfg.probe_epochs, seed=data.seed).fit(
+        load_images(paths.train_set, rows), rows["label"].to_numpy()
     )
-    from ml.data.dataset import landmarks_array
+    metrics: dict[str, float] = {}
+    curves: dict[str, tuple] = {}
+    for name, images, issame, _ in sets:
+        for method, feats in (("raw_pixels", raw_pixels(images)), ("linear_probe", probe.embed(images))):
+            values, curves[f"{name}: {method}"] = _pair_metrics(feats, issame, cfg.n_folds)
+            for k, v in values.items():
+                metrics[f"baseline/{method}/verification/{name}/{k}"] = v
+    return metrics, curves
+
+
+def evaluate_model(model: Any, tag: str, cfg: EvaluateConfig, paths: Paths, sets: list) -> tuple[dict, dict]:
+    """All benchmark numbers of one model, keyed ``<tag>/...``; returns (metrics, ROC curves)."""
+    from ml.data.dataset import landmarks_array, load_images, read_manifest
+    from ml.eval.metrics import identification_rank, pair_scores, roc_curve, tar_at_far, template_features
     from ml.train.fr import embed, needs_keypoints
 
     def emb(images: np.ndarray, keypoints: np.ndarray | None = None) -> np.ndarray:
@@ -63,67 +99,51 @@ def evaluate_model(model: Any, cfg: EvaluateConfig, paths: Paths, data: DataConf
                      keypoints=keypoints if needs_keypoints(model) else None)
 
     metrics: dict[str, float] = {}
-    curves: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-
-    probe = None
-    if cfg.baselines:
-        train_manifest = read_manifest(paths.train_set / "manifest.parquet")
-        rows = train_manifest[train_manifest["split"] == "train"].reset_index(drop=True)
-        probe = LinearProbe(epochs=cfg.probe_epochs, seed=data.seed).fit(
-            load_images(paths.train_set, rows), rows["label"].to_numpy()
-        )
-
-    for bin_path in sorted(paths.verification_dir.glob("*.bin")):
-        name = bin_path.stem
-        images, issame = read_verification_bin(bin_path)
-        sidecar = bin_path.with_suffix(".landmarks.npy")
-        if needs_keypoints(model) and not sidecar.is_file():
-            log.warning("%s: no landmarks (%s) for the KP-RPE model; not evaluated", bin_path, sidecar.name)
-            metrics[f"verification/{name}/skipped_no_landmarks"] = 1.0
+    curves: dict[str, tuple] = {}
+    for name, images, issame, landmarks in sets:
+        if needs_keypoints(model) and landmarks is None:
+            log.warning("%s.bin has no landmarks sidecar; the KP-RPE model %s is not evaluated on it", name, tag)
+            metrics[f"{tag}/verification/{name}/skipped_no_landmarks"] = 1.0
             continue
-        candidates = {"model": emb(images, np.load(sidecar) if sidecar.is_file() else None)}
-        if probe is not None:
-            candidates["raw_pixels"] = raw_pixels(images)
-            candidates["linear_probe"] = probe.embed(images)
-        for method, feats in candidates.items():
-            prefix = f"verification/{name}" if method == "model" else f"baseline/{method}/verification/{name}"
-            acc = verification_accuracy(feats[0::2], feats[1::2], issame, n_folds=cfg.n_folds)
-            metrics[f"{prefix}/accuracy"] = acc["accuracy"]
-            metrics[f"{prefix}/std"] = acc["std"]
-            scores = pair_scores(_normalise(feats[0::2]), _normalise(feats[1::2]))
-            fpr, tpr, _ = roc_curve(scores, issame.astype(int))
-            curves[f"{name}: {method}"] = (fpr, tpr)
+        values, curves[f"{name}: {tag}"] = _pair_metrics(emb(images, landmarks), issame, cfg.n_folds)
+        for k, v in values.items():
+            metrics[f"{tag}/verification/{name}/{k}"] = v
 
-    # IJB-style templates
+    # IJB-style templates: media mean → template mean → cosine per listed pair
     tdir = paths.template_set
     manifest = read_manifest(tdir / "manifest.parquet")
     feats = emb(load_images(tdir, manifest), landmarks_array(manifest))
     tids, tfeats = template_features(feats, manifest["template"].to_numpy(), manifest["media"].to_numpy())
     pairs = np.loadtxt(tdir / "meta" / "template_pair_label.txt", dtype=np.int64, ndmin=2)
     index = {int(t): i for i, t in enumerate(tids)}
-    a = tfeats[[index[int(t)] for t in pairs[:, 0]]]
-    b = tfeats[[index[int(t)] for t in pairs[:, 1]]]
-    scores = pair_scores(a, b)
+    scores = pair_scores(tfeats[[index[int(t)] for t in pairs[:, 0]]], tfeats[[index[int(t)] for t in pairs[:, 1]]])
     labels = pairs[:, 2]
     for far, tar in tar_at_far(scores, labels, fars=cfg.fars).items():
-        metrics[f"templates/tar@far={_fmt_far(far)}"] = tar
+        metrics[f"{tag}/templates/tar@far={_fmt_far(far)}"] = tar
     fpr, tpr, _ = roc_curve(scores, labels)
-    curves["templates: model"] = (fpr, tpr)
-    metrics["templates/pairs"] = float(len(labels))
-    metrics["templates/impostor_pairs"] = float((labels == 0).sum())
+    curves[f"templates: {tag}"] = (fpr, tpr)
+    metrics[f"{tag}/templates/pairs"] = float(len(labels))
+    metrics[f"{tag}/templates/impostor_pairs"] = float((labels == 0).sum())
 
-    # closed-set identification on held-out identities
+    # closed-set identification on held-out identities (gallery vs probe split)
     hdir = paths.heldout_set
     manifest = read_manifest(hdir / "manifest.parquet")
     feats = emb(load_images(hdir, manifest), landmarks_array(manifest))
     gallery = (manifest["split"] == "gallery").to_numpy()
-    ranks = identification_rank(
-        feats[~gallery], manifest["label"].to_numpy()[~gallery],
-        feats[gallery], manifest["label"].to_numpy()[gallery], ranks=cfg.ranks,
-    )
-    for r, v in ranks.items():
-        metrics[f"identification/rank{r}"] = v
+    label = manifest["label"].to_numpy()
+    for r, v in identification_rank(feats[~gallery], label[~gallery], feats[gallery], label[gallery], ranks=cfg.ranks).items():
+        metrics[f"{tag}/identification/rank{r}"] = v
     return metrics, curves
+
+
+def model_dirs(paths: Paths) -> list[tuple[str, Path]]:
+    """``(source, directory)`` of every trained FR model under ``models/fr/``."""
+    found = sorted((d.name, d) for d in paths.fr_models.glob("*") if (d / "config.json").is_file())
+    if not found:
+        from ml.errors import DataError
+
+        raise DataError(f"no trained FR model under {paths.fr_models}; run `dvc repro train_fr` first.")
+    return found
 
 
 def plot_roc(curves: dict[str, tuple[np.ndarray, np.ndarray]], path: Path) -> None:
@@ -146,43 +166,54 @@ def plot_roc(curves: dict[str, tuple[np.ndarray, np.ndarray]], path: Path) -> No
     plt.close(fig)
 
 
-def render_report(metrics: dict[str, float], model_config: dict, data_info: dict, train_metrics: dict) -> str:
-    """``reports/benchmark.md``: the embedded run's numbers, model vs baselines."""
+def render_report(metrics: dict[str, float], models: dict[str, dict], train_metrics: dict[str, dict]) -> str:
+    """``reports/benchmark.md``: the run's numbers, one row per trained model plus the pixel baselines."""
+    pct = lambda v: "—" if v is None else f"{100 * v:.2f} %"  # noqa: E731
     lines = [
         "# faceops benchmark",
         "",
-        f"Generated by `dvc repro evaluate` on {_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M UTC}. "
-        "Every number below was measured in this run; see `metrics/evaluate.json` for all of them.",
+        f"Generated by the `evaluate` stage on {_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M UTC}. "
+        "Every number below was measured in this run; `metrics/evaluate.json` has all of them.",
         "",
-        "## Model",
+        "## Models",
         "",
-        f"- backbone: `{model_config.get('backbone')}` {model_config.get('kwargs', {})}",
-        f"- trained on: `{data_info.get('name')}` ({data_info.get('source')}), {data_info.get('identity_count')} identities, "
-        f"{data_info.get('image_count')} images, digest `{str(data_info.get('digest', ''))[:12]}`",
+        "| model | backbone | training data | identities / images | digest | train time | final train/accuracy |",
+        "|---|---|---|---|---|---|---|",
     ]
-    if train_metrics:
+    for tag, config in models.items():
+        extra = config.get("extra", {})
+        tm = train_metrics.get(tag, {})
         lines.append(
-            f"- training: {train_metrics.get('train/seconds', float('nan')):.0f} s, final train/loss "
-            f"{train_metrics.get('train/loss', float('nan')):.3f}, train/accuracy {train_metrics.get('train/accuracy', float('nan')):.3f}"
+            f"| `{tag}` | `{config.get('backbone')}` | {extra.get('training_data_source', '?')} | "
+            f"{extra.get('training_identities', '?')} / {extra.get('training_images', '?')} | "
+            f"`{str(extra.get('training_data_digest', ''))[:12]}` | {tm.get('train/seconds', float('nan')):.0f} s | "
+            f"{tm.get('train/accuracy', float('nan')):.3f} |"
         )
-    lines += ["", "## Verification (10-fold, flip TTA, held-out identities)", "",
-              "| benchmark | FR model | raw-pixel cosine | linear probe on pixels |", "|---|---|---|---|"]
-    names = sorted({k.split("/")[1] for k in metrics if k.startswith("verification/") and k.endswith("/accuracy")})
-    for name in names:
-        def cell(prefix: str) -> str:
-            acc = metrics.get(f"{prefix}verification/{name}/accuracy")
-            std = metrics.get(f"{prefix}verification/{name}/std")
-            return "—" if acc is None else f"{100 * acc:.2f} ± {100 * std:.2f} %"
-        lines.append(f"| `{name}.bin` | {cell('')} | {cell('baseline/raw_pixels/')} | {cell('baseline/linear_probe/')} |")
-    for k in sorted(k for k in metrics if k.endswith("/skipped_no_landmarks")):
-        lines.append(f"| `{k.split('/')[1]}.bin` | not evaluated: the KP-RPE model needs landmarks and the file has none | — | — |")
-    lines += ["", "## Templates (IJB-style: media mean → template mean)", "", "| metric | value |", "|---|---|"]
-    for k in sorted(k for k in metrics if k.startswith("templates/tar")):
-        lines.append(f"| {k.removeprefix('templates/')} | {100 * metrics[k]:.2f} % |")
-    lines.append(f"| pairs (impostor) | {int(metrics['templates/pairs'])} ({int(metrics['templates/impostor_pairs'])}) |")
-    lines += ["", "## Identification (closed set, held-out identities, cosine)", "", "| rank | accuracy |", "|---|---|"]
-    for k in sorted(k for k in metrics if k.startswith("identification/")):
-        lines.append(f"| {k.removeprefix('identification/rank')} | {100 * metrics[k]:.2f} % |")
+    names = sorted({k.split("/")[-2] for k in metrics if "/verification/" in k and k.endswith("/accuracy")})
+    lines += ["", "## Verification (10-fold accuracy ± std over folds, flip TTA, held-out identities)", "",
+              "| embedding | " + " | ".join(f"`{n}.bin`" for n in names) + " |", "|---|" + "---|" * len(names)]
+    rows = [(f"FR model `{tag}`", f"{tag}/") for tag in models] + [
+        ("raw-pixel cosine (baseline)", "baseline/raw_pixels/"), ("linear probe on pixels (baseline)", "baseline/linear_probe/")]
+    for label, prefix in rows:
+        cells = []
+        for n in names:
+            acc, std = metrics.get(f"{prefix}verification/{n}/accuracy"), metrics.get(f"{prefix}verification/{n}/std")
+            skipped = metrics.get(f"{prefix}verification/{n}/skipped_no_landmarks")
+            cells.append("no landmarks" if skipped else ("—" if acc is None else f"{100 * acc:.2f} ± {100 * std:.2f} %"))
+        if any(c != "—" for c in cells):
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    fars = sorted({k.split("/")[-1] for k in metrics if "/templates/tar@" in k}, key=lambda f: float(f.split("=")[1]))
+    lines += ["", "## Templates (IJB-style: media mean → template mean)", "",
+              "| model | " + " | ".join(f.replace("tar@", "TAR@") for f in fars) + " | pairs (impostor) |",
+              "|---|" + "---|" * (len(fars) + 1)]
+    for tag in models:
+        lines.append(f"| `{tag}` | " + " | ".join(pct(metrics.get(f"{tag}/templates/{f}")) for f in fars) +
+                     f" | {int(metrics.get(f'{tag}/templates/pairs', 0))} ({int(metrics.get(f'{tag}/templates/impostor_pairs', 0))}) |")
+    ranks = sorted({int(k.rsplit("rank", 1)[1]) for k in metrics if "/identification/rank" in k})
+    lines += ["", "## Identification (closed set, held-out identities, cosine)", "",
+              "| model | " + " | ".join(f"rank-{r}" for r in ranks) + " |", "|---|" + "---|" * len(ranks)]
+    for tag in models:
+        lines.append(f"| `{tag}` | " + " | ".join(pct(metrics.get(f"{tag}/identification/rank{r}")) for r in ranks) + " |")
     lines += ["", "![ROC](../plots/roc.png)", ""]
     return "\n".join(lines)
 
@@ -190,34 +221,44 @@ def render_report(metrics: dict[str, float], model_config: dict, data_info: dict
 def run(cfg: EvaluateConfig, data: DataConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
     import json
 
-    from ml.data.dataset import read_dataset_info
     from ml.models.io import load_model
 
-    model, model_config = load_model(paths.fr_model)
-    metrics, curves = evaluate_model(model, cfg, paths, data)
+    sets = _verification_sets(paths)
+    metrics: dict[str, float] = {}
+    curves: dict[str, tuple] = {}
+    models: dict[str, dict] = {}
+    for tag, directory in model_dirs(paths):
+        model, models[tag] = load_model(directory)
+        m, c = evaluate_model(model, tag, cfg, paths, sets)
+        metrics.update(m)
+        curves.update(c)
+    if cfg.baselines:
+        m, c = evaluate_baselines(cfg, paths, data, sets)
+        metrics.update(m)
+        curves.update(c)
     write_json(paths.metrics / "evaluate.json", metrics)
     plot_roc(curves, paths.plots / "roc.png")
-    fpr, tpr = curves["templates: model"]
-    write_text(paths.plots / "roc_templates.csv",
-               "fpr,tpr\n" + "".join(f"{f:.6g},{t:.6g}\n" for f, t in zip(fpr, tpr)))
-    train_metrics_path = paths.metrics / "train_fr.json"
-    train_metrics = json.loads(train_metrics_path.read_text()) if train_metrics_path.is_file() else {}
-    report = render_report(metrics, model_config, read_dataset_info(paths.train_set), train_metrics)
-    write_text(paths.benchmark_report, report)
+    first = next(iter(models))
+    fpr, tpr = curves[f"templates: {first}"]
+    write_text(paths.plots / "roc_templates.csv", "fpr,tpr\n" + "".join(f"{f:.6g},{t:.6g}\n" for f, t in zip(fpr, tpr)))
+    train_metrics = {}
+    for tag in models:
+        path = paths.metrics / f"train_fr_{tag}.json"
+        train_metrics[tag] = json.loads(path.read_text()) if path.is_file() else {}
+    write_text(paths.benchmark_report, render_report(metrics, models, train_metrics))
     result = StageResult("evaluate", metrics=metrics,
                          outputs=[paths.metrics / "evaluate.json", paths.plots / "roc.png", paths.benchmark_report])
-    main_bin = "verification/procedural/accuracy"
-    result.summary = (
-        f"procedural.bin accuracy {100 * metrics.get(main_bin, float('nan')):.2f}%, "
-        f"rank-1 {100 * metrics.get('identification/rank1', float('nan')):.2f}% → {paths.benchmark_report}"
-    )
+    result.summary = "; ".join(
+        f"{tag}: procedural.bin {100 * metrics.get(f'{tag}/verification/procedural/accuracy', float('nan')):.2f}%, "
+        f"rank-1 {100 * metrics.get(f'{tag}/identification/rank1', float('nan')):.2f}%" for tag in models
+    ) + f" → {paths.benchmark_report}"
     if tracker is not None:
         for sub in ("heldout", "templates"):
             tracker.log_dataset(paths.prepared / sub, context=f"eval-{sub}")
         tracker.log_metrics(metrics)
         tracker.log_artifact(paths.plots / "roc.png", artifact_path="plots")
         tracker.log_artifact(paths.benchmark_report, artifact_path="reports")
-        tracker.set_tags({"model.digest": model_config.get("extra", {}).get("training_data_digest", "")})
+        tracker.set_tags({f"model.{tag}.digest": c.get("extra", {}).get("training_data_digest", "") for tag, c in models.items()})
     return result
 
 

@@ -1,9 +1,11 @@
-"""Stage ``train_fr``: train the face recogniser on the prepared training set.
+"""Stage ``train_fr@<source>``: train a face recogniser on one training source.
 
-Writes ``models/fr/`` (``model.safetensors`` + ``config.json``), ``metrics/train_fr.json`` and the loss
-curve (``plots/train_fr_history.csv`` for ``dvc plots``, ``plots/train_fr_loss.png`` for people). The model
-is logged to MLflow and registered as a new ``faceops-fr`` version with alias ``candidate``, tagged with
-its training source and data digest.
+``dvc.yaml`` runs it as a ``foreach`` over the sources: ``real`` is the prepared training set (procedural
+faces, or the user's real set); ``synthetic`` and ``mixed`` read the synthesize stage's output once it exists.
+Writes ``models/fr/<source>/`` (``model.safetensors`` + ``config.json``), ``metrics/train_fr_<source>.json`` and
+the loss curve (``plots/train_fr_<source>_history.csv`` for ``dvc plots``, ``plots/train_fr_<source>_loss.png``
+for people). The model is logged to MLflow and registered as a new ``faceops-fr`` version with alias
+``candidate``, tagged with its training source and data digest.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ml.config import from_mapping
+from ml.errors import ConfigError
 from ml.train.fr import FRConfig
 from tasks.common import Paths, StageResult, atomic_path, load_params, section, stage_main, write_json, write_text
 from tasks.prepare import DataConfig
@@ -22,6 +25,13 @@ from tasks.prepare import DataConfig
 log = logging.getLogger(__name__)
 
 REGISTERED_MODEL = "faceops-fr"
+SOURCES = ("real",)  # training sources with data today; the synthesize stage adds "synthetic" and "mixed"
+
+
+def source_dataset(paths: Paths, source: str) -> Path:
+    if source not in SOURCES:
+        raise ConfigError(f"unknown training source {source!r}; available: {', '.join(SOURCES)}")
+    return paths.train_set
 
 
 def plot_history(history: list[dict], path: Path) -> None:
@@ -44,13 +54,14 @@ def plot_history(history: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def run(cfg: FRConfig, data: DataConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
+def run(cfg: FRConfig, data: DataConfig, paths: Paths, *, source: str = "real", tracker: Any = None) -> StageResult:
     from ml.data.dataset import landmarks_array, load_images, read_dataset_info, read_manifest
     from ml.models.backbones import input_contract
     from ml.models.io import save_model
     from ml.train.fr import train
 
-    dataset = paths.train_set
+    dataset = source_dataset(paths, source)
+    model_dir = paths.fr_model(source)
     manifest = read_manifest(dataset / "manifest.parquet")
     rows = manifest[manifest["split"] == "train"].reset_index(drop=True)
     images = load_images(dataset, rows, expected_size=(data.image_size, data.image_size), progress=True)
@@ -70,53 +81,58 @@ def run(cfg: FRConfig, data: DataConfig, paths: Paths, *, tracker: Any = None) -
 
     extra = {
         "training_data_digest": info["digest"],
-        "training_source": info["source"],
+        "training_source": source,
+        "training_data_source": info["source"],
         "training_identities": int(labels.max()) + 1,
         "training_images": int(len(labels)),
     }
-    save_model(paths.fr_model, res.model, backbone=res.backbone, kwargs=res.backbone_kwargs, extra=extra)
+    save_model(model_dir, res.model, backbone=res.backbone, kwargs=res.backbone_kwargs, extra=extra)
     last = res.history[-1] if res.history else {}
-    result = StageResult("train_fr", outputs=[paths.fr_model])
+    result = StageResult(f"train_fr@{source}", outputs=[model_dir])
     result.metrics = {
         "train/loss": float(last.get("train/loss", float("nan"))),
         "train/accuracy": float(last.get("train/accuracy", float("nan"))),
         "train/seconds": float(res.seconds),
         "train/images_per_second": float(len(labels) * max(len(res.history), 1) / max(res.seconds, 1e-9)),
     }
-    write_json(paths.metrics / "train_fr.json", result.metrics)
+    write_json(paths.metrics / f"train_fr_{source}.json", result.metrics)
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=["epoch", "train/loss", "train/accuracy"], extrasaction="ignore")
     writer.writeheader()
     writer.writerows(res.history)
-    write_text(paths.plots / "train_fr_history.csv", buf.getvalue())
-    plot_history(res.history, paths.plots / "train_fr_loss.png")
+    write_text(paths.plots / f"train_fr_{source}_history.csv", buf.getvalue())
+    plot_history(res.history, paths.plots / f"train_fr_{source}_loss.png")
     result.summary = (
         f"{res.backbone} trained on {len(labels)} images of {extra['training_identities']} identities in "
-        f"{res.seconds:.0f}s (train/accuracy {result.metrics['train/accuracy']:.3f}) → {paths.fr_model}"
+        f"{res.seconds:.0f}s (train/accuracy {result.metrics['train/accuracy']:.3f}) → {model_dir}"
     )
     if tracker is not None:
         tracker.log_dataset(dataset, context="train")
         tracker.log_metrics(result.metrics)
-        tracker.log_artifact(paths.plots / "train_fr_loss.png", artifact_path="plots")
+        tracker.log_artifact(paths.plots / f"train_fr_{source}_loss.png", artifact_path="plots")
         version = tracker.log_model_dir(
-            paths.fr_model, REGISTERED_MODEL,
-            tags={"source": info["source"], "data_digest": info["digest"], "backbone": res.backbone},
+            model_dir, REGISTERED_MODEL,
+            tags={"source": source, "data_source": info["source"], "data_digest": info["digest"],
+                  "backbone": res.backbone},
         )
         result.summary += f"; registered {REGISTERED_MODEL} v{version} @candidate"
     return result
 
 
-def main() -> None:
+def main(source: str = "real") -> None:
     from tasks.tracking import stage_run
 
     paths = Paths()
     params = load_params(paths.params)
     cfg = from_mapping(FRConfig, section(params, "fr"), "fr")
     data = from_mapping(DataConfig, section(params, "data"), "data")
-    with stage_run("train_fr", {"fr": section(params, "fr")}, paths.root) as tracker:
-        result = run(cfg, data, paths, tracker=tracker)
+    source_dataset(paths, source)  # unknown source: fail before opening a run
+    with stage_run(f"train_fr@{source}", {"fr": section(params, "fr")}, paths.root) as tracker:
+        result = run(cfg, data, paths, source=source, tracker=tracker)
     log.info(result.summary)
 
 
 if __name__ == "__main__":
-    stage_main(main)
+    import sys
+
+    stage_main(lambda: main(*sys.argv[1:2]))

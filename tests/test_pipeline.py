@@ -24,7 +24,7 @@ from .conftest import copy_project
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
-STAGES = ["prepare", "validate", "train_fr", "evaluate"]
+STAGES = ["prepare", "validate", "train_fr@real", "evaluate"]
 
 
 def _free_port() -> int:
@@ -93,17 +93,18 @@ def test_smoke_run_leaves_every_artifact(smoke_run):
                 "data/prepared/heldout/manifest.parquet", "data/prepared/templates/meta/face_tid_mid.txt",
                 "data/prepared/templates/meta/template_pair_label.txt", "data/prepared/verification/procedural.bin",
                 "reports/validation/train.json", "reports/validation/docs/index.html",
-                "models/fr/model.safetensors", "models/fr/config.json", "metrics/train_fr.json",
-                "metrics/evaluate.json", "plots/roc.png", "plots/samples.png", "plots/train_fr_loss.png",
+                "models/fr/real/model.safetensors", "models/fr/real/config.json", "metrics/train_fr_real.json",
+                "metrics/evaluate.json", "plots/roc.png", "plots/samples.png", "plots/train_fr_real_loss.png",
                 "reports/benchmark.md", "dvc.lock"]:
         assert (root / rel).is_file(), rel
     lock = yaml.safe_load((root / "dvc.lock").read_text())
     assert sorted(lock["stages"]) == sorted(STAGES)
     metrics = json.loads((root / "metrics/evaluate.json").read_text())
-    assert 0.0 <= metrics["verification/procedural/accuracy"] <= 1.0
-    assert "identification/rank1" in metrics and "templates/tar@far=1e-2" in metrics
+    assert 0.0 <= metrics["real/verification/procedural/accuracy"] <= 1.0
+    assert "real/identification/rank1" in metrics and "real/templates/tar@far=1e-2" in metrics
+    assert "baseline/linear_probe/verification/procedural/accuracy" in metrics
     assert "reports/benchmark.md" in stdout
-    config = json.loads((root / "models/fr/config.json").read_text())
+    config = json.loads((root / "models/fr/real/config.json").read_text())
     assert config["backbone"] == "vit_tiny" and config["input_contract"]["size"] == 64
 
 
@@ -128,9 +129,10 @@ def test_every_stage_is_a_nested_mlflow_run_and_model_is_candidate(smoke_run):
         assert run.data.params and run.data.metrics
     assert by_name["prepare"].data.tags["dataset.train.digest"] == json.loads(
         (smoke_run[0] / "data/prepared/train/dataset.json").read_text())["digest"]
-    assert by_name["train_fr"].inputs.dataset_inputs
+    assert by_name["train_fr@real"].inputs.dataset_inputs
     version = client.get_model_version_by_alias("faceops-fr", "candidate")
-    assert version.tags["source"] == "procedural" and version.run_id == by_name["train_fr"].info.run_id
+    assert version.tags["source"] == "real" and version.tags["data_source"] == "procedural"
+    assert version.run_id == by_name["train_fr@real"].info.run_id
     artifacts = {a.path for a in client.list_artifacts(by_name["evaluate"].info.run_id)}
     assert {"plots", "reports"} <= artifacts
 
@@ -161,7 +163,7 @@ def test_second_repro_skips_every_stage_and_set_reruns_downstream(smoke_run):
     assert yaml.safe_load((root / "params.yaml").read_text())["fr"]["epochs"] == 2
     status = {line.split()[0]: " ".join(line.split()[1:-1]) for line in out.stdout.splitlines()
               if line.strip() and line.split()[0] in STAGES}
-    assert status == {"prepare": "up to date", "validate": "up to date", "train_fr": "ran", "evaluate": "ran"}, out.stdout
+    assert status == {"prepare": "up to date", "validate": "up to date", "train_fr@real": "ran", "evaluate": "ran"}, out.stdout
 
 
 def test_ls_lists_stages_datasets_and_registry(smoke_run):
@@ -170,5 +172,5 @@ def test_ls_lists_stages_datasets_and_registry(smoke_run):
     assert out.returncode == 0, out.stderr
     for stage in STAGES:
         assert stage in out.stdout
-    assert "data/prepared/train" in out.stdout and "models/fr" in out.stdout
+    assert "data/prepared/train" in out.stdout and "models/fr/real" in out.stdout
     assert "faceops-fr v1" in out.stdout and "@candidate" in out.stdout
