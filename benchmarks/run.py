@@ -36,10 +36,10 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
         "Prefect task + MLflow run around a stage vs calling the stage function directly",
         "≤ 5 % of stage time",
     ),
-    "dvc_noop": (
-        "benchmarks.bench_pipeline:bench_dvc_noop",
-        "`dvc repro` with nothing changed (every stage skipped)",
-        "≤ 10 s",
+    "smoke_and_noop": (
+        "benchmarks.bench_pipeline:bench_smoke_and_noop",
+        "`faceops run --preset smoke` from nothing, then `dvc repro` with nothing changed",
+        "smoke ≤ 120 s; no-op ≤ 10 s, every stage skipped",
     ),
 }
 

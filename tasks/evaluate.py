@@ -32,6 +32,8 @@ class EvaluateConfig:
 
     fars: tuple[float, ...] = (1e-4, 1e-3, 1e-2)
     ranks: tuple[int, ...] = (1, 5)
+    fpirs: tuple[float, ...] = (0.01,)          # open-set 1:N (IJB-S style): TPIR at these FPIRs
+    distractor_ranks: tuple[int, ...] = (1, 5, 20)  # TinyFace-style gallery with distractors
     n_folds: int = 10
     flip: bool = True
     batch_size: int = 256
@@ -91,7 +93,10 @@ def evaluate_baselines(cfg: EvaluateConfig, paths: Paths, data: DataConfig, sets
 def evaluate_model(model: Any, tag: str, cfg: EvaluateConfig, paths: Paths, sets: list) -> tuple[dict, dict]:
     """All benchmark numbers of one model, keyed ``<tag>/...``; returns (metrics, ROC curves)."""
     from ml.data.dataset import landmarks_array, load_images, read_manifest
-    from ml.eval.metrics import identification_rank, pair_scores, roc_curve, tar_at_far, template_features
+    from ml.eval.metrics import (
+        identification_rank, identification_with_distractors, open_set_identification, pair_scores, roc_curve,
+        tar_at_far, template_features,
+    )
     from ml.train.fr import embed, needs_keypoints
 
     def emb(images: np.ndarray, keypoints: np.ndarray | None = None) -> np.ndarray:
@@ -133,6 +138,21 @@ def evaluate_model(model: Any, tag: str, cfg: EvaluateConfig, paths: Paths, sets
     label = manifest["label"].to_numpy()
     for r, v in identification_rank(feats[~gallery], label[~gallery], feats[gallery], label[gallery], ranks=cfg.ranks).items():
         metrics[f"{tag}/identification/rank{r}"] = v
+
+    # Open set: only even-labelled held-out identities are enrolled. Probes of the others are non-mated
+    # (IJB-S style TPIR@FPIR), and all their images serve as distractors for the enrolled probes (TinyFace style).
+    enrolled = label % 2 == 0
+    if enrolled.any() and (~enrolled).any():
+        g = gallery & enrolled
+        open_set = open_set_identification(feats[~gallery], label[~gallery], feats[g], label[g], fpirs=cfg.fpirs, ranks=(1,))
+        for f in cfg.fpirs:
+            metrics[f"{tag}/open_set/tpir@fpir={_fmt_far(f)}"] = open_set[f"tpir@fpir={float(f)!r}/rank1"]
+        p = ~gallery & enrolled
+        ranks = identification_with_distractors(feats[p], label[p], feats[g], label[g], feats[~enrolled],
+                                                ranks=cfg.distractor_ranks)
+        for r, v in ranks.items():
+            metrics[f"{tag}/distractors/rank{r}"] = v
+        metrics[f"{tag}/distractors/count"] = float((~enrolled).sum())
     return metrics, curves
 
 
@@ -214,6 +234,17 @@ def render_report(metrics: dict[str, float], models: dict[str, dict], train_metr
               "| model | " + " | ".join(f"rank-{r}" for r in ranks) + " |", "|---|" + "---|" * len(ranks)]
     for tag in models:
         lines.append(f"| `{tag}` | " + " | ".join(pct(metrics.get(f"{tag}/identification/rank{r}")) for r in ranks) + " |")
+    open_keys = sorted({k.split("/", 1)[1] for k in metrics if "/open_set/" in k or "/distractors/rank" in k},
+                       key=lambda k: (k.startswith("distractors"), int(k.rsplit("rank", 1)[1]) if "rank" in k else 0, k))
+    if open_keys:
+        lines += ["", "## Open set (enrolled = half the held-out identities)", "",
+                  "TPIR@FPIR: rank-1 hits above the threshold that lets that share of non-enrolled probes through. "
+                  "Distractors: closed-set rank-N of enrolled probes with every image of the non-enrolled identities "
+                  "added to the gallery as its own identity.", "",
+                  "| model | " + " | ".join(k.replace("open_set/", "").replace("distractors/", "distractors ") for k in open_keys) + " |",
+                  "|---|" + "---|" * len(open_keys)]
+        for tag in models:
+            lines.append(f"| `{tag}` | " + " | ".join(pct(metrics.get(f"{tag}/{k}")) for k in open_keys) + " |")
     lines += ["", "![ROC](../plots/roc.png)", ""]
     return "\n".join(lines)
 

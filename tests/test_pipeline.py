@@ -103,6 +103,7 @@ def test_smoke_run_leaves_every_artifact(smoke_run):
     assert 0.0 <= metrics["real/verification/procedural/accuracy"] <= 1.0
     assert "real/identification/rank1" in metrics and "real/templates/tar@far=1e-2" in metrics
     assert "baseline/linear_probe/verification/procedural/accuracy" in metrics
+    assert "real/open_set/tpir@fpir=1e-2" in metrics and "real/distractors/rank20" in metrics
     assert "reports/benchmark.md" in stdout
     config = json.loads((root / "models/fr/real/config.json").read_text())
     assert config["backbone"] == "vit_tiny" and config["input_contract"]["size"] == 64
