@@ -25,7 +25,8 @@ app = typer.Typer(
         "* `faceops run --set fr.epochs=2` — the same with a params delta (like `dvc exp run -S`)\n\n"
         "* `faceops run --preset smoke` — the whole DAG at toy size in under two minutes\n\n"
         "* `faceops stage train_fr@real` — run one stage's code directly (what `dvc repro` calls)\n\n"
-        "* `faceops ls` — stages and their status, datasets, models and registry versions"
+        "* `faceops ls` — stages and their status, datasets, models and registry versions\n\n"
+        "* `faceops export models/fr/real fr.onnx` — ONNX export with a parity check"
     ),
 )
 
@@ -111,6 +112,33 @@ def stage_cmd(name: Annotated[str, typer.Argument(help="stage name from dvc.yaml
     _quiet_env()
     main = importlib.import_module(STAGES[base]).main
     stage_main((lambda: main(item)) if item else main)
+
+
+@app.command("export")
+def export_cmd(
+    model_dir: Annotated[Path, typer.Argument(help="a faceops model directory, e.g. `models/fr/real`")],
+    out: Annotated[Path, typer.Argument(help="the ONNX file to write, e.g. `fr_real.onnx`")],
+    opset: Annotated[int, typer.Option(help="ONNX opset (14–20)")] = 17,
+    check: Annotated[bool, typer.Option(help="compare onnxruntime with PyTorch (cosine ≥ 0.9999)")] = True,
+) -> None:
+    """Export a trained backbone to ONNX (KP-RPE models get a second input `keypoints`, 5×2 pixel landmarks).
+
+    The graph takes `images` (B, 3, S, S) normalised as the input contract stored in the file's metadata says.
+    """
+    from ml.errors import FaceopsError
+    from ml.models.export import export_model_dir, onnx_parity
+    from ml.models.io import load_model
+
+    try:
+        path = export_model_dir(model_dir, out, opset=opset)
+        typer.echo(f"wrote {path}")
+        if check:
+            cosine = onnx_parity(load_model(model_dir)[0], path)
+            typer.echo(f"onnxruntime vs PyTorch: min cosine {cosine:.6f}")
+            if cosine < 0.9999:
+                _fail(f"parity check failed: min cosine {cosine:.6f} < 0.9999", code=1)
+    except FaceopsError as exc:
+        _fail(str(exc))
 
 
 @app.command("ls")

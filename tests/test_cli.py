@@ -58,3 +58,17 @@ def test_missing_dataset_path_names_key_and_writes_nothing(workspace):
 def test_outside_repository(tmp_path):
     out = _run(["stage", "prepare"], tmp_path)
     assert out.returncode == 2 and "no dvc.yaml" in out.stderr
+
+
+def test_export_command_writes_onnx_with_parity(tmp_path):
+    from ml.models.backbones import build_backbone
+    from ml.models.io import save_model
+
+    kwargs = {"depth": 1, "dim": 32, "heads": 2, "embed_dim": 16}
+    save_model(tmp_path / "m", build_backbone("vit_tiny", **kwargs).eval(), backbone="vit_tiny", kwargs=kwargs)
+    out = _run(["export", str(tmp_path / "m"), str(tmp_path / "m.onnx")], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "min cosine 1.0000" in out.stdout and (tmp_path / "m.onnx").is_file()
+    missing = _run(["export", str(tmp_path / "nope"), str(tmp_path / "x.onnx")], tmp_path)
+    assert missing.returncode == 2 and "nope" in missing.stderr
+
