@@ -31,6 +31,11 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
         "KP-RPE ViT-S forward vs plain ViT-S, batch 64, 112×112",
         "≤ 1.25×",
     ),
+    "train_throughput": (
+        "benchmarks.bench_train:bench_train_throughput",
+        "embedded model (vit_tiny, 64×64) training images/s; share of step time outside the model step",
+        "outside-step share ≤ 10 %",
+    ),
     "pipeline_overhead": (
         "benchmarks.bench_pipeline:bench_pipeline_overhead",
         "Prefect task + MLflow run around a stage vs calling the stage function directly",

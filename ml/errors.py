@@ -11,3 +11,7 @@ class ConfigError(FaceopsError, ValueError):
 
 class DataError(FaceopsError, ValueError):
     """A dataset file, manifest row or image is missing, unreadable or malformed."""
+
+
+class TrainingError(FaceopsError, RuntimeError):
+    """Training cannot go on (e.g. the loss became NaN/inf); names the step and the last good checkpoint."""
