@@ -298,9 +298,7 @@ def main() -> None:
         result = run(cfg, paths, tracker=tracker)
         tracker.log_metrics(result.metrics)
         tracker.log_artifact(paths.plots / "samples.png", artifact_path="plots")
-        for sub in ("train", "heldout", "templates", "real"):
-            if (paths.prepared / sub / "dataset.json").is_file():
-                tracker.log_dataset(paths.prepared / sub, context=sub)
+        tracker.log_prepared_datasets(paths.prepared)
     log.info(result.summary)
 
 

@@ -112,6 +112,12 @@ class StageTracker:
         mlflow.set_tag(f"dataset.{context}.digest", info["digest"])
         return info["digest"]
 
+    def log_prepared_datasets(self, prepared: Path) -> None:
+        """Log every dataset directory ``prepare`` wrote (``train``, ``heldout``, ``templates``, ``real``)."""
+        for sub in ("train", "heldout", "templates", "real"):
+            if (prepared / sub / "dataset.json").is_file():
+                self.log_dataset(prepared / sub, context=sub)
+
     def log_model_dir(
         self, model_dir: Path, registered_name: str, *, alias: str = "candidate", tags: Mapping[str, str] = {}
     ) -> str:

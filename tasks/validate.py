@@ -241,9 +241,7 @@ def main() -> None:
                 if d.exists():
                     tracker.log_artifact(d, artifact_path=d.name)
         tracker.log_metrics(result.metrics)
-        for sub in ("train", "heldout", "templates", "real"):
-            if (paths.prepared / sub / "dataset.json").is_file():
-                tracker.log_dataset(paths.prepared / sub, context=sub)
+        tracker.log_prepared_datasets(paths.prepared)
     log.info(result.summary)
 
 

@@ -50,7 +50,7 @@ from torch import nn
 
 from ml.errors import ConfigError, DataError
 from ml.models.backbones.vit import INPUT_CONTRACT as VIT_INPUT_CONTRACT
-from ml.models.backbones.vit import ViT
+from ml.models.backbones.vit import SIZES, ViT
 
 NUM_KEYPOINTS = 5
 # iRPE "product" defaults used by KP-RPE (ratio 1.9): buckets per axis 2·⌊β⌋ + 1 = 7, 49 in all.
@@ -265,26 +265,26 @@ class KPRPEViT(ViT):
         return self.feature(tokens.flatten(1))  # (B, embed_dim)
 
 
-def _variant(defaults: dict[str, Any], overrides: dict[str, Any]) -> KPRPEViT:
-    return KPRPEViT(**{**defaults, **overrides})
+def _variant(name: str, overrides: dict[str, Any]) -> KPRPEViT:
+    return KPRPEViT(**{**SIZES[name], **overrides})
 
 
-# Same sizes as the plain variants in vit.py (a test keeps them in step).
+# Same sizes as the plain variants (vit.SIZES).
 def vit_tiny_kprpe(**overrides: Any) -> KPRPEViT:
     """``vit_tiny`` + KP-RPE: 64 px, patch 8 (64 tokens), dim 128, depth 4, 128-d."""
-    return _variant(dict(img_size=64, patch_size=8, dim=128, depth=4, heads=4, embed_dim=128), overrides)
+    return _variant("vit_tiny", overrides)
 
 
 def vit_t_kprpe(**overrides: Any) -> KPRPEViT:
     """``vit_t`` + KP-RPE: 112 px, patch 9 (144 tokens), dim 256, depth 12, 8 heads."""
-    return _variant(dict(img_size=112, patch_size=9, dim=256, depth=12, heads=8, drop_path=0.1), overrides)
+    return _variant("vit_t", overrides)
 
 
 def vit_s_kprpe(**overrides: Any) -> KPRPEViT:
     """``vit_s`` + KP-RPE: 112 px, patch 9, dim 512, depth 12, 8 heads."""
-    return _variant(dict(img_size=112, patch_size=9, dim=512, depth=12, heads=8, drop_path=0.1), overrides)
+    return _variant("vit_s", overrides)
 
 
 def vit_b_kprpe(**overrides: Any) -> KPRPEViT:
     """``vit_b`` + KP-RPE: 112 px, patch 9, dim 512, depth 24, 8 heads."""
-    return _variant(dict(img_size=112, patch_size=9, dim=512, depth=24, heads=8, drop_path=0.1), overrides)
+    return _variant("vit_b", overrides)

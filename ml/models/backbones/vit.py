@@ -159,26 +159,36 @@ def _variant(defaults: dict[str, Any], overrides: dict[str, Any]) -> ViT:
     return ViT(**{**defaults, **overrides})
 
 
+# Named sizes, shared with the KP-RPE variants in kprpe.py.
+SIZES: dict[str, dict[str, Any]] = {
+    "vit_tiny": dict(img_size=64, patch_size=8, dim=128, depth=4, heads=4, embed_dim=128),
+    "vit_t": dict(img_size=112, patch_size=9, dim=256, depth=12, heads=8, drop_path=0.1),
+    "vit_s": dict(img_size=112, patch_size=9, dim=512, depth=12, heads=8, drop_path=0.1),
+    "vit_b": dict(img_size=112, patch_size=9, dim=512, depth=24, heads=8, drop_path=0.1),
+    "vit_l": dict(img_size=112, patch_size=9, dim=768, depth=24, heads=8, drop_path=0.1),
+}
+
+
 def vit_tiny(**overrides: Any) -> ViT:
     """CPU default for the embedded dataset: 64 px, patch 8 (64 tokens), dim 128, depth 4, 128-d."""
-    return _variant(dict(img_size=64, patch_size=8, dim=128, depth=4, heads=4, embed_dim=128), overrides)
+    return _variant(SIZES["vit_tiny"], overrides)
 
 
 def vit_t(**overrides: Any) -> ViT:
     """insightface ``vit_t``: 112 px, patch 9 (144 tokens), dim 256, depth 12, 8 heads."""
-    return _variant(dict(img_size=112, patch_size=9, dim=256, depth=12, heads=8, drop_path=0.1), overrides)
+    return _variant(SIZES["vit_t"], overrides)
 
 
 def vit_s(**overrides: Any) -> ViT:
     """insightface ``vit_s``: 112 px, patch 9, dim 512, depth 12, 8 heads."""
-    return _variant(dict(img_size=112, patch_size=9, dim=512, depth=12, heads=8, drop_path=0.1), overrides)
+    return _variant(SIZES["vit_s"], overrides)
 
 
 def vit_b(**overrides: Any) -> ViT:
     """insightface ``vit_b``: 112 px, patch 9, dim 512, depth 24, 8 heads."""
-    return _variant(dict(img_size=112, patch_size=9, dim=512, depth=24, heads=8, drop_path=0.1), overrides)
+    return _variant(SIZES["vit_b"], overrides)
 
 
 def vit_l(**overrides: Any) -> ViT:
     """insightface ``vit_l``: 112 px, patch 9, dim 768, depth 24, 8 heads."""
-    return _variant(dict(img_size=112, patch_size=9, dim=768, depth=24, heads=8, drop_path=0.1), overrides)
+    return _variant(SIZES["vit_l"], overrides)
