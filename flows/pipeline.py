@@ -36,7 +36,7 @@ def stage_order(root: Path) -> list[str]:
     with Repo(str(root)) as repo:
         graph = repo.index.graph  # edge A → B: A depends on B
         order = list(reversed(list(nx.topological_sort(graph))))
-        return [stage.addressing for stage in order if stage.addressing.endswith(".dvc") is False]
+        return [stage.addressing for stage in order if not stage.addressing.endswith(".dvc")]  # .dvc files: data, not stages
 
 
 def dvc_lock_deps(root: Path, stage: str) -> dict[str, str]:
@@ -106,10 +106,10 @@ def _tag_stage_run(root: Path, stage: str, invocation: str) -> None:
     """Tag the stage's MLflow run with DVC's dependency hashes (known only once dvc.lock is written)."""
     from mlflow import MlflowClient
 
-    tracking.configure(root)
+    experiment_id = tracking.configure(root)
     client = MlflowClient()
     runs = client.search_runs(
-        experiment_ids=[tracking.configure(root)],
+        experiment_ids=[experiment_id],
         filter_string=f"tags.`faceops.invocation` = '{invocation}'", max_results=1,
     )
     for run in runs:
