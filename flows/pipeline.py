@@ -56,6 +56,7 @@ def _stage_env(root: Path, invocation: str, parent_run_id: str | None) -> dict[s
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env[tracking.ENV_INVOCATION] = invocation
     env.setdefault("TQDM_MININTERVAL", "5")  # progress bars become log lines here: one every few seconds
+    env["PYTHONUNBUFFERED"] = "1"  # Lightning's bar writes to stdout, block-buffered on a pipe otherwise
     env.setdefault("MLFLOW_TRACKING_URI", tracking.tracking_uri(root))
     if parent_run_id:
         env[tracking.ENV_PARENT_RUN] = parent_run_id
