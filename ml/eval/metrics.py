@@ -338,6 +338,21 @@ def roc_curve(
 # --------------------------------------------------------------------------------------------
 
 
+def _probe_gallery(
+    probe: np.ndarray, probe_labels: np.ndarray, gallery: np.ndarray, gallery_labels: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Validated (P, D) probe, (P,) labels, (G, D) gallery, (G,) labels of one dimension D."""
+    probe = _as_matrix(probe, "probe")
+    gallery = _as_matrix(gallery, "gallery")
+    if probe.shape[1] != gallery.shape[1]:
+        raise ValueError(
+            f"probe and gallery features differ in dimension: {probe.shape[1]} vs {gallery.shape[1]}"
+        )
+    probe_labels = _as_vector(probe_labels, "probe_labels", probe.shape[0])
+    gallery_labels = _as_vector(gallery_labels, "gallery_labels", gallery.shape[0])
+    return probe, probe_labels, gallery, gallery_labels
+
+
 def identification_rank(
     probe: np.ndarray,
     probe_labels: np.ndarray,
@@ -364,14 +379,7 @@ def identification_rank(
     Returns:
         ``{r: rate}``, each rate a fraction of probes in [0, 1].
     """
-    probe = _as_matrix(probe, "probe")
-    gallery = _as_matrix(gallery, "gallery")
-    if probe.shape[1] != gallery.shape[1]:
-        raise ValueError(
-            f"probe and gallery features differ in dimension: {probe.shape[1]} vs {gallery.shape[1]}"
-        )
-    probe_labels = _as_vector(probe_labels, "probe_labels", probe.shape[0])
-    gallery_labels = _as_vector(gallery_labels, "gallery_labels", gallery.shape[0])
+    probe, probe_labels, gallery, gallery_labels = _probe_gallery(probe, probe_labels, gallery, gallery_labels)
     ranks = [int(r) for r in ranks]
     if not ranks or min(ranks) < 1:
         raise ValueError(f"ranks must be a non-empty list of integers >= 1; got {ranks!r}")
@@ -544,14 +552,7 @@ def open_set_identification(
     ranks = [int(r) for r in ranks]
     if not ranks or min(ranks) < 1:
         raise ValueError(f"ranks must be a non-empty list of integers >= 1; got {ranks!r}")
-    probe = _as_matrix(probe, "probe")
-    gallery = _as_matrix(gallery, "gallery")
-    if probe.shape[1] != gallery.shape[1]:
-        raise ValueError(
-            f"probe and gallery features differ in dimension: {probe.shape[1]} vs {gallery.shape[1]}"
-        )
-    probe_labels = _as_vector(probe_labels, "probe_labels", probe.shape[0])
-    gallery_labels = _as_vector(gallery_labels, "gallery_labels", gallery.shape[0])
+    probe, probe_labels, gallery, gallery_labels = _probe_gallery(probe, probe_labels, gallery, gallery_labels)
 
     identities, gallery_id = np.unique(gallery_labels, return_inverse=True)
     mated = np.isin(probe_labels, identities)  # (P,)
