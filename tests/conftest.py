@@ -28,3 +28,15 @@ def glint24() -> Path:
     if not GLINT24.is_dir():
         pytest.skip(f"real faces not available at {GLINT24} (shared/data/glint24 is not shipped with the product)")
     return GLINT24
+
+
+def separable(k: int = 4, per_class: int = 32, size: int = 32, seed: int = 0):
+    """Each class: its own random low-frequency colour pattern plus pixel noise → (uint8 images, labels)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    coarse = rng.integers(0, 256, (k, 4, 4, 3)).astype(np.float32)
+    protos = coarse.repeat(size // 4, axis=1).repeat(size // 4, axis=2)
+    labels = np.repeat(np.arange(k), per_class)
+    images = protos[labels] + rng.normal(0.0, 25.0, (len(labels), size, size, 3))
+    return np.clip(images, 0, 255).astype(np.uint8), labels

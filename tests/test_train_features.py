@@ -16,17 +16,11 @@ from ml.losses import AdaFaceLoss, LVFaceSchedule, PartialFC
 from ml.models.backbones import build_backbone
 from ml.train.fr import EpochSampler, FRConfig, FRModule, build_head, train, warmup_step_decay
 
+from .conftest import separable
+
 TINY = {"depth": 1}
 
 
-def separable(k: int, per_class: int, size: int = 32, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Each class: its own random low-frequency colour pattern plus pixel noise."""
-    rng = np.random.default_rng(seed)
-    coarse = rng.integers(0, 256, (k, 4, 4, 3)).astype(np.float32)
-    protos = coarse.repeat(size // 4, axis=1).repeat(size // 4, axis=2)
-    labels = np.repeat(np.arange(k), per_class)
-    images = protos[labels] + rng.normal(0.0, 25.0, (len(labels), size, size, 3))
-    return np.clip(images, 0, 255).astype(np.uint8), labels
 
 
 class Probe(lightning.Callback):

@@ -15,17 +15,11 @@ from ml.models.backbones.vit import vit_tiny
 from ml.models.io import load_model, save_model
 from ml.train.fr import FRConfig, embed, images_to_tensor, train, warmup_cosine
 
+from .conftest import separable
+
 SMALL = dict(depth=1)  # vit_tiny at 32 px: 16 tokens, one block
 
 
-def separable(k: int = 4, per_class: int = 32, size: int = 32, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Each class: its own random low-frequency colour pattern plus pixel noise."""
-    rng = np.random.default_rng(seed)
-    coarse = rng.integers(0, 256, (k, 4, 4, 3)).astype(np.float32)
-    protos = coarse.repeat(size // 4, axis=1).repeat(size // 4, axis=2)
-    labels = np.repeat(np.arange(k), per_class)
-    images = protos[labels] + rng.normal(0.0, 25.0, (len(labels), size, size, 3))
-    return np.clip(images, 0, 255).astype(np.uint8), labels
 
 
 CFG = FRConfig(epochs=5, batch_size=32, lr=2e-3, warmup_epochs=1.0, embedding_dim=32, accelerator="cpu")

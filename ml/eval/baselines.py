@@ -29,7 +29,7 @@ class LinearProbe:
     def fit(self, images: np.ndarray, labels: np.ndarray) -> "LinearProbe":
         gen = torch.Generator().manual_seed(self.seed)
         x = torch.from_numpy(raw_pixels(images))
-        y = torch.from_numpy(np.asarray(labels, dtype=np.int64))
+        y = torch.from_numpy(np.array(labels, dtype=np.int64))  # a copy: manifests hand out read-only arrays
         k = int(y.max()) + 1
         torch.manual_seed(self.seed)
         self.linear = nn.Linear(x.shape[1], k)

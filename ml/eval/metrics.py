@@ -353,6 +353,22 @@ def _probe_gallery(
     return probe, probe_labels, gallery, gallery_labels
 
 
+def _closed_set_ids(
+    probe_labels: np.ndarray, gallery_labels: np.ndarray, hint: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(sorted gallery identities, gallery index into them, probe index into them); every probe identity
+    must be in the gallery, else ValueError ending with ``hint``."""
+    identities, gallery_id = np.unique(gallery_labels, return_inverse=True)
+    present = np.isin(probe_labels, identities)
+    if not present.all():
+        missing = np.unique(probe_labels[~present])
+        raise ValueError(
+            f"{int((~present).sum())} probe(s) have identities absent from the gallery "
+            f"(e.g. {missing[:5].tolist()}); {hint}"
+        )
+    return identities, gallery_id, np.searchsorted(identities, probe_labels)
+
+
 def identification_rank(
     probe: np.ndarray,
     probe_labels: np.ndarray,
@@ -384,16 +400,9 @@ def identification_rank(
     if not ranks or min(ranks) < 1:
         raise ValueError(f"ranks must be a non-empty list of integers >= 1; got {ranks!r}")
 
-    identities, gallery_id = np.unique(gallery_labels, return_inverse=True)
-    present = np.isin(probe_labels, identities)
-    if not present.all():
-        missing = np.unique(probe_labels[~present])
-        raise ValueError(
-            f"{int((~present).sum())} probe(s) have identities absent from the gallery "
-            f"(e.g. {missing[:5].tolist()}); closed-set identification needs every probe identity "
-            "in the gallery - drop those probes or use an open-set metric"
-        )
-    true_id = np.searchsorted(identities, probe_labels)  # (P,) index into identities
+    identities, gallery_id, true_id = _closed_set_ids(
+        probe_labels, gallery_labels, "closed-set identification needs every probe identity in the gallery - "
+        "drop those probes or use an open-set metric")
 
     dtype = np.result_type(probe.dtype, gallery.dtype, np.float32)
     p = _l2_normalize(probe.astype(dtype, copy=False), "probe")
@@ -659,16 +668,9 @@ def identification_with_distractors(
             "a zero feature has no direction, so its cosine similarity is undefined"
         )
 
-    identities, gallery_id = np.unique(gallery_labels, return_inverse=True)
-    present = np.isin(probe_labels, identities)
-    if not present.all():
-        missing = np.unique(probe_labels[~present])
-        raise ValueError(
-            f"{int((~present).sum())} probe(s) have identities absent from the gallery "
-            f"(e.g. {missing[:5].tolist()}); distractor identification is closed-set on the "
-            "labelled gallery - drop those probes or use open_set_identification"
-        )
-    probe_id = np.searchsorted(identities, probe_labels)  # (P,) in 0..K-1
+    identities, gallery_id, probe_id = _closed_set_ids(
+        probe_labels, gallery_labels, "distractor identification is closed-set on the labelled gallery - "
+        "drop those probes or use open_set_identification")
     distractor_id = identities.size + np.arange(distractors.shape[0])  # (M,) in K..K+M-1
     extended = np.concatenate([gallery, distractors])  # (G + M, D), promoted dtype
     extended_labels = np.concatenate([gallery_id.astype(np.int64), distractor_id])

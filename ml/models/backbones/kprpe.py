@@ -254,11 +254,7 @@ class KPRPEViT(ViT):
             else:
                 bias = self.kprpe.masked_layer_bias(tables[layer], keep)  # (B, H, T', T')
             x = block(x, bias)
-        x = self.norm(x)
-        if keep is not None:
-            full = self.mask_token.expand(b, t, d).clone()
-            x = full.scatter(1, keep[..., None].expand(-1, -1, d), x)  # (B, T, dim)
-        return x
+        return self._unmask(self.norm(x), keep, t)
 
     def forward(self, x: torch.Tensor, keypoints: torch.Tensor | None = None) -> torch.Tensor:
         tokens = self.forward_features(x, keypoints)

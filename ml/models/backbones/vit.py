@@ -144,11 +144,15 @@ class ViT(nn.Module):
             biases = [None if a is None else _gather_tokens_bias(a, keep) for a in biases]
         for block, bias in zip(self.blocks, biases):
             x = block(x, bias)
-        x = self.norm(x)
-        if keep is not None:
-            full = self.mask_token.expand(b, t, d).clone()
-            x = full.scatter(1, keep[..., None].expand(-1, -1, d), x)  # (B, T, dim)
-        return x
+        return self._unmask(self.norm(x), keep, t)
+
+    def _unmask(self, x: torch.Tensor, keep: torch.Tensor | None, t: int) -> torch.Tensor:
+        """Put the kept tokens (B, T', dim) back at their places among T, the rest the mask token."""
+        if keep is None:
+            return x
+        b, _, d = x.shape
+        full = self.mask_token.expand(b, t, d).clone()
+        return full.scatter(1, keep[..., None].expand(-1, -1, d), x)  # (B, T, dim)
 
     def forward(self, x: torch.Tensor, attn_bias: AttnBias = None) -> torch.Tensor:
         tokens = self.forward_features(x, attn_bias)
