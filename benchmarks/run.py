@@ -38,8 +38,23 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     ),
     "pipeline_overhead": (
         "benchmarks.bench_pipeline:bench_pipeline_overhead",
-        "Prefect task + MLflow run around a stage vs calling the stage function directly",
+        "stage `prepare` as a Prefect task running its command (with its MLflow run) vs a process calling the stage function",
         "≤ 5 % of stage time",
+    ),
+    "ssk_100k": (
+        "benchmarks.bench_ssk:bench_ssk_100k",
+        "semi-supervised k-means (FaceGCD inference) on 100k × 512 features, K = 1000, one restart",
+        "seconds",
+    ),
+    "caface_cost": (
+        "benchmarks.bench_caface:bench_caface_cost",
+        "CAFace fusion vs the iresnet50 forward of the same N images (paper Table 5's relative FPS), CPU",
+        "report (paper: 64.4× at N = 256 on GPU)",
+    ),
+    "caface_streaming": (
+        "benchmarks.bench_caface:bench_caface_streaming",
+        "streaming CAFace fusion of N = 1k, 10k, 100k features in chunks of 256: features/s and peak-memory growth",
+        "peak memory flat from N = 1k to 100k",
     ),
     "smoke_and_noop": (
         "benchmarks.bench_pipeline:bench_smoke_and_noop",

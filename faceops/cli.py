@@ -154,7 +154,7 @@ def ls() -> None:
     changed = json.loads(status.stdout or "{}") if status.returncode == 0 else {}
     typer.secho("Stages", bold=True)
     for name in stage_order(root):
-        typer.echo(f"  {name:<14} {'changed' if name in changed else 'up to date'}")
+        typer.echo(f"  {name:<16} {'changed' if name in changed else 'up to date'}")
     typer.secho("Datasets", bold=True)
     for info_path in sorted(root.glob("data/**/dataset.json")):
         info = json.loads(info_path.read_text())
@@ -163,7 +163,8 @@ def ls() -> None:
     typer.secho("Models", bold=True)
     for cfg_path in sorted(root.glob("models/**/config.json")):
         cfg = json.loads(cfg_path.read_text())
-        typer.echo(f"  {str(cfg_path.parent.relative_to(root)):<28} {cfg.get('backbone')}")
+        kind = cfg.get("backbone") or f"{cfg.get('architecture')} ({cfg.get('kwargs', {}).get('backbone', '?')})"
+        typer.echo(f"  {str(cfg_path.parent.relative_to(root)):<28} {kind}")
     typer.secho("Registry", bold=True)
     try:
         from mlflow import MlflowClient

@@ -50,7 +50,7 @@ def dvc_lock_deps(root: Path, stage: str) -> dict[str, str]:
     return {d["path"]: d.get("md5") or d.get("hash", "") for d in entry.get("deps", [])}
 
 
-def _stage_env(root: Path, invocation: str, parent_run_id: str | None) -> dict[str, str]:
+def stage_env(root: Path, invocation: str, parent_run_id: str | None) -> dict[str, str]:
     env = dict(os.environ)
     # DVC runs `python -m tasks.x` through the shell: make that the interpreter running this flow
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
@@ -72,15 +72,7 @@ def reproduce_stage(stage: str, root: str, parent_run_id: str | None = None, for
     invocation = uuid.uuid4().hex
     cmd = [sys.executable, "-m", "dvc", "repro", "--single-item", stage] + (["--force"] if force else [])
     start = time.perf_counter()
-    proc = subprocess.Popen(
-        cmd, cwd=root, env=_stage_env(Path(root), invocation, parent_run_id),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )
-    tail: list[str] = []
-    for line in _lines(proc.stdout):
-        tail = (tail + [line])[-40:]
-        logger.info(line)
-    rc = proc.wait()
+    rc, tail = run_logged(cmd, Path(root), stage_env(Path(root), invocation, parent_run_id), logger)
     seconds = time.perf_counter() - start
     if rc != 0:
         errors = [l for l in tail if l.startswith(("error:", "ERROR"))]
@@ -90,6 +82,16 @@ def reproduce_stage(stage: str, root: str, parent_run_id: str | None = None, for
         _tag_stage_run(Path(root), stage, invocation)
     logger.info("%s: %s in %.1fs", stage, "ran" if ran else "up to date", seconds)
     return {"stage": stage, "ran": ran, "seconds": seconds}
+
+
+def run_logged(cmd: list[str], cwd: Path, env: dict[str, str], logger: Any) -> tuple[int, list[str]]:
+    """Run ``cmd``, every output line to ``logger`` as it comes; → (exit code, the last 40 lines)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    tail: list[str] = []
+    for line in _lines(proc.stdout):
+        tail = (tail + [line])[-40:]
+        logger.info(line)
+    return proc.wait(), tail
 
 
 def _lines(stream: Any) -> Iterator[str]:

@@ -8,6 +8,7 @@ STAGES: dict[str, str] = {
     "prepare": "tasks.prepare",
     "validate": "tasks.validate",
     "train_fr": "tasks.train_fr",
+    "train_discovery": "tasks.train_discovery",
     "evaluate": "tasks.evaluate",
 }
 
@@ -15,5 +16,6 @@ PARAM_SECTIONS: dict[str, str] = {
     "data": "tasks.prepare:DataConfig",
     "validate": "tasks.validate:ValidateConfig",
     "fr": "ml.train.fr:FRConfig",
+    "discovery": "ml.train.discovery:DiscoveryConfig",
     "evaluate": "tasks.evaluate:EvaluateConfig",
 }

@@ -50,6 +50,19 @@ class Paths:
         return self.prepared / "real"
 
     @property
+    def discovery_set(self) -> Path:
+        return self.prepared / "discovery"
+
+    @property
+    def gfd_split(self) -> Path:
+        """``data/prepared/gfd/split.parquet``; ``split.json`` beside it names the dataset it covers."""
+        return self.prepared / "gfd" / "split.parquet"
+
+    @property
+    def discovery_model(self) -> Path:
+        return self.root / "models" / "discovery"
+
+    @property
     def verification_dir(self) -> Path:
         return self.prepared / "verification"
 

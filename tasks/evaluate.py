@@ -6,7 +6,11 @@
 - reference baselines on the same pairs: raw-pixel cosine and a linear probe on raw pixels (trained on the
   training identities), to show the benchmark is not solvable by pixel matching
 
-Writes ``metrics/evaluate.json``, ``plots/roc.png``, ``plots/roc_templates.csv`` and ``reports/benchmark.md``.
+- generalized face discovery on the GFD split (``tasks/discovery_eval.py``): FaceGCD and FR features with
+  semi-supervised k-means, and unsupervised clustering baselines; All / Known / Novel accuracy
+
+Writes ``metrics/evaluate.json``, ``plots/roc.png``, ``plots/roc_templates.csv`` and ``reports/benchmark.md``
+(plus ``metrics/discovery.json``, ``plots/discovery_embedding.png``, ``reports/discovery_predictions.csv``).
 """
 
 from __future__ import annotations
@@ -39,6 +43,14 @@ class EvaluateConfig:
     batch_size: int = 256
     baselines: bool = True
     probe_epochs: int = 20
+    # generalized face discovery (tasks/discovery_eval.py): semi-supervised k-means and clustering baselines
+    discovery: bool = True
+    ssk_n_init: int = 10
+    ssk_max_iter: int = 500
+    nnc_k: int = 5
+    dbscan_eps: tuple[float, ...] = (0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # chord distance on unit vectors
+    dbscan_min_samples: tuple[int, ...] = (2, 3, 5)
+    embedding_plot_identities: int = 5  # per group (known, novel) in plots/discovery_embedding.png
 
 
 def _normalise(x: np.ndarray) -> np.ndarray:
@@ -245,7 +257,10 @@ def render_report(metrics: dict[str, float], models: dict[str, dict], train_metr
                   "|---|" + "---|" * len(open_keys)]
         for tag in models:
             lines.append(f"| `{tag}` | " + " | ".join(pct(metrics.get(f"{tag}/{k}")) for k in open_keys) + " |")
-    lines += ["", "![ROC](../plots/roc.png)", ""]
+    lines += ["", "![ROC](../plots/roc.png)"]
+    from tasks.discovery_eval import render_section
+
+    lines += render_section(metrics) + [""]
     return "\n".join(lines)
 
 
@@ -258,11 +273,16 @@ def run(cfg: EvaluateConfig, data: DataConfig, paths: Paths, *, tracker: Any = N
     metrics: dict[str, float] = {}
     curves: dict[str, tuple] = {}
     models: dict[str, dict] = {}
+    loaded: dict[str, Any] = {}
     for tag, directory in model_dirs(paths):
-        model, models[tag] = load_model(directory)
-        m, c = evaluate_model(model, tag, cfg, paths, sets)
+        loaded[tag], models[tag] = load_model(directory)
+        m, c = evaluate_model(loaded[tag], tag, cfg, paths, sets)
         metrics.update(m)
         curves.update(c)
+    if cfg.discovery and paths.gfd_split.is_file():
+        from tasks.discovery_eval import evaluate_discovery
+
+        metrics.update(evaluate_discovery(cfg, data, paths, loaded.get("real", next(iter(loaded.values())))))
     if cfg.baselines:
         m, c = evaluate_baselines(cfg, paths, data, sets)
         metrics.update(m)
@@ -288,6 +308,9 @@ def run(cfg: EvaluateConfig, data: DataConfig, paths: Paths, *, tracker: Any = N
             tracker.log_dataset(paths.prepared / sub, context=f"eval-{sub}")
         tracker.log_metrics(metrics)
         tracker.log_artifact(paths.plots / "roc.png", artifact_path="plots")
+        for extra in (paths.plots / "discovery_embedding.png", paths.root / "reports" / "discovery_predictions.csv"):
+            if extra.is_file():
+                tracker.log_artifact(extra, artifact_path="discovery")
         tracker.log_artifact(paths.benchmark_report, artifact_path="reports")
         tracker.set_tags({f"model.{tag}.digest": c.get("extra", {}).get("training_data_digest", "") for tag, c in models.items()})
     return result

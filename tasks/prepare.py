@@ -5,6 +5,9 @@
 - ``templates/``  IJB-style template set from video-like sequences, with ``meta/face_tid_mid.txt``
                   (``img tid mid``) and ``meta/template_pair_label.txt`` (``tid1 tid2 label``)
 - ``verification/procedural.bin``  InsightFace verification pairs over the held-out identities
+- ``discovery/``  procedural faces of further unseen identities, for generalized face discovery (FaceGCD)
+- ``gfd/split.parquet``  the GFD split of ``discovery/`` (or ``real/``): known/unknown identities, labelled
+                  images, train/test per identity; ``gfd/split.json`` names the dataset and the counts
 - ``real/`` + ``verification/real.bin``  only when ``data.ingest_folder`` or ``data.ingest_recordio`` is set
 
 The whole directory is written to a temporary sibling and renamed on success.
@@ -13,6 +16,7 @@ The whole directory is written to a temporary sibling and renamed on success.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +31,9 @@ from ml.errors import ConfigError, DataError
 from tasks.common import Paths, StageResult, atomic_path, load_params, section, stage_main
 
 log = logging.getLogger(__name__)
+
+
+GFD_DATASETS = ("discovery", "real")  # prepared datasets the generalized-face-discovery split can cover
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,13 @@ class DataConfig:
     ingest_folder: str = ""
     ingest_recordio: str = ""
     ingest_max_images: int = 0
+    # generalized face discovery (FaceGCD): identities disjoint from train and held-out, and the GFD split
+    discovery_identities: int = 100
+    discovery_images_per_identity: int = 20
+    gfd_dataset: str = "discovery"      # which prepared dataset the GFD split covers: discovery | real
+    gfd_known_fraction: float = 0.5     # share of identities that are known (some of their images labelled)
+    gfd_labelled_fraction: float = 0.5  # share of a known identity's training images that carry a label
+    gfd_test_fraction: float = 0.1      # per identity, share of images held out for the test subset
 
     def procedural_config(self, aligned: bool = True) -> ProceduralConfig:
         if "image_size" in self.procedural or "aligned" in self.procedural:
@@ -68,10 +82,17 @@ class DataConfig:
             "frames_per_template": self.frames_per_template >= 1,
             "verification_pairs": self.verification_pairs >= 20,
             "image_size": 32 <= self.image_size <= 256,
+            "discovery_identities": self.discovery_identities >= 4,
+            "discovery_images_per_identity": self.discovery_images_per_identity >= 4,
+            "gfd_known_fraction": 0.0 < self.gfd_known_fraction < 1.0,
+            "gfd_labelled_fraction": 0.0 < self.gfd_labelled_fraction <= 1.0,
+            "gfd_test_fraction": 0.0 < self.gfd_test_fraction < 1.0,
         }
         for key, ok in checks.items():
             if not ok:
                 raise ConfigError(f"params key 'data.{key}' = {getattr(self, key)!r} is out of range.")
+        if self.gfd_dataset not in GFD_DATASETS:
+            raise ConfigError(f"params key 'data.gfd_dataset' = {self.gfd_dataset!r}: use one of {', '.join(GFD_DATASETS)}.")
 
 
 def _sample_pairs(labels: np.ndarray, n_pairs: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -209,6 +230,30 @@ def _ingest_real(out: Path, cfg: DataConfig) -> tuple[np.ndarray, np.ndarray]:
     return np.stack(images), np.asarray([uniq[i] for i in identities])
 
 
+def write_gfd_split(prepared: Path, cfg: DataConfig) -> dict[str, float]:
+    """``gfd/split.parquet`` over ``prepared/<data.gfd_dataset>`` (+ ``gfd/split.json`` naming the dataset)."""
+    from ml.data.dataset import read_manifest
+    from ml.discovery.split import gfd_split, write_gfd_split as write_split
+
+    manifest = read_manifest(prepared / cfg.gfd_dataset / "manifest.parquet")
+    split = gfd_split(manifest, seed=cfg.seed, known_fraction=cfg.gfd_known_fraction,
+                      labelled_fraction=cfg.gfd_labelled_fraction, test_fraction=cfg.gfd_test_fraction)
+    out = prepared / "gfd"
+    out.mkdir()
+    write_split(split, out / "split.parquet")
+    known_ids = split.loc[split["known"], "identity"].nunique()
+    counts = {
+        "identities": int(split["identity"].nunique()), "known_identities": int(known_ids),
+        "images": len(split), "labelled_images": int(split["labelled"].sum()),
+        "test_images": int((split["subset"] == "test").sum()),
+    }
+    (out / "split.json").write_text(json.dumps({
+        "dataset": cfg.gfd_dataset, "seed": cfg.seed, "known_fraction": cfg.gfd_known_fraction,
+        "labelled_fraction": cfg.gfd_labelled_fraction, "test_fraction": cfg.gfd_test_fraction, **counts,
+    }, indent=2) + "\n")
+    return {f"data/gfd_{k}": v for k, v in counts.items()}
+
+
 def _check_sources(cfg: DataConfig) -> None:
     """Fail before any work when a named real-data source is missing."""
     if cfg.ingest_folder and cfg.ingest_recordio:
@@ -216,6 +261,9 @@ def _check_sources(cfg: DataConfig) -> None:
     if cfg.ingest_folder and not Path(cfg.ingest_folder).is_dir():
         raise DataError(f"data.ingest_folder: {cfg.ingest_folder} is not a directory. "
                         "Point it at an image folder laid out as <identity>/<image>.")
+    if cfg.gfd_dataset == "real" and not (cfg.ingest_folder or cfg.ingest_recordio):
+        raise ConfigError("data.gfd_dataset is 'real' but no real data is ingested: set 'data.ingest_folder' or "
+                          "'data.ingest_recordio', or use data.gfd_dataset: discovery.")
     if cfg.ingest_recordio and not Path(cfg.ingest_recordio).is_file():
         raise DataError(f"data.ingest_recordio: {cfg.ingest_recordio} does not exist. "
                         "Point it at an InsightFace train.rec with train.idx beside it.")
@@ -265,6 +313,11 @@ def run(cfg: DataConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
             landmarks=h_landmarks,
         )
         n_tpairs = _template_set(tmp / "templates", gen, cfg, cfg.train_identities, cfg.seed)
+        first = cfg.train_identities + cfg.heldout_identities
+        _procedural_split(
+            tmp / "discovery", gen, range(first, first + cfg.discovery_identities), cfg.discovery_images_per_identity,
+            lambda i: "train", name="procedural-discovery",
+        )
         result.metrics.update({
             "data/train_images": cfg.train_identities * cfg.images_per_identity,
             "data/heldout_images": len(h_labels),
@@ -278,6 +331,7 @@ def run(cfg: DataConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
             result.metrics["data/real_verification_pairs"] = write_pairs_bin(
                 tmp / "verification" / "real.bin", r_images, r_labels, pairs, cfg.seed
             )
+        result.metrics.update(write_gfd_split(tmp, cfg))
     sample_grid(gen, cfg, paths.plots / "samples.png")
     result.outputs += [paths.prepared, paths.plots / "samples.png"]
     result.summary = (

@@ -1,4 +1,5 @@
-"""MLflow pyfunc wrapper so a registered ``faceops-*`` FR model loads with ``mlflow.pyfunc.load_model``."""
+"""MLflow pyfunc wrapper so a registered ``faceops-*`` embedding model (FR, discovery) loads with
+``mlflow.pyfunc.load_model``."""
 
 from __future__ import annotations
 
@@ -13,13 +14,25 @@ class FaceEmbedder(mlflow.pyfunc.PythonModel):
     with flip test-time augmentation, L2-normalised."""
 
     def load_context(self, context: Any) -> None:
-        from ml.models.io import load_model
+        import json
+        from pathlib import Path
 
-        self.model, self.config = load_model(context.artifacts["model_dir"])
+        model_dir = Path(context.artifacts["model_dir"])
+        self.architecture = json.loads((model_dir / "config.json").read_text()).get("architecture", "backbone")
+        if self.architecture == "facegcd":
+            from ml.models.discovery.facegcd import load_facegcd
+
+            self.model, self.config = load_facegcd(model_dir)
+        else:
+            from ml.models.io import load_model
+
+            self.model, self.config = load_model(model_dir)
 
     def predict(self, context: Any, model_input: Any, params: dict | None = None) -> np.ndarray:
+        images = np.asarray(model_input, dtype=np.uint8)
+        if self.architecture == "facegcd":  # the discovery model's clustering features (no flip TTA in FaceGCD)
+            return self.model.embed(images)
         from ml.train.fr import embed
 
-        images = np.asarray(model_input, dtype=np.uint8)
         feats = embed(self.model, images, flip=True)
         return feats / np.linalg.norm(feats, axis=1, keepdims=True).clip(1e-12)

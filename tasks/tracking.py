@@ -113,8 +113,9 @@ class StageTracker:
         return info["digest"]
 
     def log_prepared_datasets(self, prepared: Path) -> None:
-        """Log every dataset directory ``prepare`` wrote (``train``, ``heldout``, ``templates``, ``real``)."""
-        for sub in ("train", "heldout", "templates", "real"):
+        """Log every dataset directory ``prepare`` wrote (``train``, ``heldout``, ``templates``, ``discovery``,
+        ``real``)."""
+        for sub in ("train", "heldout", "templates", "discovery", "real"):
             if (prepared / sub / "dataset.json").is_file():
                 self.log_dataset(prepared / sub, context=sub)
 

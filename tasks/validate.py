@@ -1,6 +1,7 @@
 """Stage ``validate``: the Great Expectations gate over every manifest ``prepare`` wrote.
 
-One suite per manifest kind (``train``, ``heldout``, ``templates``, ``real``); each expectation carries the
+One suite per manifest kind (``train``, ``heldout``, ``templates``, ``discovery``, ``real``) plus one for the
+generalized-face-discovery split (``gfd_split``); each expectation carries the
 risk it guards against in ``meta.risk``. Results land in ``reports/validation/<dataset>.json`` and as Data Docs
 HTML in ``reports/validation/docs/index.html``. A failed expectation stops the pipeline with one message
 naming the dataset, the expectation, the column and the offending rows.
@@ -99,6 +100,7 @@ def build_expectations(
             data.template_identities,
             data.template_identities * data.templates_per_identity * (data.frames_per_template + 1),
         ),
+        "discovery": (data.discovery_identities, data.discovery_identities * data.discovery_images_per_identity),
     }
     if kind in expected:
         ids, rows = expected[kind]
@@ -114,12 +116,67 @@ def build_expectations(
             max_value=min(expected_val + cfg.split_tolerance, 1.0),
             meta={"risk": "train/val proportions drifted from data.val_fraction"},
         ))
+    if kind == "discovery":
+        exps.append(E.ExpectColumnValuesToBeInSet(column="split", value_set=["train"], meta={"risk": "unknown split name"}))
     if kind == "heldout":
         exps.append(E.ExpectColumnValuesToBeInSet(column="split", value_set=["gallery", "probe"], meta={"risk": "unknown split name"}))
     if kind == "templates":
         exps.append(E.ExpectColumnValuesToNotBeNull(column="template", meta={"risk": "images outside any template"}))
         exps.append(E.ExpectColumnValuesToNotBeNull(column="media", meta={"risk": "media pooling cannot group frames"}))
     return exps
+
+
+def gfd_view(split: pd.DataFrame) -> pd.DataFrame:
+    """The GFD split with the flat derived columns its expectations read."""
+    view = split.copy()
+    view.insert(0, "row", np.arange(len(view)))
+    view["labelled_unknown"] = view["labelled"] & ~view["known"]
+    view["labelled_test"] = view["labelled"] & (view["subset"] == "test")
+    view["known_consistent"] = view.groupby("identity")["known"].transform("nunique") == 1
+    view["is_test"] = (view["subset"] == "test").astype(float)
+    # summed over rows: the number of known identities
+    view["known_identity_weight"] = view["known"] / view.groupby("identity")["path"].transform("count")
+    known_train = view["known"] & (view["subset"] == "train")
+    view["labelled_of_known_train"] = view["labelled"].astype(float).where(known_train)
+    return view
+
+
+def gfd_expectations(view: pd.DataFrame, data: DataConfig, cfg: ValidateConfig) -> list[Any]:
+    """The GFD split's expectations: no label leakage, consistent known/unknown sets, proportions as asked.
+
+    Proportions are checked with the tolerance ``validate.split_tolerance`` plus the rounding that whole images
+    and identities force (half an image of the smallest identity, half an identity).
+    """
+    import great_expectations as gx
+
+    E = gx.expectations
+    per_identity = view.groupby("identity")["path"].count()
+    n_ids = len(per_identity)
+    rounding = 0.5 / max(int(per_identity.min()), 1)
+    known = data.gfd_known_fraction * n_ids
+    known_slack = cfg.split_tolerance * n_ids + 0.5
+    return [
+        E.ExpectColumnValuesToBeInSet(column="labelled_unknown", value_set=[False],
+                                      meta={"risk": "a labelled image of an unknown identity leaks the answer: novel accuracy is inflated"}),
+        E.ExpectColumnValuesToBeInSet(column="labelled_test", value_set=[False],
+                                      meta={"risk": "test images carry labels: the test subset measures memorisation"}),
+        E.ExpectColumnValuesToBeInSet(column="known_consistent", value_set=[True],
+                                      meta={"risk": "an identity is both known and unknown: the known/novel split overlaps"}),
+        E.ExpectColumnValuesToBeInSet(column="subset", value_set=["train", "test"], meta={"risk": "unknown subset name"}),
+        E.ExpectColumnValuesToBeUnique(column="path", meta={"risk": "an image counted twice"}),
+        E.ExpectColumnMeanToBeBetween(
+            column="is_test", min_value=max(data.gfd_test_fraction - cfg.split_tolerance - rounding, 0.0),
+            max_value=min(data.gfd_test_fraction + cfg.split_tolerance + rounding, 1.0),
+            meta={"risk": "train/test proportions drifted from data.gfd_test_fraction"}),
+        E.ExpectColumnSumToBeBetween(
+            column="known_identity_weight", min_value=known - known_slack, max_value=known + known_slack,
+            meta={"risk": "known/unknown identity proportions drifted from data.gfd_known_fraction"}),
+        E.ExpectColumnMeanToBeBetween(
+            column="labelled_of_known_train",
+            min_value=max(data.gfd_labelled_fraction - cfg.split_tolerance - 2 * rounding, 0.0),
+            max_value=min(data.gfd_labelled_fraction + cfg.split_tolerance + 2 * rounding, 1.0),
+            meta={"risk": "labelled share of known identities drifted from data.gfd_labelled_fraction"}),
+    ]
 
 
 def _describe_failure(dataset: str, res: Any) -> str:
@@ -142,7 +199,8 @@ def _describe_failure(dataset: str, res: Any) -> str:
 def validate_manifests(
     datasets: dict[str, tuple[str, pd.DataFrame]], data: DataConfig, cfg: ValidateConfig, report_dir: Path
 ) -> dict[str, Any]:
-    """Run one GX checkpoint over ``{name: (kind, manifest)}``; write JSON + Data Docs into ``report_dir``.
+    """Run one GX checkpoint over ``{name: (kind, manifest)}`` (kind ``gfd_split``: a GFD split, not a manifest);
+    write JSON + Data Docs into ``report_dir``.
 
     Returns ``{name: result_json}``; raises DataError naming the first failure (after writing reports).
     """
@@ -163,11 +221,12 @@ def validate_manifests(
     source = ctx.data_sources.add_pandas("faceops")
     definitions, frames = [], {}
     for name, (kind, manifest) in datasets.items():
-        view = manifest_view(manifest)
+        view = gfd_view(manifest) if kind == "gfd_split" else manifest_view(manifest)
         frames[name] = view
         batch = source.add_dataframe_asset(name=name).add_batch_definition_whole_dataframe("manifest")
         suite = ctx.suites.add(gx.ExpectationSuite(name=f"{name}_manifest"))
-        for exp in build_expectations(kind, view, data, cfg):
+        exps = gfd_expectations(view, data, cfg) if kind == "gfd_split" else build_expectations(kind, view, data, cfg)
+        for exp in exps:
             suite.add_expectation(exp)
         definitions.append(ctx.validation_definitions.add(gx.ValidationDefinition(name=name, data=batch, suite=suite)))
     results: dict[str, Any] = {}
@@ -192,12 +251,14 @@ def validate_manifests(
 
 def run(data: DataConfig, cfg: ValidateConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
     from ml.data.dataset import read_manifest
+    from ml.discovery.split import read_gfd_split
 
     datasets: dict[str, tuple[str, pd.DataFrame]] = {}
-    for kind in ("train", "heldout", "templates", "real"):
+    for kind in ("train", "heldout", "templates", "discovery", "real"):
         directory = paths.prepared / kind
         if kind != "real" or directory.exists():
             datasets[kind] = (kind, read_manifest(directory / "manifest.parquet"))
+    datasets["gfd_split"] = ("gfd_split", read_gfd_split(paths.gfd_split))
     result = StageResult("validate")
     with atomic_path(paths.validation_reports) as tmp:
         tmp.mkdir(parents=True)

@@ -24,7 +24,7 @@ from .conftest import copy_project
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
-STAGES = ["prepare", "validate", "train_fr@real", "evaluate"]
+STAGES = ["prepare", "validate", "train_fr@real", "train_discovery", "evaluate"]
 
 
 def _free_port() -> int:
@@ -95,7 +95,9 @@ def test_smoke_run_leaves_every_artifact(smoke_run):
                 "reports/validation/train.json", "reports/validation/docs/index.html",
                 "models/fr/real/model.safetensors", "models/fr/real/config.json", "metrics/train_fr_real.json",
                 "metrics/evaluate.json", "plots/roc.png", "plots/samples.png", "plots/train_fr_real_loss.png",
-                "reports/benchmark.md", "dvc.lock"]:
+                "reports/benchmark.md", "dvc.lock", "models/discovery/model.safetensors", "metrics/discovery.json",
+                "metrics/train_discovery.json", "plots/discovery_embedding.png", "reports/discovery_predictions.csv",
+                "data/prepared/gfd/split.parquet", "reports/validation/gfd_split.json"]:
         assert (root / rel).is_file(), rel
     lock = yaml.safe_load((root / "dvc.lock").read_text())
     assert sorted(lock["stages"]) == sorted(STAGES)
@@ -105,6 +107,10 @@ def test_smoke_run_leaves_every_artifact(smoke_run):
     assert "baseline/linear_probe/verification/procedural/accuracy" in metrics
     assert "real/open_set/tpir@fpir=1e-2" in metrics and "real/distractors/rank20" in metrics
     assert "reports/benchmark.md" in stdout
+    discovery = json.loads((root / "metrics/discovery.json").read_text())["metrics"]
+    for method in ("facegcd", "fr_ssk", "kmeans", "agglomerative", "dbscan"):
+        assert 0.0 <= discovery[f"discovery/{method}/test/all"] <= 1.0, method
+    assert "Generalized face discovery" in (root / "reports/benchmark.md").read_text()
     config = json.loads((root / "models/fr/real/config.json").read_text())
     assert config["backbone"] == "vit_tiny" and config["input_contract"]["size"] == 64
 
@@ -135,7 +141,9 @@ def test_every_stage_is_a_nested_mlflow_run_and_model_is_candidate(smoke_run):
     assert version.tags["source"] == "real" and version.tags["data_source"] == "procedural"
     assert version.run_id == by_name["train_fr@real"].info.run_id
     artifacts = {a.path for a in client.list_artifacts(by_name["evaluate"].info.run_id)}
-    assert {"plots", "reports"} <= artifacts
+    assert {"plots", "reports", "discovery"} <= artifacts
+    discovery = client.get_model_version_by_alias("faceops-discovery", "candidate")
+    assert discovery.run_id == by_name["train_discovery"].info.run_id
 
 
 def test_prefect_flow_run_has_one_task_per_stage(smoke_run):
@@ -164,7 +172,9 @@ def test_second_repro_skips_every_stage_and_set_reruns_downstream(smoke_run):
     assert yaml.safe_load((root / "params.yaml").read_text())["fr"]["epochs"] == 2
     status = {line.split()[0]: " ".join(line.split()[1:-1]) for line in out.stdout.splitlines()
               if line.strip() and line.split()[0] in STAGES}
-    assert status == {"prepare": "up to date", "validate": "up to date", "train_fr@real": "ran", "evaluate": "ran"}, out.stdout
+    # FaceGCD starts from the FR model, so it retrains too
+    assert status == {"prepare": "up to date", "validate": "up to date", "train_fr@real": "ran",
+                      "train_discovery": "ran", "evaluate": "ran"}, out.stdout
 
 
 def test_ls_lists_stages_datasets_and_registry(smoke_run):

@@ -17,7 +17,8 @@ from tasks.prepare import DataConfig, run
 
 TINY = DataConfig(train_identities=6, images_per_identity=5, val_fraction=0.2, heldout_identities=6, heldout_images_per_identity=4,
                   gallery_images_per_identity=1, verification_pairs=40, template_identities=4,
-                  templates_per_identity=2, frames_per_template=3)
+                  templates_per_identity=2, frames_per_template=3, discovery_identities=8,
+                  discovery_images_per_identity=10)
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +37,38 @@ def test_split_sizes_and_disjoint_identities(prepared):
     assert Counter(heldout["split"]) == {"gallery": 6, "probe": 18}
     assert sorted(train["label"].unique()) == list(range(6))
     assert result.metrics["data/verification_pairs"] == 40
+
+
+def test_discovery_set_and_gfd_split(prepared):
+    import json
+
+    from ml.discovery.split import check_gfd_split, read_gfd_split
+
+    paths, result = prepared
+    discovery = read_manifest(paths.discovery_set / "manifest.parquet")
+    others = set(read_manifest(paths.train_set / "manifest.parquet")["identity"]) | set(
+        read_manifest(paths.heldout_set / "manifest.parquet")["identity"])
+    assert discovery["identity"].nunique() == 8 and len(discovery) == 80
+    assert set(discovery["identity"]).isdisjoint(others)  # unseen by the FR model
+    split = read_gfd_split(paths.gfd_split)
+    check_gfd_split(split)
+    assert set(split["path"]) == set(discovery["path"])
+    assert split.groupby("identity")["known"].first().sum() == 4
+    assert (split["subset"] == "test").sum() == 8  # 10 % of 10 images per identity
+    assert split["labelled"].sum() == 4 * 5  # round(0.5 × 9) = 5 (half up) of each known identity's train images
+    info = json.loads((paths.gfd_split.parent / "split.json").read_text())
+    assert info["dataset"] == "discovery" and info["known_identities"] == 4
+    assert result.metrics["data/gfd_labelled_images"] == 20
+
+
+def test_gfd_split_of_real_data_needs_real_data(tmp_path):
+    from ml.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="data.gfd_dataset"):
+        run(dataclasses.replace(TINY, gfd_dataset="real"), Paths(tmp_path))
+    with pytest.raises(ConfigError, match="data.gfd_dataset"):
+        dataclasses.replace(TINY, gfd_dataset="webface")
+    assert not (tmp_path / "data").exists()
 
 
 def test_verification_bin_pairs_are_balanced_and_decodable(prepared):
@@ -66,10 +99,14 @@ def test_ingest_recordio(tmp_path):
     rec = tmp_path / "train.rec"
     write_recordio(rec, images, labels)
     assert len(RecordIOReader(rec)) == 12
-    cfg = dataclasses.replace(TINY, ingest_recordio=str(rec))
+    cfg = dataclasses.replace(TINY, ingest_recordio=str(rec), gfd_dataset="real")
     paths = Paths(tmp_path / "ws")
     result = run(cfg, paths)
     real = read_manifest(paths.real_set / "manifest.parquet")
+    from ml.discovery.split import read_gfd_split
+
+    split = read_gfd_split(paths.gfd_split)  # the GFD split covers the ingested RecordIO
+    assert set(split["path"]) == set(real["path"]) and split["known"].any() and not split["known"].all()
     assert len(real) == 12 and real["identity"].nunique() == 3 and set(real["source"]) == {"real"}
     assert read_dataset_info(paths.real_set)["source"] == "real"
     assert result.metrics["data/real_images"] == 12

@@ -95,3 +95,60 @@ def test_failed_gate_leaves_no_half_written_reports(prepared, tmp_path, monkeypa
     assert not target.validation_reports.exists()
     assert (tmp_path / "reports" / "validation-failed" / "train.json").is_file()
     assert not [p for p in (tmp_path / "reports").iterdir() if p.name.startswith(".")]
+
+
+def _gfd(paths):
+    from ml.discovery.split import read_gfd_split
+
+    return read_gfd_split(paths.gfd_split).copy()
+
+
+def test_clean_gfd_split_passes_with_the_discovery_manifest(prepared, tmp_path):
+    data, paths = prepared
+    datasets = {"discovery": ("discovery", read_manifest(paths.discovery_set / "manifest.parquet")),
+                "gfd_split": ("gfd_split", _gfd(paths))}
+    results = validate.validate_manifests(datasets, data, validate.ValidateConfig(), tmp_path)
+    assert results["gfd_split"]["statistics"]["success_percent"] == 100.0
+
+
+def _label_an_unknown(df):
+    row = df.index[~df["known"] & (df["subset"] == "train")][0]
+    df.loc[row, "labelled"] = True
+    return row
+
+
+def _label_a_test_image(df):
+    row = df.index[df["known"] & (df["subset"] == "test")][0]
+    df.loc[row, "labelled"] = True
+    return row
+
+
+def _overlap_known_unknown(df):
+    identity = df.loc[df["known"], "identity"].iloc[0]
+    row = df.index[(df["identity"] == identity) & ~df["labelled"]][0]
+    df.loc[row, "known"] = False
+    return row
+
+
+@pytest.mark.parametrize(("mutate", "column"), [
+    (_label_an_unknown, "labelled_unknown"),
+    (_label_a_test_image, "labelled_test"),
+    (_overlap_known_unknown, "known_consistent"),
+])
+def test_broken_gfd_split_is_rejected_naming_the_row(prepared, tmp_path, mutate, column):
+    data, paths = prepared
+    df = _gfd(paths)
+    row = mutate(df)
+    with pytest.raises(DataError) as err:
+        validate.validate_manifests({"gfd_split": ("gfd_split", df)}, data, validate.ValidateConfig(), tmp_path)
+    message = str(err.value)
+    assert "dataset 'gfd_split'" in message and column in message and f"row {row} " in message, message
+
+
+def test_gfd_proportions_out_of_tolerance_are_rejected(prepared, tmp_path):
+    data, paths = prepared
+    df = _gfd(paths)
+    df["known"] = True  # every identity known: nothing left to discover
+    df["labelled"] = False
+    with pytest.raises(DataError, match="known_identity_weight"):
+        validate.validate_manifests({"gfd_split": ("gfd_split", df)}, data, validate.ValidateConfig(), tmp_path)

@@ -1,0 +1,143 @@
+"""The ``evaluate`` stage's generalized face discovery part (FaceGCD paper Tables 1–2 layout).
+
+Methods, all on the images of ``data/prepared/gfd/split.parquet`` with K = known + novel identities:
+
+- ``FaceGCD + SSK``: the discovery model's features (``models/discovery``), semi-supervised k-means;
+- ``FR features + SSK``: the FR model's features (flip TTA), semi-supervised k-means (the paper's ArcFace row);
+- ``k-means`` / ``agglomerative`` / ``DBSCAN`` on the FR features, no labels (best linkage / grid point chosen on
+  the test labels, as the paper reports them).
+
+Writes ``metrics/discovery.json``, ``reports/discovery_predictions.csv`` (per test image: the known identity it
+was assigned to or a new cluster id) and ``plots/discovery_embedding.png`` (2-D t-SNE of a few known and novel
+identities, FR features beside FaceGCD features). ``render_section`` is the Markdown for ``reports/benchmark.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from tasks.common import Paths, atomic_path, write_json
+
+log = logging.getLogger(__name__)
+
+METHODS = {  # metrics prefix → table label
+    "facegcd": "FaceGCD + SSK",
+    "fr_ssk": "FR features + SSK",
+    "kmeans": "k-means (FR features)",
+    "agglomerative": "agglomerative, best linkage (FR features)",
+    "dbscan": "DBSCAN, best of grid (FR features)",
+}
+
+
+def evaluate_discovery(cfg: Any, data: Any, paths: Paths, fr_model: Any) -> dict[str, float]:
+    """Run every method, write the predictions, the plot and ``metrics/discovery.json``; → flat metrics
+    ``discovery/<method>/<subset>/<all|known|novel>`` and ``discovery/<method>/nnc``."""
+    from ml.data.dataset import landmarks_array, load_images
+    from ml.discovery.protocol import gfd_baselines, gfd_ssk, known_or_new_names
+    from ml.models.discovery.facegcd import load_facegcd
+    from ml.train.fr import embed, needs_keypoints
+    from tasks.train_discovery import gfd_rows
+
+    dataset, rows = gfd_rows(paths)
+    images = load_images(dataset, rows, expected_size=(data.image_size, data.image_size), progress=True)
+    labels = rows["label"].to_numpy(np.int64)
+    labelled, known = rows["labelled"].to_numpy(bool), rows["known"].to_numpy(bool)
+    test = (rows["subset"] == "test").to_numpy()
+    keypoints = landmarks_array(rows) if needs_keypoints(fr_model) else None
+    features = {"fr": embed(fr_model, images, batch_size=cfg.batch_size, flip=cfg.flip, keypoints=keypoints)}
+    outcomes = {"fr_ssk": gfd_ssk(features["fr"], labels, labelled, known, test, n_init=cfg.ssk_n_init,
+                                  max_iter=cfg.ssk_max_iter, seed=data.seed, nnc_k=cfg.nnc_k)}
+    if (paths.discovery_model / "config.json").is_file():
+        model, _ = load_facegcd(paths.discovery_model)
+        features["facegcd"] = model.embed(images, batch_size=cfg.batch_size)
+        outcomes["facegcd"] = gfd_ssk(features["facegcd"], labels, labelled, known, test, n_init=cfg.ssk_n_init,
+                                      max_iter=cfg.ssk_max_iter, seed=data.seed, nnc_k=cfg.nnc_k)
+    else:
+        log.warning("no discovery model at %s: FaceGCD rows are left out", paths.discovery_model)
+    if cfg.baselines:
+        outcomes.update(gfd_baselines(features["fr"], labels, labelled, known, test, eps_grid=cfg.dbscan_eps,
+                                      min_samples_grid=cfg.dbscan_min_samples, seed=data.seed, nnc_k=cfg.nnc_k))
+    metrics: dict[str, float] = {}
+    for name, outcome in outcomes.items():
+        metrics.update({f"discovery/{name}/{k}": v for k, v in outcome.metrics.items()})
+    metrics["discovery/k"] = float(len(np.unique(labels)))
+    metrics["discovery/test_images"] = float(test.sum())
+    metrics["discovery/nnc_k"] = float(cfg.nnc_k)
+    settings = {name: o.setting for name, o in outcomes.items()}
+    write_json(paths.metrics / "discovery.json", {"metrics": metrics, "settings": settings})
+
+    names = rows.groupby("label")["identity"].first().to_dict()
+    best = outcomes.get("facegcd", outcomes["fr_ssk"])
+    assigned = np.asarray(known_or_new_names(best, names))
+    predictions = pd.DataFrame({
+        "path": rows["path"], "identity": rows["identity"], "known": known,
+        "assigned": assigned, "cluster": best.pred, "correct_if_known": assigned == rows["identity"].to_numpy(),
+    })[test]
+    with atomic_path(paths.root / "reports" / "discovery_predictions.csv") as tmp:
+        predictions.to_csv(tmp, index=False)
+    plot_embedding(features, labels, known, paths.plots / "discovery_embedding.png", seed=data.seed,
+                   per_group=cfg.embedding_plot_identities)
+    return metrics
+
+
+def plot_embedding(features: dict[str, np.ndarray], labels: np.ndarray, known: np.ndarray, path: Path, *,
+                   seed: int, per_group: int = 5) -> None:
+    """2-D t-SNE of ``per_group`` known and ``per_group`` novel identities, one panel per feature set:
+    circles = known identities, triangles = novel; one colour per identity."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from sklearn.manifold import TSNE
+
+    rng = np.random.default_rng(seed)
+    ids_known = np.unique(labels[known])
+    ids_novel = np.unique(labels[~known])
+    chosen = np.concatenate([rng.permutation(ids_known)[:per_group], rng.permutation(ids_novel)[:per_group]])
+    pick = np.isin(labels, chosen)
+    titles = {"fr": "FR model features", "facegcd": "FaceGCD features"}
+    fig, axes = plt.subplots(1, len(features), figsize=(4.6 * len(features), 4.4), squeeze=False)
+    cmap = plt.get_cmap("tab20")
+    for ax, (name, feats) in zip(axes[0], features.items()):
+        x = feats[pick] / np.linalg.norm(feats[pick], axis=1, keepdims=True).clip(1e-12)
+        xy = TSNE(n_components=2, perplexity=min(15.0, max(2.0, (len(x) - 1) / 3)), init="pca",
+                  random_state=seed).fit_transform(x)
+        for c, ident in enumerate(chosen):
+            m = labels[pick] == ident
+            is_known = bool(known[pick][m][0])
+            ax.scatter(xy[m, 0], xy[m, 1], s=18, color=cmap(c % 20), marker="o" if is_known else "^",
+                       label=f"{'known' if is_known else 'novel'} {ident}")
+        ax.set(title=titles.get(name, name), xticks=[], yticks=[])
+    axes[0][-1].legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.suptitle("Generalized face discovery: ● known identities, ▲ novel identities (t-SNE)", fontsize=9)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+def render_section(metrics: dict[str, float]) -> list[str]:
+    """Markdown lines for ``reports/benchmark.md``: All / Known / Novel per method on test and transductively."""
+    pct = lambda v: "—" if v is None or v != v else f"{100 * v:.1f}"  # noqa: E731
+    present = [m for m in METHODS if f"discovery/{m}/test/all" in metrics]
+    if not present:
+        return []
+    lines = [
+        "", "## Generalized face discovery (clustering accuracy %, Hungarian matching over all identities)", "",
+        f"K = {int(metrics.get('discovery/k', 0))} identities (known + novel), unseen by the FR model; "
+        f"{int(metrics.get('discovery/test_images', 0))} test images. *Transductive*: the unlabelled training images "
+        "(the usual GCD protocol). NNC: share of each test image's "
+        f"{int(metrics.get('discovery/nnc_k', 5))} nearest test neighbours in its cluster.", "",
+        "| method | test All | test Known | test Novel | transductive All | transductive Known | transductive Novel | NNC |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for m in present:
+        cells = [pct(metrics.get(f"discovery/{m}/{s}/{k}")) for s in ("test", "transductive") for k in ("all", "known", "novel")]
+        lines.append(f"| {METHODS[m]} | " + " | ".join(cells) + f" | {pct(metrics.get(f'discovery/{m}/nnc'))} |")
+    lines += ["", "![discovery embedding](../plots/discovery_embedding.png)"]
+    return lines

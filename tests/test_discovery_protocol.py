@@ -1,0 +1,57 @@
+"""The GFD evaluation protocol (ml/discovery/protocol.py): subsets, names of discovered identities, bad splits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ml.discovery.protocol import gfd_baselines, gfd_ssk, known_or_new_names
+from ml.errors import DataError
+
+
+def _split(n_ids: int = 6, per_id: int = 10, seed: int = 0):
+    """Well-separated unit-norm identity clusters; ids < n_ids/2 known, half their train images labelled,
+    the last image of every identity a test image."""
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((n_ids, 32))
+    labels = np.repeat(np.arange(n_ids), per_id)
+    x = centres[labels] + 0.05 * rng.standard_normal((len(labels), 32))
+    index = np.tile(np.arange(per_id), n_ids)
+    known = labels < n_ids // 2
+    test = index == per_id - 1
+    labelled = known & ~test & (index % 2 == 0)
+    return x.astype(np.float32), labels, labelled, known, test
+
+
+def test_ssk_on_separable_identities_scores_perfectly_on_both_subsets():
+    x, labels, labelled, known, test = _split()
+    out = gfd_ssk(x, labels, labelled, known, test, n_init=2)
+    for subset in ("test", "transductive"):
+        assert out.metrics[f"{subset}/all"] == 1.0 and out.metrics[f"{subset}/novel"] == 1.0
+    assert out.metrics["nnc"] == pytest.approx(0.0)  # one test image per identity: no neighbour shares its cluster
+    names = known_or_new_names(out, [f"id{i}" for i in range(6)])
+    # known identities are named, novel ones get a new-cluster id shared by all images of that identity
+    assert names[0] == "id0" and names[10] == "id1"
+    novel_names = {names[i] for i in np.flatnonzero(labels == 5)}
+    assert len(novel_names) == 1 and next(iter(novel_names)).startswith("new-")
+
+
+def test_baselines_use_no_labels_and_report_the_chosen_setting():
+    x, labels, labelled, known, test = _split()
+    out = gfd_baselines(x, labels, labelled, known, test, eps_grid=[0.3, 0.8], min_samples_grid=[2])
+    assert set(out) == {"kmeans", "agglomerative", "dbscan"}
+    assert out["agglomerative"].setting in {"ward", "average", "complete", "single"}
+    assert out["dbscan"].setting in {"(0.3, 2)", "(0.8, 2)"}
+    assert all(o.known_classes is None for o in out.values())
+
+
+@pytest.mark.parametrize(("mutate", "match"), [
+    (lambda lab, kn, te: lab.__setitem__(np.flatnonzero(te & kn)[0], True), "test image is labelled"),
+    (lambda lab, kn, te: lab.__setitem__(np.flatnonzero(~kn & ~te)[0], True), "unknown identity"),
+    (lambda lab, kn, te: te.__setitem__(slice(None), False), "no test image"),
+])
+def test_a_leaky_or_empty_split_is_refused(mutate, match):
+    x, labels, labelled, known, test = _split()
+    mutate(labelled, known, test)
+    with pytest.raises(DataError, match=match):
+        gfd_ssk(x, labels, labelled, known, test, n_init=1)
