@@ -9,6 +9,7 @@ STAGES: dict[str, str] = {
     "validate": "tasks.validate",
     "train_fr": "tasks.train_fr",
     "train_discovery": "tasks.train_discovery",
+    "train_fusion": "tasks.train_fusion",
     "evaluate": "tasks.evaluate",
 }
 
@@ -17,5 +18,6 @@ PARAM_SECTIONS: dict[str, str] = {
     "validate": "tasks.validate:ValidateConfig",
     "fr": "ml.train.fr:FRConfig",
     "discovery": "ml.train.discovery:DiscoveryConfig",
+    "fusion": "tasks.train_fusion:FusionStageConfig",
     "evaluate": "tasks.evaluate:EvaluateConfig",
 }

@@ -59,6 +59,14 @@ class Paths:
         return self.prepared / "gfd" / "split.parquet"
 
     @property
+    def video_set(self) -> Path:
+        return self.prepared / "videos"
+
+    @property
+    def fusion_model(self) -> Path:
+        return self.root / "models" / "fusion"
+
+    @property
     def discovery_model(self) -> Path:
         return self.root / "models" / "discovery"
 

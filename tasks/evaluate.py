@@ -10,7 +10,10 @@
   semi-supervised k-means, and unsupervised clustering baselines; All / Known / Novel accuracy
 
 Writes ``metrics/evaluate.json``, ``plots/roc.png``, ``plots/roc_templates.csv`` and ``reports/benchmark.md``
-(plus ``metrics/discovery.json``, ``plots/discovery_embedding.png``, ``reports/discovery_predictions.csv``).
+(plus ``metrics/discovery.json``, ``plots/discovery_embedding.png``, ``reports/discovery_predictions.csv``,
+``metrics/sets.json``, ``plots/fusion_gain.png``).
+- set and video fusion (``tasks/sets_eval.py``): average, norm-weighted, landmark-score and CAFace templates on the
+  IJB-style template set and IJB-S-style video probes
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ class EvaluateConfig:
     dbscan_eps: tuple[float, ...] = (0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # chord distance on unit vectors
     dbscan_min_samples: tuple[int, ...] = (2, 3, 5)
     embedding_plot_identities: int = 5  # per group (known, novel) in plots/discovery_embedding.png
+    # set and video fusion (tasks/sets_eval.py)
+    sets: bool = True
+    fusion_chunk_size: int = 64  # CAFace streams each probe in chunks of this many frames (memory O(chunk))
 
 
 def _normalise(x: np.ndarray) -> np.ndarray:
@@ -258,9 +264,9 @@ def render_report(metrics: dict[str, float], models: dict[str, dict], train_metr
         for tag in models:
             lines.append(f"| `{tag}` | " + " | ".join(pct(metrics.get(f"{tag}/{k}")) for k in open_keys) + " |")
     lines += ["", "![ROC](../plots/roc.png)"]
-    from tasks.discovery_eval import render_section
+    from tasks import discovery_eval, sets_eval
 
-    lines += render_section(metrics) + [""]
+    lines += sets_eval.render_section(metrics) + discovery_eval.render_section(metrics) + [""]
     return "\n".join(lines)
 
 
@@ -283,6 +289,11 @@ def run(cfg: EvaluateConfig, data: DataConfig, paths: Paths, *, tracker: Any = N
         from tasks.discovery_eval import evaluate_discovery
 
         metrics.update(evaluate_discovery(cfg, data, paths, loaded.get("real", next(iter(loaded.values())))))
+    if cfg.sets and paths.video_set.is_dir():
+        from tasks.sets_eval import evaluate_sets
+
+        metrics.update(evaluate_sets(cfg, data, paths, loaded.get("real", next(iter(loaded.values()))),
+                                     chunk_size=cfg.fusion_chunk_size))
     if cfg.baselines:
         m, c = evaluate_baselines(cfg, paths, data, sets)
         metrics.update(m)
@@ -311,6 +322,8 @@ def run(cfg: EvaluateConfig, data: DataConfig, paths: Paths, *, tracker: Any = N
         for extra in (paths.plots / "discovery_embedding.png", paths.root / "reports" / "discovery_predictions.csv"):
             if extra.is_file():
                 tracker.log_artifact(extra, artifact_path="discovery")
+        if (paths.plots / "fusion_gain.png").is_file():
+            tracker.log_artifact(paths.plots / "fusion_gain.png", artifact_path="plots")
         tracker.log_artifact(paths.benchmark_report, artifact_path="reports")
         tracker.set_tags({f"model.{tag}.digest": c.get("extra", {}).get("training_data_digest", "") for tag, c in models.items()})
     return result

@@ -8,6 +8,8 @@
 - ``discovery/``  procedural faces of further unseen identities, for generalized face discovery (FaceGCD)
 - ``gfd/split.parquet``  the GFD split of ``discovery/`` (or ``real/``): known/unknown identities, labelled
                   images, train/test per identity; ``gfd/split.json`` names the dataset and the counts
+- ``videos/``      IJB-S-like set fusion benchmark: booking galleries of stills and long video-like probes of mixed
+                  quality (mated and non-mated), ``meta/face_tid_mid.txt``
 - ``real/`` + ``verification/real.bin``  only when ``data.ingest_folder`` or ``data.ingest_recordio`` is set
 
 The whole directory is written to a temporary sibling and renamed on success.
@@ -63,6 +65,11 @@ class DataConfig:
     gfd_known_fraction: float = 0.5     # share of identities that are known (some of their images labelled)
     gfd_labelled_fraction: float = 0.5  # share of a known identity's training images that carry a label
     gfd_test_fraction: float = 0.1      # per identity, share of images held out for the test subset
+    # IJB-S-style video probes for set fusion: mated probes of enrolled identities + non-mated ones
+    video_identities: int = 30          # enrolled: a booking gallery of stills and one surveillance-like probe each
+    video_distractors: int = 10         # not enrolled: probes only (open-set TPIR@FPIR)
+    video_frames: tuple[int, int] = (50, 400)  # probe length drawn log-uniformly in [min, max] frames
+    booking_stills: int = 3             # gallery stills per identity (the first is the "single" gallery)
 
     def procedural_config(self, aligned: bool = True) -> ProceduralConfig:
         if "image_size" in self.procedural or "aligned" in self.procedural:
@@ -87,6 +94,10 @@ class DataConfig:
             "gfd_known_fraction": 0.0 < self.gfd_known_fraction < 1.0,
             "gfd_labelled_fraction": 0.0 < self.gfd_labelled_fraction <= 1.0,
             "gfd_test_fraction": 0.0 < self.gfd_test_fraction < 1.0,
+            "video_identities": self.video_identities >= 2,
+            "video_distractors": self.video_distractors >= 1,
+            "video_frames": 1 <= self.video_frames[0] <= self.video_frames[1],
+            "booking_stills": self.booking_stills >= 1,
         }
         for key, ok in checks.items():
             if not ok:
@@ -230,6 +241,44 @@ def _ingest_real(out: Path, cfg: DataConfig) -> tuple[np.ndarray, np.ndarray]:
     return np.stack(images), np.asarray([uniq[i] for i in identities])
 
 
+def _video_set(out: Path, gen: ProceduralFaces, cfg: DataConfig, first_identity: int) -> dict[str, float]:
+    """IJB-S-like set: per enrolled identity ``booking_stills`` gallery stills (media ``still``) and one long
+    video-like probe of mixed quality; per distractor identity only a probe. Manifest: split ``gallery``/``probe``,
+    ``template`` = the probe or gallery id, ``media`` = one id per video or still; ``meta/face_tid_mid.txt`` as IJB.
+    A probe is mated when its identity has a gallery."""
+    from ml.data.dataset import DatasetWriter
+
+    rng = np.random.default_rng(cfg.seed + 17)
+    lo, hi = cfg.video_frames
+    n_ids = cfg.video_identities + cfg.video_distractors
+    lengths = np.exp(rng.uniform(np.log(lo), np.log(hi), n_ids)).round().astype(int)
+    rows: list[tuple[str, int, int]] = []
+    tid = mid = 0
+    with DatasetWriter(out, name="videos", source="procedural", aligned=gen.config.aligned) as w:
+        for k in tqdm(range(n_ids), desc="prepare videos", unit="id", leave=False):
+            ident = first_identity + k
+            identity = f"id{ident:06d}"
+            if k < cfg.video_identities:
+                for t in range(cfg.booking_stills):
+                    s = gen.sample(ident, 20_000 + t)
+                    rel = w.add(s.image, identity=identity, split="gallery", landmarks=s.landmarks.reshape(-1),
+                                quality=s.quality, template=tid, media=mid)
+                    rows.append((rel, tid, mid))
+                    mid += 1
+                tid += 1
+            for s in gen.sequence(ident, int(lengths[k]), seq_index=7):
+                rel = w.add(s.image, identity=identity, split="probe", landmarks=s.landmarks.reshape(-1),
+                            quality=s.quality, template=tid, media=mid)
+                rows.append((rel, tid, mid))
+            tid += 1
+            mid += 1
+    meta = out / "meta"
+    meta.mkdir()
+    (meta / "face_tid_mid.txt").write_text("".join(f"{p} {t} {m}\n" for p, t, m in rows))
+    return {"data/video_frames": int(lengths.sum()), "data/video_probes": n_ids,
+            "data/video_max_frames": int(lengths.max())}
+
+
 def write_gfd_split(prepared: Path, cfg: DataConfig) -> dict[str, float]:
     """``gfd/split.parquet`` over ``prepared/<data.gfd_dataset>`` (+ ``gfd/split.json`` naming the dataset)."""
     from ml.data.dataset import read_manifest
@@ -331,6 +380,8 @@ def run(cfg: DataConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
             result.metrics["data/real_verification_pairs"] = write_pairs_bin(
                 tmp / "verification" / "real.bin", r_images, r_labels, pairs, cfg.seed
             )
+        first = cfg.train_identities + cfg.heldout_identities + cfg.discovery_identities
+        result.metrics.update(_video_set(tmp / "videos", gen, cfg, first))
         result.metrics.update(write_gfd_split(tmp, cfg))
     sample_grid(gen, cfg, paths.plots / "samples.png")
     result.outputs += [paths.prepared, paths.plots / "samples.png"]

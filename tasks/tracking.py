@@ -114,8 +114,8 @@ class StageTracker:
 
     def log_prepared_datasets(self, prepared: Path) -> None:
         """Log every dataset directory ``prepare`` wrote (``train``, ``heldout``, ``templates``, ``discovery``,
-        ``real``)."""
-        for sub in ("train", "heldout", "templates", "discovery", "real"):
+        ``videos``, ``real``)."""
+        for sub in ("train", "heldout", "templates", "discovery", "videos", "real"):
             if (prepared / sub / "dataset.json").is_file():
                 self.log_dataset(prepared / sub, context=sub)
 
@@ -127,7 +127,6 @@ class StageTracker:
         The version gets ``alias`` (``candidate``) and ``tags``; returns the version number.
         """
         import mlflow
-        from mlflow import MlflowClient
 
         from tasks.pyfunc import FaceEmbedder
 
@@ -139,12 +138,38 @@ class StageTracker:
             registered_model_name=registered_name,
             await_registration_for=60,
         )
-        client = MlflowClient()
         version = str(info.registered_model_version)
-        client.set_registered_model_alias(registered_name, alias, version)
-        for k, v in {**tags, "run_id": self.run_id}.items():
-            client.set_model_version_tag(registered_name, version, k, str(v))
+        self._alias_and_tags(registered_name, version, alias, tags)
         return version
+
+    def register_model_dir(
+        self, registered_name: str, *, artifact_path: str = "model", alias: str = "candidate",
+        tags: Mapping[str, str] = {},
+    ) -> str:
+        """Register the model directory already logged under ``artifact_path`` of this run (a faceops model that is
+        not an image embedder, e.g. the fusion model) as a new version of ``registered_name``; → version number."""
+        from mlflow import MlflowClient
+        from mlflow.exceptions import MlflowException
+
+        client = MlflowClient()
+        try:
+            client.create_registered_model(registered_name)
+        except MlflowException as exc:
+            if "already exists" not in str(exc).lower():
+                raise
+        mv = client.create_model_version(registered_name, source=f"runs:/{self.run_id}/{artifact_path}",
+                                         run_id=self.run_id)
+        version = str(mv.version)
+        self._alias_and_tags(registered_name, version, alias, tags)
+        return version
+
+    def _alias_and_tags(self, name: str, version: str, alias: str, tags: Mapping[str, str]) -> None:
+        from mlflow import MlflowClient
+
+        client = MlflowClient()
+        client.set_registered_model_alias(name, alias, version)
+        for k, v in {**tags, "run_id": self.run_id}.items():
+            client.set_model_version_tag(name, version, k, str(v))
 
 
 @contextlib.contextmanager

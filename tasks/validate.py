@@ -1,6 +1,6 @@
 """Stage ``validate``: the Great Expectations gate over every manifest ``prepare`` wrote.
 
-One suite per manifest kind (``train``, ``heldout``, ``templates``, ``discovery``, ``real``) plus one for the
+One suite per manifest kind (``train``, ``heldout``, ``templates``, ``discovery``, ``videos``, ``real``) plus one for the
 generalized-face-discovery split (``gfd_split``); each expectation carries the
 risk it guards against in ``meta.risk``. Results land in ``reports/validation/<dataset>.json`` and as Data Docs
 HTML in ``reports/validation/docs/index.html``. A failed expectation stops the pipeline with one message
@@ -116,6 +116,12 @@ def build_expectations(
             max_value=min(expected_val + cfg.split_tolerance, 1.0),
             meta={"risk": "train/val proportions drifted from data.val_fraction"},
         ))
+    if kind == "videos":
+        exps.append(E.ExpectColumnValuesToBeInSet(column="split", value_set=["gallery", "probe"], meta={"risk": "unknown split name"}))
+        exps.append(E.ExpectColumnValuesToNotBeNull(column="template", meta={"risk": "frames outside any probe or gallery"}))
+        exps.append(E.ExpectColumnUniqueValueCountToBeBetween(
+            column="identity", **_between(data.video_identities + data.video_distractors, cfg.count_tolerance),
+            meta={"risk": "enrolled or distractor identities lost"}))
     if kind == "discovery":
         exps.append(E.ExpectColumnValuesToBeInSet(column="split", value_set=["train"], meta={"risk": "unknown split name"}))
     if kind == "heldout":
@@ -254,7 +260,7 @@ def run(data: DataConfig, cfg: ValidateConfig, paths: Paths, *, tracker: Any = N
     from ml.discovery.split import read_gfd_split
 
     datasets: dict[str, tuple[str, pd.DataFrame]] = {}
-    for kind in ("train", "heldout", "templates", "discovery", "real"):
+    for kind in ("train", "heldout", "templates", "discovery", "videos", "real"):
         directory = paths.prepared / kind
         if kind != "real" or directory.exists():
             datasets[kind] = (kind, read_manifest(directory / "manifest.parquet"))

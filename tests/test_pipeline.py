@@ -24,7 +24,7 @@ from .conftest import copy_project
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
-STAGES = ["prepare", "validate", "train_fr@real", "train_discovery", "evaluate"]
+STAGES = ["prepare", "validate", "train_fr@real", "train_discovery", "train_fusion", "evaluate"]
 
 
 def _free_port() -> int:
@@ -97,7 +97,8 @@ def test_smoke_run_leaves_every_artifact(smoke_run):
                 "metrics/evaluate.json", "plots/roc.png", "plots/samples.png", "plots/train_fr_real_loss.png",
                 "reports/benchmark.md", "dvc.lock", "models/discovery/model.safetensors", "metrics/discovery.json",
                 "metrics/train_discovery.json", "plots/discovery_embedding.png", "reports/discovery_predictions.csv",
-                "data/prepared/gfd/split.parquet", "reports/validation/gfd_split.json"]:
+                "data/prepared/gfd/split.parquet", "reports/validation/gfd_split.json", "models/fusion/config.json",
+                "metrics/train_fusion.json", "metrics/sets.json", "plots/fusion_gain.png"]:
         assert (root / rel).is_file(), rel
     lock = yaml.safe_load((root / "dvc.lock").read_text())
     assert sorted(lock["stages"]) == sorted(STAGES)
@@ -110,7 +111,12 @@ def test_smoke_run_leaves_every_artifact(smoke_run):
     discovery = json.loads((root / "metrics/discovery.json").read_text())["metrics"]
     for method in ("facegcd", "fr_ssk", "kmeans", "agglomerative", "dbscan"):
         assert 0.0 <= discovery[f"discovery/{method}/test/all"] <= 1.0, method
-    assert "Generalized face discovery" in (root / "reports/benchmark.md").read_text()
+    report = (root / "reports/benchmark.md").read_text()
+    assert "Generalized face discovery" in report and "IJB-S-style video probes" in report
+    sets = json.loads((root / "metrics/sets.json").read_text())
+    for method in ("average", "norm_weighted", "landmark_score", "caface"):
+        assert 0.0 <= sets[f"sets/videos_booking/{method}/rank1"] <= 1.0, method
+    assert sets["sets/order/caface/template_cosine/min"] > 0.999  # streamed in chunks: frame order does not matter
     config = json.loads((root / "models/fr/real/config.json").read_text())
     assert config["backbone"] == "vit_tiny" and config["input_contract"]["size"] == 64
 
@@ -142,8 +148,8 @@ def test_every_stage_is_a_nested_mlflow_run_and_model_is_candidate(smoke_run):
     assert version.run_id == by_name["train_fr@real"].info.run_id
     artifacts = {a.path for a in client.list_artifacts(by_name["evaluate"].info.run_id)}
     assert {"plots", "reports", "discovery"} <= artifacts
-    discovery = client.get_model_version_by_alias("faceops-discovery", "candidate")
-    assert discovery.run_id == by_name["train_discovery"].info.run_id
+    for name, stage in (("faceops-discovery", "train_discovery"), ("faceops-fusion", "train_fusion")):
+        assert client.get_model_version_by_alias(name, "candidate").run_id == by_name[stage].info.run_id, name
 
 
 def test_prefect_flow_run_has_one_task_per_stage(smoke_run):
@@ -172,9 +178,9 @@ def test_second_repro_skips_every_stage_and_set_reruns_downstream(smoke_run):
     assert yaml.safe_load((root / "params.yaml").read_text())["fr"]["epochs"] == 2
     status = {line.split()[0]: " ".join(line.split()[1:-1]) for line in out.stdout.splitlines()
               if line.strip() and line.split()[0] in STAGES}
-    # FaceGCD starts from the FR model, so it retrains too
+    # FaceGCD starts from the FR model and CAFace fuses its features, so both retrain too
     assert status == {"prepare": "up to date", "validate": "up to date", "train_fr@real": "ran",
-                      "train_discovery": "ran", "evaluate": "ran"}, out.stdout
+                      "train_discovery": "ran", "train_fusion": "ran", "evaluate": "ran"}, out.stdout
 
 
 def test_ls_lists_stages_datasets_and_registry(smoke_run):

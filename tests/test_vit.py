@@ -60,7 +60,7 @@ def test_registry_contract_and_round_trip(name, tmp_path):
 
 def test_named_variant_sizes():
     # Sizes from meta-device builds: no weights are allocated.
-    assert input_contract("vit_tiny") == {**INPUT_CONTRACT, "size": 64, "embedding_dim": 128}
+    assert input_contract("vit_tiny") == {**INPUT_CONTRACT, "size": 64, "embedding_dim": 128, "style_dim": 256}
     for name in ("vit_t", "vit_s", "vit_b", "vit_l"):
         assert input_contract(name)["size"] == 112
         assert input_contract(name)["embedding_dim"] == 512

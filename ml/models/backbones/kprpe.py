@@ -38,6 +38,8 @@ Differences from the reference (CVLface ``vit_kprpe``, ``rel_keypoint_splithead_
 - Missing or misshapen keypoints raise :class:`~ml.errors.DataError` instead of falling back.
 - Only the product method with one shared zero-initialised Linear for all layers and heads is
   implemented (the paper's best setting); the other ``ctx_type`` ablations are not.
+- ``forward(x, keypoints, return_styles=True)`` also returns CAFace styles, computed as in ``vit.py``
+  (not in the reference).
 """
 
 from __future__ import annotations
@@ -197,8 +199,10 @@ class KPRPEViT(ViT):
     """The plain face ViT whose attention logits get the KP-RPE bias of the image's 5 landmarks.
 
     ``forward(x, keypoints)``: images ``(B, 3, S, S)`` and pixel landmarks ``(B, 5, 2)`` →
-    ``(B, embed_dim)``. Keypoints are required; ``needs_keypoints`` lets training and evaluation
-    code tell this backbone from the plain one.
+    ``(B, embed_dim)``; ``forward(x, keypoints, return_styles=True)`` also returns the CAFace styles
+    ``(B, style_dim, 2)`` of the ``style_layers`` blocks, exactly as ``ViT`` computes them (the blocks'
+    outputs here already carry the keypoint bias). Keypoints are required; ``needs_keypoints`` lets
+    training and evaluation code tell this backbone from the plain one.
     """
 
     needs_keypoints = True
@@ -211,7 +215,7 @@ class KPRPEViT(ViT):
 
     @property
     def input_contract(self) -> dict[str, Any]:
-        return {**INPUT_CONTRACT, "size": self.img_size, "embedding_dim": self.embed_dim}
+        return {**INPUT_CONTRACT, "size": self.img_size, "embedding_dim": self.embed_dim, "style_dim": self.style_dim}
 
     def normalised_keypoints(self, keypoints: torch.Tensor | None, batch: int) -> torch.Tensor:
         """Check pixel landmarks ``(B, 5, 2)`` and divide them by the image size."""
@@ -234,8 +238,11 @@ class KPRPEViT(ViT):
             )
         return keypoints / self.img_size
 
-    def forward_features(self, x: torch.Tensor, keypoints: torch.Tensor | None = None) -> torch.Tensor:
-        """Images ``(B, 3, S, S)`` + pixel keypoints ``(B, 5, 2)`` → normalised tokens ``(B, T, dim)``.
+    def forward_features(
+        self, x: torch.Tensor, keypoints: torch.Tensor | None = None, return_styles: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Images ``(B, 3, S, S)`` + pixel keypoints ``(B, 5, 2)`` → normalised tokens ``(B, T, dim)``, and
+        with ``return_styles`` the styles ``(B, style_dim, 2)`` of the style blocks (as ``ViT``).
 
         Same steps as ``ViT.forward_features``, but each layer's bias is built just before its block
         (one ``(B, H, T, T)`` tensor alive at a time instead of ``L``).
@@ -248,17 +255,25 @@ class KPRPEViT(ViT):
         if self.training and self.mask_ratio > 0:
             keep = self._random_keep(b, x.device)  # (B, T')
             x = x.gather(1, keep[..., None].expand(-1, -1, d))  # (B, T', dim)
+        styles: list[torch.Tensor] | None = [] if return_styles else None
         for layer, block in enumerate(self.blocks):
             if keep is None:
                 bias = self.kprpe.layer_bias(tables[layer])  # (B, H, T, T)
             else:
                 bias = self.kprpe.masked_layer_bias(tables[layer], keep)  # (B, H, T', T')
             x = block(x, bias)
-        return self._unmask(self.norm(x), keep, t)
+            self._tap(layer + 1, x, styles)  # 1-based block numbers; kept tokens only while masking
+        tokens = self._unmask(self.norm(x), keep, t)
+        return tokens if styles is None else (tokens, torch.cat(styles, dim=1))
 
-    def forward(self, x: torch.Tensor, keypoints: torch.Tensor | None = None) -> torch.Tensor:
-        tokens = self.forward_features(x, keypoints)
-        return self.feature(tokens.flatten(1))  # (B, embed_dim)
+    def forward(
+        self, x: torch.Tensor, keypoints: torch.Tensor | None = None, return_styles: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``(B, embed_dim)`` embeddings; with ``return_styles`` also the styles ``(B, style_dim, 2)``."""
+        if not return_styles:
+            return self.feature(self.forward_features(x, keypoints).flatten(1))  # (B, embed_dim)
+        tokens, styles = self.forward_features(x, keypoints, return_styles=True)
+        return self.feature(tokens.flatten(1)), styles
 
 
 def _variant(name: str, overrides: dict[str, Any]) -> KPRPEViT:

@@ -7,6 +7,19 @@ During training a share ``mask_ratio`` of the tokens can be dropped at random be
 their places are refilled with a learned mask token after the final norm, so the head always sees
 ``T`` tokens.
 
+Styles for CAFace: ``forward(x, return_styles=True)`` also returns ``(B, dim·len(style_layers), 2)``,
+per channel the mean and population std over the tokens of the chosen blocks' outputs::
+
+    Γ_l[b, c] = (mean_t x_l[b, t, c], sqrt(mean_t (x_l[b, t, c] − mean_t x_l[b, ·, c])²))
+
+with ``x_l`` the residual stream after block ``l`` (1-based, before the final LayerNorm). The ``T`` tokens
+are the patch grid, so this is the spatial mean/std of a ``(dim, grid, grid)`` feature map, the analogue of
+the IResNet styles (stage 2 and 3 of 4, ``iresnet.channel_style``); the default taps, blocks ``depth//2``
+and ``3·depth//4``, sit at the same relative depths. While tokens are masked (training with
+``mask_ratio > 0``) the statistics cover the kept tokens only: the dropped ones are not in the residual
+stream (the mask token is put back after the final norm, so it never enters a style). In eval mode
+every token counts.
+
 Differences from the reference (insightface ``backbones/vit.py``):
 
 - ``mask_ratio`` defaults to 0 in the constructor and the named variants; insightface's ``vit_t``/
@@ -16,6 +29,8 @@ Differences from the reference (insightface ``backbones/vit.py``):
   gathered to the kept tokens.
 - No gradient checkpointing and no mixed-precision context inside the attention (use the trainer's
   ``precision`` instead).
+- ``style_layers`` / ``return_styles`` are not in insightface (see "Styles for CAFace" above). ``style_layers`` adds
+  no weights, so models saved before it existed load unchanged (they get the default taps).
 """
 
 from __future__ import annotations
@@ -29,7 +44,8 @@ from torch import nn
 from ml.errors import ConfigError
 from ml.models.layers import Block, PatchEmbed
 
-# What data code must feed the model; ``ViT.input_contract`` fills in size and embedding_dim.
+# What data code must feed the model; ``ViT.input_contract`` fills in size and embedding_dim, and adds
+# style_dim (dim · number of style layers, the channels of forward(x, return_styles=True)).
 INPUT_CONTRACT: dict[str, Any] = {
     "size": 112,  # square side in pixels
     "colour": "RGB",
@@ -41,6 +57,22 @@ INPUT_CONTRACT: dict[str, Any] = {
 }
 
 AttnBias = torch.Tensor | Sequence[torch.Tensor | None] | None
+
+
+def token_style(tokens: torch.Tensor) -> torch.Tensor:
+    """Per-channel mean and population std over the tokens of ``(B, T, C)`` → ``(B, C, 2)``.
+
+    ``[..., 0] = mean_t x``, ``[..., 1] = sqrt(mean_t (x − mean)²)`` (``correction=0``), the token-axis
+    twin of ``iresnet.channel_style``.
+    """
+    var, mean = torch.var_mean(tokens, dim=1, correction=0)  # (B, C) each
+    return torch.stack((mean, var.sqrt()), dim=-1)
+
+
+def default_style_layers(depth: int) -> tuple[int, ...]:
+    """1-based blocks tapped for styles by default: ``depth//2`` and ``3·depth//4`` (at least block 1,
+    duplicates merged): depth 12 → (6, 9), 4 → (2, 3), 2 → (1,), 1 → (1,)."""
+    return tuple(sorted({max(1, depth // 2), max(1, 3 * depth // 4)}))
 
 
 def _gather_tokens_bias(bias: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -66,6 +98,7 @@ class ViT(nn.Module):
         embed_dim: int = 512,
         mask_ratio: float = 0.0,
         drop_path: float = 0.0,
+        style_layers: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         for name, value in (("img_size", img_size), ("patch_size", patch_size), ("dim", dim),
@@ -80,6 +113,18 @@ class ViT(nn.Module):
             raise ConfigError(f"ViT mask_ratio must be in [0, 1), got {mask_ratio}")
         if not 0.0 <= drop_path < 1.0:
             raise ConfigError(f"ViT drop_path must be in [0, 1), got {drop_path}")
+        chosen = default_style_layers(depth) if style_layers is None else style_layers
+        if isinstance(chosen, (str, bytes)) or not isinstance(chosen, Sequence):
+            raise ConfigError(f"ViT style_layers must be a list of 1-based block numbers or null, got {style_layers!r}")
+        chosen = list(chosen)
+        bad = [s for s in chosen if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= depth]
+        if not chosen or bad or len(set(chosen)) != len(chosen):
+            raise ConfigError(
+                f"ViT style_layers must be distinct block numbers from 1 to depth={depth} (1-based; null = "
+                f"{list(default_style_layers(depth))}), got {style_layers!r}"
+            )
+        self.style_layers = tuple(sorted(chosen))
+        self.style_dim = dim * len(self.style_layers)
         self.img_size = img_size
         self.dim = dim
         self.depth = depth
@@ -119,7 +164,12 @@ class ViT(nn.Module):
 
     @property
     def input_contract(self) -> dict[str, Any]:
-        return {**INPUT_CONTRACT, "size": self.img_size, "embedding_dim": self.embed_dim}
+        return {**INPUT_CONTRACT, "size": self.img_size, "embedding_dim": self.embed_dim, "style_dim": self.style_dim}
+
+    def _tap(self, layer: int, x: torch.Tensor, styles: list[torch.Tensor] | None) -> None:
+        """Append the style (B, dim, 2) of block ``layer``'s (1-based) output ``x`` when it is a style layer."""
+        if styles is not None and layer in self.style_layers:
+            styles.append(token_style(x))
 
     def _random_keep(self, b: int, device: torch.device) -> torch.Tensor:
         """Indices (B, T') of the tokens kept this step, T' = ⌊T·(1 − mask_ratio)⌋, at least 1."""
@@ -127,8 +177,11 @@ class ViT(nn.Module):
         noise = torch.rand(b, self.num_patches, device=device)
         return noise.argsort(dim=1)[:, :keep]
 
-    def forward_features(self, x: torch.Tensor, attn_bias: AttnBias = None) -> torch.Tensor:
-        """Images (B, 3, S, S) → normalised tokens (B, T, dim), mask tokens at dropped places."""
+    def forward_features(
+        self, x: torch.Tensor, attn_bias: AttnBias = None, return_styles: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Images (B, 3, S, S) → normalised tokens (B, T, dim), mask tokens at dropped places, and with
+        ``return_styles`` the styles (B, style_dim, 2) of the ``style_layers`` block outputs."""
         x = self.patch_embed(x) + self.pos_embed  # (B, T, dim)
         b, t, d = x.shape
         if attn_bias is None or isinstance(attn_bias, torch.Tensor):
@@ -142,9 +195,12 @@ class ViT(nn.Module):
             keep = self._random_keep(b, x.device)
             x = x.gather(1, keep[..., None].expand(-1, -1, d))  # (B, T', dim)
             biases = [None if a is None else _gather_tokens_bias(a, keep) for a in biases]
-        for block, bias in zip(self.blocks, biases):
+        styles: list[torch.Tensor] | None = [] if return_styles else None
+        for layer, (block, bias) in enumerate(zip(self.blocks, biases), start=1):
             x = block(x, bias)
-        return self._unmask(self.norm(x), keep, t)
+            self._tap(layer, x, styles)  # kept tokens only while masking
+        tokens = self._unmask(self.norm(x), keep, t)
+        return tokens if styles is None else (tokens, torch.cat(styles, dim=1))
 
     def _unmask(self, x: torch.Tensor, keep: torch.Tensor | None, t: int) -> torch.Tensor:
         """Put the kept tokens (B, T', dim) back at their places among T, the rest the mask token."""
@@ -154,9 +210,15 @@ class ViT(nn.Module):
         full = self.mask_token.expand(b, t, d).clone()
         return full.scatter(1, keep[..., None].expand(-1, -1, d), x)  # (B, T, dim)
 
-    def forward(self, x: torch.Tensor, attn_bias: AttnBias = None) -> torch.Tensor:
-        tokens = self.forward_features(x, attn_bias)
-        return self.feature(tokens.flatten(1))  # (B, embed_dim)
+    def forward(
+        self, x: torch.Tensor, attn_bias: AttnBias = None, return_styles: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Images (B, 3, S, S) → embeddings (B, embed_dim), and with ``return_styles`` also the styles
+        (B, style_dim, 2) (``[..., 0]`` token mean, ``[..., 1]`` population std, style layers in order)."""
+        if not return_styles:
+            return self.feature(self.forward_features(x, attn_bias).flatten(1))  # (B, embed_dim)
+        tokens, styles = self.forward_features(x, attn_bias, return_styles=True)
+        return self.feature(tokens.flatten(1)), styles
 
 
 def _variant(defaults: dict[str, Any], overrides: dict[str, Any]) -> ViT:

@@ -1,0 +1,81 @@
+"""Landmark metrics against hand-computed values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ml.errors import DataError
+from ml.eval.alignment import auc_at, ced_curve, failure_rate, inter_pupil, nme, plot_ced
+
+
+def _face(scale: float = 1.0) -> np.ndarray:
+    """Eyes 10 px apart (times scale): inter-pupil distance 10·scale."""
+    return scale * np.array([[0.0, 0.0], [10.0, 0.0], [5.0, 5.0], [2.0, 10.0], [8.0, 10.0]])
+
+
+def test_nme_hand_computed():
+    gt = np.stack([_face(), _face(2.0)])
+    pred = gt.copy()
+    pred[0, 0] += [3.0, 4.0]  # one point off by 5 px: mean error 1 px over 5 points, / 10 → 0.1
+    pred[1] += [0.0, 2.0]  # every point off by 2 px, iod 20 → 0.1
+    np.testing.assert_allclose(inter_pupil(gt), [10.0, 20.0])
+    np.testing.assert_allclose(nme(pred, gt), [0.1, 0.1])
+    np.testing.assert_allclose(nme(gt, gt), [0.0, 0.0])
+
+
+def test_nme_is_invariant_to_a_common_similarity():
+    rng = np.random.default_rng(0)
+    gt = rng.uniform(0, 100, (4, 5, 2))
+    pred = gt + rng.normal(0, 2, gt.shape)
+    th, s = 0.7, 3.0
+    r = s * np.array([[np.cos(th), -np.sin(th)], [np.sin(th), np.cos(th)]])
+    np.testing.assert_allclose(nme(pred @ r.T + 5, gt @ r.T + 5), nme(pred, gt), rtol=1e-12)
+
+
+def test_ced_failure_auc_hand_computed():
+    e = np.array([0.0, 0.05, 0.1, 0.3])
+    t, f = ced_curve(e, max_error=0.2, steps=5)  # thresholds 0, .05, .1, .15, .2
+    np.testing.assert_allclose(t, [0.0, 0.05, 0.1, 0.15, 0.2])
+    np.testing.assert_allclose(f, [0.25, 0.5, 0.75, 0.75, 0.75])  # NME ≤ t counts
+    assert failure_rate(e, 0.1) == 0.25  # only 0.3 is strictly above 0.1
+    assert failure_rate(e, 0.05) == 0.5
+    # ∫₀^0.1 F = per face max(0, 0.1 − e): 0.1 + 0.05 + 0 + 0 = 0.15, / 4 faces / 0.1 → 0.375
+    assert auc_at(e, 0.1) == pytest.approx(0.375)
+    assert auc_at(np.zeros(3), 0.1) == pytest.approx(1.0)
+    assert auc_at(np.full(3, 0.5), 0.1) == 0.0
+
+
+def test_auc_agrees_with_a_fine_riemann_sum_of_the_ced():
+    e = np.random.default_rng(1).gamma(2.0, 0.03, 500)
+    t, f = ced_curve(e, max_error=0.15, steps=150001)
+    assert auc_at(e, 0.15) == pytest.approx(np.trapezoid(f, t) / 0.15, abs=1e-4)
+
+
+def test_bad_inputs_raise():
+    gt = np.stack([_face()])
+    with pytest.raises(DataError, match=r"\(N, 5, 2\)"):
+        nme(gt[:, :4], gt[:, :4])
+    with pytest.raises(DataError, match="same shape"):
+        nme(np.concatenate([gt, gt]), gt)
+    nan = gt.copy()
+    nan[0, 1, 0] = np.nan
+    with pytest.raises(DataError, match="non-finite.*rows \\[0\\]"):
+        nme(nan, gt)
+    same = gt.copy()
+    same[0, 1] = same[0, 0]
+    with pytest.raises(DataError, match="coincident eye centres"):
+        nme(gt, same)
+    with pytest.raises(DataError, match="non-negative"):
+        failure_rate(np.array([-0.1]))
+    with pytest.raises(DataError, match="non-empty"):
+        auc_at(np.array([]))
+
+
+def test_plot_ced_writes_png_atomically(tmp_path):
+    rng = np.random.default_rng(2)
+    path = plot_ced({"dfa": rng.gamma(2, 0.02, 100), "mean shape": rng.gamma(2, 0.1, 100)}, tmp_path / "ced.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ced.png"]  # no temporary left behind
+    with pytest.raises(DataError, match="at least one"):
+        plot_ced({}, tmp_path / "empty.png")
