@@ -63,6 +63,19 @@ class Paths:
         return self.prepared / "videos"
 
     @property
+    def unaligned_set(self) -> Path:
+        return self.prepared / "unaligned"
+
+    @property
+    def aligner_model(self) -> Path:
+        return self.root / "models" / "aligner"
+
+    @property
+    def aligned_set(self) -> Path:
+        """``data/aligned``: the ``align`` stage's crops and predicted landmarks."""
+        return self.root / "data" / "aligned"
+
+    @property
     def fusion_model(self) -> Path:
         return self.root / "models" / "fusion"
 

@@ -204,7 +204,32 @@ def plot_roc(curves: dict[str, tuple[np.ndarray, np.ndarray]], path: Path) -> No
     plt.close(fig)
 
 
-def render_report(metrics: dict[str, float], models: dict[str, dict], train_metrics: dict[str, dict]) -> str:
+def aligner_section(aligner: dict[str, Any], align: dict[str, Any]) -> list[str]:
+    """Markdown for the DFA aligner: NME on held-out unaligned faces, the alignment residual, the YuNet reference."""
+    if not aligner:
+        return []
+    row = lambda name, p: (f"| {name} | {aligner[p + 'nme']:.4f} | {100 * aligner[p + 'failure@0.1']:.1f} % | "  # noqa: E731
+                           f"{aligner[p + 'auc@0.1']:.3f} |")
+    lines = ["", f"## Aligner (DFA) on {int(aligner.get('test/faces', 0))} held-out unaligned faces", "",
+             "NME = mean landmark error / inter-pupil distance (5 points have no outer eye corners).", "",
+             "| predictor | NME | failure (NME > 0.1) | AUC@0.1 |", "|---|---|---|---|",
+             row("DFA", "test/"), row("mean landmarks (trivial)", "test/mean_shape_")]
+    if align:
+        lines += ["", f"After `align`, the ground-truth landmarks land {align['align/residual_px']:.2f} px from the "
+                  f"ArcFace template on average (NME {align['align/residual_nme']:.4f})."]
+    ref = aligner.get("reference", {})
+    if "skipped" in ref:
+        lines += ["", f"YuNet comparison on real faces skipped: {ref['skipped']}."]
+    elif ref:
+        lines += ["", f"On {ref['yunet_found']} real aligned faces ({ref['size']}×{ref['size']}) where OpenCV Zoo's YuNet "
+                  f"found a face, DFA vs YuNet landmarks: NME {ref['nme_vs_yunet']:.4f} (median "
+                  f"{ref['median_nme_vs_yunet']:.4f}), {100 * ref['failure@0.1_vs_yunet']:.1f} % above 0.1. DFA was "
+                  "trained on procedural faces only."]
+    return lines + ["", "![CED](../plots/aligner_ced.png)"]
+
+
+def render_report(metrics: dict[str, float], models: dict[str, dict], train_metrics: dict[str, dict],
+                  extra_sections: list[str] = ()) -> str:
     """``reports/benchmark.md``: the run's numbers, one row per trained model plus the pixel baselines."""
     pct = lambda v: "—" if v is None else f"{100 * v:.2f} %"  # noqa: E731
     lines = [
@@ -266,7 +291,7 @@ def render_report(metrics: dict[str, float], models: dict[str, dict], train_metr
     lines += ["", "![ROC](../plots/roc.png)"]
     from tasks import discovery_eval, sets_eval
 
-    lines += sets_eval.render_section(metrics) + discovery_eval.render_section(metrics) + [""]
+    lines += list(extra_sections) + sets_eval.render_section(metrics) + discovery_eval.render_section(metrics) + [""]
     return "\n".join(lines)
 
 
@@ -307,7 +332,10 @@ def run(cfg: EvaluateConfig, data: DataConfig, paths: Paths, *, tracker: Any = N
     for tag in models:
         path = paths.metrics / f"train_fr_{tag}.json"
         train_metrics[tag] = json.loads(path.read_text()) if path.is_file() else {}
-    write_text(paths.benchmark_report, render_report(metrics, models, train_metrics))
+    stage_json = {n: json.loads((paths.metrics / f"{n}.json").read_text()) if (paths.metrics / f"{n}.json").is_file()
+                  else {} for n in ("train_aligner", "align")}
+    write_text(paths.benchmark_report, render_report(
+        metrics, models, train_metrics, aligner_section(stage_json["train_aligner"], stage_json["align"])))
     result = StageResult("evaluate", metrics=metrics,
                          outputs=[paths.metrics / "evaluate.json", paths.plots / "roc.png", paths.benchmark_report])
     result.summary = "; ".join(

@@ -10,6 +10,8 @@
                   images, train/test per identity; ``gfd/split.json`` names the dataset and the counts
 - ``videos/``      IJB-S-like set fusion benchmark: booking galleries of stills and long video-like probes of mixed
                   quality (mated and non-mated), ``meta/face_tid_mid.txt``
+- ``unaligned/``   unaligned crops (rotation, scale, shift) with exact landmarks for the DFA aligner (``train`` /
+                  ``test`` identities)
 - ``real/`` + ``verification/real.bin``  only when ``data.ingest_folder`` or ``data.ingest_recordio`` is set
 
 The whole directory is written to a temporary sibling and renamed on success.
@@ -70,6 +72,11 @@ class DataConfig:
     video_distractors: int = 10         # not enrolled: probes only (open-set TPIR@FPIR)
     video_frames: tuple[int, int] = (50, 400)  # probe length drawn log-uniformly in [min, max] frames
     booking_stills: int = 3             # gallery stills per identity (the first is the "single" gallery)
+    # unaligned crops with exact landmarks for the DFA aligner (rotation ±30°, scale 0.7–1.2, shift ±15 %)
+    unaligned_identities: int = 100
+    unaligned_images_per_identity: int = 20
+    unaligned_test_identities: int = 20  # of those, identities kept for testing the aligner (split "test")
+    unaligned_size: int = 128
 
     def procedural_config(self, aligned: bool = True) -> ProceduralConfig:
         if "image_size" in self.procedural or "aligned" in self.procedural:
@@ -98,6 +105,10 @@ class DataConfig:
             "video_distractors": self.video_distractors >= 1,
             "video_frames": 1 <= self.video_frames[0] <= self.video_frames[1],
             "booking_stills": self.booking_stills >= 1,
+            "unaligned_identities": self.unaligned_identities >= 2,
+            "unaligned_images_per_identity": self.unaligned_images_per_identity >= 1,
+            "unaligned_test_identities": 1 <= self.unaligned_test_identities < self.unaligned_identities,
+            "unaligned_size": 64 <= self.unaligned_size <= 512,
         }
         for key, ok in checks.items():
             if not ok:
@@ -279,6 +290,24 @@ def _video_set(out: Path, gen: ProceduralFaces, cfg: DataConfig, first_identity:
             "data/video_max_frames": int(lengths.max())}
 
 
+def _unaligned_set(out: Path, cfg: DataConfig, first_identity: int) -> int:
+    """Unaligned procedural crops (``data.unaligned_size``²) with their exact landmarks; the last
+    ``unaligned_test_identities`` identities are split ``test``, the rest ``train``."""
+    from ml.data.dataset import DatasetWriter
+    from ml.data.unaligned import unaligned_faces
+
+    images, landmarks, identities = unaligned_faces(
+        cfg.unaligned_identities, cfg.unaligned_images_per_identity, cfg.unaligned_size, cfg.seed,
+        first_identity=first_identity, base=cfg.procedural_config(aligned=False), progress=True,
+    )
+    first_test = first_identity + cfg.unaligned_identities - cfg.unaligned_test_identities
+    with DatasetWriter(out, name="unaligned", source="procedural", aligned=False) as w:
+        for image, lm, ident in zip(images, landmarks, identities):
+            w.add(image, identity=f"id{ident:06d}", split="test" if ident >= first_test else "train",
+                  landmarks=lm.reshape(-1))
+    return len(images)
+
+
 def write_gfd_split(prepared: Path, cfg: DataConfig) -> dict[str, float]:
     """``gfd/split.parquet`` over ``prepared/<data.gfd_dataset>`` (+ ``gfd/split.json`` naming the dataset)."""
     from ml.data.dataset import read_manifest
@@ -382,6 +411,8 @@ def run(cfg: DataConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
             )
         first = cfg.train_identities + cfg.heldout_identities + cfg.discovery_identities
         result.metrics.update(_video_set(tmp / "videos", gen, cfg, first))
+        first += cfg.video_identities + cfg.video_distractors
+        result.metrics["data/unaligned_images"] = _unaligned_set(tmp / "unaligned", cfg, first)
         result.metrics.update(write_gfd_split(tmp, cfg))
     sample_grid(gen, cfg, paths.plots / "samples.png")
     result.outputs += [paths.prepared, paths.plots / "samples.png"]

@@ -114,8 +114,8 @@ class StageTracker:
 
     def log_prepared_datasets(self, prepared: Path) -> None:
         """Log every dataset directory ``prepare`` wrote (``train``, ``heldout``, ``templates``, ``discovery``,
-        ``videos``, ``real``)."""
-        for sub in ("train", "heldout", "templates", "discovery", "videos", "real"):
+        ``videos``, ``unaligned``, ``real``)."""
+        for sub in ("train", "heldout", "templates", "discovery", "videos", "unaligned", "real"):
             if (prepared / sub / "dataset.json").is_file():
                 self.log_dataset(prepared / sub, context=sub)
 

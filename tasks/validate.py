@@ -1,6 +1,7 @@
 """Stage ``validate``: the Great Expectations gate over every manifest ``prepare`` wrote.
 
-One suite per manifest kind (``train``, ``heldout``, ``templates``, ``discovery``, ``videos``, ``real``) plus one for the
+One suite per manifest kind (``train``, ``heldout``, ``templates``, ``discovery``, ``videos``, ``unaligned``, ``real``)
+plus one for the
 generalized-face-discovery split (``gfd_split``); each expectation carries the
 risk it guards against in ``meta.risk``. Results land in ``reports/validation/<dataset>.json`` and as Data Docs
 HTML in ``reports/validation/docs/index.html``. A failed expectation stops the pipeline with one message
@@ -74,7 +75,7 @@ def build_expectations(
     import great_expectations as gx
 
     E = gx.expectations
-    size = data.image_size
+    size = data.unaligned_size if kind == "unaligned" else data.image_size
     exps: list[Any] = [
         E.ExpectColumnValuesToNotBeNull(column="path", meta={"risk": "rows without an image file"}),
         E.ExpectColumnValuesToBeUnique(column="path", meta={"risk": "duplicate rows double-count an image"}),
@@ -101,6 +102,7 @@ def build_expectations(
             data.template_identities * data.templates_per_identity * (data.frames_per_template + 1),
         ),
         "discovery": (data.discovery_identities, data.discovery_identities * data.discovery_images_per_identity),
+        "unaligned": (data.unaligned_identities, data.unaligned_identities * data.unaligned_images_per_identity),
     }
     if kind in expected:
         ids, rows = expected[kind]
@@ -122,6 +124,9 @@ def build_expectations(
         exps.append(E.ExpectColumnUniqueValueCountToBeBetween(
             column="identity", **_between(data.video_identities + data.video_distractors, cfg.count_tolerance),
             meta={"risk": "enrolled or distractor identities lost"}))
+    if kind == "unaligned":
+        exps.append(E.ExpectColumnValuesToBeInSet(column="split", value_set=["train", "test"], meta={"risk": "unknown split name"}))
+        exps.append(E.ExpectColumnValuesToNotBeNull(column="lm_x0", meta={"risk": "an aligner training face without landmarks"}))
     if kind == "discovery":
         exps.append(E.ExpectColumnValuesToBeInSet(column="split", value_set=["train"], meta={"risk": "unknown split name"}))
     if kind == "heldout":
@@ -260,7 +265,7 @@ def run(data: DataConfig, cfg: ValidateConfig, paths: Paths, *, tracker: Any = N
     from ml.discovery.split import read_gfd_split
 
     datasets: dict[str, tuple[str, pd.DataFrame]] = {}
-    for kind in ("train", "heldout", "templates", "discovery", "videos", "real"):
+    for kind in ("train", "heldout", "templates", "discovery", "videos", "unaligned", "real"):
         directory = paths.prepared / kind
         if kind != "real" or directory.exists():
             datasets[kind] = (kind, read_manifest(directory / "manifest.parquet"))

@@ -24,7 +24,7 @@ from .conftest import copy_project
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
-STAGES = ["prepare", "validate", "train_fr@real", "train_discovery", "train_fusion", "evaluate"]
+STAGES = ["prepare", "validate", "train_aligner", "align", "train_fr@real", "train_discovery", "train_fusion", "evaluate"]
 
 
 def _free_port() -> int:
@@ -98,7 +98,9 @@ def test_smoke_run_leaves_every_artifact(smoke_run):
                 "reports/benchmark.md", "dvc.lock", "models/discovery/model.safetensors", "metrics/discovery.json",
                 "metrics/train_discovery.json", "plots/discovery_embedding.png", "reports/discovery_predictions.csv",
                 "data/prepared/gfd/split.parquet", "reports/validation/gfd_split.json", "models/fusion/config.json",
-                "metrics/train_fusion.json", "metrics/sets.json", "plots/fusion_gain.png"]:
+                "metrics/train_fusion.json", "metrics/sets.json", "plots/fusion_gain.png", "models/aligner/config.json",
+                "metrics/train_aligner.json", "plots/aligner_ced.png", "data/aligned/manifest.parquet",
+                "metrics/align.json", "plots/aligned_samples.png"]:
         assert (root / rel).is_file(), rel
     lock = yaml.safe_load((root / "dvc.lock").read_text())
     assert sorted(lock["stages"]) == sorted(STAGES)
@@ -148,7 +150,8 @@ def test_every_stage_is_a_nested_mlflow_run_and_model_is_candidate(smoke_run):
     assert version.run_id == by_name["train_fr@real"].info.run_id
     artifacts = {a.path for a in client.list_artifacts(by_name["evaluate"].info.run_id)}
     assert {"plots", "reports", "discovery"} <= artifacts
-    for name, stage in (("faceops-discovery", "train_discovery"), ("faceops-fusion", "train_fusion")):
+    for name, stage in (("faceops-discovery", "train_discovery"), ("faceops-fusion", "train_fusion"),
+                        ("faceops-aligner", "train_aligner")):
         assert client.get_model_version_by_alias(name, "candidate").run_id == by_name[stage].info.run_id, name
 
 
@@ -179,8 +182,9 @@ def test_second_repro_skips_every_stage_and_set_reruns_downstream(smoke_run):
     status = {line.split()[0]: " ".join(line.split()[1:-1]) for line in out.stdout.splitlines()
               if line.strip() and line.split()[0] in STAGES}
     # FaceGCD starts from the FR model and CAFace fuses its features, so both retrain too
-    assert status == {"prepare": "up to date", "validate": "up to date", "train_fr@real": "ran",
-                      "train_discovery": "ran", "train_fusion": "ran", "evaluate": "ran"}, out.stdout
+    assert status == {"prepare": "up to date", "validate": "up to date", "train_aligner": "up to date",
+                      "align": "up to date", "train_fr@real": "ran", "train_discovery": "ran", "train_fusion": "ran",
+                      "evaluate": "ran"}, out.stdout
 
 
 def test_ls_lists_stages_datasets_and_registry(smoke_run):

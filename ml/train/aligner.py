@@ -436,7 +436,7 @@ def _fit(
                 err = (out["landmarks"] - y).norm(dim=-1).mean(dim=1) / (y[:, 0] - y[:, 1]).norm(dim=-1).clamp_min(1e-6)
             loss_sum += loss.item()
             nme_sum += float(err.mean())
-            bar.set_postfix(loss=f"{loss_sum / (i + 1):.4f}", nme=f"{nme_sum / (i + 1):.4f}")
+            bar.set_postfix(loss=f"{loss_sum / (i + 1):.4f}", nme=f"{nme_sum / (i + 1):.4f}", refresh=False)
         bar.close()
         row: dict[str, Any] = {"epoch": epoch, "train/loss": loss_sum / max(1, steps_per_epoch),
                                "train/nme": nme_sum / max(1, steps_per_epoch)}

@@ -355,8 +355,8 @@ def train_discovery(
             optimizer.step()
             for k in sums:
                 sums[k] += terms[k].item()
+            bar.set_postfix(epoch=epoch + 1, loss=f"{sums['loss'] / (i + 1):.4f}", refresh=False)  # shown at update
             bar.update(1)
-            bar.set_postfix(epoch=epoch + 1, loss=f"{sums['loss'] / (i + 1):.4f}")
         record = {
             "epoch": epoch + 1,
             "loss": sums["loss"] / steps_per_epoch,

@@ -345,7 +345,7 @@ def train_fusion(
                 optimizer.step()
                 for key, value in losses.items():
                     sums[key] += float(value.detach())
-                bar.set_postfix(loss=f"{float(loss.detach()):.4f}")
+                bar.set_postfix(loss=f"{float(loss.detach()):.4f}", refresh=False)
         row = {"epoch": epoch, "lr": lr, **{k: v / steps for k, v in sums.items()}}
         history.append(row)
         log.info("fusion epoch %d: loss %.4f (Lt %.4f vs %.4f for the average, Lp %.4f)", epoch, row["train/loss"],

@@ -1,0 +1,135 @@
+"""Stage ``train_aligner``: the DFA landmark aligner on unaligned procedural crops.
+
+Trains on ``data/prepared/unaligned`` split ``train`` (rotation, scale and shift nuisances; exact landmarks) and
+measures on split ``test`` (identities never seen): NME normalised by the inter-pupil distance (the distance
+between the two eye landmarks; 5 points have no outer eye corners), failure rate at NME > 0.1, AUC@0.1 and the
+cumulative error distribution (``plots/aligner_ced.png``) against the trivial mean-landmark predictor.
+
+Outside reference: on a folder of real aligned faces (``aligner.reference_faces``; the default points at the
+development checkout's ``glint24`` set) the predictions are compared with OpenCV Zoo's YuNet landmarks when YuNet
+is installed (``pip install 'faceops[reference]'``); otherwise the report says why the comparison was skipped.
+Writes ``models/aligner/``, ``metrics/train_aligner.json``; registers ``faceops-aligner`` @candidate.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ml.config import from_mapping
+from ml.train.aligner import AlignerConfig
+from tasks.common import Paths, StageResult, load_params, section, stage_main, write_json, write_text
+
+log = logging.getLogger(__name__)
+
+REGISTERED_MODEL = "faceops-aligner"
+
+
+@dataclass(frozen=True)
+class AlignerStageConfig:
+    """``params.yaml`` section ``aligner``; ``train`` holds ml/train/aligner.py's AlignerConfig keys."""
+
+    train: AlignerConfig = field(default_factory=AlignerConfig)
+    reference_faces: str = ""   # folder <identity>/<image> of real aligned faces for the YuNet comparison; "" = off
+    reference_max_images: int = 300
+
+
+def reference_comparison(model: Any, folder: str, max_images: int) -> dict[str, Any]:
+    """NME between DFA and YuNet landmarks on real faces (normalised by YuNet's inter-pupil distance)."""
+    from ml.data.formats import decode_image, ingest_image_folder
+    from ml.eval.alignment import failure_rate, nme
+    from ml.eval.yunet import yunet_available, yunet_landmarks
+
+    if not folder:
+        return {"skipped": "aligner.reference_faces is empty"}
+    path = Path(folder)
+    if not path.is_dir():
+        return {"skipped": f"reference faces not found at {path} (a development-only set; point "
+                           "aligner.reference_faces at a folder of aligned faces)"}
+    reason = yunet_available()
+    if reason:
+        return {"skipped": reason}
+    items = list(ingest_image_folder(path))[:max_images]
+    images = [decode_image(p.read_bytes(), source=str(p)) for p, _ in items]
+    size = images[0].shape[0]
+    images = np.stack([im for im in images if im.shape[:2] == (size, size)])
+    ref, ref_scores = yunet_landmarks(images)
+    found = ~np.isnan(ref).any(axis=(1, 2))
+    pred, _ = model.predict(images[found])
+    errors = nme(pred, ref[found])
+    return {"images": int(len(images)), "yunet_found": int(found.sum()), "nme_vs_yunet": float(errors.mean()),
+            "median_nme_vs_yunet": float(np.median(errors)), "failure@0.1_vs_yunet": failure_rate(errors, 0.1),
+            "size": int(size)}
+
+
+def run(cfg: AlignerStageConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
+    from ml.data.dataset import landmarks_array, load_images, read_dataset_info, read_manifest
+    from ml.eval.alignment import auc_at, failure_rate, nme, plot_ced
+    from ml.models.aligner.dfa import save_aligner
+    from ml.train.aligner import evaluate_aligner, train_aligner
+
+    manifest = read_manifest(paths.unaligned_set / "manifest.parquet")
+    train_rows = manifest[manifest["split"] == "train"].reset_index(drop=True)
+    test_rows = manifest[manifest["split"] == "test"].reset_index(drop=True)
+    x, lm = load_images(paths.unaligned_set, train_rows, progress=True), landmarks_array(train_rows)
+    tx, tlm = load_images(paths.unaligned_set, test_rows, progress=True), landmarks_array(test_rows)
+    res = train_aligner(cfg.train, x, lm, val=(tx, tlm), progress=True)
+    info = read_dataset_info(paths.unaligned_set)
+    save_aligner(paths.aligner_model, res.model, extra={"registered_name": REGISTERED_MODEL,
+                                                        "training_data_digest": info["digest"]})
+    test = evaluate_aligner(res.model, tx, tlm)
+    mean_shape = np.broadcast_to(lm.mean(axis=0), tlm.shape)  # the trivial predictor: the training mean landmarks
+    baseline = nme(mean_shape, tlm)
+    plot_ced({"DFA": test["nmes"], "mean landmarks": baseline}, paths.plots / "aligner_ced.png")
+    result = StageResult("train_aligner", outputs=[paths.aligner_model])
+    result.metrics = {
+        "test/nme": test["nme"], "test/failure@0.1": test["failure@0.1"], "test/auc@0.1": test["auc@0.1"],
+        "test/mean_shape_nme": float(baseline.mean()), "test/mean_shape_failure@0.1": failure_rate(baseline, 0.1),
+        "test/mean_shape_auc@0.1": auc_at(baseline, 0.1), "test/faces": float(len(tx)),
+        "train/seconds": float(res.seconds), "train/faces": float(len(x)),
+    }
+    reference = reference_comparison(res.model, cfg.reference_faces, cfg.reference_max_images)
+    result.metrics.update({f"reference/{k}": float(v) for k, v in reference.items() if k != "skipped"})
+    write_json(paths.metrics / "train_aligner.json", {**result.metrics, "reference": reference})
+    keys = ["epoch"] + sorted({k for h in res.history for k in h if k != "epoch"})
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(res.history)
+    write_text(paths.plots / "train_aligner_history.csv", buf.getvalue())
+    result.summary = (f"DFA: test NME {test['nme']:.4f} (mean shape {baseline.mean():.4f}), failure@0.1 "
+                      f"{100 * test['failure@0.1']:.1f} % in {res.seconds:.0f}s → {paths.aligner_model}")
+    if "skipped" in reference:
+        result.summary += f"; YuNet comparison skipped: {reference['skipped']}"
+    if tracker is not None:
+        tracker.log_dataset(paths.unaligned_set, context="train")
+        for h in res.history:
+            tracker.log_metrics({k: v for k, v in h.items() if k != "epoch"}, step=int(h["epoch"]))
+        tracker.log_metrics(result.metrics)
+        tracker.log_artifact(paths.plots / "aligner_ced.png", artifact_path="plots")
+        tracker.log_artifact(paths.aligner_model, artifact_path="model")
+        version = tracker.register_model_dir(REGISTERED_MODEL, artifact_path="model",
+                                             tags={"data_digest": info["digest"]})
+        result.summary += f"; registered {REGISTERED_MODEL} v{version} @candidate"
+    return result
+
+
+def main() -> None:
+    from tasks.tracking import stage_run
+
+    paths = Paths()
+    params = load_params(paths.params)
+    cfg = from_mapping(AlignerStageConfig, section(params, "aligner"), "aligner")
+    with stage_run("train_aligner", {"aligner": section(params, "aligner")}, paths.root) as tracker:
+        result = run(cfg, paths, tracker=tracker)
+    log.info(result.summary)
+
+
+if __name__ == "__main__":
+    stage_main(main)
