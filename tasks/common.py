@@ -174,6 +174,37 @@ def atomic_path(target: Path | str) -> Iterator[Path]:
             tmp.unlink()
 
 
+def pyplot() -> Any:
+    """matplotlib.pyplot on the file-only Agg backend (stages run headless)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: Path | str, dpi: int = 110) -> Path:
+    """Write a matplotlib figure as PNG atomically and close it."""
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=dpi)
+    pyplot().close(fig)
+    return Path(path)
+
+
+def write_history_csv(path: Path | str, history: list[dict], fields: list[str] | None = None) -> Path:
+    """Per-epoch rows as CSV (for ``dvc plots``): ``fields`` in order, default ``epoch`` then every other key."""
+    import csv
+    import io
+
+    fields = fields or ["epoch"] + sorted({k for row in history for k in row if k != "epoch"})
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=fields, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(history)
+    return write_text(path, buf.getvalue())
+
+
 def write_json(path: Path | str, payload: Any) -> Path:
     path = Path(path)
     with atomic_path(path) as tmp:

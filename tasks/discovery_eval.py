@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from tasks.common import Paths, atomic_path, write_json
+from tasks.common import Paths, atomic_path, write_json, pyplot, save_figure
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +89,7 @@ def plot_embedding(features: dict[str, np.ndarray], labels: np.ndarray, known: n
                    seed: int, per_group: int = 5) -> None:
     """2-D t-SNE of ``per_group`` known and ``per_group`` novel identities, one panel per feature set:
     circles = known identities, triangles = novel; one colour per identity."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from sklearn.manifold import TSNE
 
     rng = np.random.default_rng(seed)
@@ -116,9 +113,7 @@ def plot_embedding(features: dict[str, np.ndarray], labels: np.ndarray, known: n
     axes[0][-1].legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.suptitle("Generalized face discovery: ● known identities, ▲ novel identities (t-SNE)", fontsize=9)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def render_section(metrics: dict[str, float]) -> list[str]:

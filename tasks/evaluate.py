@@ -27,7 +27,9 @@ from typing import Any
 import numpy as np
 
 from ml.config import from_mapping
-from tasks.common import Paths, StageResult, atomic_path, load_params, section, stage_main, write_json, write_text
+from tasks.common import (
+    Paths, StageResult, load_params, section, stage_main, write_json, write_text, pyplot, save_figure,
+)
 from tasks.prepare import DataConfig
 
 log = logging.getLogger(__name__)
@@ -185,10 +187,7 @@ def model_dirs(paths: Paths) -> list[tuple[str, Path]]:
 
 
 def plot_roc(curves: dict[str, tuple[np.ndarray, np.ndarray]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for label, (fpr, tpr) in curves.items():
@@ -199,9 +198,7 @@ def plot_roc(curves: dict[str, tuple[np.ndarray, np.ndarray]], path: Path) -> No
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def aligner_section(aligner: dict[str, Any], align: dict[str, Any]) -> list[str]:

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from tasks.common import Paths, atomic_path, write_json
+from tasks.common import Paths, write_json, pyplot, save_figure
 
 log = logging.getLogger(__name__)
 
@@ -128,10 +128,7 @@ def evaluate_sets(cfg: Any, data: Any, paths: Paths, fr_model: Any, chunk_size: 
 
 
 def plot_gain(gain: dict, methods: list[str], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(5.4, 3.6))
     for method in methods:
@@ -142,9 +139,7 @@ def plot_gain(gain: dict, methods: list[str], path: Path) -> None:
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def render_section(metrics: dict[str, float]) -> list[str]:

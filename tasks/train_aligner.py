@@ -13,8 +13,6 @@ Writes ``models/aligner/``, ``metrics/train_aligner.json``; registers ``faceops-
 
 from __future__ import annotations
 
-import csv
-import io
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +22,7 @@ import numpy as np
 
 from ml.config import from_mapping
 from ml.train.aligner import AlignerConfig
-from tasks.common import Paths, StageResult, load_params, section, stage_main, write_json, write_text
+from tasks.common import Paths, StageResult, load_params, section, stage_main, write_json, write_history_csv
 
 log = logging.getLogger(__name__)
 
@@ -97,12 +95,7 @@ def run(cfg: AlignerStageConfig, paths: Paths, *, tracker: Any = None) -> StageR
     reference = reference_comparison(res.model, cfg.reference_faces, cfg.reference_max_images)
     result.metrics.update({f"reference/{k}": float(v) for k, v in reference.items() if k != "skipped"})
     write_json(paths.metrics / "train_aligner.json", {**result.metrics, "reference": reference})
-    keys = ["epoch"] + sorted({k for h in res.history for k in h if k != "epoch"})
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore")
-    writer.writeheader()
-    writer.writerows(res.history)
-    write_text(paths.plots / "train_aligner_history.csv", buf.getvalue())
+    write_history_csv(paths.plots / "train_aligner_history.csv", res.history)
     result.summary = (f"DFA: test NME {test['nme']:.4f} (mean shape {baseline.mean():.4f}), failure@0.1 "
                       f"{100 * test['failure@0.1']:.1f} % in {res.seconds:.0f}s → {paths.aligner_model}")
     if "skipped" in reference:

@@ -11,8 +11,6 @@ registered as a new ``faceops-discovery`` version with alias ``candidate``. Clus
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import logging
 from pathlib import Path
@@ -24,7 +22,9 @@ import pandas as pd
 from ml.config import from_mapping
 from ml.errors import DataError
 from ml.train.discovery import DiscoveryConfig
-from tasks.common import Paths, StageResult, atomic_path, load_params, section, stage_main, write_json, write_text
+from tasks.common import (
+    Paths, StageResult, load_params, section, stage_main, write_json, pyplot, save_figure, write_history_csv,
+)
 from tasks.prepare import DataConfig
 
 log = logging.getLogger(__name__)
@@ -54,10 +54,7 @@ def gfd_rows(paths: Paths) -> tuple[Path, pd.DataFrame]:
 
 
 def plot_history(history: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     epochs = [h["epoch"] for h in history]
     fig, ax = plt.subplots(figsize=(5, 3.2))
@@ -67,9 +64,7 @@ def plot_history(history: list[dict], path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(cfg: DiscoveryConfig, data: DataConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
@@ -105,11 +100,7 @@ def run(cfg: DiscoveryConfig, data: DataConfig, paths: Paths, *, tracker: Any = 
     result.metrics = {f"train/{k}": float(last[k]) for k in ("loss", "loss/unsup", "loss/sup") if k in last}
     result.metrics["train/seconds"] = float(sum(h.get("seconds", 0.0) for h in res.history))
     write_json(paths.metrics / "train_discovery.json", result.metrics)
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=["epoch", "loss", "loss/unsup", "loss/sup"], extrasaction="ignore")
-    writer.writeheader()
-    writer.writerows(res.history)
-    write_text(paths.plots / "train_discovery_history.csv", buf.getvalue())
+    write_history_csv(paths.plots / "train_discovery_history.csv", res.history, ["epoch", "loss", "loss/unsup", "loss/sup"])
     plot_history(res.history, paths.plots / "train_discovery_loss.png")
     result.summary = (
         f"FaceGCD ({cfg.backbone}, init {cfg.backbone_init}) trained on {len(train)} images "

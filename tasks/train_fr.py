@@ -10,8 +10,6 @@ for people). The model is logged to MLflow and registered as a new ``faceops-fr`
 
 from __future__ import annotations
 
-import csv
-import io
 import logging
 from pathlib import Path
 from typing import Any
@@ -19,7 +17,9 @@ from typing import Any
 from ml.config import from_mapping
 from ml.errors import ConfigError
 from ml.train.fr import FRConfig
-from tasks.common import Paths, StageResult, atomic_path, load_params, section, stage_main, write_json, write_text
+from tasks.common import (
+    Paths, StageResult, load_params, section, stage_main, write_json, pyplot, save_figure, write_history_csv,
+)
 from tasks.prepare import DataConfig
 
 log = logging.getLogger(__name__)
@@ -35,10 +35,7 @@ def source_dataset(paths: Paths, source: str) -> Path:
 
 
 def plot_history(history: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     epochs = [h["epoch"] for h in history]
     fig, ax = plt.subplots(1, 2, figsize=(9, 3.2))
@@ -49,9 +46,7 @@ def plot_history(history: list[dict], path: Path) -> None:
     for a in ax:
         a.grid(alpha=0.3)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(cfg: FRConfig, data: DataConfig, paths: Paths, *, source: str = "real", tracker: Any = None) -> StageResult:
@@ -96,11 +91,7 @@ def run(cfg: FRConfig, data: DataConfig, paths: Paths, *, source: str = "real", 
         "train/images_per_second": float(len(labels) * max(len(res.history), 1) / max(res.seconds, 1e-9)),
     }
     write_json(paths.metrics / f"train_fr_{source}.json", result.metrics)
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=["epoch", "train/loss", "train/accuracy"], extrasaction="ignore")
-    writer.writeheader()
-    writer.writerows(res.history)
-    write_text(paths.plots / f"train_fr_{source}_history.csv", buf.getvalue())
+    write_history_csv(paths.plots / f"train_fr_{source}_history.csv", res.history, ["epoch", "train/loss", "train/accuracy"])
     plot_history(res.history, paths.plots / f"train_fr_{source}_loss.png")
     result.summary = (
         f"{res.backbone} trained on {len(labels)} images of {extra['training_identities']} identities in "

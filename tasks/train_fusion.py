@@ -10,9 +10,7 @@ the loss curve; the model is registered as ``faceops-fusion`` with alias ``candi
 
 from __future__ import annotations
 
-import csv
 import dataclasses
-import io
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +21,9 @@ import numpy as np
 from ml.config import from_mapping
 from ml.errors import ConfigError, DataError
 from ml.train.fusion import FusionConfig
-from tasks.common import Paths, StageResult, atomic_path, load_params, section, stage_main, write_json, write_text
+from tasks.common import (
+    Paths, StageResult, load_params, section, stage_main, write_json, pyplot, save_figure, write_history_csv,
+)
 from tasks.prepare import DataConfig
 
 log = logging.getLogger(__name__)
@@ -71,10 +71,7 @@ def augmented_features(model: Any, images: np.ndarray, keypoints: np.ndarray | N
 
 
 def plot_history(history: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     epochs = [h["epoch"] for h in history]
     fig, ax = plt.subplots(figsize=(5.2, 3.3))
@@ -85,9 +82,7 @@ def plot_history(history: list[dict], path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(cfg: FusionStageConfig, data: DataConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
@@ -126,12 +121,7 @@ def run(cfg: FusionStageConfig, data: DataConfig, paths: Paths, *, tracker: Any 
     result.metrics = {k: float(v) for k, v in last.items() if k.startswith("train/")}
     result.metrics["train/features"] = float(len(feats))
     write_json(paths.metrics / "train_fusion.json", result.metrics)
-    keys = ["epoch"] + sorted({k for h in res.history for k in h if k.startswith("train/")})
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore")
-    writer.writeheader()
-    writer.writerows(res.history)
-    write_text(paths.plots / "train_fusion_history.csv", buf.getvalue())
+    write_history_csv(paths.plots / "train_fusion_history.csv", res.history)
     plot_history(res.history, paths.plots / "train_fusion_loss.png")
     result.summary = (f"CAFace trained on {len(feats)} features ({cfg.augmented_copies} augmented copies) of "
                       f"{fr_dir.name} → {paths.fusion_model}")

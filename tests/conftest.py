@@ -23,6 +23,19 @@ def copy_project(dst: Path) -> Path:
     return _copy_project(REPO, dst)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch intra-op thread for a whole test module, restored after it; opt in with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``. The tensors in those tests are tiny: on a shared
+    2-core machine OpenMP hand-offs, not arithmetic, dominate, and timings stay stable under load."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def glint24() -> Path:
     if not GLINT24.is_dir():

@@ -28,13 +28,7 @@ from ml.train.fusion import FusionConfig, fuse_sets, identity_centres, step_lr, 
 SMALL = dict(feature_dim=32, style_dim=8)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops: on a shared 2-core machine one intra-op thread is 10-30× faster than two fighting for it."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _sets(b: int, n: int, model: CAFace, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,13 +31,7 @@ TINY = dict(input_size=64, fpn_channels=16, mixer_depth=1, mixer_dim=8, mixer_to
             mixer_channel_hidden=8)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The test machine is shared: one intra-op thread keeps timings stable under load."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,7 @@ from ml.errors import ConfigError, DataError
 from ml.eval.metrics import cluster_accuracy
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # the tensors here are tiny: on a shared 2-core machine OpenMP hand-offs, not arithmetic, dominate
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _blobs(n_classes: int = 6, per_class: int = 40, dim: int = 16, spread: float = 10.0, noise: float = 0.5,

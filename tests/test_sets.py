@@ -35,13 +35,7 @@ VIT = dict(depth=4, dim=32, heads=2, embed_dim=16, drop_path=0.0)  # taps blocks
 SMALL = dict(feature_dim=32, style_dim=8)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops: on a shared 2-core machine one intra-op thread is much faster than two fighting for it."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _caface(seed: int = 0, **kw) -> CAFace:

@@ -6,6 +6,9 @@
      "input_contract": {...}, "extra": {...e.g. training data digest, metrics...}}
 
 Writes are atomic: both files go to a temporary sibling directory that then replaces ``model_dir``.
+
+``write_model_dir`` / ``read_model_config`` / ``load_weights_into`` implement that layout for any model;
+the FaceGCD, CAFace and DFA aligner save/load functions use them with their own ``config.json`` keys.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
@@ -31,6 +34,8 @@ WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 FORMAT = 1
 
+M = TypeVar("M", bound=nn.Module)
+
 
 def _json_ready(value: Any, what: str) -> Any:
     """Round-trip ``value`` through JSON so what is saved is exactly what loads (tuples → lists)."""
@@ -38,6 +43,81 @@ def _json_ready(value: Any, what: str) -> Any:
         return json.loads(json.dumps(value))
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{what} must be JSON-serialisable plain values: {exc}") from exc
+
+
+def write_model_dir(model_dir: str | os.PathLike, model: nn.Module, config: dict[str, Any], *, what: str) -> Path:
+    """Write ``model``'s weights and ``config`` to ``model_dir`` atomically; return it.
+
+    ``config`` must be JSON-serialisable plain values (else :class:`ConfigError`). Both files go to a temporary
+    sibling directory that then replaces ``model_dir``, so readers never see a half-written model. ``what``
+    names the model in messages and the log line.
+    """
+    text = json.dumps(_json_ready(config, f"{what} config"), indent=2, sort_keys=True) + "\n"
+    # safetensors refuses shared or non-contiguous storage: store an independent contiguous copy.
+    state = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
+
+    model_dir = Path(model_dir)
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.", suffix=".tmp", dir=model_dir.parent))
+    try:
+        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        (tmp / CONFIG).write_text(text)
+        old = None
+        if model_dir.exists():
+            old = model_dir.with_name(f".{model_dir.name}.{os.getpid()}.old")
+            os.replace(model_dir, old)
+        os.replace(tmp, model_dir)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("saved %s (%d tensors) to %s", what, len(state), model_dir)
+    return model_dir
+
+
+def read_model_config(model_dir: str | os.PathLike, *, what: str) -> dict[str, Any]:
+    """The parsed ``config.json`` of ``model_dir``; :class:`DataError` naming the file if either file is missing,
+    the JSON is unreadable, or it is not an object. ``what`` names the kind of model directory expected."""
+    model_dir = Path(model_dir)
+    config_path = model_dir / CONFIG
+    for path in (config_path, model_dir / WEIGHTS):
+        if not path.is_file():
+            raise DataError(f"model file {path} is missing; a {what} directory needs {CONFIG} and {WEIGHTS}")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{config_path} is not valid JSON: {exc}; re-save the {what}") from exc
+    if not isinstance(config, dict):
+        raise DataError(f"{config_path} holds {type(config).__name__}, not a JSON object; re-save the {what}")
+    return config
+
+
+def load_weights_into(model: M, model_dir: str | os.PathLike, *, what: str) -> M:
+    """Load ``model_dir``'s ``model.safetensors`` into ``model`` (strictly) and return it in eval mode.
+
+    :class:`DataError` naming the file if it is unreadable or its keys/shapes do not match ``model`` (built from
+    ``config.json``; ``what`` describes it, e.g. ``"vit_tiny({...})"``).
+    """
+    model_dir = Path(model_dir)
+    config_path, weights_path = model_dir / CONFIG, model_dir / WEIGHTS
+    try:
+        state = load_file(str(weights_path))
+    except (OSError, SafetensorError) as exc:
+        raise DataError(f"{weights_path} is not a readable safetensors file: {exc}; re-save the model") from exc
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong = sorted(k for k in set(expected) & set(state) if expected[k].shape != state[k].shape)
+    if missing or unexpected or wrong:
+        raise DataError(
+            f"{weights_path} does not match {what} in {config_path}: "
+            f"missing {missing[:5]}, unexpected {unexpected[:5]}, wrong shape {wrong[:5]}; "
+            f"the two files must come from the same save"
+        )
+    model.load_state_dict(state, strict=True)
+    model.eval()
+    return model
 
 
 def save_model(
@@ -58,41 +138,14 @@ def save_model(
         "input_contract": _json_ready(input_contract(model), "input contract"),
         "extra": _json_ready(dict(extra or {}), "model extra"),
     }
-    # safetensors refuses shared or non-contiguous storage: store an independent contiguous copy.
-    state = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
-
-    model_dir = Path(model_dir)
-    model_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.", suffix=".tmp", dir=model_dir.parent))
-    try:
-        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        old = None
-        if model_dir.exists():
-            old = model_dir.with_name(f".{model_dir.name}.{os.getpid()}.old")
-            os.replace(model_dir, old)
-        os.replace(tmp, model_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    log.info("saved %s (%d tensors) to %s", backbone, len(state), model_dir)
-    return model_dir
+    return write_model_dir(model_dir, model, config, what=backbone)
 
 
 def load_model(model_dir: str | os.PathLike) -> tuple[nn.Module, dict[str, Any]]:
     """Rebuild the model saved in ``model_dir``; return it in eval mode with its config dict."""
-    model_dir = Path(model_dir)
-    config_path, weights_path = model_dir / CONFIG, model_dir / WEIGHTS
-    for path in (config_path, weights_path):
-        if not path.is_file():
-            raise DataError(f"model file {path} is missing; a model directory needs {CONFIG} and {WEIGHTS}")
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise DataError(f"{config_path} is not valid JSON: {exc}") from exc
-    if not isinstance(config, dict) or not isinstance(config.get("backbone"), str):
+    config = read_model_config(model_dir, what="model")
+    config_path = Path(model_dir) / CONFIG
+    if not isinstance(config.get("backbone"), str):
         raise DataError(f"{config_path} has no 'backbone' name; re-save the model with save_model")
     name = config["backbone"]
     if name not in BACKBONES:
@@ -104,22 +157,15 @@ def load_model(model_dir: str | os.PathLike) -> tuple[nn.Module, dict[str, Any]]
         model = build_backbone(name, **kwargs)
     except ConfigError as exc:
         raise DataError(f"{config_path}: cannot build {name!r} from its kwargs: {exc}") from exc
-    try:
-        state = load_file(str(weights_path))
-    except (OSError, SafetensorError) as exc:
-        raise DataError(f"{weights_path} is not a readable safetensors file: {exc}") from exc
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    wrong = sorted(k for k in set(expected) & set(state) if expected[k].shape != state[k].shape)
-    if missing or unexpected or wrong:
-        raise DataError(
-            f"{weights_path} does not match {name}({kwargs}) in {config_path}: "
-            f"missing {missing[:5]}, unexpected {unexpected[:5]}, wrong shape {wrong[:5]}"
-        )
-    model.load_state_dict(state, strict=True)
-    model.eval()
-    return model, config
+    return load_weights_into(model, model_dir, what=f"{name}({kwargs})"), config
 
 
-__all__ = ["save_model", "load_model", "WEIGHTS", "CONFIG"]
+__all__ = [
+    "CONFIG",
+    "WEIGHTS",
+    "load_model",
+    "load_weights_into",
+    "read_model_config",
+    "save_model",
+    "write_model_dir",
+]

@@ -45,12 +45,8 @@ Differences from the reference
 
 from __future__ import annotations
 
-import json
-import logging
 import math
 import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -58,12 +54,10 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ml.errors import ConfigError, DataError
-from ml.models.io import CONFIG, WEIGHTS
+from ml.models.io import CONFIG, load_weights_into, read_model_config, write_model_dir
 
 __all__ = [
     "ALIGNERS",
@@ -82,8 +76,6 @@ __all__ = [
     "to_normalised",
     "to_pixels",
 ]
-
-log = logging.getLogger(__name__)
 
 ANCHOR_REFERENCE = 160  # min sizes are given for a 160×160 crop
 FORMAT = 1
@@ -491,43 +483,14 @@ def save_aligner(model_dir: str | os.PathLike, model: DFA, *, extra: dict[str, A
         "input_contract": model.input_contract,
         "extra": dict(extra or {}),
     }
-    try:
-        text = json.dumps(config, indent=2, sort_keys=True) + "\n"
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"save_aligner: extra must be JSON-serialisable plain values: {exc}") from exc
-    state = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
-    model_dir = Path(model_dir)
-    model_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.", suffix=".tmp", dir=model_dir.parent))
-    try:
-        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        (tmp / CONFIG).write_text(text)
-        old = None
-        if model_dir.exists():
-            old = model_dir.with_name(f".{model_dir.name}.{os.getpid()}.old")
-            os.replace(model_dir, old)
-        os.replace(tmp, model_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    log.info("saved DFA aligner (%d tensors) to %s", len(state), model_dir)
-    return model_dir
+    return write_model_dir(model_dir, model, config, what="DFA aligner")
 
 
 def load_aligner(model_dir: str | os.PathLike) -> tuple[DFA, dict[str, Any]]:
     """Rebuild the aligner saved in ``model_dir``; return it in eval mode with its config dict."""
-    model_dir = Path(model_dir)
-    config_path, weights_path = model_dir / CONFIG, model_dir / WEIGHTS
-    for path in (config_path, weights_path):
-        if not path.is_file():
-            raise DataError(f"aligner file {path} is missing; an aligner directory needs {CONFIG} and {WEIGHTS}")
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise DataError(f"{config_path} is not valid JSON: {exc}") from exc
-    if not isinstance(config, dict) or config.get("model") != MODEL_NAME or not isinstance(config.get("config"), dict):
+    config = read_model_config(model_dir, what="DFA aligner")
+    config_path = Path(model_dir) / CONFIG
+    if config.get("model") != MODEL_NAME or not isinstance(config.get("config"), dict):
         raise DataError(
             f"{config_path} does not describe a DFA aligner (model 'dfa' + config); re-save with save_aligner"
         )
@@ -535,18 +498,4 @@ def load_aligner(model_dir: str | os.PathLike) -> tuple[DFA, dict[str, Any]]:
         model = DFA(DFAConfig(**config["config"]))
     except (TypeError, ConfigError) as exc:
         raise DataError(f"{config_path}: cannot build DFA from its config: {exc}") from exc
-    try:
-        state = load_file(str(weights_path))
-    except (OSError, SafetensorError) as exc:
-        raise DataError(f"{weights_path} is not a readable safetensors file: {exc}") from exc
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    wrong = sorted(k for k in set(expected) & set(state) if expected[k].shape != state[k].shape)
-    if missing or unexpected or wrong:
-        raise DataError(
-            f"{weights_path} does not match the DFA in {config_path}: "
-            f"missing {missing[:5]}, unexpected {unexpected[:5]}, wrong shape {wrong[:5]}"
-        )
-    model.load_state_dict(state, strict=True)
-    return model.eval(), config
+    return load_weights_into(model, model_dir, what="the DFA"), config

@@ -53,11 +53,7 @@ Differences from the reference (paper §3.2, §3.3, App. A.2, A.4; METHODS.md):
 from __future__ import annotations
 
 import copy
-import json
-import logging
 import os
-import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -65,17 +61,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ml.errors import ConfigError, DataError
 from ml.models.backbones import build_backbone
 from ml.models.backbones.vit import ViT
-from ml.models.io import CONFIG, WEIGHTS, load_model
+from ml.models.io import CONFIG, load_model, load_weights_into, read_model_config, write_model_dir
 from ml.models.layers import Block
-
-log = logging.getLogger(__name__)
 
 FORMAT = 1
 ARCHITECTURE = "facegcd"
@@ -392,49 +384,21 @@ class FaceGCD(nn.Module):
 def save_facegcd(model: FaceGCD, model_dir: str | os.PathLike, *, extra: dict[str, Any] | None = None) -> Path:
     """Write ``model`` to ``model_dir`` (``model.safetensors`` + ``config.json`` with keys architecture, format,
     kwargs, input_contract, extra) atomically: both files go to a temporary sibling that then replaces the dir."""
-    try:
-        config = json.loads(json.dumps({
-            "architecture": ARCHITECTURE,
-            "format": FORMAT,
-            "kwargs": model.init_kwargs,
-            "input_contract": model.input_contract,
-            "extra": dict(extra or {}),
-        }))
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"save_facegcd: extra must be JSON-serialisable plain values: {exc}") from exc
-    state = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
-    model_dir = Path(model_dir)
-    model_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.", suffix=".tmp", dir=model_dir.parent))
-    try:
-        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        old = None
-        if model_dir.exists():
-            old = model_dir.with_name(f".{model_dir.name}.{os.getpid()}.old")
-            os.replace(model_dir, old)
-        os.replace(tmp, model_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    log.info("saved FaceGCD (%d tensors) to %s", len(state), model_dir)
-    return model_dir
+    config = {
+        "architecture": ARCHITECTURE,
+        "format": FORMAT,
+        "kwargs": model.init_kwargs,
+        "input_contract": model.input_contract,
+        "extra": dict(extra or {}),
+    }
+    return write_model_dir(model_dir, model, config, what="FaceGCD")
 
 
 def load_facegcd(model_dir: str | os.PathLike) -> tuple[FaceGCD, dict[str, Any]]:
     """Rebuild the FaceGCD saved by ``save_facegcd``; return it in eval mode with its config dict."""
-    model_dir = Path(model_dir)
-    config_path, weights_path = model_dir / CONFIG, model_dir / WEIGHTS
-    for path in (config_path, weights_path):
-        if not path.is_file():
-            raise DataError(f"model file {path} is missing; a FaceGCD directory needs {CONFIG} and {WEIGHTS}")
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise DataError(f"{config_path} is not valid JSON: {exc}") from exc
-    if not isinstance(config, dict) or config.get("architecture") != ARCHITECTURE:
+    config = read_model_config(model_dir, what="FaceGCD")
+    config_path = Path(model_dir) / CONFIG
+    if config.get("architecture") != ARCHITECTURE:
         raise DataError(f"{config_path} is not a FaceGCD model (no \"architecture\": \"{ARCHITECTURE}\"); "
                         "load FR models with ml.models.io.load_model")
     kwargs = dict(config.get("kwargs") or {})
@@ -443,20 +407,7 @@ def load_facegcd(model_dir: str | os.PathLike) -> tuple[FaceGCD, dict[str, Any]]
         model = FaceGCD(vit, **kwargs)
     except (KeyError, TypeError, ConfigError) as exc:
         raise DataError(f"{config_path}: cannot rebuild FaceGCD from its kwargs: {exc}") from exc
-    try:
-        state = load_file(str(weights_path))
-    except (OSError, SafetensorError) as exc:
-        raise DataError(f"{weights_path} is not a readable safetensors file: {exc}") from exc
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    wrong = sorted(k for k in set(expected) & set(state) if expected[k].shape != state[k].shape)
-    if missing or unexpected or wrong:
-        raise DataError(f"{weights_path} does not match the FaceGCD in {config_path}: missing {missing[:5]}, "
-                        f"unexpected {unexpected[:5]}, wrong shape {wrong[:5]}")
-    model.load_state_dict(state, strict=True)
-    model.eval()
-    return model, config
+    return load_weights_into(model, model_dir, what="the FaceGCD"), config
 
 
 __all__ = [

@@ -63,28 +63,20 @@ Differences from the reference (``mk-minchul/caface``, ``caface/nets``: ``aggreg
 
 from __future__ import annotations
 
-import json
-import logging
 import math
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ml.errors import ConfigError, DataError
+# WEIGHTS/CONFIG stay importable from this module, where they used to be defined.
+from ml.models.io import CONFIG, WEIGHTS, load_weights_into, read_model_config, write_model_dir  # noqa: F401
 from ml.models.layers import Block, Mlp
 
-log = logging.getLogger(__name__)
-
-WEIGHTS = "model.safetensors"
-CONFIG = "config.json"
 FORMAT = 1
 LN_EPS = 1e-5  # nn.LayerNorm's default, as in the reference
 
@@ -494,64 +486,21 @@ def save_caface(model: CAFace, model_dir: str | os.PathLike, extra: dict[str, An
     """Write ``model`` to ``model_dir`` (``model.safetensors`` + ``config.json`` with its kwargs), atomically."""
     if not isinstance(model, CAFace):
         raise ConfigError(f"save_caface needs a CAFace model, got {type(model).__name__}")
-    try:
-        config = json.loads(json.dumps({"format": FORMAT, "model": "caface", "kwargs": model.config,
-                                        "extra": dict(extra or {})}))
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"save_caface extra must be JSON-serialisable plain values: {exc}") from exc
-    state = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
-    model_dir = Path(model_dir)
-    model_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.", suffix=".tmp", dir=model_dir.parent))
-    try:
-        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        old = None
-        if model_dir.exists():
-            old = model_dir.with_name(f".{model_dir.name}.{os.getpid()}.old")
-            os.replace(model_dir, old)
-        os.replace(tmp, model_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    log.info("saved CAFace (%d tensors) to %s", len(state), model_dir)
-    return model_dir
+    config = {"format": FORMAT, "model": "caface", "kwargs": model.config, "extra": dict(extra or {})}
+    return write_model_dir(model_dir, model, config, what="CAFace")
 
 
 def load_caface(model_dir: str | os.PathLike) -> CAFace:
     """Rebuild the CAFace saved by ``save_caface`` in ``model_dir``; returned in eval mode."""
-    model_dir = Path(model_dir)
-    config_path, weights_path = model_dir / CONFIG, model_dir / WEIGHTS
-    for path in (config_path, weights_path):
-        if not path.is_file():
-            raise DataError(f"model file {path} is missing; a CAFace directory needs {CONFIG} and {WEIGHTS}")
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise DataError(f"{config_path} is not valid JSON: {exc}") from exc
-    if not isinstance(config, dict) or config.get("model") != "caface" or not isinstance(config.get("kwargs"), dict):
+    config = read_model_config(model_dir, what="CAFace")
+    config_path = Path(model_dir) / CONFIG
+    if config.get("model") != "caface" or not isinstance(config.get("kwargs"), dict):
         raise DataError(f"{config_path} is not a CAFace config (needs \"model\": \"caface\" and kwargs); re-save it")
     try:
         model = CAFace(**config["kwargs"])
     except (ConfigError, TypeError) as exc:
         raise DataError(f"{config_path}: cannot build CAFace from its kwargs {config['kwargs']}: {exc}") from exc
-    try:
-        state = load_file(str(weights_path))
-    except (OSError, SafetensorError) as exc:
-        raise DataError(f"{weights_path} is not a readable safetensors file: {exc}") from exc
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    wrong = sorted(k for k in set(expected) & set(state) if expected[k].shape != state[k].shape)
-    if missing or unexpected or wrong:
-        raise DataError(
-            f"{weights_path} does not match CAFace({config['kwargs']}): missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}, wrong shape {wrong[:5]}"
-        )
-    model.load_state_dict(state, strict=True)
-    return model.eval()
+    return load_weights_into(model, model_dir, what=f"CAFace({config['kwargs']})")
 
 
 __all__ = [
