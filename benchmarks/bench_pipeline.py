@@ -18,22 +18,21 @@ def _workspace(tmp: Path) -> Path:
     return copy_project(REPO, tmp / "ws")
 
 
-def bench_pipeline_overhead() -> dict:
+def bench_pipeline_overhead(rounds: int = 2) -> dict:
     """Stage ``prepare`` at the embedded default size, each way in its own process, as ``faceops run`` runs it.
 
     ``direct``: a Python process that calls ``tasks.prepare.run`` and nothing else (no MLflow, no Prefect).
     ``wrapped``: a Prefect flow whose task runs the stage's command (``python -m tasks.prepare``: the same function
     inside its MLflow run, logging params, metrics, the sample grid and the dataset digests) with every output line
-    streamed to the Prefect log — what ``faceops run`` does minus DVC. ``with_dvc``: the pipeline's own task,
-    ``dvc repro --single-item prepare --force``, for reference (DVC hashes inputs and outputs; not part of the target).
-    The three ways alternate three times after a warm-up; the best of each is kept, because run-to-run noise on a
+    streamed to the Prefect log — what ``faceops run`` does minus DVC (DVC's own cost is the no-op benchmark's).
+    The two ways alternate ``rounds`` times after a warm-up; the best of each is kept, because run-to-run noise on a
     shared 2-core machine (±10 %) is larger than the overhead itself.
     """
     import uuid
 
     from prefect import flow, get_run_logger, task
 
-    from flows.pipeline import reproduce_stage, run_logged, stage_env
+    from flows.pipeline import run_logged, stage_env
 
     with tempfile.TemporaryDirectory() as tmp:
         root = _workspace(Path(tmp))
@@ -53,10 +52,6 @@ def bench_pipeline_overhead() -> dict:
         def wrapped() -> None:
             stage_task()
 
-        @flow
-        def with_dvc() -> None:
-            reproduce_stage("prepare", str(root), force=True)
-
         def timed(fn) -> float:
             start = time.perf_counter()
             fn()
@@ -66,17 +61,14 @@ def bench_pipeline_overhead() -> dict:
             subprocess.run([sys.executable, "-c", direct_code], cwd=root, check=True, capture_output=True)
 
         wrapped()  # warm-up: Prefect's temporary server, MLflow's schema creation — once per machine, not per stage
-        times: dict[str, list[float]] = {"direct": [], "wrapped": [], "with_dvc": []}
-        for _ in range(3):
+        times: dict[str, list[float]] = {"direct": [], "wrapped": []}
+        for _ in range(rounds):
             times["direct"].append(timed(direct))
             times["wrapped"].append(timed(wrapped))
-            times["with_dvc"].append(timed(with_dvc))
         os.environ.pop("MLFLOW_TRACKING_URI")
     best = {k: min(v) for k, v in times.items()}
     return {"direct_s": round(best["direct"], 2), "wrapped_s": round(best["wrapped"], 2),
-            "overhead_pct": round(100 * (best["wrapped"] - best["direct"]) / best["direct"], 1),
-            "with_dvc_s": round(best["with_dvc"], 2),
-            "with_dvc_overhead_pct": round(100 * (best["with_dvc"] - best["direct"]) / best["direct"], 1)}
+            "overhead_pct": round(100 * (best["wrapped"] - best["direct"]) / best["direct"], 1)}
 
 
 def bench_smoke_and_noop() -> dict:
