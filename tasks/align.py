@@ -3,7 +3,8 @@
 Reads the unaligned faces the aligner never trained on (``data/prepared/unaligned`` split ``test``), predicts 5
 landmarks, warps each face onto the ArcFace template at ``data.image_size`` with the differentiable similarity
 solve + ``grid_sample`` (ml/models/aligner/align.py), and writes ``data/aligned/`` (images, manifest with the
-predicted landmarks in the aligned crop — the keypoints KP-RPE reads — and the aligner's face score as ``quality``).
+predicted landmarks in the aligned crop — the keypoints KP-RPE reads; ``quality`` is left empty because DFA's face
+score head is not trained on the embedded data, which has no non-face crops).
 Metrics: how far the *ground-truth* landmarks land from the template after alignment with the predicted ones
 (pixels, and normalised by the template's inter-pupil distance), which is the error alignment leaves behind.
 ``plots/aligned_samples.png`` shows unaligned inputs above their aligned crops.
@@ -68,12 +69,11 @@ def run(data: DataConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
     manifest = read_manifest(paths.unaligned_set / "manifest.parquet")
     rows = manifest[manifest["split"] == "test"].reset_index(drop=True)
     images = load_images(paths.unaligned_set, rows, progress=True)
-    aligned, landmarks, scores, mats = align_images(model, images, data.image_size)
+    aligned, landmarks, _, mats = align_images(model, images, data.image_size)
     with DatasetWriter(paths.aligned_set, name="aligned", source="procedural", aligned=True,
                        generator={"aligner": str(paths.aligner_model.relative_to(paths.root))}) as w:
-        for img, lm, score, identity in zip(aligned, landmarks, scores, rows["identity"]):
-            w.add(img, identity=identity, split="aligned", landmarks=lm.reshape(-1),
-                  quality=float(np.clip(score, 0.0, 1.0)))
+        for img, lm, identity in zip(aligned, landmarks, rows["identity"]):
+            w.add(img, identity=identity, split="aligned", landmarks=lm.reshape(-1))
     gt = transform_points(torch.from_numpy(landmarks_array(rows)), torch.from_numpy(mats)).numpy()
     template = template_for(data.image_size).numpy()
     residual = np.linalg.norm(gt - template, axis=2).mean(axis=1)  # (N,) px
