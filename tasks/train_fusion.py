@@ -58,12 +58,16 @@ def augmented_features(model: Any, images: np.ndarray, keypoints: np.ndarray | N
     out_f, out_s, source = [feats], [styles], [np.arange(len(images))]
     gen = torch.Generator().manual_seed(seed)
     for _ in range(copies):
-        x = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255.0
-        kp = None if keypoints is None else torch.from_numpy(keypoints.astype(np.float32))
-        aug, kp_aug = augment_kprpe(x, kp, AugmentConfig(), generator=gen)
-        imgs = (aug.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous().numpy()
-        f, s = features_and_styles(model, imgs, keypoints=None if kp_aug is None else kp_aug.numpy(),
-                                   batch_size=batch_size, progress=True)
+        imgs, kps = np.empty_like(images), None if keypoints is None else np.empty_like(keypoints, dtype=np.float32)
+        for start in range(0, len(images), batch_size):  # augment batch by batch: memory O(batch), not O(N)
+            part = slice(start, start + batch_size)
+            x = torch.from_numpy(images[part]).permute(0, 3, 1, 2).float() / 255.0
+            kp = None if keypoints is None else torch.from_numpy(keypoints[part].astype(np.float32))
+            aug, kp_aug = augment_kprpe(x, kp, AugmentConfig(), generator=gen)
+            imgs[part] = (aug.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+            if kps is not None:
+                kps[part] = kp_aug.numpy()
+        f, s = features_and_styles(model, imgs, keypoints=kps, batch_size=batch_size, progress=True)
         out_f.append(f)
         out_s.append(s)
         source.append(np.arange(len(images)))
