@@ -263,16 +263,16 @@ def test_resume_gives_the_uninterrupted_weights(tmp_path, monkeypatch):
     class Stop(Exception):
         pass
 
-    save = discovery._save_checkpoint
+    save = discovery.save_checkpoint
 
     def save_then_stop(path, state):
         save(path, state)
         raise Stop
 
-    monkeypatch.setattr(discovery, "_save_checkpoint", save_then_stop)
+    monkeypatch.setattr(discovery, "save_checkpoint", save_then_stop)
     with pytest.raises(Stop):
         train_discovery(cfg, images, labels, mask, init_model_dir=fr, checkpoint_dir=tmp_path / "b", progress=False)
-    monkeypatch.setattr(discovery, "_save_checkpoint", save)
+    monkeypatch.setattr(discovery, "save_checkpoint", save)
     resumed = train_discovery(cfg, images, labels, mask, init_model_dir=fr, checkpoint_dir=tmp_path / "b",
                               resume=True, progress=False)
     a, b = full.model.state_dict(), resumed.model.state_dict()

@@ -38,7 +38,6 @@ import dataclasses
 import logging
 import math
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,6 +53,7 @@ from ml.errors import ConfigError, DataError, TrainingError
 from ml.eval.alignment import auc_at, failure_rate, nme
 from ml.models.aligner.dfa import DFA, DFAConfig, normalise, resize_images, to_normalised, to_pixels
 from ml.train.augment import AugmentConfig, augment_kprpe
+from ml.train.checkpoint import resume_path, save_checkpoint
 
 __all__ = ["AlignerConfig", "AlignerResult", "LAST_CHECKPOINT", "evaluate_aligner", "near_anchors", "train_aligner"]
 
@@ -225,37 +225,6 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str,
     return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
 
 
-def _save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    """torch.save to a temporary sibling, then os.replace: a crash never leaves a truncated last.pt."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(state, fh)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _resume_path(checkpoint_dir: Path | None, resume: bool) -> Path | None:
-    if checkpoint_dir is None:
-        if resume:
-            raise ConfigError("train_aligner(resume=True) needs a checkpoint_dir holding last.pt")
-        return None
-    last = Path(checkpoint_dir) / LAST_CHECKPOINT
-    if last.is_file():
-        if not resume:
-            raise ConfigError(
-                f"{last} exists from an earlier run; pass resume=True to continue it, or remove it / choose another "
-                "checkpoint_dir to start over"
-            )
-        return last
-    if resume:
-        log.warning("resume=True but %s holds no %s; training from scratch", checkpoint_dir, LAST_CHECKPOINT)
-    return None
-
-
 def _load_checkpoint(path: Path, cfg: AlignerConfig, n: int) -> dict[str, Any]:
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
@@ -355,7 +324,7 @@ def train_aligner(
             raise DataError("val must be a tuple (images, landmarks_px)")
         _check_images(val[0], "validation images")
         val = (val[0], _check_landmarks(val[1], val[0], "validation landmarks"))
-    ckpt_path = _resume_path(Path(checkpoint_dir) if checkpoint_dir is not None else None, resume)
+    ckpt_path = resume_path(checkpoint_dir, resume, LAST_CHECKPOINT, "train_aligner")
     threads = torch.get_num_threads()
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
@@ -445,7 +414,7 @@ def _fit(
             row.update({f"val/{k}": v for k, v in summary.items() if k != "nmes"})
         history.append(row)
         if last is not None:
-            _save_checkpoint(last, {
+            save_checkpoint(last, {
                 "kind": CHECKPOINT_KIND,
                 "config": dataclasses.asdict(cfg),
                 "num_images": n,

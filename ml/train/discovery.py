@@ -50,6 +50,7 @@ from ml.models.backbones.vit import ViT
 from ml.models.discovery.facegcd import FaceGCD
 from ml.models.io import load_model
 from ml.train.augment import AugmentConfig, augment_kprpe
+from ml.train.checkpoint import save_checkpoint
 
 __all__ = [
     "DISCOVERY_AUGMENTATION",
@@ -247,17 +248,6 @@ def _optimizer(model: FaceGCD, cfg: DiscoveryConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr)
 
 
-def _save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    """Write ``state`` to ``path`` atomically (temporary sibling, then ``os.replace``)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _views(model: FaceGCD, x: torch.Tensor, cfg: DiscoveryConfig, gen: torch.Generator) -> torch.Tensor:
     """uint8 batch (B, 3, S, S) → normalised model input of two views stacked (2B, 3, S, S)."""
     x = x.float() / 255.0
@@ -369,7 +359,7 @@ def train_discovery(
         log.info("discovery epoch %d/%d: loss %.4f (unsup %.4f, sup %.4f) in %.1f s", epoch + 1, cfg.epochs,
                  record["loss"], record["loss/unsup"], record["loss/sup"], record["seconds"])
         if ckpt_path is not None:
-            _save_checkpoint(ckpt_path, {
+            save_checkpoint(ckpt_path, {
                 "format": CHECKPOINT_FORMAT, "config": config_dict, "data_digest": digest, "epoch": epoch + 1,
                 "model": model.state_dict(), "optimizer": optimizer.state_dict(), "history": history,
             })

@@ -62,6 +62,7 @@ from ml.losses.partial_fc import PartialFC, shard_bounds
 from ml.models.backbones import BACKBONES, build_backbone, input_contract
 from ml.models.backbones.vit import INPUT_CONTRACT
 from ml.train.augment import FLIP_LANDMARK_ORDER, AugmentConfig, augment_kprpe, flip_keypoints
+from ml.train.checkpoint import resume_path
 
 __all__ = [
     "FLIP_LANDMARK_ORDER",
@@ -705,24 +706,6 @@ def _head_kind(cfg: FRConfig) -> str:
     return f"lvface({kind})" if cfg.lvface else kind
 
 
-def _resume_path(checkpoint_dir: Path | None, resume: bool) -> Path | None:
-    if checkpoint_dir is None:
-        if resume:
-            raise ConfigError("train(resume=True) needs a checkpoint_dir holding last.ckpt")
-        return None
-    last = Path(checkpoint_dir) / LAST_CHECKPOINT
-    if last.is_file():
-        if not resume:
-            raise ConfigError(
-                f"{last} exists from an earlier run; pass resume=True to continue it, or remove it / choose another "
-                "checkpoint_dir to start over"
-            )
-        return last
-    if resume:
-        log.warning("resume=True but %s holds no %s; training from scratch", checkpoint_dir, LAST_CHECKPOINT)
-    return None
-
-
 def _check_checkpoint(path: Path, info: dict[str, Any], backbone: nn.Module) -> None:
     """Before fitting: the checkpoint must hold this run's backbone (name, kwargs, tensor shapes), class count and
     kind of head. Other config differences (e.g. more epochs) are logged, as they change the run."""
@@ -798,7 +781,7 @@ def train(
         raise DataError(f"training needs at least 2 images, got {n}")
     _check_device(cfg)
     kwargs = _backbone_kwargs(cfg, size, backbone_overrides)
-    ckpt_path = _resume_path(checkpoint_dir, resume)
+    ckpt_path = resume_path(checkpoint_dir, resume, LAST_CHECKPOINT, "train")
     world = cfg.devices * cfg.num_nodes
     per_rank = n // world
     if per_rank < 2:

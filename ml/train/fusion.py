@@ -42,7 +42,6 @@ import hashlib
 import logging
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +53,7 @@ from tqdm.auto import tqdm
 
 from ml.errors import ConfigError, DataError, TrainingError
 from ml.models.fusion.caface import CAFace
+from ml.train.checkpoint import save_checkpoint
 
 __all__ = ["FusionConfig", "FusionResult", "fuse_sets", "identity_centres", "step_lr", "train_fusion"]
 
@@ -237,18 +237,6 @@ def _batch_loss(
     return {"train/loss": lt + cfg.lambda_p * lp, "train/lt": lt, "train/lp": lp, "train/lt_average": lt_average}
 
 
-def _atomic_save(obj: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _load_checkpoint(path: Path, cfg: FusionConfig, digest: str) -> dict[str, Any]:
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
@@ -353,13 +341,13 @@ def train_fusion(
         if ckpt_path is not None:
             config = dataclasses.asdict(cfg)
             config["lr_steps"] = list(cfg.lr_steps)
-            _atomic_save({
+            save_checkpoint(ckpt_path, {
                 "model": model.state_dict(),
                 "optimizer": optimizer.state_dict(),
                 "epoch": epoch + 1,
                 "history": history,
                 CHECKPOINT_KEY: {"config": config, "data": digest, "model_kwargs": model.config},
-            }, ckpt_path)
+            })
     model.eval()
     return FusionResult(model=model, history=history, checkpoint=ckpt_path)
 
