@@ -53,3 +53,18 @@ def separable(k: int = 4, per_class: int = 32, size: int = 32, seed: int = 0):
     labels = np.repeat(np.arange(k), per_class)
     images = protos[labels] + rng.normal(0.0, 25.0, (len(labels), size, size, 3))
     return np.clip(images, 0, 255).astype(np.uint8), labels
+
+
+def spread_caface(model):
+    """A CAFace with non-trivial weights (Ws ≠ 0, spread norm statistics) so that the assignment really varies per
+    item, in eval mode; the generator is seeded so every test sees the same weights."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        model.sim.style_weight.normal_(0.0, 1.0, generator=g)
+        model.cn.query.weight.normal_(0.0, 0.3, generator=g)
+        model.cn.key.weight.normal_(0.0, 0.3, generator=g)
+        model.sim.norm_bn.running_mean.fill_(2.5)
+        model.sim.norm_bn.running_var.fill_(0.8)
+    return model.eval()

@@ -25,6 +25,8 @@ from ml.models.fusion import (
 from ml.models.fusion.caface import assign_average, sinusoid_table
 from ml.train.fusion import FusionConfig, fuse_sets, identity_centres, step_lr, train_fusion
 
+from .conftest import spread_caface
+
 SMALL = dict(feature_dim=32, style_dim=8)
 
 
@@ -40,22 +42,10 @@ def _sets(b: int, n: int, model: CAFace, seed: int = 0) -> tuple[torch.Tensor, t
     return feats, styles
 
 
-def _trained_like(model: CAFace, seed: int = 0) -> CAFace:
-    """Non-trivial weights (Ws ≠ 0, spread BN statistics) so that the assignment really varies per item."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        model.sim.style_weight.normal_(0.0, 1.0, generator=g)
-        model.cn.query.weight.normal_(0.0, 0.3, generator=g)
-        model.cn.key.weight.normal_(0.0, 0.3, generator=g)
-        model.sim.norm_bn.running_mean.fill_(2.5)
-        model.sim.norm_bn.running_var.fill_(0.8)
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
 def small() -> CAFace:
     torch.manual_seed(0)
-    return _trained_like(CAFace(**SMALL))
+    return spread_caface(CAFace(**SMALL))
 
 
 # ---------------------------------------------------------------------------------------------- construction
@@ -182,7 +172,7 @@ def test_streamed_memory_equals_one_shot_weighted_average(small: CAFace, chunk: 
 
 def test_state_size_does_not_grow_with_n() -> None:
     torch.manual_seed(0)
-    model = _trained_like(CAFace())
+    model = spread_caface(CAFace())
     sizes = {}
     with torch.no_grad():
         for n in (10, 10_000):

@@ -31,6 +31,8 @@ from ml.models.backbones.vit import vit_tiny
 from ml.models.fusion import ARCFACE_TEMPLATE_112, CAFace, average_fusion, landmark_score_fusion, norm_weighted_fusion
 from ml.train.fusion import fuse_sets
 
+from .conftest import spread_caface
+
 VIT = dict(depth=4, dim=32, heads=2, embed_dim=16, drop_path=0.0)  # taps blocks 2 and 3: style_dim 32 · 2 = 64
 SMALL = dict(feature_dim=32, style_dim=8)
 
@@ -39,17 +41,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _caface(seed: int = 0, **kw) -> CAFace:
-    """A CAFace with non-trivial weights (Ws ≠ 0, spread norm statistics), in eval mode."""
+    """A small CAFace with non-trivial weights, in eval mode."""
     torch.manual_seed(seed)
-    model = CAFace(**{**SMALL, **kw})
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        model.sim.style_weight.normal_(0.0, 1.0, generator=g)
-        model.cn.query.weight.normal_(0.0, 0.3, generator=g)
-        model.cn.key.weight.normal_(0.0, 0.3, generator=g)
-        model.sim.norm_bn.running_mean.fill_(2.5)
-        model.sim.norm_bn.running_var.fill_(0.8)
-    return model.eval()
+    return spread_caface(CAFace(**{**SMALL, **kw}))
 
 
 def _random_sets(lengths: list[int], d: int = 32, style_dim: int = 8, seed: int = 0):

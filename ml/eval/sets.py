@@ -145,7 +145,7 @@ def features_and_styles(
     output raises ``DataError`` naming the first such image. The model's train/eval mode is restored.
     """
     # ml.train.fr imports Lightning (seconds); only this function needs it.
-    from ml.train.fr import images_to_tensor, needs_keypoints
+    from ml.train.fr import check_keypoints, images_to_tensor, needs_keypoints
 
     contract = input_contract(model)
     name = type(model).__name__
@@ -166,22 +166,7 @@ def features_and_styles(
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
     n = images.shape[0]
-    kp = None
-    if needs_keypoints(model):
-        if keypoints is None:
-            raise DataError(
-                f"{name} uses KP-RPE and needs keypoints (N, 5, 2) pixel landmarks beside the images; pass the "
-                "manifest's landmarks or the aligner's predictions"
-            )
-        kp = np.asarray(keypoints, dtype=np.float32)
-        if kp.shape != (n, 5, 2):
-            raise DataError(f"keypoints must have shape ({n}, 5, 2), got {kp.shape}")
-        bad = np.flatnonzero(~np.isfinite(kp).all(axis=(1, 2)))
-        if bad.size:
-            raise DataError(
-                f"keypoints of image {int(bad[0])} are not finite ({bad.size} images); fill them with the aligner's "
-                "predictions or drop those images"
-            )
+    kp = check_keypoints(keypoints, n, name) if needs_keypoints(model) else None
     style_dim = int(contract["style_dim"])
     if n == 0:
         return np.zeros((0, int(contract["embedding_dim"])), np.float32), np.zeros((0, style_dim, 2), np.float32)

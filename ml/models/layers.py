@@ -146,3 +146,14 @@ class PatchEmbed(nn.Module):
                 f"{tuple(x.shape)}; resize/align the images to the backbone's input contract"
             )
         return self.proj(x).flatten(2).transpose(1, 2)  # (B, grid², dim)
+
+
+def init_transformer_weights(m: nn.Module) -> None:
+    """timm/insightface ViT init, for ``module.apply``: Linear truncated normal std 0.02 (biases 0), LayerNorm 1/0."""
+    if isinstance(m, nn.Linear):
+        nn.init.trunc_normal_(m.weight, std=0.02)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.LayerNorm):
+        nn.init.ones_(m.weight)
+        nn.init.zeros_(m.bias)

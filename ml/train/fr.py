@@ -641,11 +641,12 @@ def needs_keypoints(model: nn.Module) -> bool:
     return bool(getattr(model, "needs_keypoints", False))
 
 
-def _check_keypoints(keypoints: np.ndarray | None, n: int, model_name: str) -> np.ndarray:
+def check_keypoints(keypoints: np.ndarray | None, n: int, model_name: str) -> np.ndarray:
+    """float32 (n, 5, 2) pixel landmarks for a KP-RPE model, or DataError: none given, wrong shape, non-finite rows."""
     if keypoints is None:
         raise DataError(
-            f"backbone {model_name!r} uses KP-RPE and needs 5 landmarks per image, but none were given; "
-            "pass keypoints (N, 5, 2) pixel x, y — from the manifest's landmarks or the aligner's predictions"
+            f"{model_name!r} uses KP-RPE and needs 5 landmarks per image, but none were given: it needs keypoints "
+            "(N, 5, 2) pixel x, y — from the manifest's landmarks or the aligner's predictions"
         )
     keypoints = np.asarray(keypoints, dtype=np.float32)
     if keypoints.shape != (n, 5, 2):
@@ -653,8 +654,8 @@ def _check_keypoints(keypoints: np.ndarray | None, n: int, model_name: str) -> n
     missing = np.flatnonzero(~np.isfinite(keypoints).all(axis=(1, 2)))
     if missing.size:
         raise DataError(
-            f"{missing.size} of {n} images have no landmarks (e.g. rows {missing[:5].tolist()}); "
-            "drop them or fill them with the aligner's predictions before training a KP-RPE backbone"
+            f"keypoints of image {int(missing[0])} are not finite ({missing.size} of {n} images, e.g. rows "
+            f"{missing[:5].tolist()}); drop them or fill them with the aligner's predictions"
         )
     return keypoints
 
@@ -794,7 +795,7 @@ def train(
         torch.from_numpy(labels),
     ]
     if needs_keypoints(backbone):
-        tensors.append(torch.from_numpy(_check_keypoints(keypoints, n, cfg.backbone)))
+        tensors.append(torch.from_numpy(check_keypoints(keypoints, n, cfg.backbone)))
     num_classes = int(labels.max()) + 1
     info = {
         "backbone": cfg.backbone,
@@ -880,7 +881,7 @@ def embed(
     (horizontal flip), else ``f(x)``. Not L2-normalised; callers normalise. KP-RPE models also need
     ``keypoints`` (N, 5, 2) pixel landmarks; the flipped pass gets the flipped, left/right-swapped ones."""
     _check_images(images)
-    kp = _check_keypoints(keypoints, len(images), type(model).__name__) if needs_keypoints(model) else None
+    kp = check_keypoints(keypoints, len(images), type(model).__name__) if needs_keypoints(model) else None
     contract = getattr(model, "input_contract", None)
     if contract is not None and images.shape[1] != contract["size"]:
         raise DataError(

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from ml.errors import ConfigError
-from ml.models.layers import Block, PatchEmbed
+from ml.models.layers import Block, PatchEmbed, init_transformer_weights
 
 # What data code must feed the model; ``ViT.input_contract`` fills in size and embedding_dim, and adds
 # style_dim (dim · number of style layers, the channels of forward(x, return_styles=True)).
@@ -150,17 +150,7 @@ class ViT(nn.Module):
         )
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
         nn.init.normal_(self.mask_token, std=0.02)
-        self.apply(self._init_weights)
-
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            nn.init.trunc_normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.LayerNorm):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
+        self.apply(init_transformer_weights)
 
     @property
     def input_contract(self) -> dict[str, Any]:

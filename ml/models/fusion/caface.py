@@ -75,7 +75,7 @@ from torch import nn
 from ml.errors import ConfigError, DataError
 # WEIGHTS/CONFIG stay importable from this module, where they used to be defined.
 from ml.models.io import CONFIG, WEIGHTS, load_weights_into, read_model_config, write_model_dir  # noqa: F401
-from ml.models.layers import Block, Mlp
+from ml.models.layers import Block, Mlp, init_transformer_weights
 
 FORMAT = 1
 LN_EPS = 1e-5  # nn.LayerNorm's default, as in the reference
@@ -301,8 +301,9 @@ class CAFace(nn.Module):
         self.sim = StyleInputMaker(style_dim, style_embed_dim, norm_embed_dim)
         self.cn = ClusterNetwork(dim, num_clusters, depth, heads, self.mlp_ratio, self.drop_path_rate)
         self.agn = AggregationNetwork(dim, num_clusters, feature_dim, mixer_depth)
-        self.cn.apply(_init_weights)
-        self.agn.apply(_init_weights)
+        # reference: CN and AGN Linear layers truncated normal std 0.02, biases 0; LayerNorm 1/0
+        self.cn.apply(init_transformer_weights)
+        self.agn.apply(init_transformer_weights)
 
     @property
     def config(self) -> dict[str, Any]:
@@ -469,17 +470,6 @@ class CAFace(nn.Module):
         """Sets (B, N, D) + styles (B, N, style_dim, 2) [+ mask (B, N)] → unit-norm templates (B, D), in one call."""
         out = self.cluster(features, styles, mask)
         return self.fuse(FusionState(out.count, out.features, out.styles))
-
-
-def _init_weights(m: nn.Module) -> None:
-    # Reference: CN and AGN Linear layers truncated normal std 0.02 (±2, absolute), biases 0; LayerNorm 1/0.
-    if isinstance(m, nn.Linear):
-        nn.init.trunc_normal_(m.weight, std=0.02)
-        if m.bias is not None:
-            nn.init.zeros_(m.bias)
-    elif isinstance(m, nn.LayerNorm):
-        nn.init.ones_(m.weight)
-        nn.init.zeros_(m.bias)
 
 
 def save_caface(model: CAFace, model_dir: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
