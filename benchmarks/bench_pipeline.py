@@ -23,16 +23,15 @@ def bench_pipeline_overhead(rounds: int = 2) -> dict:
 
     ``direct``: a Python process that calls ``tasks.prepare.run`` and nothing else (no MLflow, no Prefect).
     ``wrapped``: a Prefect flow whose task runs the stage's command (``python -m tasks.prepare``: the same function
-    inside its MLflow run, logging params, metrics, the sample grid and the dataset digests) with every output line
-    streamed to the Prefect log — what ``faceops run`` does minus DVC (DVC's own cost is the no-op benchmark's).
+    inside its MLflow run, logging params, metrics, the sample grid and the dataset digests, relayed into MLflow by
+    the task's process) with every output line streamed to the Prefect log — what ``faceops run`` does minus DVC
+    (DVC's own cost is the no-op benchmark's).
     The two ways alternate ``rounds`` times after a warm-up; the best of each is kept, because run-to-run noise on a
     shared 2-core machine (±10 %) is larger than the overhead itself.
     """
-    import uuid
-
     from prefect import flow, get_run_logger, task
 
-    from flows.pipeline import run_logged, stage_env
+    from flows.pipeline import run_relayed
 
     with tempfile.TemporaryDirectory() as tmp:
         root = _workspace(Path(tmp))
@@ -43,10 +42,9 @@ def bench_pipeline_overhead(rounds: int = 2) -> dict:
 
         @task
         def stage_task() -> None:
-            rc, tail = run_logged([sys.executable, "-m", "tasks.prepare"], root,
-                                  stage_env(root, uuid.uuid4().hex, None), get_run_logger())
-            if rc != 0:
-                raise RuntimeError(f"prepare failed: {tail[-1:]}")
+            rc, tail, relay = run_relayed([sys.executable, "-m", "tasks.prepare"], root, None, get_run_logger())
+            if rc != 0 or relay.error is not None:
+                raise RuntimeError(f"prepare failed: {tail[-1:]} {relay.error or ''}")
 
         @flow
         def wrapped() -> None:

@@ -56,6 +56,16 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
         "streaming CAFace fusion of N = 1k, 10k, 100k features in chunks of 256: features/s and peak-memory growth",
         "peak memory flat from N = 1k to 100k",
     ),
+    "sampler_cost": (
+        "benchmarks.bench_synth:bench_sampler_cost",
+        "UIFace two-stage adaptive sampling + attention injection vs plain CFG, per face, embedded UNet, CPU",
+        "≤ 1.0×",
+    ),
+    "synthesis_throughput": (
+        "benchmarks.bench_synth:bench_synthesis_throughput",
+        "UIFace faces/s at the embedded size (adaptive + injection, 25 DDIM steps, batch 64 identities), CPU",
+        "report",
+    ),
     "smoke_and_noop": (
         "benchmarks.bench_pipeline:bench_smoke_and_noop",
         "`faceops run --preset smoke` from nothing, then `dvc repro` with nothing changed",

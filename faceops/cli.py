@@ -58,6 +58,7 @@ def run(
     preset: Annotated[Optional[str], typer.Option(help="named delta from presets.yaml, e.g. `smoke`")] = None,
     stage: Annotated[list[str], typer.Option("--stage", help="only this stage and what it needs (repeatable)")] = [],
     force: Annotated[bool, typer.Option(help="rerun stages even if DVC finds them up to date")] = False,
+    jobs: Annotated[int, typer.Option("--jobs", "-j", help="independent stages run at once (1 = one after another)")] = 2,
 ) -> None:
     """Reproduce the pipeline as a Prefect flow, one task per `dvc.yaml` stage.
 
@@ -79,10 +80,10 @@ def run(
                 typer.echo(f"params.yaml: {key}: {old!r} → {new!r}")
     except FaceopsError as exc:
         _fail(str(exc))
-    from flows.pipeline import StageFailed, pipeline
+    from flows.pipeline import StageFailed, run_pipeline
 
     try:
-        results = pipeline(root=str(root), stages=stage or None, force=force)
+        results = run_pipeline(root=str(root), stages=stage or None, force=force, jobs=jobs)
     except StageFailed as exc:
         _fail(str(exc), code=1)
     typer.echo("")

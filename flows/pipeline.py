@@ -1,9 +1,13 @@
 """The pipeline as a Prefect flow: the DAG comes from ``dvc.yaml``, each stage is reproduced through DVC.
 
-There is no second DAG: ``stage_order`` reads DVC's own stage graph, and every task runs
-``dvc repro --single-item <stage>``, so DVC's cache decides what is up to date and ``dvc.lock`` records
-every data version. Prefect adds the flow run, one visible task per stage, retries and logs; MLflow gets a
-parent run per flow run under which each stage's run nests.
+There is no second DAG: ``stage_graph`` reads DVC's own stage graph, and each stage is one Prefect task that
+does what ``dvc repro --single-item <stage>`` does: DVC decides whether the stage is out of date (its status:
+deps, params, cmd, outs against ``dvc.lock``), the stage's ``cmd`` runs, and DVC commits the result (outputs
+into its cache, hashes into ``dvc.lock``). DVC stays the truth for what is up to date and what was produced.
+Unlike ``dvc repro``, DVC's repository lock is held only for the status check and the commit, not while the
+stage runs, so independent stages (``train_aligner`` beside ``train_fr@real``; discovery, fusion and the
+generator after it) run at the same time, up to ``jobs`` at once. Prefect adds the flow run, one visible task
+per stage, retries and logs; MLflow gets a parent run per flow run under which each stage's run nests.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -20,23 +25,57 @@ from typing import Any
 
 from prefect import flow, get_run_logger, task
 from prefect.runtime import flow_run
+from prefect.task_runners import ThreadPoolTaskRunner
 
 from tasks import tracking
+
+# one DVC operation at a time in this process: DVC's Repo is not thread-safe (the file lock guards other processes)
+_DVC = threading.Lock()
 
 
 class StageFailed(RuntimeError):
     pass
 
 
-def stage_order(root: Path) -> list[str]:
-    """Stage names (``train_fr@real`` for foreach stages) in dependency order, from DVC's graph."""
+def stage_graph(root: Path) -> dict[str, list[str]]:
+    """``{stage: [the stages it directly depends on]}`` in dependency order (``train_fr@real`` for foreach stages),
+    from DVC's graph; ``.dvc`` files are data, not stages."""
     import networkx as nx
     from dvc.repo import Repo
 
-    with Repo(str(root)) as repo:
+    with _DVC, Repo(str(root)) as repo:
         graph = repo.index.graph  # edge A → B: A depends on B
-        order = list(reversed(list(nx.topological_sort(graph))))
-        return [stage.addressing for stage in order if not stage.addressing.endswith(".dvc")]  # .dvc files: data, not stages
+        order = [s for s in reversed(list(nx.topological_sort(graph))) if not s.addressing.endswith(".dvc")]
+        return {s.addressing: [u.addressing for u in graph.successors(s) if not u.addressing.endswith(".dvc")]
+                for s in order}
+
+
+def stage_order(root: Path) -> list[str]:
+    """Stage names in dependency order."""
+    return list(stage_graph(root))
+
+
+def stage_status(root: Path, stage: str) -> tuple[list[str], str]:
+    """(why DVC finds ``stage`` out of date — empty when it is up to date —, its cmd)."""
+    from dvc.repo import Repo
+
+    with _DVC, Repo(str(root)) as repo:
+        (target,) = repo.stage.collect(stage)
+        status = repo.status(targets=[stage])
+        reasons = []
+        for entry in status.get(stage, []):
+            reasons += [f"{k}: {', '.join(v) if isinstance(v, dict) else v}" for k, v in entry.items()] \
+                if isinstance(entry, dict) else [str(entry)]
+        cmd = target.cmd if isinstance(target.cmd, str) else " && ".join(target.cmd)
+        return reasons, cmd
+
+
+def commit_stage(root: Path, stage: str) -> None:
+    """``dvc commit --force STAGE``: outputs into DVC's cache, their hashes and the deps' into ``dvc.lock``."""
+    from dvc.repo import Repo
+
+    with _DVC, Repo(str(root)) as repo:
+        repo.commit(stage, force=True)
 
 
 def dvc_lock_deps(root: Path, stage: str) -> dict[str, str]:
@@ -66,22 +105,51 @@ def stage_env(root: Path, invocation: str, parent_run_id: str | None) -> dict[st
 
 
 @task(retries=0, task_run_name="{stage}")
-def reproduce_stage(stage: str, root: str, parent_run_id: str | None = None, force: bool = False) -> dict[str, Any]:
-    """``dvc repro --single-item STAGE``: runs the stage's cmd only if DVC finds it out of date."""
+def reproduce_stage(stage: str, root: str, parent_run_id: str | None = None, force: bool = False,
+                    threads: int | None = None) -> dict[str, Any]:
+    """Reproduce one stage through DVC (see the module docstring): nothing runs when DVC finds it up to date.
+
+    The stage's MLflow run is relayed through this process (``tasks.tracking.StageRelay``): the stage writes
+    a journal, this task replays it into MLflow while the stage works.
+    """
     logger = get_run_logger()
-    invocation = uuid.uuid4().hex
-    cmd = [sys.executable, "-m", "dvc", "repro", "--single-item", stage] + (["--force"] if force else [])
     start = time.perf_counter()
-    rc, tail = run_logged(cmd, Path(root), stage_env(Path(root), invocation, parent_run_id), logger)
-    seconds = time.perf_counter() - start
+    reasons, cmd = stage_status(Path(root), stage)
+    if not reasons and not force:
+        logger.info("%s: up to date (stage didn't change, skipping)", stage)
+        return {"stage": stage, "ran": False, "seconds": time.perf_counter() - start}
+    logger.info("%s: running `%s` (%s)", stage, cmd, "; ".join(reasons) or "--force")
+    rc, tail, relay = run_relayed(["/bin/sh", "-c", cmd], Path(root), parent_run_id, logger, threads=threads)
     if rc != 0:
         errors = [l for l in tail if l.startswith(("error:", "ERROR"))]
-        raise StageFailed(f"stage '{stage}' failed (dvc exit {rc}): {(errors or tail[-1:] or ['no output'])[-1]}")
-    ran = not any("didn't change, skipping" in l for l in tail)
-    if ran:
-        _tag_stage_run(Path(root), stage, invocation)
-    logger.info("%s: %s in %.1fs", stage, "ran" if ran else "up to date", seconds)
-    return {"stage": stage, "ran": ran, "seconds": seconds}
+        raise StageFailed(f"stage '{stage}' failed (exit {rc}): {(errors or tail[-1:] or ['no output'])[-1]}")
+    try:
+        commit_stage(Path(root), stage)
+    except Exception as exc:  # e.g. an output the cmd did not write
+        raise StageFailed(f"stage '{stage}' ran but DVC could not record its outputs: {exc}") from exc
+    if relay.error is not None:
+        raise StageFailed(f"stage '{stage}' ran and DVC recorded its outputs, but logging it to MLflow failed "
+                          f"({relay.error}); its tracking journal is kept at {relay.path}: replay it with "
+                          f"tasks.tracking.StageRelay.replay once MLflow is reachable")
+    if relay.run_ids:
+        _tag_stage_runs(Path(root), stage, relay.run_ids)
+    seconds = time.perf_counter() - start
+    logger.info("%s: ran in %.1fs", stage, seconds)
+    return {"stage": stage, "ran": True, "seconds": seconds}
+
+
+def run_relayed(
+    cmd: list[str], root: Path, parent_run_id: str | None, logger: Any, threads: int | None = None
+) -> tuple[int, list[str], tracking.StageRelay]:
+    """Run a stage command with its output streamed to ``logger`` and its MLflow run relayed through this
+    process; → (exit code, the last 40 lines, the relay). ``threads`` caps the stage's BLAS/OpenMP (torch)
+    threads, so stages running side by side do not oversubscribe the cores (unless OMP_NUM_THREADS is set)."""
+    with tracking.StageRelay(root, parent_run_id, logger) as relay:
+        env = {**stage_env(root, uuid.uuid4().hex, parent_run_id), **relay.env}
+        if threads and "OMP_NUM_THREADS" not in os.environ:
+            env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        rc, tail = run_logged(cmd, root, env, logger)
+    return rc, tail, relay
 
 
 def run_logged(cmd: list[str], cwd: Path, env: dict[str, str], logger: Any) -> tuple[int, list[str]]:
@@ -105,42 +173,57 @@ def _lines(stream: Any) -> Iterator[str]:
         yield pending.rstrip()
 
 
-def _tag_stage_run(root: Path, stage: str, invocation: str) -> None:
-    """Tag the stage's MLflow run with DVC's dependency hashes (known only once dvc.lock is written)."""
+def _tag_stage_runs(root: Path, stage: str, run_ids: list[str]) -> None:
+    """Tag the stage's MLflow runs with DVC's dependency hashes (known only once dvc.lock is written)."""
     from mlflow import MlflowClient
 
-    experiment_id = tracking.configure(root)
-    client = MlflowClient()
-    runs = client.search_runs(
-        experiment_ids=[experiment_id],
-        filter_string=f"tags.`faceops.invocation` = '{invocation}'", max_results=1,
-    )
-    for run in runs:
-        for path, md5 in dvc_lock_deps(root, stage).items():
-            client.set_tag(run.info.run_id, f"dvc.dep.{path}", md5)
+    with _DVC:
+        deps = dvc_lock_deps(root, stage)
+    with tracking.MLFLOW_LOCK:
+        client = MlflowClient(tracking_uri=tracking.tracking_uri(root))
+        for run_id in run_ids:
+            for path, md5 in deps.items():
+                client.set_tag(run_id, f"dvc.dep.{path}", md5)
 
 
 @flow(name="faceops-pipeline")
-def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = False) -> list[dict[str, Any]]:
-    """Reproduce the DVC pipeline stage by stage (all stages, or ``stages`` and what they need)."""
+def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = False, jobs: int = 1
+             ) -> list[dict[str, Any]]:
+    """Reproduce the DVC pipeline (all stages, or ``stages`` and what they need); a stage starts as soon as the
+    stages it depends on have finished, up to ``jobs`` at once (the task runner's ``max_workers``, see
+    ``run_pipeline``), each then with cores / jobs torch threads."""
     import mlflow
 
     logger = get_run_logger()
     root_path = Path(root).resolve()
-    order = stage_order(root_path)
+    graph = stage_graph(root_path)
+    order = list(graph)
     if stages:
-        unknown = [s for s in stages if s not in order]
+        unknown = [s for s in stages if s not in graph]
         if unknown:
             raise ValueError(f"unknown stage(s) {unknown}; dvc.yaml has {order}")
-        order = [s for s in order if s in _with_upstream(root_path, stages)]
-    logger.info("stages in order: %s", " → ".join(order))
+        keep = _with_upstream(graph, stages)
+        order = [s for s in order if s in keep]
+    logger.info("stages in dependency order: %s", " → ".join(order))
+    threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else None
     tracking.configure(root_path)
     with mlflow.start_run(run_name="pipeline", tags={
         "prefect.flow_run_id": str(flow_run.id), "faceops.kind": "pipeline", "git.commit": tracking.git_commit(root_path),
     }) as parent:
-        results = []
+        futures: dict[str, Any] = {}
         for stage in order:
-            results.append(reproduce_stage(stage, str(root_path), parent.info.run_id, force))
+            upstream = [futures[u] for u in graph[stage] if u in futures]
+            futures[stage] = reproduce_stage.submit(stage, str(root_path), parent.info.run_id, force, threads,
+                                                    wait_for=upstream)
+        results, failure = [], None
+        for stage in order:  # dependency order: the first failure reported is the root cause
+            state = futures[stage].wait() or futures[stage].state
+            if state.is_completed():
+                results.append(futures[stage].result())
+            elif failure is None:
+                failure = futures[stage]
+        if failure is not None:
+            failure.result()  # raises the stage's StageFailed
         mlflow.log_metrics({
             "pipeline/stages_ran": float(sum(r["ran"] for r in results)),
             "pipeline/seconds": float(sum(r["seconds"] for r in results)),
@@ -148,15 +231,20 @@ def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = Fal
     return results
 
 
-def _with_upstream(root: Path, stages: list[str]) -> set[str]:
-    import networkx as nx
-    from dvc.repo import Repo
+def run_pipeline(root: str = ".", stages: list[str] | None = None, force: bool = False, jobs: int = 2
+                 ) -> list[dict[str, Any]]:
+    """``pipeline`` with up to ``jobs`` independent stages at once (1 = one after another)."""
+    jobs = max(1, jobs)
+    return pipeline.with_options(task_runner=ThreadPoolTaskRunner(max_workers=jobs))(
+        root=root, stages=stages, force=force, jobs=jobs)
 
-    with Repo(str(root)) as repo:
-        graph = repo.index.graph
-        by_name = {s.addressing: s for s in graph.nodes}
-        keep: set[str] = set()
-        for name in stages:
+
+def _with_upstream(graph: dict[str, list[str]], stages: list[str]) -> set[str]:
+    keep: set[str] = set()
+    todo = list(stages)
+    while todo:
+        name = todo.pop()
+        if name not in keep:
             keep.add(name)
-            keep.update(s.addressing for s in nx.descendants(graph, by_name[name]))
-        return keep
+            todo += graph[name]
+    return keep

@@ -12,6 +12,8 @@ STAGES: dict[str, str] = {
     "align": "tasks.align",
     "train_discovery": "tasks.train_discovery",
     "train_fusion": "tasks.train_fusion",
+    "train_generator": "tasks.train_generator",
+    "synthesize": "tasks.synthesize",
     "evaluate": "tasks.evaluate",
 }
 
@@ -22,5 +24,8 @@ PARAM_SECTIONS: dict[str, str] = {
     "aligner": "tasks.train_aligner:AlignerStageConfig",
     "discovery": "ml.train.discovery:DiscoveryConfig",
     "fusion": "tasks.train_fusion:FusionStageConfig",
+    "generator": "tasks.train_generator:GeneratorStageConfig",
+    "synthesize": "tasks.synthesize:SynthesizeConfig",
+    "pipeline": "tasks.train_fr:PipelineConfig",
     "evaluate": "tasks.evaluate:EvaluateConfig",
 }

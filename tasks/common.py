@@ -80,6 +80,15 @@ class Paths:
         return self.root / "models" / "fusion"
 
     @property
+    def generator_model(self) -> Path:
+        return self.root / "models" / "generator"
+
+    @property
+    def synthetic_set(self) -> Path:
+        """``data/synthetic``: the synthesize stage's UIFace dataset (source ``synthetic``)."""
+        return self.root / "data" / "synthetic"
+
+    @property
     def discovery_model(self) -> Path:
         return self.root / "models" / "discovery"
 

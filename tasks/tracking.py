@@ -4,15 +4,28 @@ Every stage run carries its params section, metrics, plots, dataset inputs with 
 the tags ``git.commit``, ``dvc.stage``, ``faceops.invocation`` and (when Prefect drives it)
 ``prefect.flow_run_id``. The flow adds DVC's dependency hashes after the stage ends (it reads
 ``dvc.lock``, which DVC writes only then).
+
+Two ways to reach MLflow, chosen by ``stage_run``:
+
+- **direct** (``dvc repro``, ``faceops stage``): the stage process opens its own MLflow run.
+- **journal** (``faceops run``): the flow's task sets ``FACEOPS_TRACKING_JOURNAL``; the stage process writes
+  each tracking call as one JSON line there and never imports MLflow (importing it and opening the SQLite
+  store costs 3–4 s per process), while a ``StageRelay`` thread in the flow process, where MLflow is already
+  loaded, replays the lines into MLflow as they arrive — curves show up live, and logging overlaps the
+  stage's work instead of adding to it. If MLflow fails, the journal is kept, so nothing is lost.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
 import subprocess
+import tempfile
+import threading
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -21,8 +34,12 @@ EXPERIMENT = "faceops"
 ENV_PARENT_RUN = "FACEOPS_PARENT_RUN_ID"
 ENV_FLOW_RUN = "FACEOPS_PREFECT_FLOW_RUN_ID"
 ENV_INVOCATION = "FACEOPS_INVOCATION_ID"
+ENV_JOURNAL = "FACEOPS_TRACKING_JOURNAL"
 
 log = logging.getLogger(__name__)
+
+# relays of stages running side by side share one MLflow store: one write at a time from this process
+MLFLOW_LOCK = threading.RLock()
 
 
 def tracking_uri(root: Path) -> str:
@@ -67,8 +84,24 @@ def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
         out[prefix] = value
 
 
-class StageTracker:
-    """Thin logging facade over the active MLflow run of one stage execution."""
+class _Tracker:
+    """What a stage may log; ``StageTracker`` logs to MLflow, ``JournalTracker`` to the relay's journal."""
+
+    run_id: str | None = None
+
+    def log_dataset(self, dataset_dir: Path, context: str) -> str:
+        raise NotImplementedError
+
+    def log_prepared_datasets(self, prepared: Path) -> None:
+        """Log every dataset directory ``prepare`` wrote (``train``, ``heldout``, ``templates``, ``discovery``,
+        ``videos``, ``unaligned``, ``real``)."""
+        for sub in ("train", "heldout", "templates", "discovery", "videos", "unaligned", "real"):
+            if (prepared / sub / "dataset.json").is_file():
+                self.log_dataset(prepared / sub, context=sub)
+
+
+class StageTracker(_Tracker):
+    """Thin logging facade over the active MLflow run of one stage execution (in this thread)."""
 
     def __init__(self, run_id: str, root: Path):
         self.run_id = run_id
@@ -111,13 +144,6 @@ class StageTracker:
         mlflow.log_input(ds, context=context, tags={"faceops.digest": info["digest"]})
         mlflow.set_tag(f"dataset.{context}.digest", info["digest"])
         return info["digest"]
-
-    def log_prepared_datasets(self, prepared: Path) -> None:
-        """Log every dataset directory ``prepare`` wrote (``train``, ``heldout``, ``templates``, ``discovery``,
-        ``videos``, ``unaligned``, ``real``)."""
-        for sub in ("train", "heldout", "templates", "discovery", "videos", "unaligned", "real"):
-            if (prepared / sub / "dataset.json").is_file():
-                self.log_dataset(prepared / sub, context=sub)
 
     def log_model_dir(
         self, model_dir: Path, registered_name: str, *, alias: str = "candidate", tags: Mapping[str, str] = {}
@@ -172,26 +198,234 @@ class StageTracker:
             client.set_model_version_tag(name, version, k, str(v))
 
 
-@contextlib.contextmanager
-def stage_run(stage: str, params: Mapping[str, Any], root: Path) -> Iterator[StageTracker]:
-    """Open the MLflow run for one execution of ``stage``; closes it FAILED if the body raises."""
-    import mlflow
+class JournalTracker(_Tracker):
+    """The stage side of a relayed run: every call becomes one JSON line in the journal (no MLflow import).
 
-    configure(root)
-    flat: dict[str, Any] = {}
-    _flatten("", params, flat)
-    tags = {
-        "dvc.stage": stage,
-        "faceops.stage": stage,
-        "git.commit": git_commit(root),
-        "mlflow.source.git.commit": git_commit(root).removesuffix("-dirty"),
-    }
+    Registry versions are assigned by the relay, so ``log_model_dir``/``register_model_dir`` return ``None``.
+    """
+
+    def __init__(self, path: Path):
+        self._file = open(path, "a", encoding="utf-8")
+
+    def write(self, op: str, *args: Any, **kwargs: Any) -> None:
+        # one write() of a whole line: the relay never sees half an entry as complete
+        self._file.write(json.dumps({"op": op, "args": args, "kwargs": kwargs}, default=str) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        self.write("log_metrics", {k: float(v) for k, v in metrics.items() if v is not None}, step=step)
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        self.write("log_artifact", str(Path(path).resolve()), artifact_path=artifact_path)
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        self.write("set_tags", {k: str(v) for k, v in tags.items()})
+
+    def log_dataset(self, dataset_dir: Path, context: str) -> str:
+        from ml.data.dataset import read_dataset_info
+
+        self.write("log_dataset", str(Path(dataset_dir).resolve()), context=context)
+        return read_dataset_info(dataset_dir)["digest"]
+
+    def log_model_dir(
+        self, model_dir: Path, registered_name: str, *, alias: str = "candidate", tags: Mapping[str, str] = {}
+    ) -> None:
+        self.write("log_model_dir", str(Path(model_dir).resolve()), registered_name, alias=alias, tags=dict(tags))
+
+    def register_model_dir(
+        self, registered_name: str, *, artifact_path: str = "model", alias: str = "candidate",
+        tags: Mapping[str, str] = {},
+    ) -> None:
+        self.write("register_model_dir", registered_name, artifact_path=artifact_path, alias=alias, tags=dict(tags))
+
+
+def registered_note(name: str, version: str | None, alias: str = "candidate") -> str:
+    """``registered faceops-fr v3 @candidate``; with a relayed run the relay logs the version."""
+    return f"registered {name} v{version} @{alias}" if version else f"registering {name} @{alias} (version in the flow log)"
+
+
+def lightning_logger(tracker: _Tracker) -> Any:
+    """A Lightning logger that sends training curves through ``tracker`` (direct or journal)."""
+    from lightning.pytorch.loggers.logger import Logger
+    from lightning.pytorch.utilities import rank_zero_only
+
+    class TrackerLogger(Logger):
+        @property
+        def name(self) -> str:
+            return "faceops"
+
+        @property
+        def version(self) -> str:
+            return tracker.run_id or "relayed"
+
+        @rank_zero_only
+        def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+            tracker.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+
+        @rank_zero_only
+        def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+            pass  # the stage run already carries its params section
+
+    return TrackerLogger()
+
+
+def _stage_tags(stage: str, root: Path) -> dict[str, str]:
+    commit = git_commit(root)
+    tags = {"dvc.stage": stage, "faceops.stage": stage, "git.commit": commit,
+            "mlflow.source.git.commit": commit.removesuffix("-dirty")}
     if os.environ.get(ENV_INVOCATION):
         tags["faceops.invocation"] = os.environ[ENV_INVOCATION]
     if os.environ.get(ENV_FLOW_RUN):
         tags["prefect.flow_run_id"] = os.environ[ENV_FLOW_RUN]
-    parent = os.environ.get(ENV_PARENT_RUN) or None
-    with mlflow.start_run(run_name=stage, parent_run_id=parent, tags=tags) as run:
-        # MLflow caps param values at 6000 chars; ours are short scalars and lists.
-        mlflow.log_params({k: str(v)[:500] for k, v in flat.items()})
+    return tags
+
+
+def _start_run(stage: str, flat_params: Mapping[str, Any], tags: Mapping[str, str], parent: str | None) -> Any:
+    import mlflow
+
+    run = mlflow.start_run(run_name=stage, parent_run_id=parent or None, tags=dict(tags))
+    # MLflow caps param values at 6000 chars; ours are short scalars and lists.
+    mlflow.log_params({k: str(v)[:500] for k, v in flat_params.items()})
+    return run
+
+
+@contextlib.contextmanager
+def stage_run(stage: str, params: Mapping[str, Any], root: Path) -> Iterator[_Tracker]:
+    """The MLflow run of one execution of ``stage`` (direct or through the journal, see the module docstring);
+    it ends FAILED if the body raises."""
+    flat: dict[str, Any] = {}
+    _flatten("", params, flat)
+    tags = _stage_tags(stage, root)
+    if os.environ.get(ENV_JOURNAL):
+        tracker = JournalTracker(Path(os.environ[ENV_JOURNAL]))
+        tracker.write("start", stage, flat, tags)
+        try:
+            yield tracker
+        except BaseException:
+            tracker.write("end", "FAILED")
+            raise
+        else:
+            tracker.write("end", "FINISHED")
+        finally:
+            tracker.close()
+        return
+    import mlflow
+
+    configure(root)
+    run = _start_run(stage, flat, tags, os.environ.get(ENV_PARENT_RUN))
+    try:
         yield StageTracker(run.info.run_id, root)
+    except BaseException:
+        mlflow.end_run("FAILED")
+        raise
+    mlflow.end_run()
+
+
+class StageRelay:
+    """The flow side of a journal: a thread that replays a stage process's tracking calls into MLflow.
+
+    ``with StageRelay(root, parent_run_id) as relay:`` run the stage with ``relay.env`` added to its
+    environment; leaving the block waits until every line is replayed. ``run_ids`` lists the runs it opened.
+    A run whose process died without closing it ends ``KILLED``. If replaying fails, ``error`` holds why and
+    the journal is kept (``path``) so it can be replayed later with ``StageRelay.replay``.
+    """
+
+    POLL_S = 0.1
+    CALLS = frozenset({"log_metrics", "log_artifact", "set_tags", "log_dataset", "log_model_dir", "register_model_dir"})
+
+    def __init__(self, root: Path, parent_run_id: str | None = None, logger: Any = None, path: Path | None = None):
+        self.root = Path(root)
+        self.parent = parent_run_id
+        self.log = logger or log
+        if path is None:
+            fd, name = tempfile.mkstemp(prefix="faceops-journal-", suffix=".jsonl")
+            os.close(fd)
+            path = Path(name)
+        self.path = Path(path)
+        self.run_ids: list[str] = []
+        self.error: BaseException | None = None
+        self._tracker: StageTracker | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._follow, name="faceops-mlflow-relay", daemon=True)
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {ENV_JOURNAL: str(self.path)}
+
+    def __enter__(self) -> "StageRelay":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._done.set()
+        self._thread.join()
+        if self.error is None:
+            self.path.unlink(missing_ok=True)
+
+    @classmethod
+    def replay(cls, path: Path, root: Path, parent_run_id: str | None = None) -> "StageRelay":
+        """Replay a kept journal into MLflow now (after the relay failed, e.g. the server was down)."""
+        relay = cls(root, parent_run_id, path=path)
+        relay._done.set()
+        relay._thread.start()  # its own thread: MLflow's active-run stack is per thread
+        relay._thread.join()
+        if relay.error is not None:
+            raise relay.error
+        relay.path.unlink(missing_ok=True)
+        return relay
+
+    def _follow(self) -> None:
+        import mlflow
+
+        try:
+            with MLFLOW_LOCK:
+                configure(self.root)
+            pending = ""
+            with self.path.open("r", encoding="utf-8") as journal:
+                while True:
+                    finished = self._done.is_set()  # read after checking: a writer that has exited wrote everything
+                    chunk = journal.read()
+                    if chunk:
+                        *lines, pending = (pending + chunk).split("\n")
+                        for line in lines:
+                            if line.strip():
+                                with MLFLOW_LOCK:
+                                    self._apply(json.loads(line))
+                    elif finished:
+                        break
+                    else:
+                        time.sleep(self.POLL_S)
+            if self._tracker is not None:  # the stage process ended without closing its run
+                with MLFLOW_LOCK:
+                    mlflow.end_run("KILLED")
+                self._tracker = None
+        except BaseException as exc:  # keep the journal; the caller reports it
+            self.error = exc
+            if self._tracker is not None:
+                with contextlib.suppress(Exception):
+                    mlflow.end_run("FAILED")
+
+    def _apply(self, entry: Mapping[str, Any]) -> None:
+        import mlflow
+
+        op, args, kwargs = entry.get("op"), list(entry.get("args", [])), dict(entry.get("kwargs", {}))
+        if op == "start":
+            stage, flat, tags = args
+            run = _start_run(stage, flat, tags, self.parent)
+            self._tracker = StageTracker(run.info.run_id, self.root)
+            self.run_ids.append(run.info.run_id)
+        elif op == "end":
+            mlflow.end_run(args[0])
+            self._tracker = None
+        elif op in self.CALLS and self._tracker is not None:
+            if op in ("log_artifact", "log_dataset", "log_model_dir"):
+                args[0] = Path(args[0])
+            result = getattr(self._tracker, op)(*args, **kwargs)
+            if op in ("log_model_dir", "register_model_dir"):
+                name = args[1] if op == "log_model_dir" else args[0]
+                self.log.info(registered_note(name, result, kwargs.get("alias", "candidate")))
+        else:
+            raise ValueError(f"{self.path}: unexpected journal entry {op!r} (outside a run or unknown)")

@@ -23,6 +23,7 @@ import numpy as np
 from ml.config import from_mapping
 from ml.train.aligner import AlignerConfig
 from tasks.common import Paths, StageResult, load_params, section, stage_main, write_json, write_history_csv
+from tasks.tracking import registered_note
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def run(cfg: AlignerStageConfig, paths: Paths, *, tracker: Any = None) -> StageR
         tracker.log_artifact(paths.aligner_model, artifact_path="model")
         version = tracker.register_model_dir(REGISTERED_MODEL, artifact_path="model",
                                              tags={"data_digest": info["digest"]})
-        result.summary += f"; registered {REGISTERED_MODEL} v{version} @candidate"
+        result.summary += f"; {registered_note(REGISTERED_MODEL, version)}"
     return result
 
 

@@ -26,6 +26,7 @@ from tasks.common import (
     Paths, StageResult, load_params, section, stage_main, write_json, pyplot, save_figure, write_history_csv,
 )
 from tasks.prepare import DataConfig
+from tasks.tracking import registered_note
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ def run(cfg: DiscoveryConfig, data: DataConfig, paths: Paths, *, tracker: Any = 
             paths.discovery_model, REGISTERED_MODEL,
             tags={"data_digest": info["digest"], "backbone": cfg.backbone, "backbone_init": cfg.backbone_init},
         )
-        result.summary += f"; registered {REGISTERED_MODEL} v{version} @candidate"
+        result.summary += f"; {registered_note(REGISTERED_MODEL, version)}"
     return result
 
 

@@ -1,7 +1,8 @@
 """Stage ``train_fr@<source>``: train a face recogniser on one training source.
 
-``dvc.yaml`` runs it as a ``foreach`` over the sources: ``real`` is the prepared training set (procedural
-faces, or the user's real set); ``synthetic`` and ``mixed`` read the synthesize stage's output once it exists.
+``dvc.yaml`` runs it as a ``foreach`` over ``pipeline.fr_sources``: ``real`` is the prepared training set
+(procedural faces, or the user's real set); ``synthetic`` is the synthesize stage's UIFace set
+(``data/synthetic``); ``mixed`` is both, the synthetic identities as extra classes after the real ones.
 Writes ``models/fr/<source>/`` (``model.safetensors`` + ``config.json``), ``metrics/train_fr_<source>.json`` and
 the loss curve (``plots/train_fr_<source>_history.csv`` for ``dvc plots``, ``plots/train_fr_<source>_loss.png``
 for people). The model is logged to MLflow and registered as a new ``faceops-fr`` version with alias
@@ -11,27 +12,79 @@ for people). The model is logged to MLflow and registered as a new ``faceops-fr`
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ml.config import from_mapping
-from ml.errors import ConfigError
+from ml.errors import ConfigError, DataError
 from ml.train.fr import FRConfig
 from tasks.common import (
     Paths, StageResult, load_params, section, stage_main, write_json, pyplot, save_figure, write_history_csv,
 )
 from tasks.prepare import DataConfig
+from tasks.tracking import registered_note
 
 log = logging.getLogger(__name__)
 
 REGISTERED_MODEL = "faceops-fr"
-SOURCES = ("real",)  # training sources with data today; the synthesize stage adds "synthetic" and "mixed"
+SOURCES = ("real", "synthetic", "mixed")
 
 
-def source_dataset(paths: Paths, source: str) -> Path:
+SOURCE_DEPS = {"real": "data/prepared/train", "synthetic": "data/synthetic", "mixed": "data/synthetic"}
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """``params.yaml`` section ``pipeline``: ``fr_sources`` maps each ``train_fr@<source>`` stage ``dvc.yaml``
+    declares (a ``foreach`` over it) to the dataset DVC tracks for it besides the real training set."""
+
+    fr_sources: dict[str, str] = field(default_factory=lambda: {k: SOURCE_DEPS[k] for k in ("real", "synthetic")})
+
+    def __post_init__(self) -> None:
+        if "real" not in self.fr_sources:
+            raise ConfigError("pipeline.fr_sources must keep `real` (the discovery, fusion and evaluate stages read it)")
+        for source, dep in self.fr_sources.items():
+            if source not in SOURCE_DEPS:
+                raise ConfigError(f"pipeline.fr_sources.{source}: unknown training source; "
+                                  f"available: {', '.join(SOURCE_DEPS)}")
+            if dep != SOURCE_DEPS[source]:
+                raise ConfigError(f"pipeline.fr_sources.{source} = {dep!r}: must be {SOURCE_DEPS[source]!r}, the "
+                                  "dataset that source reads (DVC tracks it as the stage's dependency)")
+
+
+def source_datasets(paths: Paths, source: str) -> list[Path]:
+    """The dataset directories one training source reads (``mixed``: real, then synthetic)."""
     if source not in SOURCES:
         raise ConfigError(f"unknown training source {source!r}; available: {', '.join(SOURCES)}")
-    return paths.train_set
+    found = {"real": [paths.train_set], "synthetic": [paths.synthetic_set],
+             "mixed": [paths.train_set, paths.synthetic_set]}[source]
+    for d in found:
+        if not (d / "manifest.parquet").is_file():
+            stage = "synthesize" if d == paths.synthetic_set else "prepare"
+            raise DataError(f"training source {source!r} reads {d}, which holds no dataset: run `dvc repro {stage}`.")
+    return found
+
+
+def training_rows(paths: Paths, source: str) -> tuple[list[tuple[Path, Any]], str, str]:
+    """([(dataset dir, its training rows with labels offset so the datasets' identities stay distinct)],
+    data digest, data source name) of a training source."""
+    import hashlib
+
+    from ml.data.dataset import read_dataset_info, read_manifest
+
+    parts, digests, kinds, offset = [], [], [], 0
+    for d in source_datasets(paths, source):
+        manifest = read_manifest(d / "manifest.parquet")
+        rows = manifest[manifest["split"] == "train"].reset_index(drop=True)
+        rows["label"] = rows["label"] + offset
+        offset = int(rows["label"].max()) + 1
+        parts.append((d, rows))
+        info = read_dataset_info(d)
+        digests.append(info["digest"])
+        kinds.append(info["source"])
+    digest = digests[0] if len(digests) == 1 else hashlib.sha256("+".join(digests).encode()).hexdigest()
+    return parts, digest, "+".join(kinds)
 
 
 def plot_history(history: list[dict], path: Path) -> None:
@@ -50,34 +103,34 @@ def plot_history(history: list[dict], path: Path) -> None:
 
 
 def run(cfg: FRConfig, data: DataConfig, paths: Paths, *, source: str = "real", tracker: Any = None) -> StageResult:
-    from ml.data.dataset import landmarks_array, load_images, read_dataset_info, read_manifest
+    from ml.data.dataset import landmarks_array, load_images
     from ml.models.backbones import input_contract
     from ml.models.io import save_model
     from ml.train.fr import train
 
-    dataset = source_dataset(paths, source)
+    import numpy as np
+    import pandas as pd
+
+    parts, digest, data_source = training_rows(paths, source)
     model_dir = paths.fr_model(source)
-    manifest = read_manifest(dataset / "manifest.parquet")
-    rows = manifest[manifest["split"] == "train"].reset_index(drop=True)
-    images = load_images(dataset, rows, expected_size=(data.image_size, data.image_size), progress=True)
+    images = np.concatenate([load_images(d, r, expected_size=(data.image_size, data.image_size), progress=True)
+                             for d, r in parts])
+    rows = pd.concat([r for _, r in parts], ignore_index=True)
     labels = rows["label"].to_numpy()
-    info = read_dataset_info(dataset)
 
     loggers = None
     if tracker is not None:
-        from lightning.pytorch.loggers import MLFlowLogger
+        from tasks.tracking import lightning_logger
 
-        from tasks.tracking import tracking_uri
-
-        loggers = [MLFlowLogger(run_id=tracker.run_id, tracking_uri=tracking_uri(paths.root))]
+        loggers = [lightning_logger(tracker)]
     # KP-RPE backbones read the manifest's landmarks (ground truth for procedural data, the aligner's otherwise)
     keypoints = landmarks_array(rows) if input_contract(cfg.backbone).get("needs_keypoints") else None
     res = train(cfg, images, labels, loggers=loggers, keypoints=keypoints)
 
     extra = {
-        "training_data_digest": info["digest"],
+        "training_data_digest": digest,
         "training_source": source,
-        "training_data_source": info["source"],
+        "training_data_source": data_source,
         "training_identities": int(labels.max()) + 1,
         "training_images": int(len(labels)),
     }
@@ -98,15 +151,18 @@ def run(cfg: FRConfig, data: DataConfig, paths: Paths, *, source: str = "real", 
         f"{res.seconds:.0f}s (train/accuracy {result.metrics['train/accuracy']:.3f}) → {model_dir}"
     )
     if tracker is not None:
-        tracker.log_dataset(dataset, context="train")
+        for d, _ in parts:
+            tracker.log_dataset(d, context="train" if len(parts) == 1 else f"train-{d.name}")
         tracker.log_metrics(result.metrics)
         tracker.log_artifact(paths.plots / f"train_fr_{source}_loss.png", artifact_path="plots")
+        # `candidate` is the real-data model (what promotion compares); the others get `candidate-<source>`
+        alias = "candidate" if source == "real" else f"candidate-{source}"
         version = tracker.log_model_dir(
-            model_dir, REGISTERED_MODEL,
-            tags={"source": source, "data_source": info["source"], "data_digest": info["digest"],
+            model_dir, REGISTERED_MODEL, alias=alias,
+            tags={"source": source, "data_source": data_source, "data_digest": digest,
                   "backbone": res.backbone},
         )
-        result.summary += f"; registered {REGISTERED_MODEL} v{version} @candidate"
+        result.summary += f"; {registered_note(REGISTERED_MODEL, version, alias)}"
     return result
 
 
@@ -117,7 +173,7 @@ def main(source: str = "real") -> None:
     params = load_params(paths.params)
     cfg = from_mapping(FRConfig, section(params, "fr"), "fr")
     data = from_mapping(DataConfig, section(params, "data"), "data")
-    source_dataset(paths, source)  # unknown source: fail before opening a run
+    source_datasets(paths, source)  # unknown source or missing data: fail before opening a run
     with stage_run(f"train_fr@{source}", {"fr": section(params, "fr")}, paths.root) as tracker:
         result = run(cfg, data, paths, source=source, tracker=tracker)
     log.info(result.summary)

@@ -25,6 +25,7 @@ from tasks.common import (
     Paths, StageResult, load_params, section, stage_main, write_json, pyplot, save_figure, write_history_csv,
 )
 from tasks.prepare import DataConfig
+from tasks.tracking import registered_note
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ def run(cfg: FusionStageConfig, data: DataConfig, paths: Paths, *, tracker: Any 
         tracker.log_artifact(paths.fusion_model, artifact_path="model")
         version = tracker.register_model_dir(REGISTERED_MODEL, artifact_path="model",
                                              tags={"fr_model": extra["fr_model"], "data_digest": info["digest"]})
-        result.summary += f"; registered {REGISTERED_MODEL} v{version} @candidate"
+        result.summary += f"; {registered_note(REGISTERED_MODEL, version)}"
     return result
 
 

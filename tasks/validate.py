@@ -131,6 +131,14 @@ def build_expectations(
         exps.append(E.ExpectColumnValuesToBeInSet(column="split", value_set=["train"], meta={"risk": "unknown split name"}))
     if kind == "heldout":
         exps.append(E.ExpectColumnValuesToBeInSet(column="split", value_set=["gallery", "probe"], meta={"risk": "unknown split name"}))
+    if kind == "synthetic":
+        exps.append(E.ExpectColumnValuesToBeInSet(column="split", value_set=["train"], meta={"risk": "unknown split name"}))
+        exps.append(E.ExpectColumnValuesToBeInSet(column="source", value_set=["synthetic"],
+                                                  meta={"risk": "real faces mixed into the synthetic set: privacy"}))
+        if "identity_consistency" in view.columns:  # per-identity mean intra-class cosine, added by synthesize
+            exps.append(E.ExpectColumnPairValuesAToBeGreaterThanB(
+                column_A="identity_consistency", column_B="min_identity_consistency", or_equal=True,
+                meta={"risk": "an identity whose faces do not look like one person teaches the FR model noise"}))
     if kind == "templates":
         exps.append(E.ExpectColumnValuesToNotBeNull(column="template", meta={"risk": "images outside any template"}))
         exps.append(E.ExpectColumnValuesToNotBeNull(column="media", meta={"risk": "media pooling cannot group frames"}))

@@ -17,6 +17,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import yaml
 
@@ -24,7 +25,8 @@ from .conftest import copy_project
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
-STAGES = ["prepare", "validate", "train_aligner", "align", "train_fr@real", "train_discovery", "train_fusion", "evaluate"]
+STAGES = ["prepare", "validate", "train_aligner", "align", "train_fr@real", "train_discovery", "train_fusion",
+          "train_generator", "synthesize", "train_fr@synthetic", "evaluate"]
 
 
 def _free_port() -> int:
@@ -100,7 +102,10 @@ def test_smoke_run_leaves_every_artifact(smoke_run):
                 "data/prepared/gfd/split.parquet", "reports/validation/gfd_split.json", "models/fusion/config.json",
                 "metrics/train_fusion.json", "metrics/sets.json", "plots/fusion_gain.png", "models/aligner/config.json",
                 "metrics/train_aligner.json", "plots/aligner_ced.png", "data/aligned/manifest.parquet",
-                "metrics/align.json", "plots/aligned_samples.png"]:
+                "metrics/align.json", "plots/aligned_samples.png", "models/generator/config.json",
+                "metrics/train_generator.json", "data/synthetic/manifest.parquet", "data/synthetic/contexts.npy",
+                "metrics/synthesize.json", "plots/synthetic_samples.png", "reports/validation_synthetic/synthetic.json",
+                "models/fr/synthetic/config.json"]:
         assert (root / rel).is_file(), rel
     lock = yaml.safe_load((root / "dvc.lock").read_text())
     assert sorted(lock["stages"]) == sorted(STAGES)
@@ -115,6 +120,11 @@ def test_smoke_run_leaves_every_artifact(smoke_run):
         assert 0.0 <= discovery[f"discovery/{method}/test/all"] <= 1.0, method
     report = (root / "reports/benchmark.md").read_text()
     assert "Generalized face discovery" in report and "IJB-S-style video probes" in report
+    assert "Synthetic data (UIFace)" in report and "gap/synthetic/procedural" in metrics
+    synth = json.loads((root / "metrics/synthesize.json").read_text())
+    assert 0 < synth["synthetic/identities"] <= 4 and -1.0 <= synth["synthetic/identity_consistency"] <= 1.0
+    manifest = pd.read_parquet(root / "data/synthetic/manifest.parquet")
+    assert set(manifest["source"]) == {"synthetic"} and manifest["landmarks"].notna().all()
     sets = json.loads((root / "metrics/sets.json").read_text())
     for method in ("average", "norm_weighted", "landmark_score", "caface"):
         assert 0.0 <= sets[f"sets/videos_booking/{method}/rank1"] <= 1.0, method
@@ -150,8 +160,10 @@ def test_every_stage_is_a_nested_mlflow_run_and_model_is_candidate(smoke_run):
     assert version.run_id == by_name["train_fr@real"].info.run_id
     artifacts = {a.path for a in client.list_artifacts(by_name["evaluate"].info.run_id)}
     assert {"plots", "reports", "discovery"} <= artifacts
+    synthetic = client.get_model_version_by_alias("faceops-fr", "candidate-synthetic")
+    assert synthetic.tags["source"] == "synthetic" and synthetic.run_id == by_name["train_fr@synthetic"].info.run_id
     for name, stage in (("faceops-discovery", "train_discovery"), ("faceops-fusion", "train_fusion"),
-                        ("faceops-aligner", "train_aligner")):
+                        ("faceops-aligner", "train_aligner"), ("faceops-generator", "train_generator")):
         assert client.get_model_version_by_alias(name, "candidate").run_id == by_name[stage].info.run_id, name
 
 
@@ -181,9 +193,11 @@ def test_second_repro_skips_every_stage_and_set_reruns_downstream(smoke_run):
     assert yaml.safe_load((root / "params.yaml").read_text())["fr"]["epochs"] == 2
     status = {line.split()[0]: " ".join(line.split()[1:-1]) for line in out.stdout.splitlines()
               if line.strip() and line.split()[0] in STAGES}
-    # FaceGCD starts from the FR model and CAFace fuses its features, so both retrain too
+    # FaceGCD starts from the FR model, CAFace fuses its features and its embeddings are the generator's identity
+    # contexts, so all of those retrain too
     assert status == {"prepare": "up to date", "validate": "up to date", "train_aligner": "up to date",
                       "align": "up to date", "train_fr@real": "ran", "train_discovery": "ran", "train_fusion": "ran",
+                      "train_generator": "ran", "synthesize": "ran", "train_fr@synthetic": "ran",
                       "evaluate": "ran"}, out.stdout
 
 

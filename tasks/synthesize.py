@@ -1,0 +1,268 @@
+"""Stage ``synthesize``: a UIFace synthetic face dataset of identities that do not exist.
+
+1. **Identity contexts.** ``synthesize.candidates`` faces are sampled with the learnable empty context only (random
+   identities), embedded by the FR model ``models/fr/<synthesize.fr_source>``, and filtered greedily so that no two
+   kept contexts are closer than ``synthesize.max_cosine`` (DCFace-style; ml/synth/contexts.py) until
+   ``synthesize.identities`` are found. Fewer found: a clear error, or with ``allow_fewer`` the dataset is made
+   with what was found (the count is in the metrics).
+2. **Sampling.** ``synthesize.images_per_identity`` faces per context with ml/synth/sampler.py in the mode
+   ``synthesize.sampler.mode`` (``baseline`` | ``two_stage_fixed`` | ``two_stage_adaptive``) with or without
+   attention injection; batches mix identities.
+3. **Export.** Faces are resized to ``data.image_size`` and written as a dataset (source ``synthetic``) to
+   ``data/synthetic/`` with 5 landmarks per face predicted by the trained DFA aligner (``models/aligner``: the
+   keypoints KP-RPE reads) and the contexts in ``contexts.npy``; a sample grid goes to
+   ``plots/synthetic_samples.png`` and MLflow.
+4. **Gate.** The Great Expectations manifest suite (kind ``synthetic``) plus identity consistency: every
+   identity's mean intra-class cosine under the FR model must reach ``synthesize.min_identity_consistency``.
+   Reports: ``reports/validation_synthetic/``.
+
+Metrics (``metrics/synthesize.json``): identity consistency, intra-class diversity (embedding proxy for LPIPS),
+inter-class separation, Improved Precision/Recall (k = 10) against the real training faces, the adaptive t0
+distribution and UNet evaluations per image.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ml.config import from_mapping
+from ml.errors import ConfigError, DataError
+from ml.synth.sampler import SamplerConfig
+from tasks.common import (
+    Paths, StageResult, atomic_path, load_params, pyplot, save_figure, section, stage_main, write_json,
+)
+from tasks.prepare import DataConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SynthesizeConfig:
+    """``params.yaml`` section ``synthesize``; ``sampler`` holds ml/synth/sampler.py's SamplerConfig keys (its noise
+    schedule is the generator's, whatever is written there)."""
+
+    fr_source: str = "real"             # FR model embedding candidate faces into identity contexts
+    identities: int = 24
+    images_per_identity: int = 8
+    candidates: int = 96                # empty-context samples to find identity contexts among
+    max_cosine: float = 0.4             # kept contexts are pairwise below this cosine
+    allow_fewer: bool = False           # fewer identities than asked: continue (true) or stop (false)
+    min_identity_consistency: float = 0.0  # gate: each identity's mean intra-class cosine must reach this
+    batch_size: int = 64
+    sampler: SamplerConfig = field(default_factory=lambda: SamplerConfig(steps=25))
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for key in ("identities", "images_per_identity", "candidates", "batch_size"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"synthesize.{key} = {value!r}: need a positive integer")
+        if self.images_per_identity < 2:
+            raise ConfigError("synthesize.images_per_identity must be ≥ 2: an identity needs genuine pairs")
+        if self.candidates < self.identities:
+            raise ConfigError(f"synthesize.candidates ({self.candidates}) < synthesize.identities "
+                              f"({self.identities}): there must be at least one candidate per identity")
+        if not -1.0 < self.max_cosine <= 1.0:
+            raise ConfigError(f"synthesize.max_cosine = {self.max_cosine!r}: need a cosine in (−1, 1]")
+
+
+def load_generator_for(paths: Paths, generator_cfg: Any) -> tuple[Any, dict[str, Any], Any]:
+    """(EMA generator in eval mode, its saved ``extra``, autoencoder or None) from ``models/generator``."""
+    from ml.models.generator.uiface import load_generator
+    from ml.models.io import read_model_config
+    from tasks.train_generator import load_autoencoder_for
+
+    if not (paths.generator_model / "config.json").is_file():
+        raise DataError(f"{paths.generator_model} holds no generator: run `dvc repro train_generator` first.")
+    model, _ = load_generator(paths.generator_model)
+    extra = read_model_config(paths.generator_model, what="UIFace generator").get("extra", {})
+    autoencoder = load_autoencoder_for(generator_cfg, paths) if extra.get("space", "pixel") != "pixel" else None
+    return model.eval(), extra, autoencoder
+
+
+def sampler_for(cfg: SamplerConfig, extra: dict[str, Any]) -> SamplerConfig:
+    """The sampler config with the generator's own noise schedule (T, β range)."""
+    schedule = extra.get("noise_schedule", {})
+    return dataclasses.replace(
+        cfg, train_timesteps=int(schedule.get("num_train_timesteps", cfg.train_timesteps)),
+        beta_start=float(schedule.get("beta_start", cfg.beta_start)),
+        beta_end=float(schedule.get("beta_end", cfg.beta_end)))
+
+
+def generate(model: Any, contexts: Any | None, count_per_context: int, cfg: SamplerConfig, *, batch_size: int,
+             seed: int, autoencoder: Any = None, desc: str = "sample") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Faces for each row of ``contexts`` (N, id_dim) ``count_per_context`` times, or ``count_per_context`` faces
+    with the empty context only when ``contexts`` is None; → (uint8 images (M, H, W, 3), t0 (M,),
+    UNet evaluations (M,)). Each batch has its own seed (``seed`` + batch index), so results do not depend on
+    how many batches ran before."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from ml.models.generator.uiface import decode_latents
+    from ml.synth.sampler import sample
+
+    m = model.config
+    with torch.no_grad():
+        if contexts is None:
+            cond = model.empty(count_per_context)
+            cfg = dataclasses.replace(cfg, mode="two_stage_fixed", t0=0, attention_injection=False)
+        else:
+            ctx = torch.as_tensor(np.asarray(contexts), dtype=torch.float32)
+            cond = model.encode_context(ctx).repeat_interleave(count_per_context, dim=0)
+        empty = model.empty_context.detach()
+    images, t0s, evals = [], [], []
+    total = cond.shape[0]
+    with tqdm(total=total, unit="img", desc=desc) as bar:
+        for b, start in enumerate(range(0, total, batch_size)):
+            part = cond[start:start + batch_size]
+            gen = torch.Generator().manual_seed(seed + b)
+            res = sample(model.unet, part, empty, (len(part), m.in_channels, m.image_size, m.image_size),
+                         dataclasses.replace(cfg, seed=seed + b), generator=gen)
+            x = res.x0 if autoencoder is None else decode_latents(autoencoder, res.x0).float()
+            images.append(((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).numpy())
+            t0s.append(res.t0.numpy())
+            evals.append(res.unet_evals.numpy())
+            bar.update(len(part))
+    return np.concatenate(images), np.concatenate(t0s), np.concatenate(evals)
+
+
+def sample_grid(images: np.ndarray, labels: np.ndarray, path: Path, rows: int = 8, cols: int = 8) -> None:
+    """One row per identity (its first ``cols`` faces)."""
+    from PIL import Image
+
+    size = images.shape[1]
+    ids = list(dict.fromkeys(labels.tolist()))[:rows]
+    canvas = Image.new("RGB", (cols * (size + 2) + 2, len(ids) * (size + 2) + 2), (255, 255, 255))
+    for r, identity in enumerate(ids):
+        for c, i in enumerate(np.flatnonzero(labels == identity)[:cols]):
+            canvas.paste(Image.fromarray(images[i]), (2 + c * (size + 2), 2 + r * (size + 2)))
+    scale = max(1, 128 // size)
+    with atomic_path(path) as tmp:
+        canvas.resize((canvas.width * scale, canvas.height * scale), Image.NEAREST).save(tmp, format="PNG")
+
+
+def plot_t0(t0: np.ndarray, steps_t: int, path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.hist(t0, bins=min(25, max(5, len(np.unique(t0)))), color="tab:purple")
+    ax.set(xlabel="t0 (c_e only for t ≥ t0)", ylabel="faces", xlim=(0, steps_t),
+           title="UIFace stage boundary per face")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def per_identity_consistency(emb: np.ndarray, labels: np.ndarray) -> dict[int, float]:
+    """Mean pairwise cosine within each identity (embeddings L2-normalised)."""
+    out = {}
+    for label in np.unique(labels):
+        e = emb[labels == label]
+        n = len(e)
+        s = e.sum(axis=0)
+        out[int(label)] = float((s @ s - n) / (n * (n - 1)))
+    return out
+
+
+def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Paths, *, tracker: Any = None
+        ) -> StageResult:
+    import pandas as pd
+
+    from ml.data.dataset import DatasetWriter, landmarks_array, load_images, read_manifest
+    from ml.eval.diversity import diversity_report
+    from ml.models.aligner.dfa import load_aligner
+    from ml.synth.contexts import select_identity_contexts
+    from tasks.train_generator import identity_embeddings, load_fr, resize_faces
+    from tasks.validate import ValidateConfig, validate_manifests
+
+    fr, _, fr_dir = load_fr(paths, cfg.fr_source, "synthesize.fr_source")
+    model, extra, autoencoder = load_generator_for(paths, generator_cfg)
+    sampler = sampler_for(cfg.sampler, extra)
+    aligner, _ = load_aligner(paths.aligner_model)
+
+    def embed_faces(faces: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        faces = resize_faces(faces, data.image_size)
+        landmarks, _ = aligner.predict(faces)
+        return identity_embeddings(fr, faces, landmarks), landmarks
+
+    # 1. identity contexts among empty-context faces
+    candidates, _, _ = generate(model, None, cfg.candidates, sampler, batch_size=cfg.batch_size,
+                                seed=cfg.seed * 1_000_003, autoencoder=autoencoder, desc="candidates")
+    cand_emb, _ = embed_faces(candidates)
+    keep = select_identity_contexts(cand_emb, cfg.identities, cfg.max_cosine, allow_fewer=cfg.allow_fewer)
+    contexts = cand_emb[keep]
+    # 2. faces per identity
+    faces, t0, evals = generate(model, contexts, cfg.images_per_identity, sampler, batch_size=cfg.batch_size,
+                                seed=cfg.seed * 1_000_003 + 7919, autoencoder=autoencoder, desc="synthesize")
+    labels = np.repeat(np.arange(len(keep)), cfg.images_per_identity)
+    emb, landmarks = embed_faces(faces)
+    faces = resize_faces(faces, data.image_size)
+    # 3. export
+    names = [f"syn_{i:05d}" for i in range(len(keep))]
+    with DatasetWriter(paths.synthetic_set, name="synthetic", source="synthetic", aligned=True, generator={
+        "generator": str(paths.generator_model.relative_to(paths.root)), "fr_model": str(fr_dir.relative_to(paths.root)),
+        "sampler": dataclasses.asdict(sampler), "identities": len(keep), "images_per_identity": cfg.images_per_identity,
+        "candidates": cfg.candidates, "max_cosine": cfg.max_cosine, "seed": cfg.seed,
+    }) as w:
+        for img, lm, label in zip(faces, landmarks, labels):
+            w.add(img, identity=names[label], split="train", landmarks=lm.reshape(-1))
+        np.save(w.tmp_dir / "contexts.npy", contexts.astype(np.float32))
+    sample_grid(faces, labels, paths.plots / "synthetic_samples.png")
+    plot_t0(t0, sampler.train_timesteps, paths.plots / "synthetic_t0.png")
+    # 4. gate
+    consistency = per_identity_consistency(emb, labels)
+    manifest = read_manifest(paths.synthetic_set / "manifest.parquet")
+    manifest["identity_consistency"] = manifest["label"].map(consistency).astype(float)
+    manifest["min_identity_consistency"] = float(cfg.min_identity_consistency)
+    report_dir = paths.root / "reports" / "validation_synthetic"
+    with atomic_path(report_dir) as tmp:
+        tmp.mkdir(parents=True)
+        validate_manifests({"synthetic": ("synthetic", manifest)}, data, ValidateConfig(), tmp)
+
+    real_rows = read_manifest(paths.train_set / "manifest.parquet")
+    real_rows = real_rows[real_rows["split"] == "train"].reset_index(drop=True)
+    real_rows = real_rows.sample(n=min(len(real_rows), 2000), random_state=cfg.seed).reset_index(drop=True)
+    real_emb = identity_embeddings(fr, load_images(paths.train_set, real_rows, progress=True),
+                                   landmarks_array(real_rows))
+    report = diversity_report(emb, labels, real_emb=real_emb, k=min(10, len(emb) - 1, len(real_emb) - 1))
+    result = StageResult("synthesize", outputs=[paths.synthetic_set])
+    result.metrics = {**report, "synthetic/identities": float(len(keep)), "synthetic/images": float(len(faces)),
+                      "synthetic/identity_consistency_min": float(min(consistency.values())),
+                      "synthetic/t0_mean": float(t0.mean()), "synthetic/t0_std": float(t0.std()),
+                      "synthetic/unet_evals_per_image": float(evals.mean()),
+                      "synthetic/candidates_kept_fraction": float(len(keep) / cfg.candidates)}
+    write_json(paths.metrics / "synthesize.json", result.metrics)
+    result.summary = (f"{len(keep)} synthetic identities × {cfg.images_per_identity} faces ({sampler.mode}"
+                      f"{' + attention injection' if sampler.attention_injection else ''}, {sampler.steps} DDIM steps): "
+                      f"identity consistency {report['synthetic/identity_consistency']:.3f}, diversity "
+                      f"{report['synthetic/diversity']:.3f} → {paths.synthetic_set}")
+    if tracker is not None:
+        tracker.log_dataset(paths.synthetic_set, context="synthetic")
+        tracker.log_metrics(result.metrics)
+        for plot in ("synthetic_samples.png", "synthetic_t0.png"):
+            tracker.log_artifact(paths.plots / plot, artifact_path="plots")
+        tracker.log_artifact(report_dir, artifact_path="validation")
+    return result
+
+
+def main() -> None:
+    from tasks.tracking import stage_run
+    from tasks.train_generator import GeneratorStageConfig
+
+    paths = Paths()
+    params = load_params(paths.params)
+    cfg = from_mapping(SynthesizeConfig, section(params, "synthesize"), "synthesize")
+    data = from_mapping(DataConfig, section(params, "data"), "data")
+    generator = from_mapping(GeneratorStageConfig, section(params, "generator"), "generator")
+    with stage_run("synthesize", {"synthesize": section(params, "synthesize")}, paths.root) as tracker:
+        result = run(cfg, data, generator, paths, tracker=tracker)
+    log.info(result.summary)
+
+
+if __name__ == "__main__":
+    stage_main(main)

@@ -1,0 +1,127 @@
+"""experiments/uiface_claims.py: aggregation, verdict and report on fabricated per-seed numbers (no training)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from experiments.uiface_claims import (
+    CLAIM_MODE, MODES, QUICK, Scale, compare, effective_threshold, estimate_seconds, render, sampler_configs, summarize,
+)
+
+SEEDS = ["0", "1", "2"]
+
+
+def _mode(acc: float, div: float) -> dict[str, float]:
+    return {"accuracy": acc, "identity_consistency": 1.0 - div, "diversity": div, "inter_class_mean_cos": 0.1,
+            "inter_class_max_cos": 0.4, "precision": 0.5, "recall": 0.3, "t0_mean": 500.0, "t0_std": 10.0,
+            "never_switched": 0.0, "unet_evals_per_face": 15.0, "synthesis_seconds": 20.0, "fr_train_seconds": 12.0}
+
+
+def fabricate(claim_acc: list[float], claim_div: list[float]) -> dict[str, dict]:
+    """Baseline accuracy 0.60/0.62/0.64 and diversity 0.20/0.21/0.22; the other two-stage rows equal the baseline."""
+    per_seed = {}
+    for i, seed in enumerate(SEEDS):
+        base = _mode(0.60 + 0.02 * i, 0.20 + 0.01 * i)
+        modes = {m: dict(base) for m in MODES}
+        modes[CLAIM_MODE] = _mode(claim_acc[i], claim_div[i])
+        per_seed[seed] = {"identities_found": 38 + i, "recall_k": 10, "modes": modes,
+                          "real": {"real_32px": 0.70, "real_64px": 0.75},
+                          "real_stats": {"identity_consistency": 0.6, "diversity": 0.4, "inter_class_mean_cos": 0.0}}
+    return per_seed
+
+
+SETUP = {"teacher_seconds": 80.0, "teacher_accuracy": 0.8, "teacher_accuracy_32px": 0.7, "generator_seconds": 300.0,
+         "generator_loss": 0.05, "generator_steps": 456, "recall_k": 10}
+
+
+def report(per_seed: dict) -> tuple[dict, str]:
+    summary = summarize(per_seed)
+    results = {"seeds": [int(s) for s in SEEDS], "setup": SETUP, "per_seed": per_seed, "summary": summary,
+               "measured_at": "2026-01-01 00:00 UTC"}
+    return summary, render(results, Scale())
+
+
+def test_mean_std_and_gap_are_computed_over_seeds():
+    acc, div = [0.70, 0.72, 0.74], [0.40, 0.42, 0.44]
+    summary, text = report(fabricate(acc, div))
+    r = summary["modes"][CLAIM_MODE]
+    assert r["accuracy"]["mean"] == pytest.approx(np.mean(acc))
+    assert r["accuracy"]["std"] == pytest.approx(np.std(acc))  # population std, as experiments/claims.py
+    assert r["accuracy"]["values"] == pytest.approx(acc)
+    assert r["diversity"]["mean"] == pytest.approx(0.42)
+    gaps = [(0.70 - a) / a for a in acc]
+    assert r["gap_real_32px"]["mean"] == pytest.approx(np.mean(gaps))
+    assert r["gap_real_32px"]["std"] == pytest.approx(np.std(gaps))
+    assert summary["identities_found"]["mean"] == pytest.approx(39.0)
+    std = 100 * np.std(acc)
+    assert f"{100 * np.mean(acc):.2f} ± {std:.2f} %" in text  # 72.00 ± 1.63 %
+    assert "0.420 ± 0.016" in text  # diversity of the claim row
+    assert f"{100 * np.mean(gaps):+.1f} ± {100 * np.std(gaps):.1f} %" in text
+    for mode in MODES:
+        assert f"`{mode}`" in text
+
+
+def test_verdict_holds_when_adaptive_injection_wins_beyond_one_std():
+    summary, text = report(fabricate([0.70, 0.72, 0.74], [0.40, 0.42, 0.44]))
+    assert summary["claim_holds"]
+    assert summary["claim_accuracy"] == summary["claim_diversity"] == "higher"
+    assert "**Yes, in direction at this scale**" in text
+    assert "Why it may not hold" not in text
+
+
+def test_verdict_flips_when_the_numbers_flip():
+    summary, text = report(fabricate([0.50, 0.52, 0.54], [0.10, 0.11, 0.12]))
+    assert not summary["claim_holds"]
+    assert summary["claim_accuracy"] == summary["claim_diversity"] == "lower"
+    assert "**No, not at this scale**" in text
+    assert "Why it may not hold" in text
+
+
+def test_a_win_within_one_std_is_not_enough():
+    # accuracy higher by 0.5 pp on average but the baseline's std is 1.63 pp; diversity clearly higher
+    summary, text = report(fabricate([0.605, 0.625, 0.645], [0.40, 0.42, 0.44]))
+    assert summary["claim_diversity"] == "higher"
+    assert summary["claim_accuracy"] == "within one std"
+    assert not summary["claim_holds"]
+    assert "not distinguishable from" in text
+
+
+def test_compare_pairs_seeds():
+    c = compare([1.0, 2.0, 3.0], [0.0, 2.5, 2.0])
+    assert c["diff"] == pytest.approx(0.5)
+    assert c["margin"] == pytest.approx(max(np.std([1.0, 2.0, 3.0]), np.std([0.0, 2.5, 2.0])))
+    assert c["verdict"] == "within one std"
+    assert c["paired_positive"] == 2
+    assert c["paired_mean"] == pytest.approx(0.5)
+
+
+def test_estimate_is_positive_and_quick_is_cheaper():
+    rates = {"render_s_per_face": 0.005, "gen_train_s_per_image": 0.02, "unet_s_per_eval": 0.01}
+    full, quick = estimate_seconds(Scale(), rates, 3), estimate_seconds(QUICK, rates, 3)
+    assert full["total"] == pytest.approx(sum(v for k, v in full.items() if k != "total"))
+    assert 0 < quick["total"] < full["total"]
+
+
+def test_threshold_is_rescaled_to_the_ddim_step():
+    assert effective_threshold(Scale(steps=50)) == pytest.approx(0.005)  # the paper's step, Δt = 20
+    assert effective_threshold(Scale(steps=10)) == pytest.approx(0.025)  # Δt = 100
+    assert effective_threshold(Scale(steps=10, threshold_per_paper_step=False)) == pytest.approx(0.005)
+
+
+def test_sampler_configs_are_the_four_table2_rows():
+    cfgs = sampler_configs(Scale(), {"noise_schedule": {"num_train_timesteps": 1000, "beta_start": 1e-4,
+                                                        "beta_end": 0.02}})
+    assert list(cfgs) == list(MODES)
+    assert [(c.mode, c.attention_injection) for c in cfgs.values()] == [
+        ("baseline", False), ("two_stage_fixed", False), ("two_stage_adaptive", False), ("two_stage_adaptive", True)]
+    assert [c.threshold for c in cfgs.values()] == pytest.approx([0.025] * 4)
+    assert cfgs["two_stage_fixed"].t0 == 500 and all(c.steps == 10 for c in cfgs.values())
+
+
+def test_report_says_when_adaptive_faces_never_switched():
+    per_seed = fabricate([0.50, 0.52, 0.54], [0.10, 0.11, 0.12])
+    for r in per_seed.values():
+        r["modes"][CLAIM_MODE]["never_switched"] = 1.0
+    _, text = report(per_seed)
+    assert "100 % of the adaptive faces never reached d_t < th" in text
