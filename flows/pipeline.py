@@ -31,6 +31,19 @@ from tasks import tracking
 
 # one DVC operation at a time in this process: DVC's Repo is not thread-safe (the file lock guards other processes)
 _DVC = threading.Lock()
+# stages of this process's flow run in progress (at most `jobs`: the slots), to share the cores between those
+# running side by side. Tasks waiting for their upstream stages hold no slot.
+_ACTIVE = {"stages": 0}
+_ACTIVE_LOCK = threading.Lock()
+_SLOTS = {"free": threading.BoundedSemaphore(1)}
+
+
+def _share_cores(jobs: int) -> int | None:
+    """Torch/BLAS threads for a stage starting now: the cores split between the stages in progress (at most
+    ``jobs``); None (no cap) when it runs alone."""
+    with _ACTIVE_LOCK:
+        active = min(_ACTIVE["stages"], jobs)
+    return None if active <= 1 else max(1, (os.cpu_count() or 1) // active)
 
 
 class StageFailed(RuntimeError):
@@ -106,25 +119,39 @@ def stage_env(root: Path, invocation: str, parent_run_id: str | None) -> dict[st
 
 @task(retries=0, task_run_name="{stage}")
 def reproduce_stage(stage: str, root: str, parent_run_id: str | None = None, force: bool = False,
-                    threads: int | None = None) -> dict[str, Any]:
+                    jobs: int = 1) -> dict[str, Any]:
     """Reproduce one stage through DVC (see the module docstring): nothing runs when DVC finds it up to date.
 
     The stage's MLflow run is relayed through this process (``tasks.tracking.StageRelay``): the stage writes
-    a journal, this task replays it into MLflow while the stage works.
+    a journal, this task replays it into MLflow while the stage works. With ``jobs`` > 1 the stage's torch
+    threads are capped to its share of the cores when other stages are in progress.
     """
+    with _SLOTS["free"]:
+        with _ACTIVE_LOCK:
+            _ACTIVE["stages"] += 1
+        try:
+            return _reproduce(stage, Path(root), parent_run_id, force, jobs)
+        finally:
+            with _ACTIVE_LOCK:
+                _ACTIVE["stages"] -= 1
+
+
+def _reproduce(stage: str, root: Path, parent_run_id: str | None, force: bool, jobs: int) -> dict[str, Any]:
     logger = get_run_logger()
     start = time.perf_counter()
-    reasons, cmd = stage_status(Path(root), stage)
+    reasons, cmd = stage_status(root, stage)
     if not reasons and not force:
         logger.info("%s: up to date (stage didn't change, skipping)", stage)
         return {"stage": stage, "ran": False, "seconds": time.perf_counter() - start}
-    logger.info("%s: running `%s` (%s)", stage, cmd, "; ".join(reasons) or "--force")
-    rc, tail, relay = run_relayed(["/bin/sh", "-c", cmd], Path(root), parent_run_id, logger, threads=threads)
+    threads = _share_cores(jobs)
+    logger.info("%s: running `%s` (%s)%s", stage, cmd, "; ".join(reasons) or "--force",
+                f" with {threads} thread(s)" if threads else "")
+    rc, tail, relay = run_relayed(["/bin/sh", "-c", cmd], root, parent_run_id, logger, threads=threads)
     if rc != 0:
         errors = [l for l in tail if l.startswith(("error:", "ERROR"))]
         raise StageFailed(f"stage '{stage}' failed (exit {rc}): {(errors or tail[-1:] or ['no output'])[-1]}")
     try:
-        commit_stage(Path(root), stage)
+        commit_stage(root, stage)
     except Exception as exc:  # e.g. an output the cmd did not write
         raise StageFailed(f"stage '{stage}' ran but DVC could not record its outputs: {exc}") from exc
     if relay.error is not None:
@@ -132,7 +159,7 @@ def reproduce_stage(stage: str, root: str, parent_run_id: str | None = None, for
                           f"({relay.error}); its tracking journal is kept at {relay.path}: replay it with "
                           f"tasks.tracking.StageRelay.replay once MLflow is reachable")
     if relay.run_ids:
-        _tag_stage_runs(Path(root), stage, relay.run_ids)
+        _tag_stage_runs(root, stage, relay.run_ids)
     seconds = time.perf_counter() - start
     logger.info("%s: ran in %.1fs", stage, seconds)
     return {"stage": stage, "ran": True, "seconds": seconds}
@@ -191,7 +218,7 @@ def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = Fal
              ) -> list[dict[str, Any]]:
     """Reproduce the DVC pipeline (all stages, or ``stages`` and what they need); a stage starts as soon as the
     stages it depends on have finished, up to ``jobs`` at once (the task runner's ``max_workers``, see
-    ``run_pipeline``), each then with cores / jobs torch threads."""
+    ``run_pipeline``), sharing the cores."""
     import mlflow
 
     logger = get_run_logger()
@@ -205,7 +232,7 @@ def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = Fal
         keep = _with_upstream(graph, stages)
         order = [s for s in order if s in keep]
     logger.info("stages in dependency order: %s", " → ".join(order))
-    threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else None
+    _SLOTS["free"] = threading.BoundedSemaphore(max(1, jobs))
     tracking.configure(root_path)
     with mlflow.start_run(run_name="pipeline", tags={
         "prefect.flow_run_id": str(flow_run.id), "faceops.kind": "pipeline", "git.commit": tracking.git_commit(root_path),
@@ -213,7 +240,7 @@ def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = Fal
         futures: dict[str, Any] = {}
         for stage in order:
             upstream = [futures[u] for u in graph[stage] if u in futures]
-            futures[stage] = reproduce_stage.submit(stage, str(root_path), parent.info.run_id, force, threads,
+            futures[stage] = reproduce_stage.submit(stage, str(root_path), parent.info.run_id, force, jobs,
                                                     wait_for=upstream)
         results, failure = [], None
         for stage in order:  # dependency order: the first failure reported is the root cause
@@ -233,9 +260,11 @@ def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = Fal
 
 def run_pipeline(root: str = ".", stages: list[str] | None = None, force: bool = False, jobs: int = 2
                  ) -> list[dict[str, Any]]:
-    """``pipeline`` with up to ``jobs`` independent stages at once (1 = one after another)."""
+    """``pipeline`` with up to ``jobs`` independent stages at once (1 = one after another). The task runner has a
+    thread per stage (a task waiting for its upstream stages must not hold up a ready one); ``jobs`` slots limit
+    how many run."""
     jobs = max(1, jobs)
-    return pipeline.with_options(task_runner=ThreadPoolTaskRunner(max_workers=jobs))(
+    return pipeline.with_options(task_runner=ThreadPoolTaskRunner(max_workers=64))(
         root=root, stages=stages, force=force, jobs=jobs)
 
 

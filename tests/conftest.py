@@ -68,3 +68,24 @@ def spread_caface(model):
         model.sim.norm_bn.running_mean.fill_(2.5)
         model.sim.norm_bn.running_var.fill_(0.8)
     return model.eval()
+
+
+def tiny_unet():
+    """A random 52k-parameter diffusers UNet2DConditionModel (8×8 input, two levels, cross-attention at 8×8 and 4×4,
+    context width 16) with the query and key weights ×4 so that attention is far from uniform."""
+    import torch
+    from diffusers import UNet2DConditionModel
+    from diffusers.models.attention_processor import Attention
+
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(
+        sample_size=8, in_channels=3, out_channels=3, block_out_channels=(8, 16), layers_per_block=1,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=16, attention_head_dim=2, norm_num_groups=4,
+    ).eval()
+    with torch.no_grad():
+        for module in unet.modules():
+            if isinstance(module, Attention):
+                module.to_q.weight.mul_(4.0)
+                module.to_k.weight.mul_(4.0)
+    return unet

@@ -10,6 +10,7 @@ import torch
 from diffusers import UNet2DConditionModel
 from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
 
+from .conftest import tiny_unet
 from ml.errors import ConfigError, DataError
 from ml.synth.attention import (
     AttentionControl,
@@ -24,23 +25,6 @@ from ml.synth.attention import (
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 B, C, S, D = 3, 3, 8, 16  # batch, channels, spatial size, context width
-
-
-def tiny_unet() -> UNet2DConditionModel:
-    """A random 52k-parameter UNet2DConditionModel (two levels, cross-attention at 8×8 and 4×4), with the query and
-    key weights ×4 so that attention is far from uniform."""
-    torch.manual_seed(0)
-    unet = UNet2DConditionModel(
-        sample_size=S, in_channels=C, out_channels=C, block_out_channels=(8, 16), layers_per_block=1,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=D, attention_head_dim=2, norm_num_groups=4,
-    ).eval()
-    with torch.no_grad():
-        for module in unet.modules():
-            if isinstance(module, Attention):
-                module.to_q.weight.mul_(4.0)
-                module.to_k.weight.mul_(4.0)
-    return unet
 
 
 @pytest.fixture(scope="module")

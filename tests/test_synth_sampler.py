@@ -12,6 +12,7 @@ import torch
 from diffusers import DDIMScheduler, UNet2DConditionModel
 from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
 
+from .conftest import tiny_unet
 from ml.errors import ConfigError, DataError, TrainingError
 from ml.synth.sampler import DISTANCES, SamplerConfig, ddim_scheduler, sample
 
@@ -20,22 +21,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 B, C, S, D = 3, 3, 8, 16
 SHAPE = (B, C, S, S)
 STEPS = 10  # spacing 100 (900, 800, …, 0): every property below holds for any divisor of T; 50 only where stated
-
-
-def tiny_unet() -> UNet2DConditionModel:
-    """A random 52k-parameter UNet2DConditionModel with cross-attention at 8×8 and 4×4 (q, k weights ×4)."""
-    torch.manual_seed(0)
-    unet = UNet2DConditionModel(
-        sample_size=S, in_channels=C, out_channels=C, block_out_channels=(8, 16), layers_per_block=1,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=D, attention_head_dim=2, norm_num_groups=4,
-    ).eval()
-    with torch.no_grad():
-        for module in unet.modules():
-            if isinstance(module, Attention):
-                module.to_q.weight.mul_(4.0)
-                module.to_k.weight.mul_(4.0)
-    return unet
 
 
 @pytest.fixture(scope="module")

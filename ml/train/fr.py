@@ -62,6 +62,7 @@ from ml.losses.partial_fc import PartialFC, shard_bounds
 from ml.models.backbones import BACKBONES, build_backbone, input_contract
 from ml.models.backbones.vit import INPUT_CONTRACT
 from ml.train.augment import FLIP_LANDMARK_ORDER, AugmentConfig, augment_kprpe, flip_keypoints
+from ml.train.callbacks import EpochHistory, RunInfo
 from ml.train.checkpoint import resume_path
 
 __all__ = [
@@ -577,39 +578,6 @@ class FRResult:
     checkpoint: Path | None = None  # last.ckpt when train() was given a checkpoint_dir
 
 
-class _History(Callback):
-    """Collects the epoch means logged by FRModule (``epoch`` counts from 0, as Lightning does); its rows
-    travel in the checkpoint so that a resumed run's history starts at epoch 0."""
-
-    def __init__(self) -> None:
-        self.rows: list[dict] = []
-
-    def on_train_epoch_end(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule) -> None:
-        metrics = trainer.callback_metrics
-        row: dict[str, Any] = {"epoch": trainer.current_epoch}
-        for key in ("train/loss", "train/accuracy"):
-            if key in metrics:
-                row[key] = float(metrics[key])
-        self.rows.append(row)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"rows": [dict(r) for r in self.rows]}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.rows = [dict(r) for r in state_dict.get("rows", [])]
-
-
-class _RunInfo(Callback):
-    """Writes what the checkpoint was trained as (backbone, its kwargs, class count, head, config) into it."""
-
-    def __init__(self, info: dict[str, Any]) -> None:
-        self.info = info
-
-    def on_save_checkpoint(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
-        checkpoint[CHECKPOINT_KEY] = self.info
-
-
 def _check_images(images: np.ndarray, what: str = "images") -> None:
     if not isinstance(images, np.ndarray) or images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
         desc = f"{type(images).__name__} {getattr(images, 'dtype', '')} {getattr(images, 'shape', '')}"
@@ -821,8 +789,8 @@ def train(
         persistent_workers=cfg.num_workers > 0,
     )
     module = FRModule(backbone, head, cfg, steps_per_epoch)
-    history = _History()
-    extra: list[Callback] = [history, _RunInfo(info)]
+    history = EpochHistory(("train/loss", "train/accuracy"))
+    extra: list[Callback] = [history, RunInfo(CHECKPOINT_KEY, info)]
     if checkpoint_dir is not None:
         extra.append(
             # without a monitor, top-1 is the latest epoch: one file, overwritten after every epoch

@@ -64,6 +64,7 @@ from ml.models.generator.uiface import (
     encode_images,
     save_generator,
 )
+from ml.train.callbacks import EpochHistory, RunInfo
 from ml.train.checkpoint import resume_path
 from ml.train.fr import EpochSampler
 
@@ -292,36 +293,6 @@ class GeneratorResult:
         return save_generator(model_dir, self.model, self.model.config, {**self.extra(), **(extra or {})})
 
 
-class _History(Callback):
-    """Epoch means of ``train/loss``; the rows travel in the checkpoint, so a resumed history starts at epoch 0."""
-
-    def __init__(self) -> None:
-        self.rows: list[dict] = []
-
-    def on_train_epoch_end(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule) -> None:
-        row: dict[str, Any] = {"epoch": trainer.current_epoch}
-        if "train/loss" in trainer.callback_metrics:
-            row["train/loss"] = float(trainer.callback_metrics["train/loss"])
-        self.rows.append(row)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"rows": [dict(r) for r in self.rows]}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.rows = [dict(r) for r in state_dict.get("rows", [])]
-
-
-class _RunInfo(Callback):
-    """Writes what the checkpoint was trained as (model config, space, data shape, config) into it."""
-
-    def __init__(self, info: dict[str, Any]) -> None:
-        self.info = info
-
-    def on_save_checkpoint(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
-        checkpoint[CHECKPOINT_KEY] = self.info
-
-
 def _check_checkpoint(path: Path, info: dict[str, Any]) -> None:
     """Before fitting: the checkpoint must hold this run's UNet, space and data shape; other changed settings
     are logged."""
@@ -487,8 +458,8 @@ def train_generator(
         persistent_workers=cfg.num_workers > 0,
     )
     module = GeneratorModule(model, cfg, steps_per_epoch, pixel=space == "pixel")
-    history = _History()
-    extra: list[Callback] = [history, _RunInfo(info)]
+    history = EpochHistory(("train/loss",))
+    extra: list[Callback] = [history, RunInfo(CHECKPOINT_KEY, info)]
     if checkpoint_dir is not None:
         extra.append(
             # without a monitor, top-1 is the latest epoch: one file, overwritten after every epoch

@@ -1,0 +1,45 @@
+"""Lightning callbacks shared by the Lightning trainers (FR, UIFace generator): per-epoch history that survives a
+resume, and the run description written into every checkpoint."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import lightning
+from lightning.pytorch.callbacks import Callback
+
+
+class EpochHistory(Callback):
+    """Epoch means of ``keys`` from ``trainer.callback_metrics`` (``epoch`` counts from 0, as Lightning does); the
+    rows travel in the checkpoint, so a resumed run's history starts at epoch 0."""
+
+    def __init__(self, keys: Sequence[str]) -> None:
+        self.keys = tuple(keys)
+        self.rows: list[dict] = []
+
+    def on_train_epoch_end(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule) -> None:
+        metrics = trainer.callback_metrics
+        row: dict[str, Any] = {"epoch": trainer.current_epoch}
+        for key in self.keys:
+            if key in metrics:
+                row[key] = float(metrics[key])
+        self.rows.append(row)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rows": [dict(r) for r in self.rows]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.rows = [dict(r) for r in state_dict.get("rows", [])]
+
+
+class RunInfo(Callback):
+    """Writes what the checkpoint was trained as (``info``) into it under ``key``; trainers check it on resume."""
+
+    def __init__(self, key: str, info: dict[str, Any]) -> None:
+        self.key = key
+        self.info = info
+
+    def on_save_checkpoint(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        checkpoint[self.key] = self.info
