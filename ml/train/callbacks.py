@@ -1,5 +1,5 @@
-"""Lightning callbacks shared by the Lightning trainers (FR, UIFace generator): per-epoch history that survives a
-resume, and the run description written into every checkpoint."""
+"""What the Lightning trainers (FR, UIFace generator) share: per-epoch history that survives a resume, the run
+description written into every checkpoint, and the refusal of device settings the machine cannot run."""
 
 from __future__ import annotations
 
@@ -7,7 +7,25 @@ from collections.abc import Sequence
 from typing import Any
 
 import lightning
+import torch
 from lightning.pytorch.callbacks import Callback
+
+from ml.errors import ConfigError
+
+
+def check_device(section: str, accelerator: str, precision: str) -> None:
+    """Refuse settings the machine cannot run (params ``<section>.accelerator`` / ``.precision``), instead of
+    Lightning silently or obscurely changing them."""
+    cuda = torch.cuda.is_available()
+    mps = torch.backends.mps.is_available()
+    if accelerator in ("gpu", "cuda") and not cuda:
+        raise ConfigError(f"{section}.accelerator {accelerator!r} but no CUDA GPU is visible; use 'auto' or 'cpu'")
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not cuda and not mps)
+    if on_cpu and precision == "16-mixed":
+        raise ConfigError(
+            f"{section}.precision '16-mixed' needs a GPU, but {section}.accelerator {accelerator!r} runs on the CPU "
+            "here; use 'bf16-mixed' (bfloat16 autocast works on the CPU) or '32-true'"
+        )
 
 
 class EpochHistory(Callback):

@@ -62,7 +62,7 @@ from ml.losses.partial_fc import PartialFC, shard_bounds
 from ml.models.backbones import BACKBONES, build_backbone, input_contract
 from ml.models.backbones.vit import INPUT_CONTRACT
 from ml.train.augment import FLIP_LANDMARK_ORDER, AugmentConfig, augment_kprpe, flip_keypoints
-from ml.train.callbacks import EpochHistory, RunInfo
+from ml.train.callbacks import EpochHistory, RunInfo, check_device
 from ml.train.checkpoint import resume_path
 
 __all__ = [
@@ -647,20 +647,6 @@ def _backbone_kwargs(cfg: FRConfig, size: int, overrides: dict[str, Any] | None)
     return kwargs
 
 
-def _check_device(cfg: FRConfig) -> None:
-    """Refuse settings the machine cannot run, instead of Lightning silently or obscurely changing them."""
-    cuda = torch.cuda.is_available()
-    mps = torch.backends.mps.is_available()
-    if cfg.accelerator in ("gpu", "cuda") and not cuda:
-        raise ConfigError(f"fr.accelerator {cfg.accelerator!r} but no CUDA GPU is visible; use 'auto' or 'cpu'")
-    on_cpu = cfg.accelerator == "cpu" or (cfg.accelerator == "auto" and not cuda and not mps)
-    if on_cpu and cfg.precision == "16-mixed":
-        raise ConfigError(
-            f"fr.precision '16-mixed' needs a GPU, but fr.accelerator {cfg.accelerator!r} runs on the CPU here; "
-            "use 'bf16-mixed' (bfloat16 autocast works on the CPU) or '32-true'"
-        )
-
-
 def _strategy(cfg: FRConfig) -> Any:
     """"auto" for one process; otherwise DDP. ``static_graph`` lets parameters that never get a gradient
     (the ViT's mask token when ``mask_ratio`` is 0) pass without DDP's per-step search for unused ones."""
@@ -748,7 +734,7 @@ def train(
     n, size = images.shape[0], images.shape[1]
     if n < 2:
         raise DataError(f"training needs at least 2 images, got {n}")
-    _check_device(cfg)
+    check_device("fr", cfg.accelerator, cfg.precision)
     kwargs = _backbone_kwargs(cfg, size, backbone_overrides)
     ckpt_path = resume_path(checkpoint_dir, resume, LAST_CHECKPOINT, "train")
     world = cfg.devices * cfg.num_nodes

@@ -64,7 +64,7 @@ from ml.models.generator.uiface import (
     encode_images,
     save_generator,
 )
-from ml.train.callbacks import EpochHistory, RunInfo
+from ml.train.callbacks import EpochHistory, RunInfo, check_device
 from ml.train.checkpoint import resume_path
 from ml.train.fr import EpochSampler
 
@@ -322,20 +322,6 @@ def _check_checkpoint(path: Path, info: dict[str, Any]) -> None:
         log.warning("resuming %s with changed settings (checkpoint → now): %s", path, changed)
 
 
-def _check_device(cfg: GeneratorConfig) -> None:
-    """Refuse settings the machine cannot run, instead of Lightning silently or obscurely changing them."""
-    cuda = torch.cuda.is_available()
-    mps = torch.backends.mps.is_available()
-    if cfg.accelerator in ("gpu", "cuda") and not cuda:
-        raise ConfigError(f"generator.accelerator {cfg.accelerator!r} but no CUDA GPU is visible; use 'auto' or 'cpu'")
-    on_cpu = cfg.accelerator == "cpu" or (cfg.accelerator == "auto" and not cuda and not mps)
-    if on_cpu and cfg.precision == "16-mixed":
-        raise ConfigError(
-            f"generator.precision '16-mixed' needs a GPU, but generator.accelerator {cfg.accelerator!r} runs on the "
-            "CPU here; use 'bf16-mixed' or '32-true'"
-        )
-
-
 def _check_inputs(images: np.ndarray, id_embeddings: np.ndarray, id_dim: int) -> np.ndarray:
     if not isinstance(images, np.ndarray) or images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
         desc = f"{type(images).__name__} {getattr(images, 'dtype', '')} {getattr(images, 'shape', '')}"
@@ -432,7 +418,7 @@ def train_generator(
     """
     start = time.perf_counter()
     ids = _check_inputs(images, id_embeddings, cfg.model.id_dim)
-    _check_device(cfg)
+    check_device("generator", cfg.accelerator, cfg.precision)
     data, space = _training_data(cfg, images, autoencoder)
     ckpt_path = resume_path(checkpoint_dir, resume, LAST_CHECKPOINT, "train_generator")
     n, size = images.shape[0], images.shape[1]
