@@ -169,14 +169,17 @@ class StageTracker(_Tracker):
         return version
 
     def register_model_dir(
-        self, registered_name: str, *, artifact_path: str = "model", alias: str = "candidate",
-        tags: Mapping[str, str] = {},
+        self, registered_name: str, *, model_dir: Path | None = None, artifact_path: str = "model",
+        alias: str = "candidate", tags: Mapping[str, str] = {},
     ) -> str:
-        """Register the model directory already logged under ``artifact_path`` of this run (a faceops model that is
-        not an image embedder, e.g. the fusion model) as a new version of ``registered_name``; → version number."""
+        """Log ``model_dir`` under ``artifact_path`` of this run (if given; else it is already there) and register it
+        (a faceops model that is not an image embedder, e.g. the fusion model) as a new version of
+        ``registered_name``; → version number."""
         from mlflow import MlflowClient
         from mlflow.exceptions import MlflowException
 
+        if model_dir is not None:
+            self.log_artifact(Path(model_dir), artifact_path=artifact_path)
         client = MlflowClient()
         try:
             client.create_registered_model(registered_name)
@@ -236,10 +239,11 @@ class JournalTracker(_Tracker):
         self.write("log_model_dir", str(Path(model_dir).resolve()), registered_name, alias=alias, tags=dict(tags))
 
     def register_model_dir(
-        self, registered_name: str, *, artifact_path: str = "model", alias: str = "candidate",
-        tags: Mapping[str, str] = {},
+        self, registered_name: str, *, model_dir: Path | None = None, artifact_path: str = "model",
+        alias: str = "candidate", tags: Mapping[str, str] = {},
     ) -> None:
-        self.write("register_model_dir", registered_name, artifact_path=artifact_path, alias=alias, tags=dict(tags))
+        self.write("register_model_dir", registered_name, model_dir=str(Path(model_dir).resolve()) if model_dir else None,
+                   artifact_path=artifact_path, alias=alias, tags=dict(tags))
 
 
 def registered_note(name: str, version: str | None, alias: str = "candidate") -> str:

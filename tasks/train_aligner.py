@@ -107,8 +107,7 @@ def run(cfg: AlignerStageConfig, paths: Paths, *, tracker: Any = None) -> StageR
             tracker.log_metrics({k: v for k, v in h.items() if k != "epoch"}, step=int(h["epoch"]))
         tracker.log_metrics(result.metrics)
         tracker.log_artifact(paths.plots / "aligner_ced.png", artifact_path="plots")
-        tracker.log_artifact(paths.aligner_model, artifact_path="model")
-        version = tracker.register_model_dir(REGISTERED_MODEL, artifact_path="model",
+        version = tracker.register_model_dir(REGISTERED_MODEL, model_dir=paths.aligner_model,
                                              tags={"data_digest": info["digest"]})
         result.summary += f"; {registered_note(REGISTERED_MODEL, version)}"
     return result

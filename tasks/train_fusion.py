@@ -135,8 +135,7 @@ def run(cfg: FusionStageConfig, data: DataConfig, paths: Paths, *, tracker: Any 
         for h in res.history:
             tracker.log_metrics({k: v for k, v in h.items() if k.startswith("train/")}, step=int(h["epoch"]))
         tracker.log_artifact(paths.plots / "train_fusion_loss.png", artifact_path="plots")
-        tracker.log_artifact(paths.fusion_model, artifact_path="model")
-        version = tracker.register_model_dir(REGISTERED_MODEL, artifact_path="model",
+        version = tracker.register_model_dir(REGISTERED_MODEL, model_dir=paths.fusion_model,
                                              tags={"fr_model": extra["fr_model"], "data_digest": info["digest"]})
         result.summary += f"; {registered_note(REGISTERED_MODEL, version)}"
     return result

@@ -158,8 +158,7 @@ def run(cfg: GeneratorStageConfig, paths: Paths, *, tracker: Any = None) -> Stag
             tracker.log_metrics({k: v for k, v in h.items() if k.startswith("train/")}, step=int(h["epoch"]))
         tracker.log_metrics(result.metrics)
         tracker.log_artifact(paths.plots / "train_generator_loss.png", artifact_path="plots")
-        tracker.log_artifact(paths.generator_model, artifact_path="model")
-        version = tracker.register_model_dir(REGISTERED_MODEL, artifact_path="model",
+        version = tracker.register_model_dir(REGISTERED_MODEL, model_dir=paths.generator_model,
                                              tags={"fr_model": extra["fr_model"], "data_digest": info["digest"]})
         result.summary += f"; {registered_note(REGISTERED_MODEL, version)}"
     return result

@@ -4,6 +4,7 @@ description written into every checkpoint, and the refusal of device settings th
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import lightning
@@ -26,6 +27,17 @@ def check_device(section: str, accelerator: str, precision: str) -> None:
             f"{section}.precision '16-mixed' needs a GPU, but {section}.accelerator {accelerator!r} runs on the CPU "
             "here; use 'bf16-mixed' (bfloat16 autocast works on the CPU) or '32-true'"
         )
+
+
+def last_good_checkpoint(trainer: lightning.Trainer | None) -> str | None:
+    """The newest checkpoint file this fit wrote (or resumed from), for error messages that say where to resume."""
+    if trainer is None:
+        return None
+    for cb in trainer.checkpoint_callbacks:
+        for path in (getattr(cb, "last_model_path", ""), getattr(cb, "best_model_path", "")):
+            if path and Path(path).is_file():
+                return str(path)
+    return str(trainer.ckpt_path) if trainer.ckpt_path else None
 
 
 class EpochHistory(Callback):

@@ -62,7 +62,7 @@ from ml.losses.partial_fc import PartialFC, shard_bounds
 from ml.models.backbones import BACKBONES, build_backbone, input_contract
 from ml.models.backbones.vit import INPUT_CONTRACT
 from ml.train.augment import FLIP_LANDMARK_ORDER, AugmentConfig, augment_kprpe, flip_keypoints
-from ml.train.callbacks import EpochHistory, RunInfo, check_device
+from ml.train.callbacks import EpochHistory, RunInfo, check_device, last_good_checkpoint
 from ml.train.checkpoint import resume_path
 
 __all__ = [
@@ -463,18 +463,8 @@ class FRModule(lightning.LightningModule):
         self.log("train/lr", self.optimizers().param_groups[0]["lr"], on_step=True, on_epoch=False, batch_size=b)
         return loss
 
-    def _last_good_checkpoint(self) -> str | None:
-        trainer = self._trainer
-        if trainer is None:
-            return None
-        for cb in trainer.checkpoint_callbacks:
-            for path in (getattr(cb, "last_model_path", ""), getattr(cb, "best_model_path", "")):
-                if path and Path(path).is_file():
-                    return str(path)
-        return str(trainer.ckpt_path) if trainer.ckpt_path else None
-
     def _stop_non_finite(self, value: float, batch_idx: int) -> None:
-        ckpt = self._last_good_checkpoint()
+        ckpt = last_good_checkpoint(self._trainer)
         where = (
             f"the last good checkpoint is {ckpt} (train(..., resume=True) continues from it)"
             if ckpt
@@ -527,7 +517,7 @@ class FRModule(lightning.LightningModule):
         state = checkpoint["state_dict"]
         bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
         if bad:
-            ckpt = self._last_good_checkpoint()
+            ckpt = last_good_checkpoint(self._trainer)
             raise TrainingError(
                 f"weights became non-finite at global step {self.global_step} (e.g. {bad[:3]}); this checkpoint is "
                 f"not written. Last good checkpoint: {ckpt or 'none'}. Lower fr.lr or set fr.grad_clip > 0."

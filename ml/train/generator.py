@@ -64,7 +64,7 @@ from ml.models.generator.uiface import (
     encode_images,
     save_generator,
 )
-from ml.train.callbacks import EpochHistory, RunInfo, check_device
+from ml.train.callbacks import EpochHistory, RunInfo, check_device, last_good_checkpoint
 from ml.train.checkpoint import resume_path
 from ml.train.fr import EpochSampler
 
@@ -226,18 +226,8 @@ class GeneratorModule(lightning.LightningModule):
             else:
                 target.copy_(value)
 
-    def _last_good_checkpoint(self) -> str | None:
-        trainer = self._trainer
-        if trainer is None:
-            return None
-        for cb in trainer.checkpoint_callbacks:
-            path = getattr(cb, "last_model_path", "") or getattr(cb, "best_model_path", "")
-            if path and Path(path).is_file():
-                return str(path)
-        return str(trainer.ckpt_path) if trainer.ckpt_path else None
-
     def _stop_non_finite(self, value: float, batch_idx: int) -> None:
-        ckpt = self._last_good_checkpoint()
+        ckpt = last_good_checkpoint(self._trainer)
         where = (
             f"the last good checkpoint is {ckpt} (train_generator(..., resume=True) continues from it)"
             if ckpt
