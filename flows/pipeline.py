@@ -12,10 +12,12 @@ per stage, retries and logs; MLflow gets a parent run per flow run under which e
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -28,22 +30,81 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from tasks import tracking
+from tasks.common import ENV_CORE_SHARE
 
 # one DVC operation at a time in this process: DVC's Repo is not thread-safe (the file lock guards other processes)
 _DVC = threading.Lock()
-# stages of this process's flow run in progress (at most `jobs`: the slots), to share the cores between those
-# running side by side. Tasks waiting for their upstream stages hold no slot.
-_ACTIVE = {"stages": 0}
-_ACTIVE_LOCK = threading.Lock()
-_SLOTS = {"free": threading.BoundedSemaphore(1)}
 
 
-def _share_cores(jobs: int) -> int | None:
-    """Torch/BLAS threads for a stage starting now: the cores split between the stages in progress (at most
-    ``jobs``); None (no cap) when it runs alone."""
-    with _ACTIVE_LOCK:
-        active = min(_ACTIVE["stages"], jobs)
-    return None if active <= 1 else max(1, (os.cpu_count() or 1) // active)
+class _Slots:
+    """At most ``n`` stages in progress at once; a freed slot goes to the waiting stage with the highest
+    priority (the longest chain of stages still to come after it: the critical path first), ties first come."""
+
+    def __init__(self, n: int) -> None:
+        self._free = max(1, n)
+        self._waiting: list[tuple[int, int]] = []  # (-priority, arrival): the smallest is served next
+        self._arrivals = 0
+        self._cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def hold(self, priority: int = 0) -> Iterator[None]:
+        with self._cond:
+            ticket = (-priority, self._arrivals)
+            self._arrivals += 1
+            self._waiting.append(ticket)
+            self._cond.wait_for(lambda: self._free > 0 and min(self._waiting) == ticket)
+            self._waiting.remove(ticket)
+            self._free -= 1
+            self._cond.notify_all()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._free += 1
+                self._cond.notify_all()
+
+
+class _CoreShare:
+    """The cores split between the stage commands running at once, at most ``jobs`` of them: each stage gets a
+    file holding its share (``tasks.common.ENV_CORE_SHARE``), rewritten whenever a stage starts or finishes; the
+    trainers re-read it (``ml.train.callbacks.FollowCoreShare``), so a stage left running alone takes all the
+    cores. The share is also the stage's starting ``OMP_NUM_THREADS``. A user's ``OMP_NUM_THREADS`` wins."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._files: dict[str, Path] = {}
+        self._dir: Path | None = None
+        self.jobs = 1
+
+    def _share(self) -> int:
+        cores = os.cpu_count() or 1
+        return max(1, cores // max(1, min(len(self._files), self.jobs)))
+
+    def enter(self, key: str) -> tuple[int, Path]:
+        with self._lock:
+            if self._dir is None:
+                self._dir = Path(tempfile.mkdtemp(prefix="faceops-cores-"))
+            self._files[key] = self._dir / f"{key}.threads"
+            self._rewrite()
+            return self._share(), self._files[key]
+
+    def leave(self, key: str) -> None:
+        with self._lock:
+            path = self._files.pop(key, None)
+            if path is not None:
+                path.unlink(missing_ok=True)
+            self._rewrite()
+
+    def _rewrite(self) -> None:
+        share = str(self._share())
+        for path in self._files.values():
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(share)
+            os.replace(tmp, path)
+
+
+_SLOTS = {"pool": _Slots(1)}
+_CORES = _CoreShare()
 
 
 class StageFailed(RuntimeError):
@@ -119,34 +180,33 @@ def stage_env(root: Path, invocation: str, parent_run_id: str | None) -> dict[st
 
 @task(retries=0, task_run_name="{stage}")
 def reproduce_stage(stage: str, root: str, parent_run_id: str | None = None, force: bool = False,
-                    jobs: int = 1) -> dict[str, Any]:
+                    priority: int = 0) -> dict[str, Any]:
     """Reproduce one stage through DVC (see the module docstring): nothing runs when DVC finds it up to date.
 
     The stage's MLflow run is relayed through this process (``tasks.tracking.StageRelay``): the stage writes
-    a journal, this task replays it into MLflow while the stage works. With ``jobs`` > 1 the stage's torch
-    threads are capped to its share of the cores when other stages are in progress.
+    a journal, this task replays it into MLflow while the stage works. Stages running side by side share the
+    cores (``_CoreShare``); when slots are scarce, the stage with the highest ``priority`` starts first.
     """
-    with _SLOTS["free"]:
-        with _ACTIVE_LOCK:
-            _ACTIVE["stages"] += 1
-        try:
-            return _reproduce(stage, Path(root), parent_run_id, force, jobs)
-        finally:
-            with _ACTIVE_LOCK:
-                _ACTIVE["stages"] -= 1
+    with _SLOTS["pool"].hold(priority):
+        return _reproduce(stage, Path(root), parent_run_id, force)
 
 
-def _reproduce(stage: str, root: Path, parent_run_id: str | None, force: bool, jobs: int) -> dict[str, Any]:
+def _reproduce(stage: str, root: Path, parent_run_id: str | None, force: bool) -> dict[str, Any]:
     logger = get_run_logger()
     start = time.perf_counter()
     reasons, cmd = stage_status(root, stage)
     if not reasons and not force:
         logger.info("%s: up to date (stage didn't change, skipping)", stage)
         return {"stage": stage, "ran": False, "seconds": time.perf_counter() - start}
-    threads = _share_cores(jobs)
-    logger.info("%s: running `%s` (%s)%s", stage, cmd, "; ".join(reasons) or "--force",
-                f" with {threads} thread(s)" if threads else "")
-    rc, tail, relay = run_relayed(["/bin/sh", "-c", cmd], root, parent_run_id, logger, threads=threads)
+    key = f"{stage}-{uuid.uuid4().hex[:8]}"
+    threads, share_file = _CORES.enter(key)
+    try:
+        logger.info("%s: running `%s` (%s) with %d thread(s) to start", stage, cmd, "; ".join(reasons) or "--force",
+                    threads)
+        rc, tail, relay = run_relayed(["/bin/sh", "-c", cmd], root, parent_run_id, logger, threads=threads,
+                                      share_file=share_file)
+    finally:
+        _CORES.leave(key)
     if rc != 0:
         errors = [l for l in tail if l.startswith(("error:", "ERROR"))]
         raise StageFailed(f"stage '{stage}' failed (exit {rc}): {(errors or tail[-1:] or ['no output'])[-1]}")
@@ -166,15 +226,20 @@ def _reproduce(stage: str, root: Path, parent_run_id: str | None, force: bool, j
 
 
 def run_relayed(
-    cmd: list[str], root: Path, parent_run_id: str | None, logger: Any, threads: int | None = None
+    cmd: list[str], root: Path, parent_run_id: str | None, logger: Any, threads: int | None = None,
+    share_file: Path | None = None,
 ) -> tuple[int, list[str], tracking.StageRelay]:
     """Run a stage command with its output streamed to ``logger`` and its MLflow run relayed through this
     process; → (exit code, the last 40 lines, the relay). ``threads`` caps the stage's BLAS/OpenMP (torch)
-    threads, so stages running side by side do not oversubscribe the cores (unless OMP_NUM_THREADS is set)."""
+    threads at start and ``share_file`` holds its share as it changes (see ``_CoreShare``), so stages running side
+    by side do not oversubscribe the cores; a user's OMP_NUM_THREADS overrides both."""
     with tracking.StageRelay(root, parent_run_id, logger) as relay:
         env = {**stage_env(root, uuid.uuid4().hex, parent_run_id), **relay.env}
-        if threads and "OMP_NUM_THREADS" not in os.environ:
-            env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        if "OMP_NUM_THREADS" not in os.environ:
+            if threads:
+                env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+            if share_file is not None:
+                env[ENV_CORE_SHARE] = str(share_file)
         rc, tail = run_logged(cmd, root, env, logger)
     return rc, tail, relay
 
@@ -217,8 +282,8 @@ def _tag_stage_runs(root: Path, stage: str, run_ids: list[str]) -> None:
 def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = False, jobs: int = 1
              ) -> list[dict[str, Any]]:
     """Reproduce the DVC pipeline (all stages, or ``stages`` and what they need); a stage starts as soon as the
-    stages it depends on have finished, up to ``jobs`` at once (the task runner's ``max_workers``, see
-    ``run_pipeline``), sharing the cores."""
+    stages it depends on have finished, up to ``jobs`` at once (the critical path first when more are ready),
+    sharing the cores."""
     import mlflow
 
     logger = get_run_logger()
@@ -232,7 +297,9 @@ def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = Fal
         keep = _with_upstream(graph, stages)
         order = [s for s in order if s in keep]
     logger.info("stages in dependency order: %s", " → ".join(order))
-    _SLOTS["free"] = threading.BoundedSemaphore(max(1, jobs))
+    _SLOTS["pool"] = _Slots(jobs)
+    _CORES.jobs = max(1, jobs)
+    priority = _chain_lengths(graph)
     tracking.configure(root_path)
     with mlflow.start_run(run_name="pipeline", tags={
         "prefect.flow_run_id": str(flow_run.id), "faceops.kind": "pipeline", "git.commit": tracking.git_commit(root_path),
@@ -240,8 +307,8 @@ def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = Fal
         futures: dict[str, Any] = {}
         for stage in order:
             upstream = [futures[u] for u in graph[stage] if u in futures]
-            futures[stage] = reproduce_stage.submit(stage, str(root_path), parent.info.run_id, force, jobs,
-                                                    wait_for=upstream)
+            futures[stage] = reproduce_stage.submit(stage, str(root_path), parent.info.run_id, force,
+                                                    priority[stage], wait_for=upstream)
         results, failure = [], None
         for stage in order:  # dependency order: the first failure reported is the root cause
             state = futures[stage].wait() or futures[stage].state
@@ -266,6 +333,18 @@ def run_pipeline(root: str = ".", stages: list[str] | None = None, force: bool =
     jobs = max(1, jobs)
     return pipeline.with_options(task_runner=ThreadPoolTaskRunner(max_workers=64))(
         root=root, stages=stages, force=force, jobs=jobs)
+
+
+def _chain_lengths(graph: dict[str, list[str]]) -> dict[str, int]:
+    """Per stage, the number of stages on the longest chain that still depends on it (0 for a last stage)."""
+    downstream: dict[str, list[str]] = {s: [] for s in graph}
+    for stage, ups in graph.items():
+        for up in ups:
+            downstream[up].append(stage)
+    lengths: dict[str, int] = {}
+    for stage in reversed(list(graph)):  # graph is in dependency order: every downstream stage is done first
+        lengths[stage] = max((1 + lengths[d] for d in downstream[stage]), default=0)
+    return lengths
 
 
 def _with_upstream(graph: dict[str, list[str]], stages: list[str]) -> set[str]:

@@ -183,6 +183,30 @@ def atomic_path(target: Path | str) -> Iterator[Path]:
             tmp.unlink()
 
 
+def stage_cores() -> int:
+    """The cores this stage may use: ``OMP_NUM_THREADS`` when the pipeline (or the user) set it — stages running
+    side by side share the machine — otherwise the cores this process may run on."""
+    try:
+        return max(1, int(os.environ.get("OMP_NUM_THREADS", "")))
+    except ValueError:
+        return max(1, len(os.sched_getaffinity(0)))
+
+
+# the file holding this stage's current share of the cores, written by flows.pipeline while stages run side by side
+ENV_CORE_SHARE = "FACEOPS_CORE_SHARE_FILE"
+
+
+def core_share_callbacks() -> list[Any]:
+    """Lightning callbacks that keep a training at its current share of the cores (``ENV_CORE_SHARE``): when
+    the stages beside it finish, it takes their cores. Empty outside the pipeline flow."""
+    path = os.environ.get(ENV_CORE_SHARE)
+    if not path:
+        return []
+    from ml.train.callbacks import FollowCoreShare
+
+    return [FollowCoreShare(path)]
+
+
 def pyplot() -> Any:
     """matplotlib.pyplot on the file-only Agg backend (stages run headless)."""
     import matplotlib

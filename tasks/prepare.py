@@ -14,7 +14,8 @@
                   ``test`` identities)
 - ``real/`` + ``verification/real.bin``  only when ``data.ingest_folder`` or ``data.ingest_recordio`` is set
 
-The whole directory is written to a temporary sibling and renamed on success.
+The whole directory is written to a temporary sibling and renamed on success. Its parts are independent and are
+written by as many processes as the stage has cores (same bytes whatever the count).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +35,7 @@ from tqdm.auto import tqdm
 from ml.config import from_mapping
 from ml.data.procedural import ProceduralConfig, ProceduralFaces
 from ml.errors import ConfigError, DataError
-from tasks.common import Paths, StageResult, atomic_path, load_params, section, stage_main
+from tasks.common import Paths, StageResult, atomic_path, load_params, section, stage_cores, stage_main
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +158,8 @@ def write_pairs_bin(
 
 
 def _procedural_split(
-    out: Path, gen: ProceduralFaces, identities: range, per_identity: int, split_of, *, name: str
+    out: Path, gen: ProceduralFaces, identities: range, per_identity: int, split_of, *, name: str,
+    progress: bool = True,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Write one procedural dataset directory; returns (images, labels, landmarks) kept for pair building."""
     from ml.data.dataset import DatasetWriter
@@ -163,7 +167,8 @@ def _procedural_split(
     images, labels, landmarks = [], [], []
     meta = {"generator": "procedural", "seed": gen.seed, "config": dataclasses.asdict(gen.config)}
     with DatasetWriter(out, name=name, source="procedural", aligned=gen.config.aligned, generator=meta) as w:
-        for k, ident in enumerate(tqdm(identities, desc=f"prepare {name}", unit="id", leave=False)):
+        bar = tqdm(identities, desc=f"prepare {name}", unit="id", leave=False, disable=not progress)
+        for k, ident in enumerate(bar):
             for i in range(per_identity):
                 s = gen.sample(ident, i)
                 w.add(
@@ -179,7 +184,9 @@ def _procedural_split(
     return np.stack(images), np.asarray(labels), np.stack(landmarks)
 
 
-def _template_set(out: Path, gen: ProceduralFaces, cfg: DataConfig, first_identity: int, seed: int) -> int:
+def _template_set(
+    out: Path, gen: ProceduralFaces, cfg: DataConfig, first_identity: int, progress: bool = True
+) -> int:
     """IJB-style template set: each template = one video-like sequence (one media) + one still (another)."""
     from ml.data.dataset import DatasetWriter
 
@@ -187,7 +194,8 @@ def _template_set(out: Path, gen: ProceduralFaces, cfg: DataConfig, first_identi
     tid_identity: dict[int, int] = {}
     with DatasetWriter(out, name="templates", source="procedural", aligned=gen.config.aligned) as w:
         tid = mid = 0
-        for k in tqdm(range(cfg.template_identities), desc="prepare templates", unit="id", leave=False):
+        for k in tqdm(range(cfg.template_identities), desc="prepare templates", unit="id", leave=False,
+                      disable=not progress):
             ident = first_identity + k
             for t in range(cfg.templates_per_identity):
                 frames = gen.sequence(ident, cfg.frames_per_template, seq_index=t)
@@ -214,7 +222,7 @@ def _template_set(out: Path, gen: ProceduralFaces, cfg: DataConfig, first_identi
     return len(lines)
 
 
-def _ingest_real(out: Path, cfg: DataConfig) -> tuple[np.ndarray, np.ndarray]:
+def _ingest_real(out: Path, cfg: DataConfig, progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Ingest a user image folder or RecordIO into a ``real`` dataset resized to ``data.image_size``."""
     from PIL import Image
 
@@ -241,7 +249,7 @@ def _ingest_real(out: Path, cfg: DataConfig) -> tuple[np.ndarray, np.ndarray]:
     images, identities = [], []
     source_name = cfg.ingest_folder or cfg.ingest_recordio
     with DatasetWriter(out, name="real", source="real", aligned=True, generator={"ingested_from": source_name}) as w:
-        for n, (img, identity) in enumerate(tqdm(items(), desc="ingest real", unit="img", leave=False)):
+        for n, (img, identity) in enumerate(tqdm(items(), desc="ingest real", unit="img", leave=False, disable=not progress)):
             if cfg.ingest_max_images and n >= cfg.ingest_max_images:
                 break
             img = resize(img)
@@ -252,7 +260,9 @@ def _ingest_real(out: Path, cfg: DataConfig) -> tuple[np.ndarray, np.ndarray]:
     return np.stack(images), np.asarray([uniq[i] for i in identities])
 
 
-def _video_set(out: Path, gen: ProceduralFaces, cfg: DataConfig, first_identity: int) -> dict[str, float]:
+def _video_set(
+    out: Path, gen: ProceduralFaces, cfg: DataConfig, first_identity: int, progress: bool = True
+) -> dict[str, float]:
     """IJB-S-like set: per enrolled identity ``booking_stills`` gallery stills (media ``still``) and one long
     video-like probe of mixed quality; per distractor identity only a probe. Manifest: split ``gallery``/``probe``,
     ``template`` = the probe or gallery id, ``media`` = one id per video or still; ``meta/face_tid_mid.txt`` as IJB.
@@ -266,7 +276,7 @@ def _video_set(out: Path, gen: ProceduralFaces, cfg: DataConfig, first_identity:
     rows: list[tuple[str, int, int]] = []
     tid = mid = 0
     with DatasetWriter(out, name="videos", source="procedural", aligned=gen.config.aligned) as w:
-        for k in tqdm(range(n_ids), desc="prepare videos", unit="id", leave=False):
+        for k in tqdm(range(n_ids), desc="prepare videos", unit="id", leave=False, disable=not progress):
             ident = first_identity + k
             identity = f"id{ident:06d}"
             if k < cfg.video_identities:
@@ -290,7 +300,7 @@ def _video_set(out: Path, gen: ProceduralFaces, cfg: DataConfig, first_identity:
             "data/video_max_frames": int(lengths.max())}
 
 
-def _unaligned_set(out: Path, cfg: DataConfig, first_identity: int) -> int:
+def _unaligned_set(out: Path, cfg: DataConfig, first_identity: int, progress: bool = True) -> int:
     """Unaligned procedural crops (``data.unaligned_size``²) with their exact landmarks; the last
     ``unaligned_test_identities`` identities are split ``test``, the rest ``train``."""
     from ml.data.dataset import DatasetWriter
@@ -298,7 +308,7 @@ def _unaligned_set(out: Path, cfg: DataConfig, first_identity: int) -> int:
 
     images, landmarks, identities = unaligned_faces(
         cfg.unaligned_identities, cfg.unaligned_images_per_identity, cfg.unaligned_size, cfg.seed,
-        first_identity=first_identity, base=cfg.procedural_config(aligned=False), progress=True,
+        first_identity=first_identity, base=cfg.procedural_config(aligned=False), progress=progress,
     )
     first_test = first_identity + cfg.unaligned_identities - cfg.unaligned_test_identities
     with DatasetWriter(out, name="unaligned", source="procedural", aligned=False) as w:
@@ -367,59 +377,89 @@ def sample_grid(gen: ProceduralFaces, cfg: DataConfig, path: Path, rows: int = 6
         canvas.resize((canvas.width * 2, canvas.height * 2), Image.NEAREST).save(tmp, format="PNG")
 
 
-def run(cfg: DataConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
-    _check_sources(cfg)
+# The independent parts of ``data/prepared/``, longest first; each writes only its own subdirectory.
+PARTS = ("videos", "train", "unaligned", "discovery", "heldout", "templates", "real")
+
+
+def _prepare_part(name: str, cfg: DataConfig, out: Path, progress: bool = True) -> dict[str, float]:
+    """Write one part of the prepared directory under ``out``; returns its metrics. Faces are rendered from
+    (seed, identity, index) alone, so the parts can run in any order or in parallel and give the same bytes."""
     gen = ProceduralFaces(cfg.procedural_config(aligned=True), seed=cfg.seed)
-    n_val = int(round(cfg.images_per_identity * cfg.val_fraction))
-    n_train_imgs = cfg.images_per_identity - n_val
+    n_train_imgs = cfg.images_per_identity - int(round(cfg.images_per_identity * cfg.val_fraction))
+    heldout_first = cfg.train_identities
+    discovery_first = heldout_first + cfg.heldout_identities
+    video_first = discovery_first + cfg.discovery_identities
+    if name == "train":
+        _procedural_split(out / "train", gen, range(cfg.train_identities), cfg.images_per_identity,
+                          lambda i: "train" if i < n_train_imgs else "val", name="procedural-train", progress=progress)
+        return {"data/train_images": cfg.train_identities * cfg.images_per_identity}
+    if name == "heldout":
+        images, labels, landmarks = _procedural_split(
+            out / "heldout", gen, range(heldout_first, discovery_first), cfg.heldout_images_per_identity,
+            lambda i: "gallery" if i < cfg.gallery_images_per_identity else "probe", name="procedural-heldout",
+            progress=progress,
+        )
+        (out / "verification").mkdir(exist_ok=True)
+        pairs = write_pairs_bin(out / "verification" / "procedural.bin", images, labels, cfg.verification_pairs,
+                                cfg.seed, landmarks=landmarks)
+        return {"data/heldout_images": len(labels), "data/verification_pairs": pairs}
+    if name == "templates":
+        return {"data/template_pairs": _template_set(out / "templates", gen, cfg, heldout_first, progress)}
+    if name == "discovery":
+        _procedural_split(out / "discovery", gen, range(discovery_first, video_first),
+                          cfg.discovery_images_per_identity, lambda i: "train", name="procedural-discovery",
+                          progress=progress)
+        return {}
+    if name == "real":
+        images, labels = _ingest_real(out / "real", cfg, progress)
+        (out / "verification").mkdir(exist_ok=True)
+        pairs = write_pairs_bin(out / "verification" / "real.bin", images, labels,
+                                min(cfg.verification_pairs, 20 * len(labels)), cfg.seed)
+        return {"data/real_images": len(labels), "data/real_verification_pairs": pairs}
+    if name == "videos":
+        return _video_set(out / "videos", gen, cfg, video_first, progress)
+    if name == "unaligned":
+        first = video_first + cfg.video_identities + cfg.video_distractors
+        return {"data/unaligned_images": _unaligned_set(out / "unaligned", cfg, first, progress)}
+    raise ValueError(f"unknown prepare part {name!r}")
+
+
+def _prepare_parts(cfg: DataConfig, out: Path, workers: int) -> dict[str, float]:
+    """Every part of ``PARTS`` that the config asks for, in ``workers`` processes (in-process when 1)."""
+    parts = [p for p in PARTS if p != "real" or cfg.ingest_folder or cfg.ingest_recordio]
+    workers = max(1, min(workers, len(parts)))
+    metrics: dict[str, float] = {}
+    if workers == 1:
+        for name in parts:
+            metrics.update(_prepare_part(name, cfg, out))
+        return metrics
+    # spawn: the parent may hold threads (tracking, BLAS) that a fork would copy mid-lock
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        futures = {pool.submit(_prepare_part, name, cfg, out, False): name for name in parts}
+        with tqdm(total=len(parts), desc=f"prepare ({workers} processes)", unit="part") as bar:
+            for future in as_completed(futures):
+                metrics.update(future.result())  # a part's error is raised here, naming its input
+                bar.set_postfix_str(futures[future])
+                bar.update()
+    return metrics
+
+
+def run(cfg: DataConfig, paths: Paths, *, tracker: Any = None, workers: int | None = None) -> StageResult:
+    """Write ``data/prepared/`` (atomically) with ``workers`` processes (default: the cores this stage has)."""
+    _check_sources(cfg)
     result = StageResult("prepare")
     with atomic_path(paths.prepared) as tmp:
         tmp.mkdir()
-        train_ids = range(cfg.train_identities)
-        heldout_ids = range(cfg.train_identities, cfg.train_identities + cfg.heldout_identities)
-        _procedural_split(
-            tmp / "train", gen, train_ids, cfg.images_per_identity,
-            lambda i: "train" if i < n_train_imgs else "val", name="procedural-train",
-        )
-        h_images, h_labels, h_landmarks = _procedural_split(
-            tmp / "heldout", gen, heldout_ids, cfg.heldout_images_per_identity,
-            lambda i: "gallery" if i < cfg.gallery_images_per_identity else "probe", name="procedural-heldout",
-        )
-        (tmp / "verification").mkdir()
-        n_pairs = write_pairs_bin(
-            tmp / "verification" / "procedural.bin", h_images, h_labels, cfg.verification_pairs, cfg.seed,
-            landmarks=h_landmarks,
-        )
-        n_tpairs = _template_set(tmp / "templates", gen, cfg, cfg.train_identities, cfg.seed)
-        first = cfg.train_identities + cfg.heldout_identities
-        _procedural_split(
-            tmp / "discovery", gen, range(first, first + cfg.discovery_identities), cfg.discovery_images_per_identity,
-            lambda i: "train", name="procedural-discovery",
-        )
-        result.metrics.update({
-            "data/train_images": cfg.train_identities * cfg.images_per_identity,
-            "data/heldout_images": len(h_labels),
-            "data/verification_pairs": n_pairs,
-            "data/template_pairs": n_tpairs,
-        })
-        if cfg.ingest_folder or cfg.ingest_recordio:
-            r_images, r_labels = _ingest_real(tmp / "real", cfg)
-            pairs = min(cfg.verification_pairs, 20 * len(r_labels))
-            result.metrics["data/real_images"] = len(r_labels)
-            result.metrics["data/real_verification_pairs"] = write_pairs_bin(
-                tmp / "verification" / "real.bin", r_images, r_labels, pairs, cfg.seed
-            )
-        first = cfg.train_identities + cfg.heldout_identities + cfg.discovery_identities
-        result.metrics.update(_video_set(tmp / "videos", gen, cfg, first))
-        first += cfg.video_identities + cfg.video_distractors
-        result.metrics["data/unaligned_images"] = _unaligned_set(tmp / "unaligned", cfg, first)
+        result.metrics.update(_prepare_parts(cfg, tmp, stage_cores() if workers is None else workers))
         result.metrics.update(write_gfd_split(tmp, cfg))
+    gen = ProceduralFaces(cfg.procedural_config(aligned=True), seed=cfg.seed)
     sample_grid(gen, cfg, paths.plots / "samples.png")
     result.outputs += [paths.prepared, paths.plots / "samples.png"]
     result.summary = (
         f"{cfg.train_identities} train identities × {cfg.images_per_identity} images, "
-        f"{cfg.heldout_identities} held-out identities, {n_pairs} verification pairs, "
-        f"{n_tpairs} template pairs → {paths.prepared}"
+        f"{cfg.heldout_identities} held-out identities, {result.metrics['data/verification_pairs']} verification "
+        f"pairs, {result.metrics['data/template_pairs']} template pairs → {paths.prepared}"
     )
     return result
 

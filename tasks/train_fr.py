@@ -20,7 +20,8 @@ from ml.config import from_mapping
 from ml.errors import ConfigError, DataError
 from ml.train.fr import FRConfig
 from tasks.common import (
-    Paths, StageResult, load_params, section, stage_main, write_json, pyplot, save_figure, write_history_csv,
+    Paths, StageResult, core_share_callbacks, load_params, pyplot, save_figure, section, stage_main,
+    write_history_csv, write_json,
 )
 from tasks.prepare import DataConfig
 from tasks.tracking import registered_note
@@ -125,7 +126,7 @@ def run(cfg: FRConfig, data: DataConfig, paths: Paths, *, source: str = "real", 
         loggers = [lightning_logger(tracker)]
     # KP-RPE backbones read the manifest's landmarks (ground truth for procedural data, the aligner's otherwise)
     keypoints = landmarks_array(rows) if input_contract(cfg.backbone).get("needs_keypoints") else None
-    res = train(cfg, images, labels, loggers=loggers, keypoints=keypoints)
+    res = train(cfg, images, labels, loggers=loggers, keypoints=keypoints, callbacks=core_share_callbacks())
 
     extra = {
         "training_data_digest": digest,

@@ -27,7 +27,8 @@ from ml.errors import ConfigError, DataError
 from ml.models.generator.uiface import GeneratorModelConfig
 from ml.train.generator import GeneratorConfig
 from tasks.common import (
-    Paths, StageResult, load_params, pyplot, save_figure, section, stage_main, write_history_csv, write_json,
+    Paths, StageResult, core_share_callbacks, load_params, pyplot, save_figure, section, stage_main,
+    write_history_csv, write_json,
 )
 from tasks.tracking import registered_note
 
@@ -135,7 +136,8 @@ def run(cfg: GeneratorStageConfig, paths: Paths, *, tracker: Any = None) -> Stag
     size = model_cfg.image_size
     if autoencoder is not None:
         size *= 2 ** (len(autoencoder.config.block_out_channels) - 1)
-    res = train_generator(train_cfg, resize_faces(images, size), contexts, autoencoder=autoencoder, progress=True)
+    res = train_generator(train_cfg, resize_faces(images, size), contexts, autoencoder=autoencoder, progress=True,
+                          callbacks=core_share_callbacks())
     info = read_dataset_info(paths.train_set)
     extra = {"registered_name": REGISTERED_MODEL, "fr_model": str(fr_dir.relative_to(paths.root)),
              "fr_data_digest": fr_config.get("extra", {}).get("training_data_digest", ""),

@@ -88,7 +88,7 @@ def test_reads_what_tasks_prepare_writes(tmp_path):
 
     cfg = DataConfig(template_identities=2, templates_per_identity=2, frames_per_template=2, heldout_identities=2)
     gen = ProceduralFaces(cfg.procedural_config(), seed=0)
-    n_pairs = _template_set(tmp_path / "templates", gen, cfg, 0, 0)
+    n_pairs = _template_set(tmp_path / "templates", gen, cfg, 0)
     meta = tmp_path / "templates" / "meta"
     table = read_tid_mid(meta / "face_tid_mid.txt")
     manifest = read_manifest(tmp_path / "templates" / "manifest.parquet")

@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pandas as pd
@@ -22,6 +19,7 @@ import pytest
 import yaml
 
 from .conftest import copy_project
+from .servers import mlflow_server, prefect_server
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
@@ -29,54 +27,11 @@ STAGES = ["prepare", "validate", "train_aligner", "align", "train_fr@real", "tra
           "train_generator", "synthesize", "train_fr@synthetic", "evaluate"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(url: str, proc: subprocess.Popen, seconds: float = 90) -> None:
-    deadline = time.time() + seconds
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited early ({proc.returncode}): {url}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError(f"server at {url} not healthy after {seconds}s")
-
-
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("servers")
-    env = {**os.environ, "PREFECT_HOME": str(tmp / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    p_port, m_port = _free_port(), _free_port()
-    prefect = subprocess.Popen(
-        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(p_port)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    mlflow = subprocess.Popen(
-        [str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{tmp / 'mlflow.db'}",
-         "--artifacts-destination", str(tmp / "artifacts"), "--host", "127.0.0.1", "--port", str(m_port),
-         "--workers", "1"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    try:
-        _wait(f"http://127.0.0.1:{p_port}/api/health", prefect)
-        _wait(f"http://127.0.0.1:{m_port}/health", mlflow)
-        yield {"PREFECT_API_URL": f"http://127.0.0.1:{p_port}/api", "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{m_port}",
-               "PREFECT_HOME": str(tmp / "prefect")}
-    finally:
-        for proc in (prefect, mlflow):
-            proc.terminate()
-        for proc in (prefect, mlflow):
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    with prefect_server(tmp / "prefect") as prefect_env, mlflow_server(tmp) as mlflow_env:
+        yield {**prefect_env, **mlflow_env}
 
 
 @pytest.fixture(scope="module")

@@ -121,3 +121,25 @@ def test_ingest_real_faces_folder(glint24, tmp_path):
     assert len(real) == 120 and (real["width"] == 64).all()
     images, issame = read_verification_bin(paths.verification_dir / "real.bin")
     assert images.shape[1:] == (64, 64, 3) and issame.any() and (~issame).any()
+
+
+def test_parts_in_parallel_write_the_same_bytes_as_one_process(tmp_path):
+    """The prepared directory's parts are rendered by several processes: the bytes must not depend on that."""
+    import hashlib
+
+    small = dataclasses.replace(
+        TINY, video_identities=2, video_distractors=1, video_frames=(3, 5), unaligned_identities=4,
+        unaligned_images_per_identity=2, unaligned_test_identities=1, unaligned_size=64,
+    )
+
+    def tree(root):
+        return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(root.rglob("*")) if p.is_file()}
+
+    one, two = Paths(tmp_path / "one"), Paths(tmp_path / "two")
+    r1, r2 = run(small, one, workers=1), run(small, two, workers=2)
+    assert r1.metrics == r2.metrics
+    files = tree(one.prepared)
+    assert {"videos/manifest.parquet", "unaligned/dataset.json", "verification/procedural.bin"} <= set(files)
+    assert files == tree(two.prepared)
+    assert not list(tmp_path.glob("*/data/.prepared.tmp-*"))  # no temporary directory left behind

@@ -1,8 +1,10 @@
 """What the Lightning trainers (FR, UIFace generator) share: per-epoch history that survives a resume, the run
-description written into every checkpoint, and the refusal of device settings the machine cannot run."""
+description written into every checkpoint, the refusal of device settings the machine cannot run, and following
+a share of the CPU cores that changes while training runs."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,35 @@ def last_good_checkpoint(trainer: lightning.Trainer | None) -> str | None:
             if path and Path(path).is_file():
                 return str(path)
     return str(trainer.ckpt_path) if trainer.ckpt_path else None
+
+
+class FollowCoreShare(Callback):
+    """Keep torch's intra-op threads at the number written in ``path`` (one integer), re-read at most every
+    ``interval`` seconds between training steps. Whoever schedules several trainings on one machine writes each
+    its share of the cores there (``flows.pipeline`` does), so a training left running alone takes all the cores
+    instead of keeping the share it started with. A missing or unreadable file changes nothing."""
+
+    def __init__(self, path: str | Path, interval: float = 2.0) -> None:
+        self.path = Path(path)
+        self.interval = interval
+        self._checked = float("-inf")
+
+    def poll(self) -> int:
+        """Apply the current share if it is due and changed; → the threads torch uses now."""
+        now = time.monotonic()
+        if now - self._checked >= self.interval:
+            self._checked = now
+            try:
+                threads = int(self.path.read_text().strip())
+            except (OSError, ValueError):
+                threads = 0
+            if threads > 0 and threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
+        return torch.get_num_threads()
+
+    def on_train_batch_start(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self.poll()
 
 
 class EpochHistory(Callback):
