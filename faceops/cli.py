@@ -41,6 +41,8 @@ def _quiet_env() -> None:
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
         "GX_ANALYTICS_ENABLED": "false", "DVC_NO_ANALYTICS": "1", "HF_HUB_OFFLINE": "1",
         "DO_NOT_TRACK": "1",
+        # without PREFECT_API_URL a flow starts a temporary local Prefect server: give it time on a busy machine
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
     }.items():
         os.environ.setdefault(key, value)
 
@@ -87,8 +89,9 @@ def run(
     except StageFailed as exc:
         _fail(str(exc), code=1)
     typer.echo("")
+    width = max((len(r["stage"]) for r in results), default=0)
     for r in results:
-        typer.echo(f"  {r['stage']:<12} {'ran' if r['ran'] else 'up to date':<11} {r['seconds']:6.1f}s")
+        typer.echo(f"  {r['stage']:<{width}}  {'ran' if r['ran'] else 'up to date':<11} {r['seconds']:6.1f}s")
     typer.echo("\nResults:")
     for label, path in [("benchmark report", "reports/benchmark.md"), ("metrics", "metrics/"), ("plots", "plots/"),
                         ("FR model", "models/fr/"), ("validation (Data Docs)", "reports/validation/docs/index.html")]:
@@ -184,6 +187,23 @@ def ls() -> None:
                            f"source={v.tags.get('source', '?')} run={v.run_id[:8]}")
     except Exception as exc:  # registry unreachable is not fatal for a listing
         typer.echo(f"  (registry unavailable: {exc})")
+
+
+# ── operations commands: one module per area beside this one (heavy imports inside the commands) ──
+from faceops.sweep import sweep_command  # noqa: E402
+app.command("sweep")(sweep_command)
+
+from faceops.promote import promote_cmd  # noqa: E402
+
+app.command("promote")(promote_cmd)
+
+from faceops.stack import stack_app  # noqa: E402
+
+app.add_typer(stack_app, name="stack")
+
+from faceops.storage import app as data_app  # noqa: E402
+
+app.add_typer(data_app, name="data")
 
 
 def main() -> None:  # pragma: no cover

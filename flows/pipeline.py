@@ -22,13 +22,14 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prefect import flow, get_run_logger, task
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from flows import routing
 from tasks import tracking
 from tasks.common import ENV_CORE_SHARE
 
@@ -37,31 +38,57 @@ _DVC = threading.Lock()
 
 
 class _Slots:
-    """At most ``n`` stages in progress at once; a freed slot goes to the waiting stage with the highest
-    priority (the longest chain of stages still to come after it: the critical path first), ties first come."""
+    """At most ``n`` stages in progress at once. A freed slot goes to the ready stage with the longest chain of
+    stages still to come after it (the critical path first; ties: first come). A stage whose upstream stages have
+    all just finished counts as ready before its task arrives (Prefect starts it a moment later), so a stage that
+    was already waiting with a shorter chain cannot take the slot from under it; that expectation lapses after
+    ``grace`` seconds."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, graph: dict[str, list[str]] | None = None, grace: float = 30.0) -> None:
         self._free = max(1, n)
-        self._waiting: list[tuple[int, int]] = []  # (-priority, arrival): the smallest is served next
+        self._graph = graph or {}
+        self._priority = _chain_lengths(self._graph) if self._graph else {}
+        self._grace = grace
+        self._waiting: list[tuple[int, float, str]] = []  # (-priority, arrival, stage): the smallest goes next
+        self._expected: dict[str, float] = {}  # stage → when the expectation lapses
+        self._done: set[str] = set()
         self._arrivals = 0
         self._cond = threading.Condition()
 
+    def _queue(self) -> list[tuple[int, float, str]]:
+        now = time.monotonic()
+        self._expected = {s: t for s, t in self._expected.items() if t > now}
+        # an expected stage ranks after a waiting one of the same priority (arrival = ∞)
+        return self._waiting + [(-self._priority.get(s, 0), float("inf"), s) for s in self._expected]
+
     @contextlib.contextmanager
-    def hold(self, priority: int = 0) -> Iterator[None]:
+    def hold(self, stage: str) -> Iterator[None]:
         with self._cond:
-            ticket = (-priority, self._arrivals)
+            self._expected.pop(stage, None)
+            ticket = (-self._priority.get(stage, 0), float(self._arrivals), stage)
             self._arrivals += 1
             self._waiting.append(ticket)
-            self._cond.wait_for(lambda: self._free > 0 and min(self._waiting) == ticket)
+            while not (self._free > 0 and min(self._queue()) == ticket):
+                self._cond.wait(timeout=1.0)  # re-check: expectations lapse
             self._waiting.remove(ticket)
             self._free -= 1
             self._cond.notify_all()
+        finished = False
         try:
             yield
+            finished = True
         finally:
             with self._cond:
                 self._free += 1
+                if finished:
+                    self._finish(stage)
                 self._cond.notify_all()
+
+    def _finish(self, stage: str) -> None:
+        self._done.add(stage)
+        for down, ups in self._graph.items():
+            if stage in ups and all(u in self._done for u in ups):
+                self._expected[down] = time.monotonic() + self._grace
 
 
 class _CoreShare:
@@ -179,15 +206,19 @@ def stage_env(root: Path, invocation: str, parent_run_id: str | None) -> dict[st
 
 
 @task(retries=0, task_run_name="{stage}")
-def reproduce_stage(stage: str, root: str, parent_run_id: str | None = None, force: bool = False,
-                    priority: int = 0) -> dict[str, Any]:
+def reproduce_stage(stage: str, root: str, parent_run_id: str | None = None, force: bool = False
+                    ) -> dict[str, Any]:
     """Reproduce one stage through DVC (see the module docstring): nothing runs when DVC finds it up to date.
 
     The stage's MLflow run is relayed through this process (``tasks.tracking.StageRelay``): the stage writes
     a journal, this task replays it into MLflow while the stage works. Stages running side by side share the
-    cores (``_CoreShare``); when slots are scarce, the stage with the highest ``priority`` starts first.
+    cores (``_CoreShare``); when slots are scarce, the stage on the longest remaining chain starts first.
+    A GPU stage runs on the GPU work pool instead when one is configured (``flows.routing``): it takes no slot.
     """
-    with _SLOTS["pool"].hold(priority):
+    deployment = routing.dispatch_target(stage)
+    if deployment is not None:
+        return routing.dispatch_stage(stage, Path(root), deployment, parent_run_id, force)
+    with _SLOTS["pool"].hold(stage):
         return _reproduce(stage, Path(root), parent_run_id, force)
 
 
@@ -209,7 +240,8 @@ def _reproduce(stage: str, root: Path, parent_run_id: str | None, force: bool) -
         _CORES.leave(key)
     if rc != 0:
         errors = [l for l in tail if l.startswith(("error:", "ERROR"))]
-        raise StageFailed(f"stage '{stage}' failed (exit {rc}): {(errors or tail[-1:] or ['no output'])[-1]}")
+        raise StageFailed(f"stage '{stage}' failed (exit {rc}): {(errors or tail[-1:] or ['no output'])[-1]}"
+                          f"{routing.mlflow_note(root, relay.run_ids)}")
     try:
         commit_stage(root, stage)
     except Exception as exc:  # e.g. an output the cmd did not write
@@ -219,7 +251,7 @@ def _reproduce(stage: str, root: Path, parent_run_id: str | None, force: bool) -
                           f"({relay.error}); its tracking journal is kept at {relay.path}: replay it with "
                           f"tasks.tracking.StageRelay.replay once MLflow is reachable")
     if relay.run_ids:
-        _tag_stage_runs(root, stage, relay.run_ids)
+        _retrying(_tag_stage_runs, root, stage, relay.run_ids)
     seconds = time.perf_counter() - start
     logger.info("%s: ran in %.1fs", stage, seconds)
     return {"stage": stage, "ran": True, "seconds": seconds}
@@ -278,16 +310,66 @@ def _tag_stage_runs(root: Path, stage: str, run_ids: list[str]) -> None:
                 client.set_tag(run_id, f"dvc.dep.{path}", md5)
 
 
+def _retrying(fn: Callable[..., Any], *args: Any, delays: tuple[float, ...] = (2.0, 8.0, 30.0)) -> Any:
+    """``fn(*args)``, tried again after each of ``delays`` seconds while it raises. For MLflow writes inside a
+    stage's task: a Prefect task with retries would add a task run per stage to the flow run."""
+    for delay in delays:
+        try:
+            return fn(*args)
+        except Exception as exc:  # transient: a locked SQLite store, a restarting tracking server
+            get_run_logger().warning("%s failed (%s); trying again in %.0fs", fn.__name__, exc, delay)
+            time.sleep(delay)
+    return fn(*args)
+
+
+def apply_params(root: Path, preset: str | None, params_delta: dict[str, str] | None, logger: Any) -> None:
+    """Write ``preset`` then ``params_delta`` (dotted key → YAML value, as `faceops run --set` takes them) into
+    ``root``'s params.yaml, as the CLI does; an unknown section or key raises ConfigError naming it before anything
+    is written. It edits the working copy the flow runs in: a deployment's run starts from a fresh clone."""
+    from tasks.params import apply_delta, load_preset, parse_assignments
+
+    delta = load_preset(preset, root) if preset else {}
+    delta.update(parse_assignments([f"{key}={value}" for key, value in (params_delta or {}).items()]))
+    if delta:
+        for key, (old, new) in apply_delta(root / "params.yaml", delta).items():
+            logger.info("params.yaml: %s: %r → %r", key, old, new)
+
+
+def benchmark_markdown(report: str, tables: int = 2) -> str:
+    """The head of a benchmark report (title, when it was generated) and its first ``tables`` sections holding a
+    table (the models and their verification accuracy), with a pointer to the rest."""
+    head, *sections = re.split(r"^(?=## )", report, flags=re.MULTILINE)
+    with_table = [s for s in sections if re.search(r"^\|", s, flags=re.MULTILINE)]
+    kept = "".join(with_table[:tables]).rstrip()
+    rest = len(sections) - len(with_table[:tables])
+    return f"{head.rstrip()}\n\n{kept}\n\n_{rest} more section(s) in `reports/benchmark.md`._\n"
+
+
+def publish_benchmark(root: Path) -> None:
+    """This flow run's ``benchmark`` markdown artifact (Prefect UI → Artifacts), from reports/benchmark.md."""
+    from prefect.artifacts import create_markdown_artifact
+
+    report = root / "reports" / "benchmark.md"
+    markdown = (benchmark_markdown(report.read_text(encoding="utf-8")) if report.is_file() else
+                "No benchmark yet: the `evaluate` stage writes `reports/benchmark.md`; run it (stage `evaluate`).")
+    create_markdown_artifact(markdown=markdown, key="benchmark", description="faceops benchmark (reports/benchmark.md)")
+
+
 @flow(name="faceops-pipeline")
-def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = False, jobs: int = 1
-             ) -> list[dict[str, Any]]:
+def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = False, jobs: int = 1,
+             params_delta: dict[str, str] | None = None, preset: str | None = None) -> list[dict[str, Any]]:
     """Reproduce the DVC pipeline (all stages, or ``stages`` and what they need); a stage starts as soon as the
     stages it depends on have finished, up to ``jobs`` at once (the critical path first when more are ready),
-    sharing the cores."""
+    sharing the cores. ``preset`` then ``params_delta`` (e.g. ``{"fr.epochs": "2"}``) are written into params.yaml
+    first (``apply_params``). GPU stages run on the GPU work pool when ``FACEOPS_GPU_DEPLOYMENT`` is set. The run
+    ends with a ``benchmark`` artifact."""
     import mlflow
 
     logger = get_run_logger()
     root_path = Path(root).resolve()
+    apply_params(root_path, preset, params_delta, logger)
+    if deployment := routing.gpu_deployment():
+        logger.info("GPU stages run on deployment %s", deployment)
     graph = stage_graph(root_path)
     order = list(graph)
     if stages:
@@ -297,9 +379,8 @@ def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = Fal
         keep = _with_upstream(graph, stages)
         order = [s for s in order if s in keep]
     logger.info("stages in dependency order: %s", " → ".join(order))
-    _SLOTS["pool"] = _Slots(jobs)
+    _SLOTS["pool"] = _Slots(jobs, {s: [u for u in graph[s] if u in order] for s in order})
     _CORES.jobs = max(1, jobs)
-    priority = _chain_lengths(graph)
     tracking.configure(root_path)
     with mlflow.start_run(run_name="pipeline", tags={
         "prefect.flow_run_id": str(flow_run.id), "faceops.kind": "pipeline", "git.commit": tracking.git_commit(root_path),
@@ -308,7 +389,7 @@ def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = Fal
         for stage in order:
             upstream = [futures[u] for u in graph[stage] if u in futures]
             futures[stage] = reproduce_stage.submit(stage, str(root_path), parent.info.run_id, force,
-                                                    priority[stage], wait_for=upstream)
+                                                    wait_for=upstream)
         results, failure = [], None
         for stage in order:  # dependency order: the first failure reported is the root cause
             state = futures[stage].wait() or futures[stage].state
@@ -322,6 +403,7 @@ def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = Fal
             "pipeline/stages_ran": float(sum(r["ran"] for r in results)),
             "pipeline/seconds": float(sum(r["seconds"] for r in results)),
         })
+    publish_benchmark(root_path)
     return results
 
 

@@ -28,4 +28,7 @@ PARAM_SECTIONS: dict[str, str] = {
     "synthesize": "tasks.synthesize:SynthesizeConfig",
     "pipeline": "tasks.train_fr:PipelineConfig",
     "evaluate": "tasks.evaluate:EvaluateConfig",
+    "sweep": "tasks.sweep:SweepConfig",
+    "promote": "tasks.promote:PromoteConfig",
+    "storage": "tasks.storage:StorageConfig",
 }

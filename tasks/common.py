@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import os
 import shutil
 import tempfile
@@ -131,13 +132,30 @@ class StageResult:
     summary: str = ""
 
 
+class ParamsLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2 floats: ``3e-4`` and ``1e-05`` are numbers, as DVC (ruamel, YAML 1.2)
+    reads them, not the strings YAML 1.1 makes of an exponent without a dot."""
+
+
+ParamsLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def load_yaml(text: str) -> Any:
+    """YAML text as params are read everywhere (``ParamsLoader``)."""
+    return yaml.load(text, Loader=ParamsLoader)
+
+
 def load_params(path: Path | str = PARAMS_FILE) -> dict[str, Any]:
     """Read ``params.yaml``; a missing or malformed file raises ConfigError naming it."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: params file not found. Run from the repository root (where dvc.yaml is).")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = load_yaml(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML ({exc}). Fix the file or `git checkout {path}`.") from exc
     if not isinstance(data, Mapping):
@@ -272,6 +290,8 @@ def stage_main(main: Any) -> None:
     import warnings
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # GX announces every API function it registers at INFO: dozens of lines per stage, none of them ours
+    logging.getLogger("great_expectations").setLevel(logging.WARNING)
     # MLflow's schema-inference hints about our manifests are noise for a pipeline log
     warnings.filterwarnings("ignore", category=UserWarning, module=r"mlflow(\..*)?")
     try:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -34,29 +34,55 @@ METHODS = {  # metrics prefix → table label
 }
 
 
-def evaluate_discovery(cfg: Any, data: Any, paths: Paths, fr_model: Any) -> dict[str, float]:
-    """Run every method, write the predictions, the plot and ``metrics/discovery.json``; → flat metrics
-    ``discovery/<method>/<subset>/<all|known|novel>`` and ``discovery/<method>/nnc``."""
-    from ml.data.dataset import landmarks_array, load_images
-    from ml.discovery.protocol import gfd_baselines, gfd_ssk, known_or_new_names
-    from ml.models.discovery.facegcd import load_facegcd
-    from ml.train.fr import embed, needs_keypoints
+class GFDInputs(NamedTuple):
+    """The images of the GFD split and its per-image masks, in the split's row order."""
+
+    rows: pd.DataFrame
+    images: np.ndarray    # uint8 (N, S, S, 3)
+    labels: np.ndarray    # (N,) int identity labels, known and novel
+    labelled: np.ndarray  # (N,) bool: the label may be used (labelled images of known identities)
+    known: np.ndarray     # (N,) bool: the identity is known
+    test: np.ndarray      # (N,) bool: held out for the test subset
+
+
+def gfd_inputs(paths: Paths, data: Any) -> GFDInputs:
+    """Load ``data/prepared/gfd/split.parquet``'s images (at ``data.image_size``) and masks."""
+    from ml.data.dataset import load_images
     from tasks.train_discovery import gfd_rows
 
     dataset, rows = gfd_rows(paths)
     images = load_images(dataset, rows, expected_size=(data.image_size, data.image_size), progress=True)
-    labels = rows["label"].to_numpy(np.int64)
-    labelled, known = rows["labelled"].to_numpy(bool), rows["known"].to_numpy(bool)
-    test = (rows["subset"] == "test").to_numpy()
+    return GFDInputs(rows, images, rows["label"].to_numpy(np.int64), rows["labelled"].to_numpy(bool),
+                     rows["known"].to_numpy(bool), (rows["subset"] == "test").to_numpy())
+
+
+def facegcd_ssk(model: Any, gfd: GFDInputs, cfg: Any, data: Any) -> tuple[np.ndarray, Any]:
+    """A FaceGCD model's features of the GFD images and semi-supervised k-means on them → (features, outcome);
+    ``outcome.metrics`` are the ``discovery/facegcd/...`` numbers without that prefix."""
+    from ml.discovery.protocol import gfd_ssk
+
+    features = model.embed(gfd.images, batch_size=cfg.batch_size)
+    return features, gfd_ssk(features, gfd.labels, gfd.labelled, gfd.known, gfd.test, n_init=cfg.ssk_n_init,
+                             max_iter=cfg.ssk_max_iter, seed=data.seed, nnc_k=cfg.nnc_k)
+
+
+def evaluate_discovery(cfg: Any, data: Any, paths: Paths, fr_model: Any) -> dict[str, float]:
+    """Run every method, write the predictions, the plot and ``metrics/discovery.json``; → flat metrics
+    ``discovery/<method>/<subset>/<all|known|novel>`` and ``discovery/<method>/nnc``."""
+    from ml.data.dataset import landmarks_array
+    from ml.discovery.protocol import gfd_baselines, gfd_ssk, known_or_new_names
+    from ml.models.discovery.facegcd import load_facegcd
+    from ml.train.fr import embed, needs_keypoints
+
+    gfd = gfd_inputs(paths, data)
+    rows, images, labels, labelled, known, test = gfd
     keypoints = landmarks_array(rows) if needs_keypoints(fr_model) else None
     features = {"fr": embed(fr_model, images, batch_size=cfg.batch_size, flip=cfg.flip, keypoints=keypoints)}
     outcomes = {"fr_ssk": gfd_ssk(features["fr"], labels, labelled, known, test, n_init=cfg.ssk_n_init,
                                   max_iter=cfg.ssk_max_iter, seed=data.seed, nnc_k=cfg.nnc_k)}
     if (paths.discovery_model / "config.json").is_file():
         model, _ = load_facegcd(paths.discovery_model)
-        features["facegcd"] = model.embed(images, batch_size=cfg.batch_size)
-        outcomes["facegcd"] = gfd_ssk(features["facegcd"], labels, labelled, known, test, n_init=cfg.ssk_n_init,
-                                      max_iter=cfg.ssk_max_iter, seed=data.seed, nnc_k=cfg.nnc_k)
+        features["facegcd"], outcomes["facegcd"] = facegcd_ssk(model, gfd, cfg, data)
     else:
         log.warning("no discovery model at %s: FaceGCD rows are left out", paths.discovery_model)
     if cfg.baselines:

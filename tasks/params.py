@@ -17,7 +17,7 @@ import yaml
 from ml.config import from_mapping
 from ml.errors import ConfigError
 from tasks import PARAM_SECTIONS
-from tasks.common import atomic_path
+from tasks.common import atomic_path, load_yaml
 
 PRESETS_FILE = "presets.yaml"
 
@@ -44,7 +44,7 @@ def parse_assignments(items: list[str]) -> dict[str, Any]:
         if not sep or not key or "." not in key:
             raise ConfigError(f"--set '{item}': expected SECTION.KEY=VALUE, e.g. --set fr.epochs=2")
         try:
-            delta[key] = yaml.safe_load(raw) if raw.strip() else ""
+            delta[key] = load_yaml(raw) if raw.strip() else ""
         except yaml.YAMLError as exc:
             raise ConfigError(f"--set '{item}': the value is not valid YAML ({exc}).") from exc
     return delta
@@ -52,7 +52,7 @@ def parse_assignments(items: list[str]) -> dict[str, Any]:
 
 def load_preset(name: str, root: Path) -> dict[str, Any]:
     path = root / PRESETS_FILE
-    presets = yaml.safe_load(path.read_text()) if path.is_file() else {}
+    presets = load_yaml(path.read_text()) if path.is_file() else {}
     if not presets or name not in presets:
         valid = ", ".join(sorted(presets or {})) or "none"
         raise ConfigError(f"unknown preset '{name}' (defined in {path}: {valid}).")
@@ -81,7 +81,7 @@ def apply_delta(params_path: Path, delta: Mapping[str, Any]) -> dict[str, tuple[
         old = node.get(parts[-1])
         node[parts[-1]] = value
         changes[key] = (old, value)
-    check_params(yaml.safe_load(_dump(rt, doc)))
+    check_params(load_yaml(_dump(rt, doc)))
     with atomic_path(params_path) as tmp:
         tmp.write_text(_dump(rt, doc))
     return changes

@@ -56,11 +56,32 @@ def _fuse(method: str, feats: np.ndarray, styles: np.ndarray, rows: Any, groups:
     return fuse_templates(method, feats, groups, styles=styles, **extra)
 
 
+def template_fusion(fr_model: Any, caface: Any, paths: Paths, data: Any, batch_size: int, methods: list[str],
+                    chunk_size: int = 64) -> dict[str, float]:
+    """1:1 verification of the IJB-B/C-style templates (``data/prepared/templates``) fused by each of ``methods``
+    over ``fr_model``'s features → ``{"<method>/tar@far=1e-4": …, "<method>/n_genuine": …}`` (TAR at ``FARS``);
+    ``caface`` is the CAFace model (or None when ``methods`` leaves it out)."""
+    from ml.data.dataset import read_manifest
+    from ml.data.ijb import read_template_pairs
+    from ml.eval.sets import index_pairs, template_verification
+
+    rows = read_manifest(paths.template_set / "manifest.parquet")
+    feats, styles = _features(fr_model, paths.template_set, rows, data, batch_size)
+    tids, groups = np.unique(rows["template"].to_numpy(np.int64), return_inverse=True)
+    pairs, labels = read_template_pairs(paths.template_set / "meta" / "template_pair_label.txt")
+    pairs = index_pairs(pairs, tids)
+    metrics: dict[str, float] = {}
+    for method in methods:
+        templates = _fuse(method, feats, styles, rows, groups, caface, data, chunk_size)
+        for k, v in template_verification(templates, pairs, labels, fars=FARS).items():
+            metrics[f"{method}/{k}"] = v
+    return metrics
+
+
 def evaluate_sets(cfg: Any, data: Any, paths: Paths, fr_model: Any, chunk_size: int = 64) -> dict[str, float]:
     """Every fusion method on templates and videos → flat metrics ``sets/<part>/<method>/<metric>``."""
     from ml.data.dataset import landmarks_array, read_manifest
-    from ml.data.ijb import read_template_pairs
-    from ml.eval.sets import gain_vs_probe_size, index_pairs, order_robustness, template_verification, video_identification
+    from ml.eval.sets import gain_vs_probe_size, order_robustness, video_identification
     from ml.models.fusion.caface import load_caface
 
     caface = load_caface(paths.fusion_model) if (paths.fusion_model / "config.json").is_file() else None
@@ -68,15 +89,8 @@ def evaluate_sets(cfg: Any, data: Any, paths: Paths, fr_model: Any, chunk_size: 
     metrics: dict[str, float] = {}
 
     # IJB-B/C-style templates
-    rows = read_manifest(paths.template_set / "manifest.parquet")
-    feats, styles = _features(fr_model, paths.template_set, rows, data, cfg.batch_size)
-    tids, groups = np.unique(rows["template"].to_numpy(np.int64), return_inverse=True)
-    pairs, labels = read_template_pairs(paths.template_set / "meta" / "template_pair_label.txt")
-    pairs = index_pairs(pairs, tids)
-    for method in methods:
-        templates = _fuse(method, feats, styles, rows, groups, caface, data, chunk_size)
-        for k, v in template_verification(templates, pairs, labels, fars=FARS).items():
-            metrics[f"sets/templates/{method}/{k}"] = v
+    for k, v in template_fusion(fr_model, caface, paths, data, cfg.batch_size, methods, chunk_size).items():
+        metrics[f"sets/templates/{k}"] = v
 
     # IJB-S-style videos
     rows = read_manifest(paths.video_set / "manifest.parquet")

@@ -63,6 +63,19 @@ def test_parse_assignments():
         parse_assignments(["epochs=2"])
 
 
+def test_exponent_floats_are_numbers_on_the_way_in_and_back(tmp_path):
+    """PyYAML's YAML 1.1 reads ``3e-4`` as a string; params are YAML 1.2 (DVC reads them with ruamel)."""
+    from tasks.common import load_params
+
+    assert parse_assignments(["fr.lr=3e-4", "fr.weight_decay=1E+2", "fr.epochs=2"]) == {
+        "fr.lr": 3e-4, "fr.weight_decay": 100.0, "fr.epochs": 2}
+    params = tmp_path / "params.yaml"
+    params.write_text((REPO / "params.yaml").read_text())
+    apply_delta(params, {"fr.lr": 1e-05})  # ruamel writes it back as 1e-05
+    assert load_params(params)["fr"]["lr"] == 1e-05
+    assert parse_assignments(["data.ingest_folder=1e5x"])["data.ingest_folder"] == "1e5x"
+
+
 def test_apply_delta_keeps_comments_and_validates(tmp_path):
     params = tmp_path / "params.yaml"
     original = (REPO / "params.yaml").read_text()

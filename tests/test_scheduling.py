@@ -3,6 +3,7 @@ stages running side by side, including a training that takes the cores a finishe
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -25,30 +26,78 @@ def test_chain_lengths_put_the_critical_path_first():
     assert lengths["prepare"] == 5
 
 
-def test_a_freed_slot_goes_to_the_waiting_stage_with_the_highest_priority():
-    slots, order, started = _Slots(1), [], threading.Event()
-    release = threading.Event()
+def _hold_then_record(slots, stage, order, hold_seconds=0.0):
+    with slots.hold(stage):
+        order.append(stage)
+        time.sleep(hold_seconds)
+
+
+def _start(target, *args):
+    thread = threading.Thread(target=target, args=args)
+    thread.start()
+    return thread
+
+
+# a: three stages after it (a → x → y → z); b: one (b → z); c: none
+CHAINS = {"first": [], "a": [], "x": ["a"], "y": ["x"], "b": [], "z": ["y", "b"], "c": []}
+
+
+def test_a_freed_slot_goes_to_the_waiting_stage_on_the_longest_chain():
+    slots, order, release = _Slots(1, CHAINS, grace=0.0), [], threading.Event()  # no stage expected after one ends
+    started = threading.Event()
 
     def first():
-        with slots.hold(0):
+        with slots.hold("first"):
             started.set()
             release.wait(5)
 
-    def waiter(name, priority):
-        with slots.hold(priority):
-            order.append(name)
-
-    holder = threading.Thread(target=first)
-    holder.start()
+    threads = [_start(first)]
     started.wait(5)
-    threads = [threading.Thread(target=waiter, args=(n, p)) for n, p in (("low", 1), ("high", 3), ("mid", 2))]
-    for t in threads:
-        t.start()
+    for stage in ("c", "a", "b"):
+        threads.append(_start(_hold_then_record, slots, stage, order))
         time.sleep(0.05)  # all three wait before the slot frees
     release.set()
-    for t in [holder, *threads]:
+    for t in threads:
         t.join(5)
-    assert order == ["high", "mid", "low"]
+    assert order == ["a", "b", "c"]
+
+
+def test_a_stage_whose_upstream_just_finished_is_not_overtaken_by_a_shorter_chain():
+    """``x`` becomes ready when ``a`` finishes, but its task arrives a moment later than ``c``, which was already
+    waiting: the slot must still go to ``x`` (two stages after it) rather than ``c`` (none)."""
+    slots, order = _Slots(1, CHAINS, grace=1.0), []  # x arrives 0.3 s late; y (after x) never does
+    a = _start(_hold_then_record, slots, "a", order, 0.2)
+    time.sleep(0.05)
+    c = _start(_hold_then_record, slots, "c", order)
+    a.join(5)
+    time.sleep(0.3)  # x's task is late
+    x = _start(_hold_then_record, slots, "x", order)
+    for t in (c, x):
+        t.join(5)
+    assert order == ["a", "x", "c"]
+
+
+def test_an_expected_stage_that_never_comes_holds_nothing_up_for_long():
+    slots, order = _Slots(1, CHAINS, grace=0.3), []
+    a = _start(_hold_then_record, slots, "a", order, 0.1)
+    time.sleep(0.02)
+    c = _start(_hold_then_record, slots, "c", order)
+    for t in (a, c):
+        t.join(5)
+    assert order == ["a", "c"]  # x never arrived: c went once the expectation lapsed
+
+
+def test_a_failed_stage_makes_nothing_after_it_expected():
+    slots, order = _Slots(1, CHAINS, grace=30.0), []
+
+    def fail():
+        with contextlib.suppress(RuntimeError), slots.hold("a"):
+            raise RuntimeError("stage failed")
+
+    _start(fail).join(5)
+    c = _start(_hold_then_record, slots, "c", order)
+    c.join(5)
+    assert order == ["c"]
 
 
 def test_slots_let_at_most_n_stages_in_at_once():
@@ -56,7 +105,7 @@ def test_slots_let_at_most_n_stages_in_at_once():
     inside = {"now": 0, "max": 0}
 
     def work():
-        with slots.hold():
+        with slots.hold("c"):
             with lock:
                 inside["now"] += 1
                 inside["max"] = max(inside["max"], inside["now"])

@@ -1,0 +1,111 @@
+"""``faceops sweep STAGE``: an Optuna hyperparameter sweep as the Prefect flow ``sweep`` (``flows/sweep.py``).
+
+Registered in ``faceops/cli.py``; heavy libraries are imported inside the command so ``--help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+
+def sweep_command(
+    stage: Annotated[str, typer.Argument(help="the stage whose params to search: `train_fr`")] = "train_fr",
+    trials: Annotated[Optional[int], typer.Option(
+        help="trials this command runs (split over --workers; 0 = only report/apply); default `sweep.<stage>.trials`")] = None,
+    storage: Annotated[Optional[str], typer.Option(
+        help="Optuna storage: `journal:FILE`, `sqlite:///FILE` or `postgresql://user@host/db`; "
+             "default `sweep.storage` (\"\" = `sqlite:///optuna.db` here)")] = None,
+    study: Annotated[Optional[str], typer.Option(
+        help="study name; commands with the same storage and name share one study. Default: STAGE-HASH, a hash "
+             "of the space and the stage's other params, so rerunning continues it")] = None,
+    apply: Annotated[bool, typer.Option(
+        "--apply", help="write the best params into params.yaml and print the diff")] = False,
+    workers: Annotated[int, typer.Option(help="worker processes on this machine, one study")] = 1,
+) -> None:
+    """Search a stage's hyperparameters with Optuna; every trial is a nested MLflow run.
+
+    The space is data: `params.yaml` → `sweep.train_fr.space` maps params keys to ranges, e.g.
+    `fr.lr: {type: float, low: 0.0001, high: 0.01, log: true}` or `fr.margin: {type: categorical, choices: [arcface,
+    cosface]}`. A trial trains on the prepared set's train split with its values set in memory (params.yaml is
+    not touched), reports `val/accuracy` after every epoch and is pruned when it falls behind (`sweep.pruner`).
+    Results: `reports/sweeps/STUDY.json` (best params and value), `plots/sweeps/STUDY_history.png` and
+    `_importance.png`, and in MLflow one `sweep-STUDY` run with a child run per trial.
+
+    Examples:
+
+    * `faceops sweep train_fr --trials 20` — locally, study in `optuna.db` (SQLite)
+
+    * `faceops sweep train_fr --trials 20 --workers 2` — two processes on this machine, one study
+
+    * `faceops sweep train_fr --trials 10 --storage journal:sweeps/fr.log --study fr-lr` in each of two
+      terminals — two independent commands, one study (20 trials); any number of them may join
+
+    * `PGPASSWORD=… faceops sweep train_fr --trials 10 --storage postgresql://optuna@db:5432/optuna --study fr-lr`
+      on each cluster worker, with `MLFLOW_TRACKING_URI` at the MLflow server (start one command first, or create
+      the MLflow experiment before starting many at once)
+
+    * `faceops sweep train_fr --study fr-lr --storage journal:sweeps/fr.log --trials 0 --apply` — no more
+      trials: write the study's best params into params.yaml and print the diff; review with `git diff params.yaml`
+    """
+    from ml.errors import FaceopsError
+    from tasks import sweep as sw
+
+    root = Path.cwd()
+    if not (root / "dvc.yaml").is_file():
+        _fail(f"no dvc.yaml in {root}: run faceops from the repository root.")
+    _quiet_env()
+    if storage:  # through the environment, so the URL (and any password) is not recorded as a flow parameter
+        os.environ[sw.ENV_STORAGE] = storage
+    try:
+        sw.check_request(stage, trials=trials, storage=storage, root=root, workers=workers)
+    except FaceopsError as exc:
+        _fail(str(exc))
+    from flows.sweep import sweep_flow
+
+    try:
+        summary = sweep_flow(stage=stage, trials=trials, storage=None, study=study, apply=apply, root=str(root),
+                             workers=workers)
+    except FaceopsError as exc:
+        _fail(str(exc))
+    _print_summary(summary)
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    counts = summary["trials"]
+    typer.echo(f"\nstudy {summary['study']} ({summary['storage']}): {counts['total']} trials — "
+               f"{counts.get('complete', 0)} complete, {counts.get('pruned', 0)} pruned, {counts.get('fail', 0)} failed"
+               + (f", {counts['running']} running" if counts.get("running") else ""))
+    best = summary["best"]
+    if best:
+        typer.echo(f"best trial {best['number']}: {summary['metric']} = {best['value']:.4f}")
+        for key, value in best["params"].items():
+            typer.echo(f"  {key} = {value!r}")
+    for note in summary["notes"]:
+        typer.echo(f"note: {note}")
+    typer.echo(f"report       {summary['report']}")
+    for name, path in summary["plots"].items():
+        typer.echo(f"{name:<12} {path}")
+    typer.echo(f"MLflow       run {summary['mlflow_parent_run_id']} in {summary['mlflow_tracking_uri']}")
+    applied = summary.get("applied")
+    if applied is not None:
+        if applied["diff"]:
+            typer.echo(f"\nparams.yaml ← best trial {applied['trial']}:\n")
+            typer.echo(applied["diff"].rstrip("\n"))
+            typer.echo("\nreview and commit: git diff params.yaml")
+        else:
+            typer.echo("\nparams.yaml already holds the best trial's params: nothing changed")
+
+
+def _fail(message: str, code: int = 2) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code)
+
+
+def _quiet_env() -> None:
+    for key, value in {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
+                       "DVC_NO_ANALYTICS": "1", "HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1"}.items():
+        os.environ.setdefault(key, value)

@@ -1,0 +1,108 @@
+"""Per-area flows: the pipeline restricted to one area's stages (and the stages they need), with typed parameters
+a person fills in from the Prefect UI (prefect.yaml deploys each one).
+
+- ``synthesize``: train the UIFace generator and synthesize the face set (``train_generator``, ``synthesize``);
+- ``train``: the training stages (``train_fr@*``, ``train_aligner``, ``train_discovery``, ``train_fusion``,
+  ``train_generator``), or some of them;
+- ``evaluate``: the benchmark (``evaluate``), optionally on your own faces (``ingest_folder`` / ``ingest_recordio``).
+
+Each flow first writes ``preset`` then ``params_delta`` into params.yaml (``flows.pipeline.apply_params``): an
+unknown params key fails the flow run at once, naming the key, before any stage runs. That edit is to the working
+copy the flow runs in — on a worker, the fresh clone the deployment's pull steps made for this run; run locally,
+your checkout (``git checkout params.yaml`` undoes it). Then the area's stages run as a ``faceops-pipeline``
+subflow run: DVC skips what is up to date, GPU stages go to the GPU work pool when ``FACEOPS_GPU_DEPLOYMENT`` is
+set (``flows.routing``), and the subflow run ends with the ``benchmark`` artifact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+from flows.pipeline import apply_params, pipeline, stage_order
+from flows.routing import yaml_value
+from ml.errors import ConfigError
+
+# area → the dvc.yaml stages it runs, by base name (``train_fr`` covers every ``train_fr@<source>``)
+AREAS: dict[str, tuple[str, ...]] = {
+    "synthesize": ("train_generator", "synthesize"),
+    "train": ("train_fr", "train_aligner", "train_discovery", "train_fusion", "train_generator"),
+    "evaluate": ("evaluate",),
+}
+
+
+def area_stages(area: str, all_stages: Iterable[str], only: list[str] | None = None) -> list[str]:
+    """The stages of ``area`` in dependency order, or ``only`` of them (each must belong to the area)."""
+    members = [s for s in all_stages if s.partition("@")[0] in AREAS[area]]
+    if not only:
+        return members
+    foreign = [s for s in only if s not in members]
+    if foreign:
+        raise ConfigError(f"stage(s) {', '.join(foreign)} not in the '{area}' flow; its stages: {', '.join(members)} "
+                          f"(the whole DAG: the faceops-pipeline deployment).")
+    return [s for s in members if s in only]
+
+
+def _run_area(area: str, root: str, only: list[str] | None, params_delta: dict[str, str] | None,
+              preset: str | None, force: bool, jobs: int) -> list[dict[str, Any]]:
+    root_path = Path(root).resolve()
+    apply_params(root_path, preset, params_delta, get_run_logger())
+    stages = area_stages(area, stage_order(root_path), only)
+    return pipeline(root=str(root_path), stages=stages, force=force, jobs=jobs)
+
+
+@flow(name="synthesize")
+def synthesize(params_delta: dict[str, str] | None = None, preset: str | None = None, force: bool = False,
+               jobs: int = 2, root: str = ".") -> list[dict[str, Any]]:
+    """Train the UIFace generator and synthesize a face set (and whatever they need that is out of date).
+
+    Args:
+        params_delta: dotted params key → YAML value, as `faceops run --set` takes them, e.g.
+            {"synthesize.identities": "200"}.
+        preset: a named delta from presets.yaml applied before params_delta, e.g. smoke.
+        force: rerun the stages even when DVC finds them up to date.
+        jobs: how many independent stages run at once.
+        root: the repository root (on a worker: the clone its pull steps made).
+    """
+    return _run_area("synthesize", root, None, params_delta, preset, force, jobs)
+
+
+@flow(name="train")
+def train(stages: list[str] | None = None, params_delta: dict[str, str] | None = None, preset: str | None = None,
+          force: bool = False, jobs: int = 2, root: str = ".") -> list[dict[str, Any]]:
+    """Train the models: every training stage, or some of them, and whatever they need that is out of date.
+
+    Args:
+        stages: only these training stages, e.g. ["train_fr@real"]; empty: all of them.
+        params_delta: dotted params key → YAML value, as `faceops run --set` takes them, e.g.
+            {"fr.epochs": "20", "fr.backbone": "vit_s"}.
+        preset: a named delta from presets.yaml applied before params_delta, e.g. smoke.
+        force: rerun the stages even when DVC finds them up to date.
+        jobs: how many independent stages run at once.
+        root: the repository root (on a worker: the clone its pull steps made).
+    """
+    return _run_area("train", root, stages, params_delta, preset, force, jobs)
+
+
+@flow(name="evaluate")
+def evaluate(ingest_folder: str = "", ingest_recordio: str = "", params_delta: dict[str, str] | None = None,
+             preset: str | None = None, force: bool = False, jobs: int = 2, root: str = ".") -> list[dict[str, Any]]:
+    """Benchmark every model (FR, fusion, discovery, the synthetic set), training whatever is out of date.
+
+    Args:
+        ingest_folder: a folder <identity>/<image> of aligned faces on the worker to benchmark as well
+            (data.ingest_folder); empty keeps params.yaml's value.
+        ingest_recordio: or an InsightFace RecordIO train.rec on the worker (data.ingest_recordio).
+        params_delta: dotted params key → YAML value, as `faceops run --set` takes them, e.g.
+            {"evaluate.fars": "[0.0001, 0.001]"}.
+        preset: a named delta from presets.yaml applied before params_delta, e.g. smoke.
+        force: rerun the stages even when DVC finds them up to date.
+        jobs: how many independent stages run at once.
+        root: the repository root (on a worker: the clone its pull steps made).
+    """
+    datasets = {key: yaml_value(value) for key, value in
+                (("data.ingest_folder", ingest_folder), ("data.ingest_recordio", ingest_recordio)) if value}
+    return _run_area("evaluate", root, None, {**(params_delta or {}), **datasets}, preset, force, jobs)

@@ -1,0 +1,426 @@
+"""Where a stage runs — in the pipeline's own process, or on the ``gpu`` work pool — and where to see its records.
+
+**Which stages**: ``GPU_STAGES`` (the generator and FR trainings, synthesis, fusion, discovery; ``train_fr@*`` by
+its base name). **When**: ``FACEOPS_GPU_DEPLOYMENT`` names a deployment of the ``stage`` flow below as
+``FLOW/DEPLOYMENT`` (prefect.yaml declares ``stage/stage-gpu`` on pool ``gpu`` and sets the variable for the
+deployments on pool ``cpu``). Unset, every stage runs in-process, as ``faceops run`` does on a laptop. It is an
+environment variable, not a params key, on purpose: where a stage runs belongs to the machines, not to the
+experiment, and every params.yaml key is a DVC dependency (changing one would rerun stages).
+
+**How** — workers share nothing but the DVC remote (and the Prefect and MLflow servers):
+
+1. the pipeline pushes the outputs of the stage's upstream stages to the DVC remote and starts a ``stage`` flow
+   run with the stage name, its git commit, the params delta from that commit's params.yaml, the dvc.lock
+   entries of the upstream stages and the pipeline's MLflow run id, then waits for it (``run_deployment``);
+2. on a worker (a fresh clone made by the deployment's pull steps) the ``stage`` flow checks out that commit,
+   writes the delta into params.yaml and the lock entries into dvc.lock, pulls the upstream outputs, reproduces
+   the stage exactly as the pipeline does (``flows.pipeline.reproduce_stage``: DVC status, the stage's cmd with
+   its MLflow run nested under the pipeline's, ``dvc commit``), pushes the stage's outputs, and publishes a
+   ``stage-result`` markdown artifact: the stage's new dvc.lock entry and its uncached outputs (metrics and plot
+   data, which DVC does not push);
+3. the pipeline reads that artifact back, writes the entry into its dvc.lock and the small files into its
+   working copy, and pulls the stage's outputs: its working copy is then as if the stage had run there.
+
+A failed remote run fails the pipeline's task with the remote run's error (which carries the stage's MLflow run
+link) and the remote flow run's URL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import yaml
+from prefect import flow, get_run_logger, task
+from prefect.runtime import flow_run
+
+from ml.errors import ConfigError
+
+ENV_GPU_DEPLOYMENT = "FACEOPS_GPU_DEPLOYMENT"
+GPU_STAGES = frozenset({"train_generator", "train_fr", "synthesize", "train_fusion", "train_discovery"})
+STAGE_FLOW = "stage"
+RESULT_KEY = "stage-result"
+MAX_RESULT_BYTES = 2_000_000  # uncached outputs travel inside the artifact: metrics and plot data, never models
+IO_RETRY_DELAYS = [5, 20, 60]  # seconds before the 2nd, 3rd and 4th try of a DVC transfer
+
+
+# ── the decision ──
+
+
+def is_gpu_stage(stage: str) -> bool:
+    return stage.partition("@")[0] in GPU_STAGES
+
+
+def gpu_deployment() -> str | None:
+    """The deployment GPU stages are dispatched to (``FACEOPS_GPU_DEPLOYMENT``), or None to run them in-process."""
+    from prefect.settings import get_current_settings
+
+    name = os.environ.get(ENV_GPU_DEPLOYMENT, "").strip()
+    if not name:
+        return None
+    flow_name, _, deployment = name.partition("/")
+    if not flow_name or not deployment or "/" in deployment:
+        raise ConfigError(f"{ENV_GPU_DEPLOYMENT}={name!r}: expected FLOW/DEPLOYMENT, e.g. 'stage/stage-gpu' "
+                          f"(`prefect deployment ls` lists them); unset it to run GPU stages in-process.")
+    if not get_current_settings().api.url:
+        raise ConfigError(f"{ENV_GPU_DEPLOYMENT}={name!r} but no Prefect server is configured (PREFECT_API_URL): "
+                          f"dispatching a stage needs a server with a worker on the deployment's pool; set "
+                          f"PREFECT_API_URL or unset {ENV_GPU_DEPLOYMENT}.")
+    return name
+
+
+def dispatch_target(stage: str) -> str | None:
+    """The deployment to run ``stage`` on, or None to run it here: a GPU stage when a GPU deployment is configured,
+    and never from inside a ``stage`` flow run (that is already the worker side)."""
+    if not is_gpu_stage(stage):
+        return None
+    name = gpu_deployment()
+    return None if name is None or flow_run.flow_name == STAGE_FLOW else name
+
+
+# ── links to a stage's records ──
+
+
+def _without_credentials(uri: str) -> str:
+    """``uri`` with any ``user:password@`` removed: links end up in logs and in the Prefect UI."""
+    parts = urlsplit(uri)
+    if not (parts.username or parts.password):
+        return uri
+    host = parts.hostname or ""
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def mlflow_run_link(tracking_uri: str, run_id: str) -> str:
+    """Where to open an MLflow run: a UI link for a tracking server (MLflow's ``#/runs/<id>`` page, which opens
+    the run in its experiment), the ``mlflow ui`` command for a local store."""
+    uri = _without_credentials(tracking_uri).rstrip("/")
+    scheme = urlsplit(uri).scheme
+    if scheme in ("http", "https"):
+        return f"{uri}/#/runs/{run_id}"
+    if scheme == "sqlite" or scheme == "" or scheme == "file":
+        return (f"run {run_id} (`mlflow ui --backend-store-uri {uri}`, then "
+                f"http://127.0.0.1:5000/#/runs/{run_id})")
+    return f"run {run_id} in {uri}"
+
+
+def mlflow_note(root: Path, run_ids: list[str]) -> str:
+    """``"; MLflow: <link>"`` for the stage's last MLflow run, or nothing when it opened none."""
+    from tasks import tracking
+
+    return f"; MLflow: {mlflow_run_link(tracking.tracking_uri(root), run_ids[-1])}" if run_ids else ""
+
+
+def flow_run_url(flow_run_id: Any) -> str:
+    from prefect.utilities.urls import url_for
+
+    return url_for("flow-run", obj_id=str(flow_run_id)) or f"flow run {flow_run_id}"
+
+
+# ── params, commits and dvc.lock between two working copies ──
+
+
+def yaml_value(value: Any) -> str:
+    """``value`` as the YAML text a params delta carries (``1e-05`` → ``1.0e-05``, ``""`` → ``''``), so that
+    parsing it back gives exactly ``value``."""
+    return yaml.safe_dump(value, default_flow_style=True, width=1 << 30).removesuffix("...\n").strip()
+
+
+def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted key → value of every leaf of a params tree (lists are leaves; empty sections have none)."""
+    if not isinstance(tree, Mapping):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(_leaves(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def _git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout
+
+
+def params_delta_from_head(root: Path) -> dict[str, str]:
+    """The params delta that turns the committed params.yaml into this working copy's: what a fresh clone of the
+    same commit needs (dotted key → YAML value)."""
+    try:
+        committed = _leaves(yaml.safe_load(_git(root, "show", "HEAD:params.yaml")) or {})
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise ConfigError(f"{root} is not a git clone with a committed params.yaml ({exc}): a stage dispatched to "
+                          f"a worker is reproduced from a commit; commit params.yaml or unset {ENV_GPU_DEPLOYMENT}.")
+    current = _leaves(yaml.safe_load((root / "params.yaml").read_text()) or {})
+    removed = sorted(set(committed) - set(current))
+    if removed:
+        raise ConfigError(f"params.yaml lacks {', '.join(removed)}, which the commit has: a params delta cannot "
+                          f"remove keys; restore them (`git diff params.yaml`).")
+    return {k: yaml_value(v) for k, v in current.items() if k not in committed or committed[k] != v}
+
+
+def code_commit(root: Path, logger: Any) -> str:
+    """HEAD's sha; warns when files other than params.yaml and dvc.lock differ from it (a worker runs the commit)."""
+    head = _git(root, "rev-parse", "HEAD").strip()
+    changed = [line[3:] for line in _git(root, "status", "--porcelain", "--untracked-files=no").splitlines()]
+    changed = [p for p in changed if p not in ("params.yaml", "dvc.lock")]
+    if changed:
+        logger.warning("uncommitted changes to %s are not seen by the GPU worker: it runs commit %s",
+                       ", ".join(changed), head[:12])
+    return head
+
+
+def checkout_commit(root: Path, commit: str) -> None:
+    """Make the worker's clone ``commit`` (fetched when the clone is at another one)."""
+    head = _git(root, "rev-parse", "HEAD").strip()
+    if head == commit:
+        return
+    try:
+        _git(root, "fetch", "--quiet", "--depth", "1", "origin", commit)
+        _git(root, "checkout", "--quiet", "--detach", commit)
+    except subprocess.CalledProcessError as exc:
+        raise ConfigError(f"this worker's clone is at {head[:12]}, the pipeline runs commit {commit[:12]}, and "
+                          f"fetching it failed ({exc.stderr.strip()}): push that commit to the repository the "
+                          f"workers clone (FACEOPS_GIT_URL).") from exc
+
+
+def read_lock(root: Path) -> dict[str, Any]:
+    """The ``stages`` of ``root``'s dvc.lock (empty without one)."""
+    path = root / "dvc.lock"
+    return ((yaml.safe_load(path.read_text()) or {}).get("stages") or {}) if path.is_file() else {}
+
+
+def write_lock_entries(root: Path, entries: Mapping[str, Any]) -> None:
+    """Set these stages' entries in ``root``'s dvc.lock (DVC's own format; other entries kept)."""
+    from flows import pipeline as pl  # flows.pipeline imports this module
+    from tasks.common import atomic_path
+
+    if not entries:
+        return
+    path = root / "dvc.lock"
+    with pl._DVC:
+        doc = (yaml.safe_load(path.read_text()) if path.is_file() else None) or {"schema": "2.0"}
+        doc.setdefault("stages", {}).update(entries)
+        with atomic_path(path) as tmp:
+            tmp.write_text(yaml.safe_dump(doc, sort_keys=False))
+
+
+def _stage_node(repo: Any, stage: str) -> Any:
+    for node in repo.index.graph:
+        if node.addressing == stage:
+            return node
+    raise ConfigError(f"unknown stage '{stage}' in dvc.yaml")
+
+
+def upstream_outputs(root: Path, stage: str) -> dict[str, list[str]]:
+    """``{upstream stage: [its cached outputs]}`` for the stages ``stage`` directly depends on."""
+    from dvc.repo import Repo
+
+    from flows import pipeline as pl
+
+    with pl._DVC, Repo(str(root)) as repo:
+        graph = repo.index.graph  # edge A → B: A depends on B
+        return {up.addressing: [str(o.def_path) for o in up.outs if o.use_cache]
+                for up in graph.successors(_stage_node(repo, stage)) if not up.addressing.endswith(".dvc")}
+
+
+def stage_outputs(root: Path, stage: str) -> tuple[list[str], list[str]]:
+    """(cached outputs, uncached outputs) of ``stage`` as dvc.yaml declares them."""
+    from dvc.repo import Repo
+
+    from flows import pipeline as pl
+
+    with pl._DVC, Repo(str(root)) as repo:
+        outs = _stage_node(repo, stage).outs
+        return [str(o.def_path) for o in outs if o.use_cache], [str(o.def_path) for o in outs if not o.use_cache]
+
+
+def require_remote(root: Path) -> None:
+    from dvc.repo import Repo
+
+    from flows import pipeline as pl
+
+    with pl._DVC, Repo(str(root)) as repo:
+        if not repo.config["core"].get("remote"):
+            raise ConfigError(f"no default DVC remote in {root}/.dvc/config: a stage on another machine exchanges "
+                              f"its data through it. Add one (`dvc remote add -d storage s3://bucket/dvc`) and "
+                              f"commit .dvc/config, or unset {ENV_GPU_DEPLOYMENT} to run GPU stages in-process.")
+
+
+@task(retries=len(IO_RETRY_DELAYS), retry_delay_seconds=IO_RETRY_DELAYS, task_run_name="dvc push")
+def dvc_push(root: str, targets: list[str]) -> int:
+    """Push ``targets`` (DVC-tracked outputs) to the default remote; → how many files were uploaded."""
+    from dvc.repo import Repo
+
+    from flows import pipeline as pl
+
+    with pl._DVC, Repo(root) as repo:
+        return repo.push(targets=targets)
+
+
+@task(retries=len(IO_RETRY_DELAYS), retry_delay_seconds=IO_RETRY_DELAYS, task_run_name="dvc pull")
+def dvc_pull(root: str, targets: list[str]) -> None:
+    """Fetch ``targets`` from the default remote as dvc.lock records them and check them out (overwriting)."""
+    from dvc.repo import Repo
+
+    from flows import pipeline as pl
+
+    with pl._DVC, Repo(root) as repo:
+        repo.pull(targets=targets, force=True)
+
+
+# ── the stage-result artifact ──
+
+
+def publish_stage_result(stage: str, result: Mapping[str, Any]) -> None:
+    from prefect.artifacts import create_markdown_artifact
+
+    create_markdown_artifact(
+        key=RESULT_KEY,
+        description=f"{stage}: dvc.lock entry and uncached outputs, read back by the dispatching pipeline",
+        markdown=(f"### Stage `{stage}`\n\nIts dvc.lock entry and its uncached outputs; the cached outputs are in "
+                  f"the DVC remote under the hashes below.\n\n```json\n{json.dumps(result, indent=1)}\n```\n"),
+    )
+
+
+def read_stage_result(flow_run_id: Any) -> dict[str, Any]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=[RESULT_KEY]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    if not found:
+        raise ConfigError(f"{flow_run_url(flow_run_id)} completed without a '{RESULT_KEY}' artifact: its deployment "
+                          f"must run flows/routing.py:run_stage_remote.")
+    text = str(found[0].data)
+    return json.loads(text[text.index("```json\n") + 8: text.rindex("\n```")])
+
+
+def _uncached_files(root: Path, paths: list[str]) -> dict[str, str]:
+    files: dict[str, str] = {}
+    for rel in paths:
+        target = root / rel
+        for path in sorted(target.rglob("*")) if target.is_dir() else [target]:
+            if path.is_file():
+                files[str(path.relative_to(root))] = path.read_text(encoding="utf-8")
+    size = sum(len(text) for text in files.values())
+    if size > MAX_RESULT_BYTES:
+        raise ConfigError(f"uncached outputs {', '.join(paths)} hold {size} bytes, too many to hand back through "
+                          f"Prefect (max {MAX_RESULT_BYTES}): declare the large ones as cached outs in dvc.yaml.")
+    return files
+
+
+def adopt_result(root: Path, stage: str, result: Mapping[str, Any]) -> None:
+    """Make ``root`` as if ``stage`` had run there: its lock entry, its uncached files, its pulled outputs."""
+    from tasks.common import atomic_path
+
+    root = root.resolve()
+    for rel, text in result["files"].items():
+        target = (root / rel).resolve()
+        if not target.is_relative_to(root):
+            raise ConfigError(f"stage result for '{stage}' names a file outside the working copy: {rel}")
+        with atomic_path(target) as tmp:
+            tmp.write_text(text, encoding="utf-8")
+    write_lock_entries(root, {stage: result["lock"]})
+    cached, _ = stage_outputs(root, stage)
+    if cached:
+        dvc_pull(str(root), cached)
+
+
+# ── the two sides ──
+
+
+def dispatch_stage(stage: str, root: Path, deployment: str, parent_run_id: str | None, force: bool
+                   ) -> dict[str, Any]:
+    """Reproduce ``stage`` through ``deployment`` (steps 1 and 3 of the module docstring) and wait for it;
+    → the pipeline's result for the stage. Nothing is dispatched when DVC finds the stage up to date."""
+    from prefect.deployments import run_deployment
+    from prefect.exceptions import ObjectNotFound
+
+    from flows import pipeline as pl
+
+    logger = get_run_logger()
+    start = time.perf_counter()
+    reasons, _ = pl.stage_status(root, stage)
+    if not reasons and not force:
+        logger.info("%s: up to date (stage didn't change, skipping)", stage)
+        return {"stage": stage, "ran": False, "seconds": time.perf_counter() - start}
+    require_remote(root)
+    upstream = upstream_outputs(root, stage)
+    lock = read_lock(root)
+    missing = [u for u in upstream if u not in lock]
+    if missing:
+        raise pl.StageFailed(f"stage '{stage}': dvc.lock has no entry for {', '.join(missing)}, so a worker could "
+                             f"not pull their outputs; reproduce them first (`faceops run --stage {missing[0]}`).")
+    inputs = [path for outs in upstream.values() for path in outs]
+    if inputs:
+        dvc_push(str(root), inputs)
+    parameters = {"stage": stage, "commit": code_commit(root, logger), "params_delta": params_delta_from_head(root),
+                  "lock": {u: lock[u] for u in upstream}, "parent_run_id": parent_run_id, "force": force}
+    logger.info("%s: running on deployment %s (%s)", stage, deployment, "; ".join(reasons) or "--force")
+    try:
+        remote = run_deployment(deployment, parameters=parameters, timeout=None, poll_interval=2)
+    except ObjectNotFound as exc:
+        raise pl.StageFailed(f"stage '{stage}': there is no deployment '{deployment}' ({ENV_GPU_DEPLOYMENT}) on the "
+                             f"Prefect server: deploy it (`prefect deploy --name stage-gpu`) or unset "
+                             f"{ENV_GPU_DEPLOYMENT} to run GPU stages in-process.") from exc
+    url = flow_run_url(remote.id)
+    if remote.state is None or not remote.state.is_completed():
+        state = remote.state.name if remote.state else "no state"
+        message = (remote.state.message if remote.state else None) or "no message"
+        raise pl.StageFailed(f"stage '{stage}' failed on {deployment} ({state}): {message}; Prefect flow run: {url}")
+    result = read_stage_result(remote.id)
+    adopt_result(root, stage, result)
+    seconds = time.perf_counter() - start
+    logger.info("%s: %s on %s in %.1fs (%s)", stage, "ran" if result["ran"] else "up to date", deployment,
+                seconds, url)
+    return {"stage": stage, "ran": result["ran"], "seconds": seconds}
+
+
+def _reachable_parent(root: Path, parent_run_id: str | None, logger: Any) -> str | None:
+    """``parent_run_id`` when this worker's MLflow store has it (the stage's run nests under it), else None."""
+    if not parent_run_id:
+        return None
+    from mlflow import MlflowClient
+
+    from tasks import tracking
+
+    try:
+        MlflowClient(tracking_uri=tracking.tracking_uri(root)).get_run(parent_run_id)
+        return parent_run_id
+    except Exception as exc:  # another store: the stage's run stands alone rather than failing the stage
+        logger.warning("the pipeline's MLflow run %s is not in this worker's tracking store (%s): give the workers "
+                       "the pipeline's MLFLOW_TRACKING_URI to nest the stage's run under it", parent_run_id, exc)
+        return None
+
+
+@flow(name=STAGE_FLOW, flow_run_name="{stage}")
+def run_stage_remote(stage: str, root: str = ".", params_delta: dict[str, str] | None = None,
+                     lock: dict[str, Any] | None = None, commit: str | None = None,
+                     parent_run_id: str | None = None, force: bool = False) -> dict[str, Any]:
+    """Reproduce one pipeline stage on this worker (step 2 of the module docstring): check out ``commit``, apply
+    ``params_delta``, pull the outputs the ``lock`` entries of the upstream stages record, reproduce the stage,
+    push its outputs, publish its result as the ``stage-result`` artifact and return it."""
+    from flows import pipeline as pl
+
+    logger = get_run_logger()
+    path = Path(root).resolve()
+    if commit:
+        checkout_commit(path, commit)
+    pl.apply_params(path, None, params_delta, logger)
+    require_remote(path)
+    write_lock_entries(path, lock or {})
+    inputs = [p for outs in upstream_outputs(path, stage).values() for p in outs]
+    if inputs:
+        dvc_pull(str(path), inputs)
+    outcome = pl.reproduce_stage(stage, str(path), _reachable_parent(path, parent_run_id, logger), force)
+    cached, uncached = stage_outputs(path, stage)
+    if cached:
+        dvc_push(str(path), cached)
+    result = {"ran": outcome["ran"], "lock": read_lock(path)[stage], "files": _uncached_files(path, uncached)}
+    publish_stage_result(stage, result)
+    return {**outcome, "lock": result["lock"]}

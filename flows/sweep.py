@@ -1,0 +1,104 @@
+"""The ``sweep`` flow: an Optuna study over one stage's params, its trials nested under one MLflow run.
+
+Steps, one Prefect task each: open (check the request, create or join the study and its MLflow parent run) →
+trials (this process's share; with ``workers > 1`` the others run at the same time as ``python -m tasks.sweep``
+processes on the same study) → report (history and importance plots, best params) → apply (optional: the best
+params into ``params.yaml``, as a reviewable diff). The work itself is in ``tasks.sweep``.
+
+Several flow runs with the same storage and study name (two terminals, or many cluster workers) cooperate on one
+study. A storage URL with a password is best passed in ``$FACEOPS_SWEEP_STORAGE`` (the CLI does that with
+``--storage``), so that it is not recorded as a flow parameter.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
+
+from tasks import sweep as sw
+from tasks.common import stage_cores
+
+
+@task(task_run_name="open-study-{stage}", cache_policy=NO_CACHE)
+def open_study(stage: str, trials: int | None, storage: str | None, study: str | None, root: str) -> sw.SweepPlan:
+    """Check everything, then create or join the study and the MLflow parent run."""
+    tags = {"prefect.flow_run_id": str(flow_run.id)} if flow_run.id else {}
+    return sw.prepare_sweep(stage, trials=trials, storage=storage, study=study, root=root, tags=tags)
+
+
+@task(task_run_name="trials-{plan.study}", cache_policy=NO_CACHE)
+def run_trials(plan: sw.SweepPlan, workers: int = 1) -> int:
+    """This process's trials; with ``workers > 1`` also start the other workers and wait for them."""
+    logger = get_run_logger()
+    shares = split_trials(plan.trials, workers)
+    threads = max(1, stage_cores() // len(shares))
+    extra = start_workers(plan, shares[1:], threads)
+    if extra:
+        logger.info("%d worker processes on study %s: %s trials each, %d torch threads each", len(shares), plan.study,
+                    "/".join(map(str, shares)), threads)
+    try:
+        sw.run_trials(plan, shares[0], threads=threads if extra else None)
+    except BaseException:
+        for proc in extra:  # ours: stop them rather than leave them training alone
+            proc.terminate()
+        for proc in extra:
+            proc.wait()
+        raise
+    failed = [(i, proc.wait()) for i, proc in enumerate(extra, start=1)]
+    failed = [(i, rc) for i, rc in failed if rc != 0]
+    if failed:
+        raise sw.SweepError(f"sweep worker(s) {', '.join(f'{i} (exit {rc})' for i, rc in failed)} of study "
+                            f"{plan.study} failed; their log is above. Completed trials are kept in the study.")
+    return plan.trials
+
+
+def split_trials(trials: int, workers: int) -> list[int]:
+    """``trials`` over at most ``workers`` processes, as evenly as possible, none with zero."""
+    workers = max(1, min(workers, trials))
+    return [trials // workers + (1 if i < trials % workers else 0) for i in range(workers)]
+
+
+def start_workers(plan: sw.SweepPlan, shares: list[int], threads: int) -> list[subprocess.Popen]:
+    """One ``python -m tasks.sweep`` process per share, each with its own sampler seed and its share of the cores."""
+    env = {**os.environ, sw.ENV_STORAGE: plan.storage.text, "OMP_NUM_THREADS": str(threads),
+           "MKL_NUM_THREADS": str(threads)}
+    return [subprocess.Popen(sw.worker_command(plan, n, plan.seed + i), cwd=plan.root, env=env)
+            for i, n in enumerate(shares, start=1)]
+
+
+@task(task_run_name="report-{plan.study}", cache_policy=NO_CACHE)
+def report(plan: sw.SweepPlan) -> dict[str, Any]:
+    """Plots, best params and counts, written and logged to the parent run."""
+    return sw.report(plan)
+
+
+@task(task_run_name="apply-{plan.study}", cache_policy=NO_CACHE)
+def apply_best(plan: sw.SweepPlan) -> dict[str, Any]:
+    """The best params into params.yaml; → the changes and the diff."""
+    return sw.apply_best(plan)
+
+
+@flow(name="sweep", flow_run_name="sweep-{stage}")
+def sweep_flow(stage: str = "train_fr", trials: int | None = None, storage: str | None = None,
+               study: str | None = None, apply: bool = False, root: str = ".", workers: int = 1) -> dict[str, Any]:
+    """Run ``trials`` trials of an Optuna study over ``stage``'s params (``params.yaml``: ``sweep.<stage>``), in
+    ``workers`` processes; summarise the study; with ``apply`` write its best params into ``params.yaml``."""
+    logger = get_run_logger()
+    root = str(Path(root).resolve())
+    plan = open_study(stage, trials, storage, study, root)
+    logger.info("study %s in %s: %d trial(s) from this run, MLflow parent run %s", plan.study, plan.storage.masked,
+                plan.trials, plan.parent_run_id)
+    run_trials(plan, workers)
+    summary = report(plan)
+    best = summary["best"]
+    logger.info("study %s: %s; best %s", plan.study, summary["trials"],
+                f"trial {best['number']} {summary['metric']} = {best['value']:.4f}" if best else "none yet")
+    if apply:
+        summary["applied"] = apply_best(plan)
+    return summary
