@@ -131,7 +131,8 @@ def test_record_names_each_live_server(stack):
         assert dt.datetime.fromisoformat(service["started"]).tzinfo is not None
         assert Path(service["log"]).is_file() and Path(service["log"]).parent == root / ".faceops" / "stack"
     mlflow_cmd = record["mlflow"]["cmd"]
-    assert mlflow_cmd[mlflow_cmd.index("--artifacts-destination") + 1] == f"s3://{BUCKET}/mlflow"
+    # the layout of `faceops data`: s3://<bucket>/<storage.prefix>/mlflow
+    assert mlflow_cmd[mlflow_cmd.index("--artifacts-destination") + 1] == f"s3://{BUCKET}/faceops/mlflow"
 
 
 def test_default_stack_keeps_artifacts_in_the_project(tmp_path):
