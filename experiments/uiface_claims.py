@@ -657,28 +657,43 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    scale = QUICK if args.quick else Scale()
-    est = estimate_seconds(scale, probe(scale), len(args.seeds))
-    log.info("scale %s", scale)
-    log.info("estimated wall time on this machine now (%d torch threads): %.1f min (%s)", torch.get_num_threads(),
-             est["total"] / 60, ", ".join(f"{k} {v:.0f} s" for k, v in est.items() if k != "total"))
     if args.estimate_only:
+        scale = QUICK if args.quick else Scale()
+        est = estimate_seconds(scale, probe(scale), len(args.seeds))
+        log.info("estimated wall time on this machine now (%d torch threads): %.1f min (%s)",
+                 torch.get_num_threads(), est["total"] / 60,
+                 ", ".join(f"{k} {v:.0f} s" for k, v in est.items() if k != "total"))
         return
-    start = time.perf_counter()
-    results = run_claims(args.seeds, scale)
-    results["seconds"] = time.perf_counter() - start
-    results["measured_at"] = f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}"
-    results["scale"] = dataclasses.asdict(scale)
-    results["quick"] = args.quick
-    results["estimate_seconds"] = est
-    results["torch_threads"] = torch.get_num_threads()
+    ablation(args.seeds, args.quick, args.out_dir)
+
+
+def ablation(seeds: list[int], quick: bool = False, out_dir: Path = ROOT) -> dict[str, Any]:
+    """Run the Table 2 ablation over ``seeds`` and write ``reports/uiface_claims.md`` and
+    ``metrics/uiface_claims.json`` under ``out_dir``; → the results (what the command and ``flows.experiments``
+    run)."""
+    import torch
 
     from tasks.common import write_json, write_text
 
-    write_json(args.out_dir / "metrics" / "uiface_claims.json", results)
-    write_text(args.out_dir / "reports" / "uiface_claims.md", render(results, scale))
+    scale = QUICK if quick else Scale()
+    est = estimate_seconds(scale, probe(scale), len(seeds))
+    log.info("scale %s", scale)
+    log.info("estimated wall time on this machine now (%d torch threads): %.1f min", torch.get_num_threads(),
+             est["total"] / 60)
+    start = time.perf_counter()
+    results = run_claims(list(seeds), scale)
+    results["seconds"] = time.perf_counter() - start
+    results["measured_at"] = f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}"
+    results["scale"] = dataclasses.asdict(scale)
+    results["quick"] = quick
+    results["estimate_seconds"] = est
+    results["torch_threads"] = torch.get_num_threads()
+    out_dir = Path(out_dir)
+    write_json(out_dir / "metrics" / "uiface_claims.json", results)
+    write_text(out_dir / "reports" / "uiface_claims.md", render(results, scale))
     log.info("done in %.1f min (estimated %.1f) → %s", results["seconds"] / 60, est["total"] / 60,
-             args.out_dir / "reports" / "uiface_claims.md")
+             out_dir / "reports" / "uiface_claims.md")
+    return results
 
 
 if __name__ == "__main__":

@@ -125,3 +125,19 @@ def test_report_says_when_adaptive_faces_never_switched():
         r["modes"][CLAIM_MODE]["never_switched"] = 1.0
     _, text = report(per_seed)
     assert "100 % of the adaptive faces never reached d_t < th" in text
+
+
+@pytest.mark.slow
+def test_ablation_flow_writes_the_report_and_the_numbers_at_toy_scale(tmp_path):
+    """The Prefect flow runs the whole ablation (quick scale, one seed) and leaves both files, whose numbers agree."""
+    import json
+
+    from flows.experiments import uiface_ablation
+
+    out = uiface_ablation(seeds=[0], quick=True, out_dir=str(tmp_path))
+    metrics = json.loads((tmp_path / "metrics" / "uiface_claims.json").read_text())
+    report_md = (tmp_path / "reports" / "uiface_claims.md").read_text()
+    assert out["claim_holds"] == metrics["summary"]["claim_holds"] and metrics["seeds"] == [0] and metrics["quick"]
+    assert set(metrics["per_seed"]["0"]["modes"]) == {"baseline", "two_stage_fixed", "two_stage_adaptive",
+                                                      "two_stage_adaptive+injection"}
+    assert "## Does the claim hold?" in report_md
