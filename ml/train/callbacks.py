@@ -11,7 +11,7 @@ from typing import Any
 
 import lightning
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from ml.errors import ConfigError
 
@@ -104,3 +104,18 @@ class RunInfo(Callback):
     def on_save_checkpoint(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
         checkpoint[self.key] = self.info
+
+
+def trainer_callbacks(own: Sequence[Callback], checkpoint_dir: Path | str | None, last_checkpoint: str,
+                      extra: Sequence[Callback] = ()) -> tuple[list[Callback], bool]:
+    """A trainer's callbacks: its ``own`` ones, then the per-epoch checkpoint ``checkpoint_dir/last_checkpoint``
+    (without a monitor top-1 is the latest epoch: one file, overwritten after every epoch) when a directory is
+    given, then the caller's ``extra``; → (callbacks, whether any of them checkpoints)."""
+    callbacks = list(own)
+    if checkpoint_dir is not None:
+        callbacks.append(ModelCheckpoint(
+            dirpath=checkpoint_dir, filename=Path(last_checkpoint).stem, save_top_k=1, every_n_epochs=1,
+            save_on_train_epoch_end=True, enable_version_counter=False,
+        ))
+    callbacks += list(extra)
+    return callbacks, any(isinstance(c, ModelCheckpoint) for c in callbacks)

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, Sampler, TensorDataset
@@ -62,7 +62,7 @@ from ml.losses.partial_fc import PartialFC, shard_bounds
 from ml.models.backbones import BACKBONES, build_backbone, input_contract
 from ml.models.backbones.vit import INPUT_CONTRACT
 from ml.train.augment import FLIP_LANDMARK_ORDER, AugmentConfig, augment_kprpe, flip_keypoints
-from ml.train.callbacks import EpochHistory, RunInfo, check_device, last_good_checkpoint
+from ml.train.callbacks import EpochHistory, RunInfo, check_device, last_good_checkpoint, trainer_callbacks
 from ml.train.checkpoint import resume_path
 
 __all__ = [
@@ -766,16 +766,8 @@ def train(
     )
     module = FRModule(backbone, head, cfg, steps_per_epoch)
     history = EpochHistory(("train/loss", "train/accuracy"))
-    extra: list[Callback] = [history, RunInfo(CHECKPOINT_KEY, info)]
-    if checkpoint_dir is not None:
-        extra.append(
-            # without a monitor, top-1 is the latest epoch: one file, overwritten after every epoch
-            ModelCheckpoint(
-                dirpath=checkpoint_dir, filename=Path(LAST_CHECKPOINT).stem, save_top_k=1, every_n_epochs=1,
-                save_on_train_epoch_end=True, enable_version_counter=False,
-            )
-        )
-    all_callbacks = [*extra, *callbacks]
+    all_callbacks, checkpointing = trainer_callbacks([history, RunInfo(CHECKPOINT_KEY, info)], checkpoint_dir,
+                                                     LAST_CHECKPOINT, callbacks)
     trainer = lightning.Trainer(
         max_epochs=cfg.epochs,
         max_steps=cfg.max_steps,
@@ -787,7 +779,7 @@ def train(
         gradient_clip_val=cfg.grad_clip if cfg.grad_clip > 0 else None,
         logger=loggers if loggers else False,
         callbacks=all_callbacks,
-        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in all_callbacks),
+        enable_checkpointing=checkpointing,
         enable_progress_bar=progress,
         enable_model_summary=False,
         log_every_n_steps=max(1, min(50, steps_per_epoch)),

@@ -51,7 +51,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from diffusers import DDPMScheduler
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -64,7 +64,7 @@ from ml.models.generator.uiface import (
     encode_images,
     save_generator,
 )
-from ml.train.callbacks import EpochHistory, RunInfo, check_device, last_good_checkpoint
+from ml.train.callbacks import EpochHistory, RunInfo, check_device, last_good_checkpoint, trainer_callbacks
 from ml.train.checkpoint import resume_path
 from ml.train.fr import EpochSampler
 
@@ -435,16 +435,8 @@ def train_generator(
     )
     module = GeneratorModule(model, cfg, steps_per_epoch, pixel=space == "pixel")
     history = EpochHistory(("train/loss",))
-    extra: list[Callback] = [history, RunInfo(CHECKPOINT_KEY, info)]
-    if checkpoint_dir is not None:
-        extra.append(
-            # without a monitor, top-1 is the latest epoch: one file, overwritten after every epoch
-            ModelCheckpoint(
-                dirpath=checkpoint_dir, filename=Path(LAST_CHECKPOINT).stem, save_top_k=1, every_n_epochs=1,
-                save_on_train_epoch_end=True, enable_version_counter=False,
-            )
-        )
-    all_callbacks = [*extra, *(callbacks or ())]
+    all_callbacks, checkpointing = trainer_callbacks([history, RunInfo(CHECKPOINT_KEY, info)], checkpoint_dir,
+                                                     LAST_CHECKPOINT, callbacks or ())
     trainer = lightning.Trainer(
         max_epochs=cfg.epochs,
         max_steps=cfg.max_steps,
@@ -454,7 +446,7 @@ def train_generator(
         gradient_clip_val=cfg.grad_clip if cfg.grad_clip > 0 else None,
         logger=loggers if loggers else False,
         callbacks=all_callbacks,
-        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in all_callbacks),
+        enable_checkpointing=checkpointing,
         enable_progress_bar=progress,
         enable_model_summary=False,
         log_every_n_steps=max(1, min(50, steps_per_epoch)),
