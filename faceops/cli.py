@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -67,27 +68,44 @@ def run(
     Deltas (`--preset`, then `--set`) are written into `params.yaml` with comments kept, as `dvc exp run -S`
     does; `git checkout params.yaml` returns to the embedded default. Results: `reports/benchmark.md`,
     `metrics/`, `plots/`, `models/fr/`; runs in MLflow (`mlflow ui --backend-store-uri sqlite:///mlflow.db`) and,
-    with `PREFECT_API_URL` set, in the Prefect UI.
+    with `PREFECT_API_URL` set, in the Prefect UI. One run at a time per working copy: a second `faceops run` while
+    one is in progress is refused (exit 3), naming it.
     """
-    from ml.errors import FaceopsError
-    from tasks.params import apply_delta, load_preset, parse_assignments
+    from faceops.runlock import RunLocked, run_lock
+    from ml.errors import ConfigError, FaceopsError
+    from tasks.common import load_params
+    from tasks.params import apply_delta, check_params, load_preset, parse_assignments
 
     root = _root()
     _quiet_env()
-    try:
-        delta = load_preset(preset, root) if preset else {}
-        delta.update(parse_assignments(set_))
-        if delta:
-            for key, (old, new) in apply_delta(root / "params.yaml", delta).items():
-                typer.echo(f"params.yaml: {key}: {old!r} → {new!r}")
-    except FaceopsError as exc:
-        _fail(str(exc))
-    from flows.pipeline import StageFailed, run_pipeline
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(run_lock(root))  # before the delta: a refused run leaves params.yaml alone
+        except RunLocked as exc:
+            _fail(str(exc), code=3)
+        try:
+            delta = load_preset(preset, root) if preset else {}
+            delta.update(parse_assignments(set_))
+            if delta:
+                for key, (old, new) in apply_delta(root / "params.yaml", delta).items():
+                    typer.echo(f"params.yaml: {key}: {old!r} → {new!r}")
+            else:  # params.yaml as edited by hand: every section and key checked before any stage runs
+                check_params(load_params(root / "params.yaml"))
+            from flows.pipeline import stage_graph
 
-    try:
-        results = run_pipeline(root=str(root), stages=stage or None, force=force, jobs=jobs)
-    except StageFailed as exc:
-        _fail(str(exc), code=1)
+            graph = stage_graph(root)  # dvc.yaml: readable, every stage with its cmd and deps
+            unknown = [s for s in stage if s not in graph]
+            if unknown:
+                raise ConfigError(f"unknown stage {', '.join(map(repr, unknown))} for --stage; dvc.yaml has "
+                                  f"{', '.join(graph)}")
+        except FaceopsError as exc:
+            _fail(str(exc))
+        from flows.pipeline import StageFailed, run_pipeline
+
+        try:
+            results = run_pipeline(root=str(root), stages=stage or None, force=force, jobs=jobs)
+        except StageFailed as exc:
+            _fail(str(exc), code=1)
     typer.echo("")
     width = max((len(r["stage"]) for r in results), default=0)
     for r in results:
@@ -97,7 +115,9 @@ def run(
                         ("FR model", "models/fr/"), ("validation (Data Docs)", "reports/validation/docs/index.html")]:
         if (root / path).exists():
             typer.echo(f"  {label:<24} {root / path}")
-    typer.echo(f"  {'MLflow runs':<24} {os.environ.get('MLFLOW_TRACKING_URI') or 'sqlite:///' + str(root / 'mlflow.db')}")
+    from tasks.sweep import mask_url  # a tracking URI may carry user:password@
+
+    typer.echo(f"  {'MLflow runs':<24} {mask_url(os.environ.get('MLFLOW_TRACKING_URI') or 'sqlite:///' + str(root / 'mlflow.db'))}")
 
 
 @app.command("stage")
@@ -153,11 +173,16 @@ def ls() -> None:
     root = _root()
     _quiet_env()
     from flows.pipeline import stage_order
+    from ml.errors import FaceopsError
 
+    try:
+        order = stage_order(root)
+    except FaceopsError as exc:  # e.g. a dvc.yaml DVC cannot read, or a stage without deps
+        _fail(str(exc))
     status = subprocess.run([sys.executable, "-m", "dvc", "status", "--json"], cwd=root, capture_output=True, text=True)
     changed = json.loads(status.stdout or "{}") if status.returncode == 0 else {}
     typer.secho("Stages", bold=True)
-    for name in stage_order(root):
+    for name in order:
         typer.echo(f"  {name:<16} {'changed' if name in changed else 'up to date'}")
     typer.secho("Datasets", bold=True)
     for info_path in sorted(root.glob("data/**/dataset.json")):

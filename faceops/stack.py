@@ -538,11 +538,25 @@ def _start(root: Path, todo: Sequence[Plan], bucket: str, timeout: float) -> lis
                                  + (f", ending:\n{tail}" if tail else "")) from None
             if p.name == "s3":
                 create_bucket(p.url, bucket)
+            if p.name == "prefect":
+                install_crash_detection(f"{p.url}/api", home / f"{p.name}.log")
     except BaseException:
         _stop([_Target(proc) for _, proc, _ in started], STOP_TIMEOUT)
         save_state(root, [])
         raise
     return [s for _, _, s in started]
+
+
+def install_crash_detection(api_url: str, log: Path) -> None:
+    """Install the automation that marks a flow run Crashed when its process dies silently (flows/heartbeats.py)
+    on the Prefect server at ``api_url``; its output goes to the server's log."""
+    env = {**os.environ, "PREFECT_API_URL": api_url}
+    with open(log, "ab") as out:
+        done = subprocess.run([sys.executable, "-m", "flows.heartbeats"], env=env, stdout=out,
+                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=120)
+    if done.returncode != 0:
+        raise ServerFailed(f"the Prefect server started, but installing its crash detection "
+                           f"(python -m flows.heartbeats) failed; see {log}")
 
 
 def down(root: Path, timeout: float = STOP_TIMEOUT) -> list[str]:

@@ -138,17 +138,59 @@ class StageFailed(RuntimeError):
     pass
 
 
+def check_dvc_yaml(root: Path) -> None:
+    """ConfigError naming ``dvc.yaml`` and the stage when the file is not YAML or a stage lacks its ``cmd`` or its
+    ``deps``. DVC accepts a stage without deps, but it would never rerun it when its code or inputs change, and the
+    flow (whose DAG is DVC's) would start it without waiting for the stages that write its inputs."""
+    import yaml
+
+    from ml.errors import ConfigError
+    from tasks.common import yaml_error
+
+    path = Path(root) / "dvc.yaml"
+    if not path.is_file():
+        raise ConfigError(f"{path}: not found; the pipeline's stages are declared there")
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({yaml_error(exc)}). Fix it or `git checkout dvc.yaml`.") from exc
+    stages = doc.get("stages") if isinstance(doc, dict) else None
+    if not isinstance(stages, dict) or not stages:
+        raise ConfigError(f"{path}: no 'stages' mapping; it declares the pipeline's stages (`git checkout dvc.yaml`)")
+    for name, stage in stages.items():
+        body = stage.get("do") if isinstance(stage, dict) and "foreach" in stage else stage
+        if not isinstance(body, dict):
+            raise ConfigError(f"{path}: stage '{name}' must be a mapping with cmd, deps and outs")
+        if not body.get("cmd"):
+            raise ConfigError(f"{path}: stage '{name}' has no cmd; give the command that runs it, e.g. "
+                              f"`python -m tasks.{name}`")
+        if not isinstance(body.get("deps"), list) or not body["deps"]:
+            raise ConfigError(f"{path}: stage '{name}' declares no deps; DVC would not rerun it when its code or "
+                              "inputs change, and the flow would not wait for the stages that write its inputs. "
+                              "List them under deps: its code (tasks/...) and the data it reads.")
+
+
 def stage_graph(root: Path) -> dict[str, list[str]]:
     """``{stage: [the stages it directly depends on]}`` in dependency order (``train_fr@real`` for foreach stages),
-    from DVC's graph; ``.dvc`` files are data, not stages."""
+    from DVC's graph; ``.dvc`` files are data, not stages. A ``dvc.yaml`` that DVC cannot read, or whose stages
+    lack a cmd or deps (``check_dvc_yaml``), raises ConfigError naming it."""
     import networkx as nx
+    from dvc.exceptions import DvcException
     from dvc.repo import Repo
 
-    with _DVC, Repo(str(root)) as repo:
-        graph = repo.index.graph  # edge A → B: A depends on B
-        order = [s for s in reversed(list(nx.topological_sort(graph))) if not s.addressing.endswith(".dvc")]
-        return {s.addressing: [u.addressing for u in graph.successors(s) if not u.addressing.endswith(".dvc")]
-                for s in order}
+    from ml.errors import ConfigError
+
+    check_dvc_yaml(root)
+    try:
+        with _DVC, Repo(str(root)) as repo:
+            graph = repo.index.graph  # edge A → B: A depends on B
+            order = [s for s in reversed(list(nx.topological_sort(graph))) if not s.addressing.endswith(".dvc")]
+            return {s.addressing: [u.addressing for u in graph.successors(s) if not u.addressing.endswith(".dvc")]
+                    for s in order}
+    except DvcException as exc:
+        cause = f": {exc.__cause__}" if exc.__cause__ is not None and str(exc.__cause__) not in str(exc) else ""
+        detail = " ".join(f"{exc}{cause}".split())
+        raise ConfigError(f"{Path(root) / 'dvc.yaml'}: DVC cannot read the pipeline ({detail})") from exc
 
 
 def stage_order(root: Path) -> list[str]:
@@ -179,15 +221,15 @@ def commit_stage(root: Path, stage: str) -> None:
         repo.commit(stage, force=True)
 
 
-def dvc_lock_deps(root: Path, stage: str) -> dict[str, str]:
-    """``{dep path: md5}`` of ``stage`` as DVC recorded it in ``dvc.lock``."""
+def dvc_lock_deps(root: Path, stage: str, kind: str = "deps") -> dict[str, str]:
+    """``{path: md5}`` of ``stage``'s ``kind`` (``deps`` or ``outs``) as DVC recorded them in ``dvc.lock``."""
     import yaml
 
     lock = root / "dvc.lock"
     if not lock.is_file():
         return {}
     entry = (yaml.safe_load(lock.read_text()) or {}).get("stages", {}).get(stage, {})
-    return {d["path"]: d.get("md5") or d.get("hash", "") for d in entry.get("deps", [])}
+    return {d["path"]: d.get("md5") or d.get("hash", "") for d in entry.get(kind, [])}
 
 
 def stage_env(root: Path, invocation: str, parent_run_id: str | None) -> dict[str, str]:
@@ -298,16 +340,25 @@ def _lines(stream: Any) -> Iterator[str]:
 
 
 def _tag_stage_runs(root: Path, stage: str, run_ids: list[str]) -> None:
-    """Tag the stage's MLflow runs with DVC's dependency hashes (known only once dvc.lock is written)."""
+    """Tag the stage's MLflow runs with DVC's hashes of its dependencies and outputs, and the model versions those
+    runs registered with the hashes of their model directories (known only once dvc.lock is written): a
+    registered model's ``dvc.out.models/...`` is the md5 ``dvc.lock`` holds for it."""
     from mlflow import MlflowClient
 
     with _DVC:
-        deps = dvc_lock_deps(root, stage)
+        deps, outs = dvc_lock_deps(root, stage), dvc_lock_deps(root, stage, "outs")
+    tags = {**{f"dvc.dep.{p}": md5 for p, md5 in deps.items()}, **{f"dvc.out.{p}": md5 for p, md5 in outs.items()}}
+    models = {f"dvc.out.{p}": md5 for p, md5 in outs.items() if p.startswith("models/")}
     with tracking.MLFLOW_LOCK:
         client = MlflowClient(tracking_uri=tracking.tracking_uri(root))
         for run_id in run_ids:
-            for path, md5 in deps.items():
-                client.set_tag(run_id, f"dvc.dep.{path}", md5)
+            for key, md5 in tags.items():
+                client.set_tag(run_id, key, md5)
+            if not models:
+                continue
+            for version in client.search_model_versions(f"run_id = '{run_id}'"):
+                for key, md5 in models.items():
+                    client.set_model_version_tag(version.name, version.version, key, md5)
 
 
 def _retrying(fn: Callable[..., Any], *args: Any, delays: tuple[float, ...] = (2.0, 8.0, 30.0)) -> Any:
@@ -370,6 +421,8 @@ def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = Fal
     apply_params(root_path, preset, params_delta, logger)
     if deployment := routing.gpu_deployment():
         logger.info("GPU stages run on deployment %s", deployment)
+    if publish := routing.publish_requested():  # a throw-away clone: no remote, nothing of this run would survive
+        routing.require_remote(root_path)
     graph = stage_graph(root_path)
     order = list(graph)
     if stages:
@@ -403,6 +456,10 @@ def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = Fal
             "pipeline/stages_ran": float(sum(r["ran"] for r in results)),
             "pipeline/seconds": float(sum(r["seconds"] for r in results)),
         })
+    if publish:
+        uploaded = routing.publish_outputs(root_path, [r["stage"] for r in results])
+        logger.info("outputs in the DVC remote (%d file(s) uploaded); dvc.lock: artifact %s", uploaded,
+                    routing.LOCK_KEY)
     publish_benchmark(root_path)
     return results
 

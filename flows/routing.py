@@ -23,6 +23,12 @@ experiment, and every params.yaml key is a DVC dependency (changing one would re
 
 A failed remote run fails the pipeline's task with the remote run's error (which carries the stage's MLflow run
 link) and the remote flow run's URL.
+
+**What a worker's run leaves behind** — its clone is thrown away, so with ``FACEOPS_PUBLISH_OUTPUTS=1``
+(prefect.yaml sets it for pool ``cpu``) a pipeline run checks for a DVC remote before any stage runs and, once
+its stages are done, pushes their cached outputs (datasets, models) to it and publishes the run's dvc.lock as a
+``pipeline-lock`` markdown artifact: write that into a checkout of the same commit and ``dvc pull`` brings the
+run's data and models; metrics, plots and reports are in the stages' MLflow runs.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ ENV_GPU_DEPLOYMENT = "FACEOPS_GPU_DEPLOYMENT"
 GPU_STAGES = frozenset({"train_generator", "train_fr", "synthesize", "train_fusion", "train_discovery"})
 STAGE_FLOW = "stage"
 RESULT_KEY = "stage-result"
+ENV_PUBLISH = "FACEOPS_PUBLISH_OUTPUTS"
+LOCK_KEY = "pipeline-lock"
 MAX_RESULT_BYTES = 2_000_000  # uncached outputs travel inside the artifact: metrics and plot data, never models
 IO_RETRY_DELAYS = [5, 20, 60]  # seconds before the 2nd, 3rd and 4th try of a DVC transfer
 
@@ -270,6 +278,28 @@ def dvc_pull(root: str, targets: list[str]) -> None:
 
     with pl._DVC, Repo(root) as repo:
         repo.pull(targets=targets, force=True)
+
+
+# ── what a run in a throw-away clone leaves behind ──
+
+
+def publish_requested() -> bool:
+    return os.environ.get(ENV_PUBLISH, "").strip().lower() in ("1", "true", "yes")
+
+
+def publish_outputs(root: Path, stages: list[str]) -> int:
+    """Push ``stages``' cached outputs to the default DVC remote and publish dvc.lock as the flow run's
+    ``pipeline-lock`` artifact; → how many files were uploaded."""
+    from prefect.artifacts import create_markdown_artifact
+
+    uploaded = dvc_push(str(root), stages) if stages else 0
+    lock = (root / "dvc.lock").read_text(encoding="utf-8") if (root / "dvc.lock").is_file() else "stages: {}\n"
+    create_markdown_artifact(
+        key=LOCK_KEY, description="dvc.lock of this run: its outputs are in the DVC remote under these hashes",
+        markdown=(f"### dvc.lock\n\nWrite this into a checkout of the run's commit, then `dvc pull` fetches its "
+                  f"datasets and models ({uploaded} file(s) uploaded by this run).\n\n```yaml\n{lock}```\n"),
+    )
+    return uploaded
 
 
 # ── the stage-result artifact ──

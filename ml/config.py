@@ -18,6 +18,10 @@ from ml.errors import ConfigError
 
 T = TypeVar("T")
 
+# an unknown key named like one of these is a credential someone tried to put into params.yaml
+_CREDENTIAL_WORDS = ("password", "passwd", "secret", "access_key", "accesskey", "token", "credential", "api_key",
+                     "apikey", "private_key", "privatekey")
+
 
 def _check_type(value: Any, annotation: Any, key: str) -> Any:
     """Return ``value`` converted to ``annotation`` where lossless, else raise ConfigError."""
@@ -92,6 +96,12 @@ def from_mapping(cls: type[T], mapping: Mapping[str, Any] | None, section: str) 
     if unknown:
         key = unknown[0]
         close = difflib.get_close_matches(str(key), list(fields), n=1)
+        if not close and any(word in str(key).lower().replace("-", "_") for word in _CREDENTIAL_WORDS):
+            where = getattr(cls, "CREDENTIALS_FROM", "the environment")
+            raise ConfigError(
+                f"params key '{section}.{key}' looks like a credential: credentials never go into params.yaml (it is "
+                f"versioned, and every stage logs its params to MLflow). Remove it and provide it through {where}."
+            )
         hint = f" Did you mean '{section}.{close[0]}'?" if close else ""
         raise ConfigError(
             f"unknown params key '{section}.{key}'.{hint} Valid keys: {', '.join(sorted(fields))}."

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from ml.errors import ConfigError
+from ml.atomic import remove_dead_temporaries
 
 PARAMS_FILE = "params.yaml"
 
@@ -157,10 +158,30 @@ def load_params(path: Path | str = PARAMS_FILE) -> dict[str, Any]:
     try:
         data = load_yaml(path.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML ({exc}). Fix the file or `git checkout {path}`.") from exc
+        raise ConfigError(f"{path}: not valid YAML ({yaml_error(exc)}). Fix the file or `git checkout {path}`.") from exc
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level.")
+    from tasks import PARAM_SECTIONS
+
+    unknown = [str(k) for k in data if k not in PARAM_SECTIONS]
+    if unknown:  # a misspelt section would leave its stage on the defaults without a word
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], list(PARAM_SECTIONS), n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"{path}: unknown params section '{unknown[0]}'.{hint} Valid sections: "
+                          f"{', '.join(sorted(PARAM_SECTIONS))}.")
     return dict(data)
+
+
+def yaml_error(exc: yaml.YAMLError) -> str:
+    """A YAML error on one line: ``line L, column C: problem (context)``."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None)
+    if mark is None or not problem:
+        return " ".join(str(exc).split())
+    context = getattr(exc, "context", None)
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" + (f" ({context})" if context else "")
 
 
 def section(params: Mapping[str, Any], name: str) -> Mapping[str, Any]:
@@ -181,14 +202,16 @@ def atomic_path(target: Path | str) -> Iterator[Path]:
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    # what a writer killed mid-write left beside it (a whole dataset for `prepare`) lies outside what DVC tracks
+    remove_dead_temporaries(target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp", dir=target.parent))
     tmp.rmdir()  # the body decides whether it is a file or a directory
     try:
         yield tmp
         if not tmp.exists():
             raise RuntimeError(f"nothing was written for {target}")
         if target.is_dir() and not target.is_symlink():
-            old = target.with_name(f".{target.name}.old-{os.getpid()}")
+            old = target.with_name(f".{target.name}.{os.getpid()}.old")
             os.replace(target, old)
             os.replace(tmp, target)
             shutil.rmtree(old, ignore_errors=True)
@@ -212,6 +235,16 @@ def stage_cores() -> int:
 
 # the file holding this stage's current share of the cores, written by flows.pipeline while stages run side by side
 ENV_CORE_SHARE = "FACEOPS_CORE_SHARE_FILE"
+
+
+def launch_rank(devices: int = 1) -> int:
+    """This process's global rank as its launcher announced it, before any process group exists: ``RANK``
+    (torchrun and most cluster launchers), else Lightning's own ``NODE_RANK`` × ``devices`` + ``LOCAL_RANK``
+    (it re-runs the stage command once per extra device); 0 for a single process. Ranks other than 0 train
+    but neither open a tracking run nor write the stage's outputs."""
+    if os.environ.get("RANK", "").strip():
+        return int(os.environ["RANK"])
+    return int(os.environ.get("NODE_RANK") or 0) * max(devices, 1) + int(os.environ.get("LOCAL_RANK") or 0)
 
 
 def core_share_callbacks() -> list[Any]:

@@ -77,8 +77,32 @@ def _verification_sets(paths: Paths) -> list[tuple[str, np.ndarray, np.ndarray, 
     for bin_path in sorted(paths.verification_dir.glob("*.bin")):
         images, issame = read_verification_bin(bin_path)
         sidecar = bin_path.with_suffix(".landmarks.npy")
-        sets.append((bin_path.stem, images, issame, np.load(sidecar) if sidecar.is_file() else None))
+        landmarks = _landmarks_sidecar(sidecar, len(images)) if sidecar.is_file() else None
+        sets.append((bin_path.stem, images, issame, landmarks))
     return sets
+
+
+def _landmarks_sidecar(path: Path, n_images: int) -> np.ndarray:
+    """The (2P, 5, 2) finite pixel landmarks beside a ``.bin``; DataError naming the file otherwise."""
+    from ml.errors import DataError
+
+    bin_name = path.name.removesuffix(".landmarks.npy") + ".bin"
+    try:
+        with path.open("rb") as fh:
+            if fh.read(6) != b"\x93NUMPY":
+                raise ValueError("not a .npy file: no NumPy header")
+        landmarks = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as exc:
+        detail = " ".join(str(exc).split())
+        raise DataError(f"{path}: cannot read the landmarks beside {bin_name} ({detail}); rebuild it with the "
+                        "prepare stage or remove it") from exc
+    if landmarks.shape != (n_images, 5, 2) or not np.issubdtype(landmarks.dtype, np.number):
+        raise DataError(f"{path}: landmarks of shape {landmarks.shape} ({landmarks.dtype}), expected "
+                        f"({n_images}, 5, 2): one row of 5 (x, y) points per image of the .bin, in its order")
+    if not np.isfinite(landmarks).all():
+        row = int(np.flatnonzero(~np.isfinite(landmarks).reshape(n_images, -1).all(axis=1))[0])
+        raise DataError(f"{path}: landmarks of image {row} contain NaN/inf; rebuild it with the prepare stage")
+    return landmarks.astype(np.float32)
 
 
 def _pair_metrics(feats: np.ndarray, issame: np.ndarray, n_folds: int) -> tuple[dict[str, float], tuple]:

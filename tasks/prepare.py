@@ -112,6 +112,7 @@ class DataConfig:
             "unaligned_images_per_identity": self.unaligned_images_per_identity >= 1,
             "unaligned_test_identities": 1 <= self.unaligned_test_identities < self.unaligned_identities,
             "unaligned_size": 64 <= self.unaligned_size <= 512,
+            "ingest_max_images": self.ingest_max_images >= 0,
         }
         for key, ok in checks.items():
             if not ok:
@@ -231,7 +232,10 @@ def _ingest_real(out: Path, cfg: DataConfig, progress: bool = True) -> tuple[np.
 
     size = cfg.image_size
 
-    def resize(img: np.ndarray) -> np.ndarray:
+    def resize(img: np.ndarray, source: str) -> np.ndarray:
+        if img.shape[0] != img.shape[1]:  # aligned faces are square crops: resizing would distort the face
+            raise DataError(f"{source}: image is {img.shape[0]}x{img.shape[1]} (HxW), not square; real faces are "
+                            "ingested as aligned square crops (e.g. 112x112), re-align or crop it")
         if img.shape[:2] == (size, size):
             return img
         return np.asarray(Image.fromarray(img).resize((size, size), Image.BICUBIC))
@@ -239,20 +243,21 @@ def _ingest_real(out: Path, cfg: DataConfig, progress: bool = True) -> tuple[np.
     def items():
         if cfg.ingest_folder:
             for path, identity in ingest_image_folder(Path(cfg.ingest_folder)):
-                yield decode_image(path.read_bytes(), source=str(path)), identity
+                yield decode_image(path.read_bytes(), source=str(path), rgb_only=True), identity, str(path)
         else:
-            with RecordIOReader(Path(cfg.ingest_recordio)) as reader:
+            with RecordIOReader(Path(cfg.ingest_recordio), rgb_only=True) as reader:
                 for i in range(len(reader)):
                     img, label = reader[i]
-                    yield img, f"{label:06d}"
+                    yield img, f"{label:06d}", f"{reader.rec_path}: record {reader.image_keys[i]}"
 
     images, identities = [], []
     source_name = cfg.ingest_folder or cfg.ingest_recordio
     with DatasetWriter(out, name="real", source="real", aligned=True, generator={"ingested_from": source_name}) as w:
-        for n, (img, identity) in enumerate(tqdm(items(), desc="ingest real", unit="img", leave=False, disable=not progress)):
+        for n, (img, identity, where) in enumerate(tqdm(items(), desc="ingest real", unit="img", leave=False,
+                                                        disable=not progress)):
             if cfg.ingest_max_images and n >= cfg.ingest_max_images:
                 break
-            img = resize(img)
+            img = resize(img, where)
             w.add(img, identity=identity, split="real")
             images.append(img)
             identities.append(identity)
@@ -355,6 +360,14 @@ def _check_sources(cfg: DataConfig) -> None:
     if cfg.ingest_recordio and not Path(cfg.ingest_recordio).is_file():
         raise DataError(f"data.ingest_recordio: {cfg.ingest_recordio} does not exist. "
                         "Point it at an InsightFace train.rec with train.idx beside it.")
+    # the layout is cheap to check: a folder's tree, a RecordIO's index and header record (the images are decoded
+    # while ingesting)
+    from ml.data.formats import RecordIOReader, ingest_image_folder
+
+    if cfg.ingest_folder:
+        ingest_image_folder(Path(cfg.ingest_folder))
+    if cfg.ingest_recordio:
+        RecordIOReader(Path(cfg.ingest_recordio)).close()
 
 
 def sample_grid(gen: ProceduralFaces, cfg: DataConfig, path: Path, rows: int = 6, cols: int = 8) -> None:
@@ -377,8 +390,9 @@ def sample_grid(gen: ProceduralFaces, cfg: DataConfig, path: Path, rows: int = 6
         canvas.resize((canvas.width * 2, canvas.height * 2), Image.NEAREST).save(tmp, format="PNG")
 
 
-# The independent parts of ``data/prepared/``, longest first; each writes only its own subdirectory.
-PARTS = ("videos", "train", "unaligned", "discovery", "heldout", "templates", "real")
+# The independent parts of ``data/prepared/``: the user's real data first (the likeliest to be refused, so a bad
+# input fails before the rendering), then longest first; each writes only its own subdirectory.
+PARTS = ("real", "videos", "train", "unaligned", "discovery", "heldout", "templates")
 
 
 def _prepare_part(name: str, cfg: DataConfig, out: Path, progress: bool = True) -> dict[str, float]:
@@ -438,10 +452,15 @@ def _prepare_parts(cfg: DataConfig, out: Path, workers: int) -> dict[str, float]
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
         futures = {pool.submit(_prepare_part, name, cfg, out, False): name for name in parts}
         with tqdm(total=len(parts), desc=f"prepare ({workers} processes)", unit="part") as bar:
-            for future in as_completed(futures):
-                metrics.update(future.result())  # a part's error is raised here, naming its input
-                bar.set_postfix_str(futures[future])
-                bar.update()
+            try:
+                for future in as_completed(futures):
+                    metrics.update(future.result())  # a part's error is raised here, naming its input
+                    bar.set_postfix_str(futures[future])
+                    bar.update()
+            except BaseException:
+                for future in futures:  # the parts not started yet are not rendered for nothing
+                    future.cancel()
+                raise
     return metrics
 
 

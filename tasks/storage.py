@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 from urllib.parse import urlsplit
 
 from ml.config import from_mapping
@@ -67,6 +67,9 @@ class StorageError(FaceopsError, RuntimeError):
 @dataclass(frozen=True)
 class StorageConfig:
     """``params.yaml`` section ``storage``. No credentials here: they come from the environment only."""
+
+    CREDENTIALS_FROM: ClassVar[str] = ("the environment: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or "
+                                       "the machine's instance role")
 
     bucket: str = ""                   # empty: the storage commands ask for it
     prefix: str = "faceops"            # every key lives under s3://bucket/prefix/

@@ -22,6 +22,12 @@ the repository, ``journal:<file>`` an Optuna JournalStorage file (several proces
 file system), or an SQLAlchemy URL (``postgresql://user@host/db``; the password comes from ``PGPASSWORD`` or
 ``~/.pgpass``, never from params.yaml; printed and logged URLs have it masked).
 
+A worker killed mid-trial (SIGKILL, a lost node) cannot mark its trial finished. On an SQL storage every running
+trial beats a heartbeat every ``sweep.heartbeat_s`` seconds; a trial silent for three intervals is marked FAIL
+by the next worker that starts a trial, and run again once with the same params (Optuna's
+``RetryFailedTrialCallback``: the copy records the failed trial's number). A JournalStorage has no heartbeat in
+Optuna: there such a trial stays RUNNING, so use an SQL storage for workers that may be killed.
+
 After the trials, ``report`` writes the optimisation history and parameter importance plots
 (``plots/sweeps/``), the best params and value (``reports/sweeps/<study>.json``) and logs them to the parent
 run; ``apply_best`` writes the best params into ``params.yaml`` (comments kept) and returns a unified diff.
@@ -112,13 +118,14 @@ class SweepConfig:
     startup_trials: int = 5  # random trials before TPE models the space; completed trials before pruning starts
     warmup_epochs: int = 1  # epochs every trial runs before the median pruner may stop it
     seed: int = 0
+    heartbeat_s: int = 60  # SQL storages: a trial silent for 3 heartbeats (killed worker) is failed and retried; 0 = off
     train_fr: StageSweep = field(default_factory=StageSweep)
 
     def __post_init__(self) -> None:
         for key, valid in (("sampler", SAMPLERS), ("pruner", PRUNERS)):
             if getattr(self, key) not in valid:
                 raise ConfigError(f"params key 'sweep.{key}': {getattr(self, key)!r} is not one of {list(valid)}")
-        for key in ("startup_trials", "warmup_epochs"):
+        for key in ("startup_trials", "warmup_epochs", "heartbeat_s"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"params key 'sweep.{key}' = {getattr(self, key)} must be ≥ 0")
         check_storage_text(self.storage, "sweep.storage", allow_password=False)
@@ -360,8 +367,10 @@ def check_driver(spec: StorageSpec) -> None:
                          "postgresql+pg8000://)") from None
 
 
-def open_storage(spec: StorageSpec) -> Any:
-    """The Optuna storage object; SweepError with the masked location when it cannot be opened."""
+def open_storage(spec: StorageSpec, heartbeat_s: int = 0) -> Any:
+    """The Optuna storage object; SweepError with the masked location when it cannot be opened. With
+    ``heartbeat_s`` > 0 an SQL storage records a heartbeat per running trial; one silent for three intervals is
+    failed and retried once with the same params (see the module docstring)."""
     import optuna
 
     if spec.kind == "journal":
@@ -380,7 +389,11 @@ def open_storage(spec: StorageSpec) -> Any:
     last: Exception | None = None
     for attempt in range(3):  # processes creating one fresh SQLite file at once race on its tables: retry
         try:
-            return optuna.storages.RDBStorage(spec.target, engine_kwargs=engine)
+            if heartbeat_s <= 0:
+                return optuna.storages.RDBStorage(spec.target, engine_kwargs=engine)
+            return optuna.storages.RDBStorage(
+                spec.target, engine_kwargs=engine, heartbeat_interval=heartbeat_s, grace_period=3 * heartbeat_s,
+                failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=1))
         except ImportError:  # check_driver names the module; here Optuna has wrapped the error
             check_driver(spec)
             raise SweepError(f"Optuna storage {spec.masked}: its database driver cannot be imported") from None
@@ -798,7 +811,7 @@ def run_trials(plan: SweepPlan, trials: int | None = None, *, pruner: Any = None
     ensure_tracking(plan.root)  # this process's MLflow client points at the store
     target = OBJECTIVES[plan.stage]
     train_trial = target.trainer(Paths(plan.root), params, entry.metric)
-    study = optuna.load_study(study_name=plan.study, storage=open_storage(plan.storage),
+    study = optuna.load_study(study_name=plan.study, storage=open_storage(plan.storage, settings.heartbeat_s),
                               sampler=make_sampler(settings, plan.seed), pruner=pruner or make_pruner(settings))
     objective = _objective(plan, target, settings.ranges(plan.stage), entry, params, train_trial)
     study.optimize(objective, n_trials=n, catch=(FaceopsError,), gc_after_trial=True)

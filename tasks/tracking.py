@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 EXPERIMENT = "faceops"
 ENV_PARENT_RUN = "FACEOPS_PARENT_RUN_ID"
@@ -52,7 +53,10 @@ def configure(root: Path) -> str:
     import mlflow
 
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    mlflow.set_tracking_uri(tracking_uri(root))
+    uri = tracking_uri(root)
+    if urlsplit(uri).password:  # MLflow prints "View run ... at: <tracking URI>", password included, at every run end
+        os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
+    mlflow.set_tracking_uri(uri)
     experiment = mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", EXPERIMENT))
     return experiment.experiment_id
 

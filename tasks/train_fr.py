@@ -20,7 +20,7 @@ from ml.config import from_mapping
 from ml.errors import ConfigError, DataError
 from ml.train.fr import FRConfig
 from tasks.common import (
-    Paths, StageResult, core_share_callbacks, load_params, pyplot, save_figure, section, stage_main,
+    Paths, StageResult, core_share_callbacks, launch_rank, load_params, pyplot, save_figure, section, stage_main,
     write_history_csv, write_json,
 )
 from tasks.prepare import DataConfig
@@ -127,6 +127,9 @@ def run(cfg: FRConfig, data: DataConfig, paths: Paths, *, source: str = "real", 
     # KP-RPE backbones read the manifest's landmarks (ground truth for procedural data, the aligner's otherwise)
     keypoints = landmarks_array(rows) if input_contract(cfg.backbone).get("needs_keypoints") else None
     res = train(cfg, images, labels, loggers=loggers, keypoints=keypoints, callbacks=core_share_callbacks())
+    if res.global_rank != 0:  # DDP: every rank trains; rank 0 alone writes the model, metrics and registry entry
+        return StageResult(f"train_fr@{source}", outputs=[],
+                           summary=f"rank {res.global_rank} done; rank 0 saves and logs the model")
 
     extra = {
         "training_data_digest": digest,
@@ -175,6 +178,9 @@ def main(source: str = "real") -> None:
     cfg = from_mapping(FRConfig, section(params, "fr"), "fr")
     data = from_mapping(DataConfig, section(params, "data"), "data")
     source_datasets(paths, source)  # unknown source or missing data: fail before opening a run
+    if launch_rank(cfg.devices) != 0:  # an extra DDP rank (multi-GPU / multi-node): no tracking run of its own
+        log.info(run(cfg, data, paths, source=source).summary)
+        return
     with stage_run(f"train_fr@{source}", {"fr": section(params, "fr")}, paths.root) as tracker:
         result = run(cfg, data, paths, source=source, tracker=tracker)
     log.info(result.summary)

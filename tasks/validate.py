@@ -269,14 +269,20 @@ def validate_manifests(
 
 
 def run(data: DataConfig, cfg: ValidateConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
-    from ml.data.dataset import read_manifest
+    from ml.data.dataset import MANIFEST_COLUMNS, read_manifest
     from ml.discovery.split import read_gfd_split
 
     datasets: dict[str, tuple[str, pd.DataFrame]] = {}
     for kind in ("train", "heldout", "templates", "discovery", "videos", "unaligned", "real"):
         directory = paths.prepared / kind
         if kind != "real" or directory.exists():
-            datasets[kind] = (kind, read_manifest(directory / "manifest.parquet"))
+            manifest = read_manifest(directory / "manifest.parquet")
+            extra = [str(c) for c in manifest.columns if c not in MANIFEST_COLUMNS]
+            if extra:  # no expectation covers them, and a name like 'row' would collide with the gate's view
+                raise DataError(f"{directory / 'manifest.parquet'}: unexpected column(s) "
+                                f"{', '.join(repr(c) for c in extra)}; a prepared manifest has exactly "
+                                f"{', '.join(MANIFEST_COLUMNS)}. Rebuild it with the prepare stage")
+            datasets[kind] = (kind, manifest)
     datasets["gfd_split"] = ("gfd_split", read_gfd_split(paths.gfd_split))
     result = StageResult("validate")
     with atomic_path(paths.validation_reports) as tmp:

@@ -42,6 +42,22 @@ def test_unknown_key_named_with_suggestion():
         from_mapping(Cfg, {"epoch": 2}, "fr")
 
 
+@pytest.mark.parametrize("key", ["aws_secret_access_key", "access_key", "password", "api-token", "PrivateKey"])
+def test_a_credential_key_is_refused_saying_where_credentials_go(key):
+    with pytest.raises(ConfigError, match=rf"'fr.{key}' looks like a credential.*through the environment") as err:
+        from_mapping(Cfg, {key: "s3cr3t"}, "fr")
+    assert "s3cr3t" not in str(err.value)  # the message never repeats the value
+
+
+def test_storage_credential_key_names_the_aws_variables():
+    from tasks.storage import StorageConfig
+
+    with pytest.raises(ConfigError, match=r"'storage.secret_key' looks like a credential.*AWS_SECRET_ACCESS_KEY"):
+        from_mapping(StorageConfig, {"secret_key": "x"}, "storage")
+    with pytest.raises(ConfigError, match=r"Did you mean 'storage.region'"):  # a typo is still a typo
+        from_mapping(StorageConfig, {"regoin": "x"}, "storage")
+
+
 @pytest.mark.parametrize(
     ("mapping", "key"),
     [({"epochs": "2"}, "fr.epochs"), ({"epochs": True}, "fr.epochs"), ({"lr": "fast"}, "fr.lr"),

@@ -258,6 +258,12 @@ def test_area_flow_runs_on_the_cpu_worker_and_its_gpu_stage_on_the_gpu_worker(cl
     assert json.loads(result["files"]["metrics/train_fr_real.json"])
     # the pipeline run published its benchmark artifact (no report yet: evaluate did not run)
     assert "No benchmark yet" in artifacts[("benchmark", pipeline_run.id)].data
+    # its clone is gone, but every output of its stages is in the remote under the dvc.lock it published
+    lock = artifacts[(routing.LOCK_KEY, pipeline_run.id)].data
+    lock = yaml.safe_load(lock[lock.index("```yaml\n") + 8: lock.rindex("```")])["stages"]
+    assert set(lock) == {"prepare", "validate", "train_fr@real"}
+    cached = [o for entry in lock.values() for o in entry["outs"] if o["path"].startswith(("data/", "models/"))]
+    assert cached and all((cluster.remote / "files" / "md5" / o["md5"][:2] / o["md5"][2:]).is_file() for o in cached)
     # the stage's MLflow run nests under the pipeline's run although it ran on another worker
     client = MlflowClient(tracking_uri=cluster.tracking)
     experiment = client.get_experiment_by_name("faceops").experiment_id

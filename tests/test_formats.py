@@ -70,6 +70,13 @@ def test_encode_decode_png_exact_and_grayscale_to_rgb():
     Image.fromarray(img[..., 0], mode="L").save(buf, format="PNG")
     gray = decode_image(buf.getvalue(), source="x")
     assert gray.shape == (16, 12, 3) and np.array_equal(gray[..., 2], img[..., 0])
+    with pytest.raises(DataError, match=r"x: grayscale image \(mode L\)"):  # ingestion wants colour faces
+        decode_image(buf.getvalue(), source="x", rgb_only=True)
+    rgba = io.BytesIO()
+    Image.fromarray(img, mode="RGB").convert("RGBA").save(rgba, format="PNG")
+    with pytest.raises(DataError, match=r"x: image has an alpha channel \(mode RGBA\)"):
+        decode_image(rgba.getvalue(), source="x", rgb_only=True)
+    assert decode_image(encode_image(img, "png"), source="x", rgb_only=True).shape == (16, 12, 3)
 
 
 def test_decode_image_error_names_source():
@@ -424,7 +431,7 @@ def test_ingest_image_folder(tmp_path):
         _touch_image(tmp_path / rel)
     (tmp_path / "bob" / "notes.txt").write_text("ignored")
     (tmp_path / "README.md").write_text("ignored")
-    (tmp_path / "empty").mkdir()
+    (tmp_path / ".cache").mkdir()  # hidden: not an identity
     pairs = ingest_image_folder(tmp_path)
     assert [(p.relative_to(tmp_path).as_posix(), ident) for p, ident in pairs] == [
         ("alice/a.jpeg", "alice"), ("bob/1.PNG", "bob"), ("bob/2.jpg", "bob"), ("carol/x.bmp", "carol")]
@@ -441,6 +448,12 @@ def test_ingest_image_folder_errors(tmp_path):
     with pytest.raises(DataError, match=r"stray\.png.*top level"):
         ingest_image_folder(tmp_path)
     (tmp_path / "stray.png").unlink()
+    (tmp_path / "carol").mkdir()
+    (tmp_path / "carol" / "notes.txt").write_text("no faces here")
+    with pytest.raises(DataError, match=r"carol: identity folder has no images"):
+        ingest_image_folder(tmp_path)
+    (tmp_path / "carol" / "notes.txt").unlink()
+    (tmp_path / "carol").rmdir()
     _touch_image(tmp_path / "bob" / "deeper" / "x.jpg")
     with pytest.raises(DataError, match=r"deeper/x\.jpg.*nested"):
         ingest_image_folder(tmp_path)

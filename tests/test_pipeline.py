@@ -122,6 +122,30 @@ def test_every_stage_is_a_nested_mlflow_run_and_model_is_candidate(smoke_run):
         assert client.get_model_version_by_alias(name, "candidate").run_id == by_name[stage].info.run_id, name
 
 
+def test_digests_in_mlflow_tags_are_the_ones_dvc_recorded(smoke_run):
+    """Every stage run's ``dvc.dep.*`` / ``dvc.out.*`` tag is the hash ``dvc.lock`` holds for that path, the
+    registered models carry their directory's, and the dataset digests match the datasets' own records."""
+    from mlflow import MlflowClient
+
+    root, env, _ = smoke_run
+    lock = yaml.safe_load((root / "dvc.lock").read_text())["stages"]
+    client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"], registry_uri=env["MLFLOW_TRACKING_URI"])
+    runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("faceops").experiment_id])}
+    for stage in STAGES:
+        tags = runs[stage].data.tags
+        for kind in ("deps", "outs"):
+            recorded = {d["path"]: d["md5"] for d in lock[stage].get(kind, [])}
+            tagged = {k.split(".", 2)[2]: v for k, v in tags.items() if k.startswith(f"dvc.{kind[:-1]}.")}
+            assert tagged == recorded, (stage, kind)
+    version = client.get_model_version_by_alias("faceops-fr", "candidate")
+    assert version.tags["dvc.out.models/fr/real"] == next(
+        o["md5"] for o in lock["train_fr@real"]["outs"] if o["path"] == "models/fr/real")
+    for context, name in (("train", "train"), ("heldout", "heldout")):
+        digest = json.loads((root / f"data/prepared/{name}/dataset.json").read_text())["digest"]
+        assert runs["prepare"].data.tags[f"dataset.{context}.digest"] == digest
+    assert version.tags["data_digest"] == runs["train_fr@real"].data.tags["dataset.train.digest"]
+
+
 def test_prefect_flow_run_has_one_task_per_stage(smoke_run):
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings

@@ -142,4 +142,4 @@ def test_parts_in_parallel_write_the_same_bytes_as_one_process(tmp_path):
     files = tree(one.prepared)
     assert {"videos/manifest.parquet", "unaligned/dataset.json", "verification/procedural.bin"} <= set(files)
     assert files == tree(two.prepared)
-    assert not list(tmp_path.glob("*/data/.prepared.tmp-*"))  # no temporary directory left behind
+    assert not list(tmp_path.glob("*/data/.prepared.*.tmp"))  # no temporary directory left behind

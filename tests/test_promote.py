@@ -376,19 +376,32 @@ def test_failed_alias_move_is_undone(lifecycle, ws):
 
 
 def test_unreachable_tracking_server_retries_then_names_the_endpoint(lifecycle, ws, monkeypatch):
-    url = closed_port_url()
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
-    with pytest.raises(p.RegistryUnreachable, match=rf"{url} is unreachable.*after 2 attempts"):
-        flow(ws)
+    import datetime as dt
+    import time
+
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName, TaskRunFilterStartTime
     from prefect.client.schemas.sorting import TaskRunSort
 
-    with get_client(sync_client=True) as prefect:  # Prefect really ran the connect task twice
-        # newest first, filtered on the server: the backend may hold many other tests' task runs
-        connects = prefect.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="connect")),
-                                          sort=TaskRunSort.EXPECTED_START_TIME_DESC, limit=1)
-    latest = connects[0]
+    url = closed_port_url()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
+    began = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=1)
+    with pytest.raises(p.RegistryUnreachable, match=rf"{url} is unreachable.*after 2 attempts"):
+        flow(ws)
+    # Prefect really ran the connect task twice. Task-run states reach the server as events, processed a moment
+    # later under load: wait (bounded) for this test's connect run, filtered on the server (the backend holds
+    # many other tests' task runs).
+    only_ours = TaskRunFilter(name=TaskRunFilterName(like_="connect"), start_time=TaskRunFilterStartTime(after_=began))
+    deadline, latest = time.monotonic() + 60, None
+    with get_client(sync_client=True) as prefect:
+        while time.monotonic() < deadline:
+            found = prefect.read_task_runs(task_run_filter=only_ours, sort=TaskRunSort.EXPECTED_START_TIME_DESC,
+                                           limit=1)
+            latest = found[0] if found else None
+            if latest is not None and latest.state is not None and latest.state.is_final():
+                break
+            time.sleep(1)
+    assert latest is not None, "no connect task run of this flow run reached the Prefect server within 60 s"
     assert latest.state.is_failed() and latest.run_count == 2
 
 

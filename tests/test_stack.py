@@ -155,6 +155,22 @@ def test_prefect_and_mlflow_answer(stack):
         assert status == 200 and "<html" in body.lower(), ui
 
 
+def test_the_stacks_prefect_server_marks_silent_flow_runs_crashed(stack):
+    """`stack up` installs the heartbeat automation (flows/heartbeats.py): a flow run whose process died with its
+    worker does not stay Running for ever."""
+    import urllib.request
+
+    from flows.heartbeats import AUTOMATION_NAME
+
+    _, ports, _, _ = stack
+    request = urllib.request.Request(f"http://127.0.0.1:{ports['prefect']}/api/automations/filter", data=b"{}",
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=30) as response:
+        automations = json.loads(response.read())
+    (crash,) = [a for a in automations if a["name"] == AUTOMATION_NAME]
+    assert crash["enabled"] and crash["actions"][0]["state"] == "CRASHED"
+
+
 def test_mlflow_artifacts_land_in_the_moto_bucket(stack):
     import boto3
 

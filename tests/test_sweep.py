@@ -307,3 +307,32 @@ def test_two_commands_share_one_study_without_losing_or_repeating_trials(workspa
     assert {k: v for k, v in after["fr"].items() if k not in ("lr", "margin")} == \
         {k: v for k, v in before["fr"].items() if k not in ("lr", "margin")}
     assert after["fr"]["lr"] != before["fr"]["lr"]
+
+
+def test_a_killed_workers_trial_is_failed_by_its_silent_heartbeat_and_run_again(tmp_path):
+    """A trial whose process died stays RUNNING for ever without a heartbeat. With one (SQL storage), the next
+    worker marks it FAIL once it has been silent for three intervals and runs it again with the same params."""
+    import time
+
+    import optuna
+
+    from tasks.sweep import StorageSpec, open_storage
+
+    spec = StorageSpec("rdb", f"sqlite:///{tmp_path / 'optuna.db'}")
+    storage = open_storage(spec, heartbeat_s=1)
+    study = optuna.create_study(study_name="s", storage=storage)
+    dead = study.ask({"x": optuna.distributions.FloatDistribution(0.0, 1.0)})
+    storage.record_heartbeat(dead._trial_id)  # the worker beat once, then was killed (it never tells)
+    time.sleep(3.5)
+    worker = optuna.load_study(study_name="s", storage=open_storage(spec, heartbeat_s=1))
+    worker.optimize(lambda t: t.suggest_float("x", 0.0, 1.0), n_trials=2)
+    trials = worker.get_trials(deepcopy=False)
+    assert trials[0].state == optuna.trial.TrialState.FAIL
+    retried = [t for t in trials if t.system_attrs.get("failed_trial") == dead.number]
+    assert len(retried) == 1 and retried[0].state == optuna.trial.TrialState.COMPLETE
+    assert retried[0].params["x"] == dead.params["x"]
+    # without a heartbeat the same trial is never reclaimed
+    plain = optuna.create_study(study_name="p", storage=open_storage(spec))
+    stuck = plain.ask({"x": optuna.distributions.FloatDistribution(0.0, 1.0)})
+    plain.optimize(lambda t: t.suggest_float("x", 0.0, 1.0), n_trials=1)
+    assert plain.get_trials()[stuck.number].state == optuna.trial.TrialState.RUNNING

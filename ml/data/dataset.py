@@ -13,7 +13,7 @@ ArcFace order: left eye, right eye, nose, left mouth corner, right mouth corner;
 ``quality`` (float64 in [0, 1] or null), ``template`` and ``media`` (nullable int64, for set/video
 benchmarks), ``width`` and ``height`` (int64).
 
-:class:`DatasetWriter` builds the directory under ``<out>.tmp-<pid>`` and moves it onto ``<out>`` only
+:class:`DatasetWriter` builds the directory under ``.<out>.<pid>.tmp`` and moves it onto ``<out>`` only
 when closed without error, so readers never see a half-written dataset.
 
 The content digest is the sha256 over one canonical JSON line per image, sorted by path:
@@ -41,6 +41,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ml.atomic import remove_dead_temporaries
 from ml.data.formats import decode_image, encode_image
 from ml.errors import DataError
 
@@ -155,7 +156,8 @@ def write_manifest(df: pd.DataFrame, path: str | os.PathLike) -> None:
         names.append(str(extra))
     table = pa.Table.from_arrays(arrays, names=names)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    remove_dead_temporaries(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         pq.write_table(table, tmp)
         os.replace(tmp, path)
@@ -166,7 +168,11 @@ def write_manifest(df: pd.DataFrame, path: str | os.PathLike) -> None:
 
 def read_manifest(path: str | os.PathLike) -> pd.DataFrame:
     """Read a manifest parquet: ints as int64, ``template``/``media`` as nullable Int64, ``quality`` float64
-    (NaN where null), ``landmarks`` as float32 arrays or None."""
+    (NaN where null), ``landmarks`` as float32 arrays or None.
+
+    The file is checked against the contract first (DataError naming the file, column and first offending row):
+    the column types (no ``label`` stored as text or as fractional numbers), no null where a value is required,
+    landmarks of 10 finite values or null (NaN landmarks would slip through the gate's range checks)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: manifest not found; run the prepare stage to build the dataset")
@@ -178,6 +184,7 @@ def read_manifest(path: str | os.PathLike) -> pd.DataFrame:
     if missing:
         raise DataError(f"{path}: manifest is missing column(s) {', '.join(repr(c) for c in missing)}; "
                         f"a faceops manifest has {', '.join(MANIFEST_COLUMNS)}. Rebuild it with the prepare stage")
+    _check_table(table, path)
     df = table.to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get)
     for column in _INT_COLUMNS:
         if df[column].isna().any():
@@ -198,6 +205,60 @@ def read_manifest(path: str | os.PathLike) -> pd.DataFrame:
         if not df[extra_int].isna().any():
             df[extra_int] = df[extra_int].astype("int64")
     return df
+
+
+def _type_ok(column: str, type_: pa.DataType) -> bool:
+    if pa.types.is_null(type_):  # every value null
+        return column in ("landmarks", "quality") + _NULLABLE_INT_COLUMNS
+    if pa.types.is_dictionary(type_):
+        type_ = type_.value_type
+    if column in _STRING_COLUMNS:
+        return pa.types.is_string(type_) or pa.types.is_large_string(type_)
+    if column in _INT_COLUMNS + _NULLABLE_INT_COLUMNS:
+        return pa.types.is_integer(type_)
+    if column == "quality":
+        return pa.types.is_floating(type_) or pa.types.is_integer(type_)
+    if column == "landmarks":
+        return (pa.types.is_list(type_) or pa.types.is_large_list(type_) or pa.types.is_fixed_size_list(type_)) and (
+            pa.types.is_floating(type_.value_type) or pa.types.is_integer(type_.value_type))
+    return True
+
+
+def _check_table(table: pa.Table, path: Path) -> None:
+    """The contract's column types, no nulls where a value is required, landmarks of 10 finite values or null;
+    DataError naming the file, the column and the first offending row."""
+    import pyarrow.compute as pc
+
+    def row_name(row: int) -> str:
+        rel = table.column("path")[row].as_py() if pa.types.is_string(table.schema.field("path").type) else None
+        return f"row {row} ({rel})" if rel else f"row {row}"
+
+    for column in MANIFEST_COLUMNS:
+        type_ = table.schema.field(column).type
+        if not _type_ok(column, type_):
+            raise DataError(f"{path}: column '{column}' has type {type_}, expected {_SCHEMA.field(column).type}; "
+                            "fix its values or rebuild the manifest with the prepare stage")
+    for column in _STRING_COLUMNS + _INT_COLUMNS:
+        values = table.column(column)
+        if values.null_count:
+            row = pc.index(pc.is_null(values), True).as_py()
+            raise DataError(f"{path}: column '{column}' is null in {row_name(row)}; it must be set on every row, "
+                            "rebuild the manifest")
+    landmarks = table.column("landmarks").combine_chunks()
+    if pa.types.is_null(landmarks.type):
+        return
+    lengths = pc.list_value_length(landmarks)
+    wrong = pc.fill_null(pc.not_equal(lengths, 2 * NUM_LANDMARKS), False)
+    if pc.any(wrong).as_py():
+        row = pc.index(wrong, True).as_py()
+        raise DataError(f"{path}: {row_name(row)}: landmarks has {lengths[row].as_py()} values, expected "
+                        f"{2 * NUM_LANDMARKS} (x0, y0, ..., x4, y4) or null; rebuild the manifest")
+    values = pc.list_flatten(landmarks).cast(pa.float64())
+    finite = pc.fill_null(pc.is_finite(values), False)
+    if len(finite) and not pc.all(finite).as_py():
+        row = pc.list_parent_indices(landmarks)[pc.index(finite, False).as_py()].as_py()
+        raise DataError(f"{path}: {row_name(row)}: landmarks contains NaN/inf or a null coordinate; store null for "
+                        "the whole row when landmarks are unknown, or rebuild the manifest")
 
 
 def read_dataset_info(dataset_dir: str | os.PathLike) -> dict:
@@ -393,7 +454,9 @@ class DatasetWriter:
             raise DataError(f"{self.out_dir}: exists and is not a faceops dataset (no {INFO_FILE}); remove it or "
                             "choose another output directory")
         self.name, self.source, self.aligned, self.generator = name, source, bool(aligned), generator
-        self.tmp_dir = self.out_dir.with_name(f"{self.out_dir.name}.tmp-{os.getpid()}")
+        # what a writer killed mid-write left (a whole dataset) lies outside anything DVC tracks or cleans
+        remove_dead_temporaries(self.out_dir)
+        self.tmp_dir = self.out_dir.with_name(f".{self.out_dir.name}.{os.getpid()}.tmp")
         if self.tmp_dir.exists():
             shutil.rmtree(self.tmp_dir)  # left over by a crashed run of a process with our pid
         (self.tmp_dir / IMAGES_DIR).mkdir(parents=True)
@@ -498,7 +561,7 @@ class DatasetWriter:
         if not out.exists():
             os.replace(self.tmp_dir, out)
             return
-        old = out.with_name(f"{out.name}.old-{os.getpid()}")
+        old = out.with_name(f".{out.name}.{os.getpid()}.old")
         if old.exists():
             shutil.rmtree(old)
         os.replace(out, old)  # a non-empty directory cannot be replaced in one rename

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from ml.errors import DataError
 
@@ -79,18 +79,50 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp")
 _PIL_FORMATS = {"png": "PNG", "jpg": "JPEG", "jpeg": "JPEG"}
 
 
-def decode_image(data: bytes | bytearray | memoryview, *, source: str) -> np.ndarray:
-    """Decode JPEG/PNG/BMP bytes to an RGB uint8 (H, W, 3) array; ``source`` names it in errors."""
+_GRAYSCALE_MODES = ("1", "L", "I", "I;16", "I;16B", "I;16L", "I;16N", "F")
+_ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
+
+
+def decode_image(data: bytes | bytearray | memoryview, *, source: str, rgb_only: bool = False) -> np.ndarray:
+    """Decode JPEG/PNG/BMP bytes to an RGB uint8 (H, W, 3) array; ``source`` names it in errors.
+
+    Any mode is converted to RGB, unless ``rgb_only``: then an image that is not colour RGB (grayscale, with an
+    alpha channel, CMYK, ...) is refused, as the ingestion of real faces wants (a palette PNG without
+    transparency counts as RGB)."""
     try:
         with Image.open(io.BytesIO(data)) as im:
             im.load()
+            if rgb_only:
+                _check_rgb(im, source)
             rgb = im.convert("RGB")
+    except DataError:
+        raise
+    except UnidentifiedImageError as exc:
+        raise DataError(f"{source}: cannot decode image: the bytes are not a JPEG/PNG/BMP file (empty, cut short "
+                        "in the header, or another kind of file); re-export or remove this image") from exc
     except Exception as exc:  # Pillow raises many types for bad input (OSError, SyntaxError, ...)
+        detail = " ".join(str(exc).split())
         raise DataError(
-            f"{source}: cannot decode image ({type(exc).__name__}: {exc}); "
+            f"{source}: cannot decode image ({type(exc).__name__}: {detail}); "
             "the bytes are not a complete JPEG/PNG/BMP, re-export or remove this image"
         ) from exc
     return np.array(rgb, dtype=np.uint8)
+
+
+def _check_rgb(im: Image.Image, source: str) -> None:
+    mode = im.mode
+    if mode == "P" and "transparency" in im.info:
+        mode = "PA"
+    if mode in ("RGB", "P"):
+        return
+    if mode in _GRAYSCALE_MODES:
+        raise DataError(f"{source}: grayscale image (mode {mode}); faces are ingested as RGB colour images, convert "
+                        "it to RGB (e.g. PIL's .convert('RGB')) or remove it")
+    if mode in _ALPHA_MODES:
+        raise DataError(f"{source}: image has an alpha channel (mode {mode}); faces are ingested as RGB colour "
+                        "images, flatten it onto a background (RGB) or remove it")
+    raise DataError(f"{source}: image mode {mode} is not RGB; faces are ingested as RGB colour images, convert it "
+                    "to RGB or remove it")
 
 
 def _check_image(image: Any, what: str) -> np.ndarray:
@@ -207,13 +239,15 @@ def read_verification_bin(path: str | os.PathLike, *, progress: bool = False) ->
     try:
         obj = _restricted_load(path)
     except pickle.UnpicklingError as exc:
-        if "is not allowed" in str(exc):
-            raise DataError(f"{path}: refused to unpickle: {exc}; a verification .bin holds only "
+        detail = " ".join(str(exc).split())  # one line: some pickle messages span two
+        if "is not allowed" in detail:
+            raise DataError(f"{path}: refused to unpickle: {detail}; a verification .bin holds only "
                             "(list of image bytes, list of bools), so this file is not one") from exc
-        raise DataError(f"{path}: corrupt or truncated pickle ({exc}); re-download the file") from exc
+        raise DataError(f"{path}: corrupt or truncated pickle ({detail}); re-download the file") from exc
     except (EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError, MemoryError,
             RecursionError, struct.error, UnicodeDecodeError) as exc:
-        raise DataError(f"{path}: corrupt or truncated pickle ({type(exc).__name__}: {exc}); "
+        detail = " ".join(str(exc).split())
+        raise DataError(f"{path}: corrupt or truncated pickle ({type(exc).__name__}: {detail}); "
                         "re-download the file") from exc
 
     if not (isinstance(obj, (tuple, list)) and len(obj) == 2):
@@ -439,8 +473,9 @@ class RecordIOReader:
     ``(first_identity_key, end_key)`` when the file has the InsightFace layout, else None.
     """
 
-    def __init__(self, rec_path: str | os.PathLike):
+    def __init__(self, rec_path: str | os.PathLike, *, rgb_only: bool = False):
         self.rec_path = Path(rec_path)
+        self.rgb_only = rgb_only  # refuse images that are not colour RGB (see decode_image)
         self.idx_path = self.rec_path.with_suffix(".idx")
         if not self.rec_path.is_file():
             raise DataError(f"{self.rec_path}: RecordIO file not found; fix the path or download the dataset")
@@ -530,7 +565,7 @@ class RecordIOReader:
         key = self._image_keys[index]
         header, payload = self.read_record(key)
         label = header.label[0] if header.flag > 0 else header.label
-        return decode_image(payload, source=f"{self.rec_path}: record {key}"), int(label)
+        return decode_image(payload, source=f"{self.rec_path}: record {key}", rgb_only=self.rgb_only), int(label)
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, int]]:
         for i in range(len(self)):
@@ -664,8 +699,9 @@ def ingest_image_folder(
 ) -> list[tuple[Path, str]]:
     """List ``(image path, identity)`` for a ``<identity>/<image>`` tree, sorted by identity then file name.
 
-    Hidden entries (names starting with ".") and non-image files are skipped; identity folders
-    without images are skipped with a warning.
+    Hidden entries (names starting with ".") and non-image files are skipped. An identity folder without any
+    image is an error (a copy that went wrong); one whose images all have extensions outside ``extensions`` is
+    skipped with a warning.
     """
     src = Path(src_dir)
     exts = tuple(e.lower() for e in extensions)
@@ -696,7 +732,12 @@ def ingest_image_folder(
             elif is_image(item):
                 found.append((item, entry.name))
         if not found:
-            logger.warning("%s: identity folder has no images (%s), skipped", entry, ", ".join(exts))
+            if any(p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS for p in entry.iterdir()):
+                logger.warning("%s: identity folder has no images with the extensions asked for (%s), skipped",
+                               entry, ", ".join(exts))
+                continue
+            raise DataError(f"{entry}: identity folder has no images ({', '.join(exts)}); add its images or remove "
+                            "the folder")
         pairs.extend(found)
     if not pairs:
         raise DataError(f"{src}: no images found (extensions {', '.join(exts)}); expected <identity>/<image> files")

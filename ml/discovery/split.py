@@ -197,5 +197,8 @@ def read_gfd_split(path: str | os.PathLike) -> pd.DataFrame:
         df = pd.read_parquet(path)
     except Exception as exc:  # pyarrow raises several types for a corrupt file
         raise DataError(f"{path}: cannot read GFD split parquet ({exc}); rebuild it with gfd_split") from exc
-    check_gfd_split(df)
+    try:
+        check_gfd_split(df)
+    except DataError as exc:  # name the file
+        raise DataError(f"{path}: {exc}") from None
     return df

@@ -25,6 +25,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ml.atomic import remove_dead_temporaries
 from ml.errors import ConfigError, DataError
 from ml.models.backbones import BACKBONES, build_backbone, input_contract
 
@@ -58,7 +59,8 @@ def write_model_dir(model_dir: str | os.PathLike, model: nn.Module, config: dict
 
     model_dir = Path(model_dir)
     model_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.", suffix=".tmp", dir=model_dir.parent))
+    remove_dead_temporaries(model_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.{os.getpid()}.", suffix=".tmp", dir=model_dir.parent))
     try:
         save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / CONFIG).write_text(text)

@@ -5,33 +5,55 @@ Cutout, Rotation (20°)" (supplementary, Table 6). ``augment_kprpe`` applies to 
 ``(B, C, H, W)``, per sample and each with its own probability (``AugmentConfig``):
 
 1. Geometry, as one bilinear resample: horizontal flip, then scale ``s``, rotation ``r`` and translation
-   ``d`` about the image centre. In normalised coordinates (``align_corners=False``: ``n = (2p + 1)/S − 1``
-   for pixel ``p`` of a side of ``S``) an input point ``n`` lands at ``o = s·R(r)·F·n + d`` in the output
-   (``F = diag(−1, 1)`` where flipped). The output is sampled at ``n = F·R(−r)·(o − d)/s`` and the
-   landmarks are pushed through the forward map exactly, then left/right swapped where flipped so that
-   they stay in ArcFace order.
-2. Photometric jitter: brightness ``x·b``, contrast ``(x − ḡ)·c + ḡ`` (``ḡ`` the image's mean grey),
+   ``d`` about the image centre, then RandAug's geometric ops. In normalised coordinates
+   (``align_corners=False``: ``n = (2p + 1)/S − 1`` for pixel ``p`` of a side of ``S``) an input point ``n``
+   lands at ``o = A·n + t`` in the output, with ``A = s·R(r)·F`` and ``t = d`` (``F = diag(−1, 1)`` where
+   flipped) composed on the left with each RandAug op's own map ``(L, l)``: ``A ← L·A``, ``t ← L·t + l``.
+   The output is sampled at ``n = A⁻¹·(o − t)`` and the landmarks are pushed through the forward map
+   exactly, then left/right swapped where flipped so that they stay in ArcFace order.
+2. RandAugment (Cubuk et al. 2020), where drawn: ``randaug_ops`` = N ops per image, each chosen uniformly
+   (with replacement) from the 14 of ``RANDAUG_OPS`` and applied at the one magnitude M of
+   ``randaug_magnitude`` (0..30, i.e. 31 levels; the paper's 14/31 is M = 14), with a random sign for the
+   signed ops. Strength at level M is ``M/30`` of the strongest (torchvision's RandAugment ranges):
+   Rotate ±30°, ShearX/Y ±0.3, TranslateX/Y ±150/331 of the side, Brightness/Color/Contrast/Sharpness
+   factor ``1 ± 0.9``, Posterize down to 4 bits, Solarize threshold down to 0; AutoContrast, Equalize and
+   Identity take no magnitude. The geometric ones join step 1's resample; the photometric ones run here,
+   in the drawn order.
+3. Photometric jitter: brightness ``x·b``, contrast ``(x − ḡ)·c + ḡ`` (``ḡ`` the image's mean grey),
    saturation ``g + (x − g)·σ`` (``g`` each pixel's grey, Rec. 601 weights), each clamped to [0, 1].
-3. Gaussian blur with a random σ (given for 112-px images, scaled to the image side).
-4. Cutout: one rectangle of random area and aspect ratio, filled with zero or the image's mean colour.
+4. Gaussian blur with a random σ (given for 112-px images, scaled to the image side).
+5. Cutout: one rectangle of random area and aspect ratio, filled with zero or the image's mean colour.
 
 Only step 1 moves landmarks. Every random number comes from the ``generator`` argument: one
-``(B, 21)`` uniform draw per call, made whatever the probabilities, so a batch's augmentation is a
-function of the generator's state alone (exact resume reseeds it per step).
+``(B, DRAW_SIZE)`` = ``(B, 30)`` uniform draw per call, made whatever the probabilities and whatever N
+(columns for ``RANDAUG_MAX_OPS`` slots are always drawn), so a batch's augmentation is a function of the
+generator's state alone (exact resume reseeds it per step). ``augment_with`` is the recipe as a pure
+function of that draw.
 
 Differences from the reference (the paper lists the operations without magnitudes; the authors'
 training code was not consulted):
 
-- RandAug (magnitude 14/31) is not implemented; brightness/contrast/saturation/blur/cutout cover the
-  photometric part of it.
-- Rotation ±20° is the paper's; every other magnitude and all probabilities are our defaults.
-- Scale, translation and rotation are one resample instead of chained ones, so the image is
-  interpolated once and the landmark transform is exact.
+- Rotation ±20° and RandAug's magnitude 14/31 are the paper's; every other magnitude and all
+  probabilities are our defaults. RandAug is off in ``AugmentConfig()`` (``randaug_prob = 0``) so that
+  the other users of the recipe (aligner, discovery, fusion) keep their behaviour; ``fr.augmentation``
+  in params.yaml turns it on for FR training.
+- Scale, translation, rotation and RandAug's geometric ops are one resample instead of chained ones, so
+  the image is interpolated once and the landmark transform is exact. RandAug's geometric ops therefore
+  act before its photometric ones whatever order they were drawn in (only the ops that read image
+  statistics or neighbours, AutoContrast, Equalize, Contrast and Sharpness, could tell the difference,
+  through the padding the geometry brings in).
+- RandAugment as published applies each op to PIL images: here ops act on float images in [0, 1].
+  Posterize and Equalize work on the 256 uint8 levels (``round(255·x)``) as PIL does; Solarize inverts
+  pixels strictly above its threshold so that M = 0 leaves the image alone; rotation and shear are about
+  the image centre, not PIL's top-left corner. The magnitude is fixed (no per-image magnitude noise).
+- AutoContrast and Equalize have no magnitude, as in RandAugment: at M = 0 they are the only ops that
+  still change an image.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +69,27 @@ _GREY = (0.299, 0.587, 0.114)
 
 PADDING_MODES = ("zeros", "border", "reflection")
 CUTOUT_FILLS = ("zero", "mean")
+
+# RandAugment's 14 ops, in the paper's order (Cubuk et al. 2020); a slot's op is RANDAUG_OPS[floor(14·u)]
+RANDAUG_OPS = (
+    "Identity", "AutoContrast", "Equalize", "Rotate", "Solarize", "Color", "Posterize", "Contrast",
+    "Brightness", "Sharpness", "ShearX", "ShearY", "TranslateX", "TranslateY",
+)
+GEOMETRIC_OPS = ("Rotate", "ShearX", "ShearY", "TranslateX", "TranslateY")
+RANDAUG_LEVELS = 30  # magnitude M ∈ {0, …, 30}: the 31 levels of the paper's "14/31"
+RANDAUG_MAX_OPS = 4  # slots always drawn, so the draw's size does not depend on N
+# strength at M = 30 (torchvision's RandAugment ranges)
+_MAX_ROTATE_DEG = 30.0
+_MAX_SHEAR = 0.3  # x' = x + k·y about the centre
+_MAX_TRANSLATE = 150.0 / 331.0  # fraction of the side
+_MAX_ENHANCE = 0.9  # Brightness/Color/Contrast/Sharpness factor 1 ± 0.9
+_MIN_POSTERIZE_BITS = 4
+
+# columns of the per-call uniform draw (B, DRAW_SIZE): 0–20 the fixed recipe, 21 RandAug on/off, then
+# (op, sign) for each of RANDAUG_MAX_OPS slots
+_RANDAUG_ON = 21
+_RANDAUG_SLOTS = 22
+DRAW_SIZE = _RANDAUG_SLOTS + 2 * RANDAUG_MAX_OPS
 
 
 @dataclass(frozen=True)
@@ -73,10 +116,15 @@ class AugmentConfig:
     cutout_area: tuple[float, float] = (0.02, 0.2)  # fraction of the image area
     cutout_ratio: tuple[float, float] = (0.3, 3.3)  # height / width, drawn log-uniformly
     cutout_fill: str = "zero"  # "zero" | "mean" (the image's per-channel mean)
+    # RandAugment per image; 0 here keeps the aligner/discovery/fusion recipes as they were, while
+    # fr.augmentation in params.yaml sets 0.5 for FR training
+    randaug_prob: float = 0.0
+    randaug_ops: int = 2  # N ops per image, 0..RANDAUG_MAX_OPS
+    randaug_magnitude: int = 14  # M on 0..30 (31 levels); paper: 14/31
 
     def __post_init__(self) -> None:
         for name in ("flip_prob", "scale_prob", "translate_prob", "rotate_prob", "brightness_prob",
-                     "contrast_prob", "saturation_prob", "blur_prob", "cutout_prob"):
+                     "contrast_prob", "saturation_prob", "blur_prob", "cutout_prob", "randaug_prob"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ConfigError(f"fr.augmentation.{name} = {value!r}: a probability must lie in [0, 1]")
@@ -105,6 +153,10 @@ class AugmentConfig:
             raise ConfigError(f"fr.augmentation.padding_mode {self.padding_mode!r} is not one of {list(PADDING_MODES)}")
         if self.cutout_fill not in CUTOUT_FILLS:
             raise ConfigError(f"fr.augmentation.cutout_fill {self.cutout_fill!r} is not one of {list(CUTOUT_FILLS)}")
+        for name, high in (("randaug_ops", RANDAUG_MAX_OPS), ("randaug_magnitude", RANDAUG_LEVELS)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= high:
+                raise ConfigError(f"fr.augmentation.{name} = {value!r}: need an integer in 0..{high}")
 
 
 def flip_keypoints(keypoints: torch.Tensor, size: int) -> torch.Tensor:
@@ -143,23 +195,46 @@ def affine(
     ``flip`` (B,) bool, ``scale`` (B,) magnification, ``angle`` (B,) radians, ``shift`` (B, 2) in normalised
     units (a side spans 2). Pixel landmarks (B, K, 2) follow exactly; flipped rows get left/right swapped.
     """
+    return affine_map(x, keypoints, base_linear(flip, scale, angle), shift, flip, padding_mode)
+
+
+def base_linear(flip: torch.Tensor, scale: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
+    """Forward linear part (B, 2, 2) ``s·R(r)·F = s·[[f·cos, −sin], [f·sin, cos]]``; f = −1 where flipped."""
+    f = torch.where(flip, -1.0, 1.0).to(scale.dtype)
+    cos, sin = torch.cos(angle).to(scale.dtype), torch.sin(angle).to(scale.dtype)
+    rows = [torch.stack([f * cos, -sin], -1), torch.stack([f * sin, cos], -1)]
+    return torch.stack(rows, 1) * scale.view(-1, 1, 1)
+
+
+def affine_map(
+    x: torch.Tensor,
+    keypoints: torch.Tensor | None,
+    linear: torch.Tensor,
+    shift: torch.Tensor,
+    flip: torch.Tensor,
+    padding_mode: str = "zeros",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One bilinear resample of square images by the forward map ``o = A·n + t`` in normalised coordinates.
+
+    ``linear`` (B, 2, 2) is ``A`` (invertible), ``shift`` (B, 2) is ``t`` (a side spans 2); the image is
+    sampled at ``n = A⁻¹·(o − t)``. Pixel landmarks (B, K, 2) go through the forward map exactly; rows where
+    ``flip`` (B,) bool is set (``A`` mirrors them) get their left/right points swapped.
+    """
     b, size = x.shape[0], x.shape[-1]
     if x.shape[-2] != size:
         raise ValueError(f"affine augmentation needs square images, got {tuple(x.shape[-2:])}")
-    f = torch.where(flip, -1.0, 1.0).to(x.dtype)
-    cos, sin = torch.cos(angle).to(x.dtype), torch.sin(angle).to(x.dtype)
-    s = scale.to(x.dtype)
+    a = linear.to(x.dtype)
     d = shift.to(x.dtype)
-    # forward map M = s·R·F = s·[[f·cos, −sin], [f·sin, cos]]; sampling uses M⁻¹ = F·R(−r)/s
-    inv = torch.stack([torch.stack([f * cos, f * sin], -1), torch.stack([-sin, cos], -1)], 1) / s.view(b, 1, 1)
-    theta = torch.cat([inv, -(inv @ d.unsqueeze(-1))], dim=2)  # (B, 2, 3): n = M⁻¹·o − M⁻¹·d
+    det = (a[:, 0, 0] * a[:, 1, 1] - a[:, 0, 1] * a[:, 1, 0]).view(b, 1, 1)
+    adj = torch.stack([torch.stack([a[:, 1, 1], -a[:, 0, 1]], -1), torch.stack([-a[:, 1, 0], a[:, 0, 0]], -1)], 1)
+    inv = adj / det  # A⁻¹ = adj(A) / det(A)
+    theta = torch.cat([inv, -(inv @ d.unsqueeze(-1))], dim=2)  # (B, 2, 3): n = A⁻¹·o − A⁻¹·t
     grid = F.affine_grid(theta, list(x.shape), align_corners=False)
     out = F.grid_sample(x, grid, mode="bilinear", padding_mode=padding_mode, align_corners=False)
     if keypoints is None:
         return out, None
-    fwd = torch.stack([torch.stack([f * cos, -sin], -1), torch.stack([f * sin, cos], -1)], 1) * s.view(b, 1, 1)
     n = pixel_to_normalised(keypoints.to(x.dtype), size)  # (B, K, 2)
-    moved = normalised_to_pixel(n @ fwd.transpose(1, 2) + d.unsqueeze(1), size)
+    moved = normalised_to_pixel(n @ a.transpose(1, 2) + d.unsqueeze(1), size)
     moved = torch.where(flip.view(b, 1, 1), moved[:, list(FLIP_LANDMARK_ORDER)], moved)
     return out, moved.to(keypoints.dtype)
 
@@ -209,6 +284,154 @@ def cutout(x: torch.Tensor, boxes: torch.Tensor, fill: str = "zero") -> torch.Te
     return torch.where(inside, value, x)
 
 
+def autocontrast(x: torch.Tensor) -> torch.Tensor:
+    """Stretch each channel to [0, 1]: ``(x − lo)/(hi − lo)``, lo and hi its min and max; flat channels kept."""
+    lo = x.amin(dim=(2, 3), keepdim=True)
+    span = x.amax(dim=(2, 3), keepdim=True) - lo
+    stretched = (x - lo) / torch.where(span > 0, span, 1.0)
+    return torch.where(span > 0, stretched, x).clamp(0.0, 1.0)
+
+
+def _levels(x: torch.Tensor) -> torch.Tensor:
+    """uint8 levels ``round(255·x)`` in 0..255 as int64 (exact for images that came from uint8)."""
+    return (x * 255.0).round().clamp(0, 255).long()
+
+
+def equalize(x: torch.Tensor) -> torch.Tensor:
+    """PIL's histogram equalisation of each channel on the uint8 levels ``v = round(255·x)``.
+
+    With ``h`` the channel's 256-bin histogram and ``step = ⌊(Σh − h[top])/255⌋`` (``h[top]`` the count of
+    the highest level present): ``v → min(255, ⌊(⌊step/2⌋ + Σ_{j<v} h[j]) / step⌋)/255``. A channel whose
+    ``step`` is 0 (one level, or too few pixels) is returned unchanged.
+    """
+    b, c, h, w = x.shape
+    v = _levels(x).view(b * c, h * w)
+    hist = torch.zeros(b * c, 256, dtype=torch.long, device=x.device).scatter_add_(1, v, torch.ones_like(v))
+    step = (h * w - hist.gather(1, v.amax(dim=1, keepdim=True))) // 255  # (B·C, 1)
+    before = hist.cumsum(dim=1) - hist  # pixels below each level
+    lut = ((before + step // 2) // step.clamp(min=1)).clamp(max=255)  # (B·C, 256)
+    out = lut.gather(1, v).to(x.dtype) / 255.0
+    return torch.where(step > 0, out, x.reshape(b * c, h * w)).view(b, c, h, w)
+
+
+def posterize(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Keep the top ``bits`` of each uint8 level: ``⌊round(255·x)/2^(8−bits)⌋·2^(8−bits)/255``; 8 keeps x."""
+    if bits >= 8:
+        return x
+    q = float(2 ** (8 - bits))
+    return torch.floor((x * 255.0).round().clamp(0.0, 255.0) / q) * q / 255.0  # exact up to the last division
+
+
+def solarize(x: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Invert the pixels above a threshold: ``1 − x`` where ``x > τ``, else ``x`` (τ = 1 changes nothing)."""
+    return torch.where(x > threshold, 1.0 - x, x)
+
+
+def enhance(x: torch.Tensor, degenerate: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """PIL's ImageEnhance blend ``x + (f − 1)·(x − degenerate)`` for factors f (B,), clamped; f = 1 gives x."""
+    f = factor.to(x.dtype).view(-1, 1, 1, 1)
+    return (x + (f - 1.0) * (x - degenerate)).clamp(0.0, 1.0)
+
+
+def smooth(x: torch.Tensor) -> torch.Tensor:
+    """PIL's SMOOTH filter ``[[1, 1, 1], [1, 5, 1], [1, 1, 1]]/13`` per channel; the one-pixel border keeps x."""
+    rows = x[..., :-2, :] + x[..., 1:-1, :] + x[..., 2:, :]  # (B, C, H−2, W): vertical 3-sums
+    box = rows[..., :-2] + rows[..., 1:-1] + rows[..., 2:]  # (B, C, H−2, W−2): 3×3 sums (faster than conv2d)
+    out = x.clone()
+    out[..., 1:-1, 1:-1] = (box + 4.0 * x[..., 1:-1, 1:-1]) / 13.0
+    return out
+
+
+def posterize_bits(magnitude: int) -> int:
+    """Bits Posterize keeps at level M: ``8 − round(4·M/30)`` (8 at M = 0, 6 at M = 14, 4 at M = 30)."""
+    return 8 - round((8 - _MIN_POSTERIZE_BITS) * magnitude / RANDAUG_LEVELS)
+
+
+def solarize_threshold(magnitude: int) -> float:
+    """Solarize's threshold at level M: ``1 − M/30``."""
+    return 1.0 - magnitude / RANDAUG_LEVELS
+
+
+def _mean_grey(x: torch.Tensor) -> torch.Tensor:
+    return _grey(x).mean(dim=(2, 3), keepdim=True)
+
+
+# photometric RandAug ops: (images, enhance factor (B,), magnitude) → images
+_PHOTOMETRIC_OPS: dict[str, Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]] = {
+    "AutoContrast": lambda x, f, m: autocontrast(x),
+    "Equalize": lambda x, f, m: equalize(x),
+    "Solarize": lambda x, f, m: solarize(x, solarize_threshold(m)),
+    "Posterize": lambda x, f, m: posterize(x, posterize_bits(m)),
+    "Color": lambda x, f, m: enhance(x, _grey(x), f),  # saturation: blend with each pixel's grey
+    "Contrast": lambda x, f, m: enhance(x, _mean_grey(x), f),  # blend with the image's mean grey
+    "Brightness": lambda x, f, m: enhance(x, torch.zeros((), dtype=x.dtype, device=x.device), f),  # with black
+    "Sharpness": lambda x, f, m: enhance(x, smooth(x), f),  # with the smoothed image
+}
+
+
+def randaug_choices(u: torch.Tensor, cfg: AugmentConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sample's RandAug ops (B, N) as indices into ``RANDAUG_OPS`` and their signs ±1 (B, N), from the draw.
+
+    Samples that do not draw RandAug get Identity in every slot.
+    """
+    on = u[:, _RANDAUG_ON] < cfg.randaug_prob
+    cols = u[:, _RANDAUG_SLOTS : _RANDAUG_SLOTS + 2 * cfg.randaug_ops]
+    ops = (cols[:, 0::2] * len(RANDAUG_OPS)).long().clamp(max=len(RANDAUG_OPS) - 1)
+    ops = torch.where(on.unsqueeze(1), ops, RANDAUG_OPS.index("Identity"))
+    signs = torch.where(cols[:, 1::2] < 0.5, -1.0, 1.0)
+    return ops, signs
+
+
+def randaug_geometry(ops: torch.Tensor, signs: torch.Tensor, magnitude: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward map ``(L (B, 2, 2), l (B, 2))`` of each sample's geometric RandAug ops, composed in slot order.
+
+    In normalised coordinates about the centre, with ``λ = M/30`` and ``±`` the slot's sign: Rotate
+    ``R(±30°·λ)``; ShearX ``[[1, ±0.3λ], [0, 1]]``; ShearY ``[[1, 0], [±0.3λ, 1]]``; TranslateX/Y a shift of
+    ``±(150/331)·λ`` of the side (``2×`` that in normalised units). Other ops are the identity.
+    """
+    level = magnitude / RANDAUG_LEVELS
+    b = ops.shape[0]
+    linear = torch.eye(2, device=ops.device).expand(b, 2, 2).clone()
+    shift = torch.zeros(b, 2, device=ops.device)
+    code = {name: RANDAUG_OPS.index(name) for name in GEOMETRIC_OPS}
+    for k in range(ops.shape[1]):
+        op, sign = ops[:, k], signs[:, k]
+        angle = torch.where(op == code["Rotate"], sign * math.radians(_MAX_ROTATE_DEG * level), 0.0)
+        cos, sin = torch.cos(angle), torch.sin(angle)
+        shear_x = torch.where(op == code["ShearX"], sign * (_MAX_SHEAR * level), 0.0)
+        shear_y = torch.where(op == code["ShearY"], sign * (_MAX_SHEAR * level), 0.0)
+        move_x = torch.where(op == code["TranslateX"], sign * (2.0 * _MAX_TRANSLATE * level), 0.0)
+        move_y = torch.where(op == code["TranslateY"], sign * (2.0 * _MAX_TRANSLATE * level), 0.0)
+        # one op per slot, so at most one of rotation/shear is not the identity and the sum is exact
+        step = torch.stack([torch.stack([cos, shear_x - sin], -1), torch.stack([sin + shear_y, cos], -1)], 1)
+        linear = step @ linear
+        shift = (step @ shift.unsqueeze(-1)).squeeze(-1) + torch.stack([move_x, move_y], -1)
+    return linear, shift
+
+
+def randaug_photometric(x: torch.Tensor, ops: torch.Tensor, signs: torch.Tensor, magnitude: int) -> torch.Tensor:
+    """The photometric RandAug ops of each sample (slot by slot) on images in [0, 1]; other ops leave it alone.
+
+    AutoContrast, Equalize, Posterize (``posterize_bits(M)``) and Solarize (``solarize_threshold(M)``) as their
+    functions here; with ``f = 1 ± 0.9·M/30``, each through ``enhance`` (clamped): Brightness ``x·f``,
+    Color ``g + f·(x − g)`` (``g`` each pixel's grey), Contrast ``ḡ + f·(x − ḡ)`` (``ḡ`` the image's mean
+    grey), Sharpness ``s + f·(x − s)`` (``s = smooth(x)``).
+    """
+    level = magnitude / RANDAUG_LEVELS
+    codes = torch.tensor([RANDAUG_OPS.index(name) for name in _PHOTOMETRIC_OPS], device=ops.device)
+    if not torch.isin(ops, codes).any():
+        return x
+    x = x.clone()  # one copy, then in place: an out-of-place index_copy per op would copy the batch each time
+    for k in range(ops.shape[1]):
+        for name, apply in _PHOTOMETRIC_OPS.items():
+            rows = _rows(ops[:, k] == RANDAUG_OPS.index(name))
+            if rows is None:
+                continue
+            factor = 1.0 + signs[rows, k] * (_MAX_ENHANCE * level)
+            x.index_copy_(0, rows, apply(x[rows], factor, magnitude))
+    return x
+
+
 def _rows(mask: torch.Tensor) -> torch.Tensor | None:
     idx = mask.nonzero().squeeze(1)
     return idx if idx.numel() else None
@@ -223,35 +446,59 @@ def augment_kprpe(
     """The KP-RPE recipe on RGB images in [0, 1] (B, 3, S, S) and optional pixel landmarks (B, 5, 2).
 
     Returns ``(images, landmarks)`` (``None`` landmarks when none were given). Samples an op leaves out
-    are returned unchanged by that op. Random numbers are drawn on ``generator``'s device (the CPU when
-    ``None``, from the global generator) and moved to the images' device.
+    are returned unchanged by that op. Random numbers are one ``(B, DRAW_SIZE)`` uniform draw on
+    ``generator``'s device (the CPU when ``None``, from the global generator), moved to the images' device.
     """
-    b, size = x.shape[0], x.shape[-1]
-    dev = x.device
     gen_device = generator.device if generator is not None else torch.device("cpu")
-    u = torch.rand(b, 21, generator=generator, device=gen_device).to(dev, torch.float32)  # (B, 21) in [0, 1)
+    u = torch.rand(x.shape[0], DRAW_SIZE, generator=generator, device=gen_device)  # (B, 30) in [0, 1)
+    return augment_with(x, keypoints, cfg, u)
+
+
+def augment_with(
+    x: torch.Tensor, keypoints: torch.Tensor | None, cfg: AugmentConfig, u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``augment_kprpe`` as a pure function of its uniform draw ``u`` (B, DRAW_SIZE) in [0, 1).
+
+    Columns: 0 flip; 1–2 scale on/value; 3–4 rotation; 5–7 translation on/(x, y); 8–13 brightness,
+    contrast, saturation on/value; 14–15 blur; 16–20 cutout on/area/ratio/centre; 21 RandAug on; then
+    (op, sign) per RandAug slot: op ``RANDAUG_OPS[⌊14·u⌋]``, sign − below 0.5.
+    """
+    if u.shape != (x.shape[0], DRAW_SIZE):
+        raise ValueError(f"augment_with needs uniforms of shape {(x.shape[0], DRAW_SIZE)}, got {tuple(u.shape)}")
+    size = x.shape[-1]
+    u = u.to(x.device, torch.float32)
     out = x
     kp = keypoints
+    ops, signs = randaug_choices(u, cfg)  # (B, N) each; Identity where RandAug is not drawn
+    magnitude = cfg.randaug_magnitude
 
-    # 1. geometry: identity parameters where an op is not drawn
+    # 1. geometry: identity parameters where an op is not drawn; RandAug's geometric ops composed after
     flip = u[:, 0] < cfg.flip_prob
     scale = torch.where(u[:, 1] < cfg.scale_prob, _between(u[:, 2], cfg.scale_range), 1.0)
     angle = torch.where(u[:, 3] < cfg.rotate_prob, (2.0 * u[:, 4] - 1.0) * math.radians(cfg.max_rotate_deg), 0.0)
     shift = torch.where(
         (u[:, 5] < cfg.translate_prob).unsqueeze(1), (2.0 * u[:, 6:8] - 1.0) * (2.0 * cfg.max_translate), 0.0
     )
+    geometric = torch.tensor([RANDAUG_OPS.index(n) for n in GEOMETRIC_OPS], device=ops.device)
+    randaug_moved = torch.isin(ops, geometric).any(dim=1) & (magnitude > 0)
     moved = flip | (u[:, 1] < cfg.scale_prob) | (u[:, 3] < cfg.rotate_prob) | (u[:, 5] < cfg.translate_prob)
-    rows = _rows(moved)
+    rows = _rows(moved | randaug_moved)
     if rows is not None:
-        part, part_kp = affine(
-            out[rows], None if kp is None else kp[rows], flip[rows], scale[rows], angle[rows], shift[rows],
-            cfg.padding_mode,
+        step, step_shift = randaug_geometry(ops[rows], signs[rows], magnitude)  # (R, 2, 2), (R, 2)
+        linear = step @ base_linear(flip[rows], scale[rows], angle[rows])
+        offset = (step @ shift[rows].unsqueeze(-1)).squeeze(-1) + step_shift
+        part, part_kp = affine_map(
+            out[rows], None if kp is None else kp[rows], linear, offset, flip[rows], cfg.padding_mode
         )
         out = out.index_copy(0, rows, part)
         if kp is not None:
             kp = kp.index_copy(0, rows, part_kp)
 
-    # 2. photometric
+    # 2. RandAug's photometric ops, slot by slot
+    if cfg.randaug_prob > 0 and cfg.randaug_ops > 0:
+        out = randaug_photometric(out, ops, signs, magnitude)
+
+    # 3. photometric jitter
     on_b, on_c, on_s = u[:, 8] < cfg.brightness_prob, u[:, 10] < cfg.contrast_prob, u[:, 12] < cfg.saturation_prob
     rows = _rows(on_b | on_c | on_s)
     if rows is not None:
@@ -260,13 +507,13 @@ def augment_kprpe(
         sat = torch.where(on_s, _between(u[:, 13], cfg.saturation_range), 1.0)
         out = out.index_copy(0, rows, photometric(out[rows], bright[rows], contrast[rows], sat[rows]))
 
-    # 3. blur, σ scaled from 112 px to this size
+    # 4. blur, σ scaled from 112 px to this size; clamped because the rounded kernel sum can overshoot 1 by an ulp
     rows = _rows(u[:, 14] < cfg.blur_prob)
     if rows is not None:
         sigma = _between(u[:, 15], cfg.blur_sigma) * (size / 112.0)
-        out = out.index_copy(0, rows, gaussian_blur(out[rows], sigma[rows]))
+        out = out.index_copy(0, rows, gaussian_blur(out[rows], sigma[rows]).clamp(0.0, 1.0))
 
-    # 4. cutout: area a·S², height/width ratio r → h = S·√(a·r), w = S·√(a/r), centre anywhere in the image
+    # 5. cutout: area a·S², height/width ratio r → h = S·√(a·r), w = S·√(a/r), centre anywhere in the image
     rows = _rows(u[:, 16] < cfg.cutout_prob)
     if rows is not None:
         area = _between(u[:, 17], cfg.cutout_area)

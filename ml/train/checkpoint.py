@@ -11,14 +11,17 @@ from typing import Any
 import torch
 
 from ml.errors import ConfigError
+from ml.atomic import remove_dead_temporaries
 
 log = logging.getLogger(__name__)
 
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    """``torch.save`` to a temporary sibling, then ``os.replace``: a crash never leaves a truncated checkpoint."""
+    """``torch.save`` to a temporary sibling, then ``os.replace``: a crash never leaves a truncated checkpoint.
+    The temporary's name carries this process's id, so the next save removes one a killed writer left behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    remove_dead_temporaries(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
             torch.save(state, fh)

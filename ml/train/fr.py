@@ -566,6 +566,7 @@ class FRResult:
     history: list[dict]  # per-epoch {"epoch", "train/loss", "train/accuracy"}, resumed epochs included
     seconds: float
     checkpoint: Path | None = None  # last.ckpt when train() was given a checkpoint_dir
+    global_rank: int = 0  # this process's rank under DDP: only rank 0 should save the model or log results
 
 
 def _check_images(images: np.ndarray, what: str = "images") -> None:
@@ -801,7 +802,7 @@ def train(
         log.info("done in %.1f s; last epoch %s", seconds, history.rows[-1])
     last = Path(checkpoint_dir) / LAST_CHECKPOINT if checkpoint_dir is not None else None
     return FRResult(backbone.eval(), cfg.backbone, kwargs, history.rows, seconds,
-                    last if last is not None and last.is_file() else None)
+                    last if last is not None and last.is_file() else None, global_rank=trainer.global_rank)
 
 
 def embed(
