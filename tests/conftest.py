@@ -119,3 +119,23 @@ def tiny_unet():
                 module.to_q.weight.mul_(4.0)
                 module.to_k.weight.mul_(4.0)
     return unet
+
+
+def caface_toy(k: int = 48, per: int = 16, dim: int = 32, style_dim: int = 8, seed: int = 0):
+    """Identity centres; half the images are good (little noise, norm ≈ 8, style channel 0 ≈ 2) and half bad
+    (noise 10× larger, norm ≈ 3, style channel 0 ≈ 0). Returns features, styles, labels and the true centres."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(k, dim))
+    centres /= np.linalg.norm(centres, axis=1, keepdims=True)
+    good = rng.random((k, per)) < 0.5
+    noise = rng.normal(size=(k, per, dim)) / np.sqrt(dim)
+    feats = centres[:, None, :] + noise * np.where(good, 0.3, 3.0)[..., None]
+    scale = np.where(good, 8.0, 3.0)[..., None] * rng.uniform(0.8, 1.2, size=(k, per, 1))
+    feats = feats / np.linalg.norm(feats, axis=-1, keepdims=True) * scale
+    styles = rng.normal(size=(k, per, style_dim, 2)) * 0.1
+    styles[..., 0, 0] += 2.0 * good
+    labels = np.repeat(np.arange(k), per)
+    return (feats.reshape(k * per, dim).astype(np.float32), styles.reshape(k * per, style_dim, 2).astype(np.float32),
+            labels, centres.astype(np.float32))

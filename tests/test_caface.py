@@ -25,7 +25,7 @@ from ml.models.fusion import (
 from ml.models.fusion.caface import assign_average, sinusoid_table
 from ml.train.fusion import FusionConfig, fuse_sets, identity_centres, step_lr, train_fusion
 
-from .conftest import spread_caface
+from .conftest import caface_toy, spread_caface
 
 SMALL = dict(feature_dim=32, style_dim=8)
 
@@ -315,24 +315,6 @@ def test_landmark_score_fusion_by_hand() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- training
-def _toy(k: int = 48, per: int = 16, dim: int = 32, style_dim: int = 8, seed: int = 0):
-    """Identity centres; half the images are good (little noise, norm ≈ 8, style channel 0 ≈ 2) and half bad
-    (noise 10× larger, norm ≈ 3, style channel 0 ≈ 0). Returns features, styles, labels and the true centres."""
-    rng = np.random.default_rng(seed)
-    centres = rng.normal(size=(k, dim))
-    centres /= np.linalg.norm(centres, axis=1, keepdims=True)
-    good = rng.random((k, per)) < 0.5
-    noise = rng.normal(size=(k, per, dim)) / math.sqrt(dim)
-    feats = centres[:, None, :] + noise * np.where(good, 0.3, 3.0)[..., None]
-    scale = np.where(good, 8.0, 3.0)[..., None] * rng.uniform(0.8, 1.2, size=(k, per, 1))
-    feats = feats / np.linalg.norm(feats, axis=-1, keepdims=True) * scale
-    styles = rng.normal(size=(k, per, style_dim, 2)) * 0.1
-    styles[..., 0, 0] += 2.0 * good
-    labels = np.repeat(np.arange(k), per)
-    return (feats.reshape(k * per, dim).astype(np.float32), styles.reshape(k * per, style_dim, 2).astype(np.float32),
-            labels, centres.astype(np.float32))
-
-
 # Sets of 4 (min_len = max_len, so that every epoch's loss is on sets of one size and comparable).
 TOY_CFG = dict(feature_dim=32, style_dim=8, epochs=4, lr=3e-3, per_identity=8, group=4, min_len=4, max_len=4,
                batch_size=4, lr_steps=(3,))
@@ -357,7 +339,7 @@ def test_training_lowers_the_loss_and_beats_averaging() -> None:
     # On 4-identity batches about 1 seed in 6 tried (lr 2e-3 or 3e-3) drifts into sending every item to one
     # cluster, where the softmax saturates and the result stays the plain average; seed 0 does not. The paper
     # trains with 512 identities per batch.
-    feats, styles, labels, _ = _toy()
+    feats, styles, labels, _ = caface_toy()
     result = train_fusion(FusionConfig(**TOY_CFG), feats, styles, labels, progress=False)
     assert not result.model.training
     first, last = result.history[0], result.history[-1]
@@ -365,7 +347,7 @@ def test_training_lowers_the_loss_and_beats_averaging() -> None:
     assert last["train/loss"] < first["train/loss"]
     assert last["train/lt"] < 0.8 * last["train/lt_average"]  # better than averaging the same training sets
     # held-out identities, sets of 4, against the true (noise-free) centres
-    tf, ts, _, tc = _toy(k=32, per=4, seed=100)
+    tf, ts, _, tc = caface_toy(k=32, per=4, seed=100)
     sets, centres = torch.from_numpy(tf).reshape(32, 4, 32), torch.from_numpy(tc)
     with torch.no_grad():
         fused = result.model(sets, torch.from_numpy(ts).reshape(32, 4, 8, 2))
@@ -375,7 +357,7 @@ def test_training_lowers_the_loss_and_beats_averaging() -> None:
 
 
 def test_resume_equals_uninterrupted(tmp_path) -> None:
-    feats, styles, labels, _ = _toy(k=16, per=8)
+    feats, styles, labels, _ = caface_toy(k=16, per=8)
     cfg = FusionConfig(**{**TOY_CFG, "epochs": 2, "lr_steps": (1,)})
     full = train_fusion(cfg, feats, styles, labels, progress=False)
     first = train_fusion(FusionConfig(**{**TOY_CFG, "epochs": 1, "lr_steps": (1,)}), feats, styles, labels,
@@ -393,7 +375,7 @@ def test_resume_equals_uninterrupted(tmp_path) -> None:
 
 
 def test_train_fusion_rejects_bad_data() -> None:
-    feats, styles, labels, _ = _toy(k=4, per=4)
+    feats, styles, labels, _ = caface_toy(k=4, per=4)
     cfg = FusionConfig(**TOY_CFG)
     with pytest.raises(DataError, match="fusion.feature_dim"):
         train_fusion(cfg, feats[:, :16], styles, labels, progress=False)

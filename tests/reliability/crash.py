@@ -104,29 +104,14 @@ def _train_generator(checkpoint_dir: Path | None, resume: bool) -> tuple[dict[st
     return state, {"losses": [row["train/loss"] for row in result.history]}
 
 
-def _fusion_data(k: int = 16, per: int = 8, dim: int = 32, style_dim: int = 8, seed: int = 0):
-    """Identity centres with good (low noise, large norm) and bad (high noise, small norm) features; styles whose
-    channel 0 says which. → features (N, dim), styles (N, style_dim, 2), labels (N,)."""
-    rng = np.random.default_rng(seed)
-    centres = rng.normal(size=(k, dim))
-    centres /= np.linalg.norm(centres, axis=1, keepdims=True)
-    good = rng.random((k, per)) < 0.5
-    noise = rng.normal(size=(k, per, dim)) / np.sqrt(dim)
-    feats = centres[:, None, :] + noise * np.where(good, 0.3, 3.0)[..., None]
-    feats = feats / np.linalg.norm(feats, axis=-1, keepdims=True) * np.where(good, 8.0, 3.0)[..., None]
-    styles = rng.normal(size=(k, per, style_dim, 2)) * 0.1
-    styles[..., 0, 0] += 2.0 * good
-    return (feats.reshape(k * per, dim).astype(np.float32), styles.reshape(k * per, style_dim, 2).astype(np.float32),
-            np.repeat(np.arange(k), per))
-
-
 def _train_fusion(checkpoint_dir: Path | None, resume: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """CAFace on 16 identities: sets of 4, 4 identities per batch → 4 steps per epoch, 4 epochs (LR step at 3)."""
     from ml.train.fusion import FusionConfig, train_fusion
+    from tests.conftest import caface_toy
 
     cfg = FusionConfig(feature_dim=32, style_dim=8, epochs=4, lr=3e-3, per_identity=8, group=4, min_len=4,
                        max_len=4, batch_size=4, lr_steps=(3,))
-    feats, styles, labels = _fusion_data()
+    feats, styles, labels, _ = caface_toy(k=16, per=8)
     result = train_fusion(cfg, feats, styles, labels, checkpoint_dir=checkpoint_dir, resume=resume, progress=False)
     return result.model.state_dict(), {"losses": [row["train/loss"] for row in result.history]}
 
