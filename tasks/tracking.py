@@ -57,8 +57,29 @@ def configure(root: Path) -> str:
     if urlsplit(uri).password:  # MLflow prints "View run ... at: <tracking URI>", password included, at every run end
         os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
     mlflow.set_tracking_uri(uri)
-    experiment = mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", EXPERIMENT))
+    with _store_creation_lock(uri):
+        experiment = mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", EXPERIMENT))
     return experiment.experiment_id
+
+
+@contextlib.contextmanager
+def _store_creation_lock(uri: str) -> Iterator[None]:
+    """For an SQLite store, hold ``<db>.lock`` while MLflow opens it: the first process to open a new file creates
+    and migrates its tables, and two doing that at once (two sweeps, two pipelines) leave it half-migrated
+    ("table _alembic_tmp_... already exists"). Other stores: nothing to hold."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    import fcntl
+
+    db = Path(uri[len("sqlite:///"):])
+    lock = db.with_name(db.name + ".lock")
+    with open(lock, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def git_commit(root: Path) -> str:

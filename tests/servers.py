@@ -10,6 +10,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 # free_port, wait_healthy and stop are the ones `faceops stack` uses (stop: SIGTERM to the process group,
 # then SIGKILL after 20 s); re-exported here for the tests
 from faceops.stack import QUIET_ENV as QUIET
@@ -190,3 +192,17 @@ def mlflow_model_server(model_uri: str, env: dict[str, str] | None = None, log: 
         yield f"http://127.0.0.1:{port}"
     finally:
         stop(proc)
+
+
+@contextlib.contextmanager
+def postgres_server(workdir: Path) -> Iterator[str]:
+    """A PostgreSQL 16 server (pgserver's bundled binaries, data in ``workdir``) reachable only through a Unix socket
+    in ``workdir``: nothing listens on the network. Yields an SQLAlchemy URL (psycopg2, trust authentication)."""
+    pgserver = pytest.importorskip("pgserver", reason="PostgreSQL tests need pgserver (pip install -e '.[test]')")
+    pytest.importorskip("psycopg2", reason="PostgreSQL tests need psycopg2-binary (pip install -e '.[test]')")
+    server = pgserver.get_server(workdir, cleanup_mode="stop")
+    try:
+        socket_dir = server.get_uri().rsplit("host=", 1)[1]
+        yield f"postgresql+psycopg2://postgres@/postgres?host={socket_dir}"
+    finally:
+        server.cleanup()

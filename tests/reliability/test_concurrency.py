@@ -3,11 +3,13 @@
 the second is refused with a message naming the lock.
 
 Already proven elsewhere (tests/test_sweep.py): two `faceops sweep` commands (one with two workers) on one Optuna
-*journal* file lose and repeat no trial. Added here: the default SQLite study storage, created by both at once.
+*journal* file lose and repeat no trial. Added here: the default SQLite study storage, created by both at once, and
+a PostgreSQL server (the storage for many workers).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -41,23 +43,33 @@ def _integrity(db: Path) -> str:
 
 
 @pytest.mark.slow
-def test_two_sweeps_at_once_on_one_sqlite_study_and_mlflow_store(tmp_path_factory, tmp_path):
+@pytest.mark.parametrize("storage", ["sqlite", "postgresql"])
+def test_two_sweeps_at_once_on_one_study_and_mlflow_store(tmp_path_factory, tmp_path, storage):
+    """SQLite: both processes find no optuna.db and no mlflow.db and race to create them. PostgreSQL (the storage
+    for many workers, a real server on a Unix socket): both race to create the study's tables and the study."""
     import optuna
     from mlflow import MlflowClient
+
+    from tests.servers import postgres_server
 
     root = prepared_workspace(tmp_path_factory, tmp_path / "ws")
     env = _env(MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow.db'}")
     k = 2
-    cmd = [sys.executable, "-m", "tasks.sweep", "train_fr", "--study", "both", "--trials", str(k)]
-    start = time.monotonic()
-    procs = [subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for _ in range(2)]  # both find no optuna.db and no mlflow.db: they race to create them
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    seconds = time.monotonic() - start
-    for proc, out in zip(procs, outs):
-        assert proc.returncode == 0, out[-3000:]
-    assert _integrity(root / "optuna.db") == "ok" and _integrity(root / "mlflow.db") == "ok"
-    trials = optuna.load_study(study_name="both", storage=f"sqlite:///{root / 'optuna.db'}").get_trials()
+    with contextlib.ExitStack() as stack:
+        url = (f"sqlite:///{root / 'optuna.db'}" if storage == "sqlite" else
+               stack.enter_context(postgres_server(tmp_path / "pg")))
+        cmd = [sys.executable, "-m", "tasks.sweep", "train_fr", "--study", "both", "--trials", str(k)]
+        env["FACEOPS_SWEEP_STORAGE"] = url  # how a worker is told its storage (never on the command line)
+        start = time.monotonic()
+        procs = [subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for _ in range(2)]
+        outs = [p.communicate(timeout=600)[0] for p in procs]
+        seconds = time.monotonic() - start
+        for proc, out in zip(procs, outs):
+            assert proc.returncode == 0, out[-3000:]
+        assert storage != "sqlite" or _integrity(root / "optuna.db") == "ok"
+        assert _integrity(root / "mlflow.db") == "ok"
+        trials = optuna.load_study(study_name="both", storage=url).get_trials()
     assert sorted(t.number for t in trials) == list(range(2 * k))  # none lost, none run twice
     assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
     run_ids = [t.user_attrs["mlflow_run_id"] for t in trials]
@@ -69,9 +81,10 @@ def test_two_sweeps_at_once_on_one_sqlite_study_and_mlflow_store(tmp_path_factor
     children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parents[0].info.run_id}'")
     assert sorted(r.info.run_id for r in children) == sorted(run_ids)
     assert sorted(int(r.data.tags["optuna.trial_number"]) for r in children) == list(range(2 * k))
-    record(AREA, "two sweep processes at once on one new SQLite study (optuna.db) and one SQLite MLflow store",
+    where = "SQLite study (optuna.db)" if storage == "sqlite" else "PostgreSQL 16 study"
+    record(AREA, f"two sweep processes at once on one new {where} and one SQLite MLflow store",
            f"both exit 0; {len(trials)} trials numbered 0..{2 * k - 1}, all COMPLETE, each with its own MLflow "
-           "run under one parent; PRAGMA integrity_check ok on both databases", True, seconds=seconds,
+           "run under one parent; PRAGMA integrity_check ok on the SQLite databases", True, seconds=seconds,
            trials=len(trials))
 
 
