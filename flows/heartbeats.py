@@ -5,9 +5,11 @@ run goes on and reports its own final state. If the flow-run process dies with i
 the pod is lost, an OOM kill), nothing is left to report: Prefect's server keeps the run ``Running`` for ever and
 its retries never start. Every flow run emits a ``prefect.flow-run.heartbeat`` event every
 ``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` seconds (Prefect's default: 180); the automation installed here moves a
-flow run that has sent a heartbeat and then neither another one nor a final state within ``within_s`` seconds
-to ``Crashed``, naming the silence. ``within_s`` must exceed the workers' heartbeat frequency by a margin
-(default 600 s for the default 180 s).
+flow run that has started (or sent a heartbeat) and then sent neither a heartbeat nor a final state within
+``within_s`` seconds to ``Crashed``, naming the silence. ``within_s`` must exceed the heartbeat frequency by a margin
+(default 600 s for the default 180 s). Every flow run, on a worker or in-process, sends heartbeats unless they are
+switched off: with ``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` set to none, do not install the automation (it would
+crash healthy runs longer than ``within_s``).
 
 Install it once per Prefect server: ``python -m flows.heartbeats`` with ``PREFECT_API_URL`` set (idempotent:
 an automation of the same name is replaced).
@@ -36,8 +38,11 @@ def crash_automation(within_s: float = DEFAULT_WITHIN_S) -> Any:
 
     if within_s < 30:
         raise ValueError(f"within_s={within_s}: must be at least 30 s (Prefect's smallest heartbeat interval)")
+    # armed by the run's start as well as by each heartbeat: a process killed before its first heartbeat reached the
+    # server is caught too
     trigger = EventTrigger(
-        after={"prefect.flow-run.heartbeat"}, expect=set(_ALIVE_OR_FINAL), for_each={"prefect.resource.id"},
+        after={"prefect.flow-run.Running", "prefect.flow-run.heartbeat"}, expect=set(_ALIVE_OR_FINAL),
+        for_each={"prefect.resource.id"},
         match={"prefect.resource.id": "prefect.flow-run.*"}, posture=Posture.Proactive, threshold=1,
         within=dt.timedelta(seconds=within_s))
     message = (f"no heartbeat from the flow run for {within_s:.0f} s: its process (and its worker) died; marked "

@@ -323,7 +323,7 @@ def test_a_killed_workers_trial_is_failed_by_its_silent_heartbeat_and_run_again(
     study = optuna.create_study(study_name="s", storage=storage)
     dead = study.ask({"x": optuna.distributions.FloatDistribution(0.0, 1.0)})
     storage.record_heartbeat(dead._trial_id)  # the worker beat once, then was killed (it never tells)
-    time.sleep(3.5)
+    time.sleep(5.0)  # > the 3 s grace period by more than SQLite's 1-second CURRENT_TIMESTAMP resolution
     worker = optuna.load_study(study_name="s", storage=open_storage(spec, heartbeat_s=1))
     worker.optimize(lambda t: t.suggest_float("x", 0.0, 1.0), n_trials=2)
     trials = worker.get_trials(deepcopy=False)
