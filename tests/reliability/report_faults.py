@@ -101,10 +101,9 @@ def main() -> int:
         seconds = time.monotonic() - start
         rows = [json.loads(l) for l in record_file.read_text().splitlines()] if record_file.is_file() else []
         missing = _unrecorded(junit)
-    REPORT.parent.mkdir(parents=True, exist_ok=True)
-    tmp_report = REPORT.with_name(f".{REPORT.name}.tmp-{os.getpid()}")
-    tmp_report.write_text(render(rows, missing, seconds, status), encoding="utf-8")
-    os.replace(tmp_report, REPORT)
+    from tasks.common import write_text
+
+    write_text(REPORT, render(rows, missing, seconds, status))  # atomic: temp sibling, then rename
     print(f"wrote {REPORT} ({len(rows)} scenarios, pytest exit {status})")
     return status
 
