@@ -20,7 +20,7 @@ STAGES: dict[str, str] = {
 PARAM_SECTIONS: dict[str, str] = {
     "data": "tasks.prepare:DataConfig",
     "validate": "tasks.validate:ValidateConfig",
-    "fr": "ml.train.fr:FRConfig",
+    "fr": "ml.train.fr_config:FRConfig",
     "aligner": "tasks.train_aligner:AlignerStageConfig",
     "discovery": "ml.train.discovery:DiscoveryConfig",
     "fusion": "tasks.train_fusion:FusionStageConfig",

@@ -235,6 +235,16 @@ def aligner_section(aligner: dict[str, Any], align: dict[str, Any]) -> list[str]
              "NME = mean landmark error / inter-pupil distance (5 points have no outer eye corners).", "",
              "| predictor | NME | failure (NME > 0.1) | AUC@0.1 |", "|---|---|---|---|",
              row("DFA", "test/"), row("mean landmarks (trivial)", "test/mean_shape_")]
+    if "test/face_auc" in aligner:
+        rho = aligner.get("quality/score_spearman", float("nan"))
+        lines += ["", f"Face score (pooled face probability) on the held-out faces vs "
+                  f"{int(aligner.get('test/nonfaces', 0))} held-out non-face crops, and its rank correlation with the "
+                  "procedural quality on "
+                  f"{int(aligner.get('quality/faces', 0))} rendered faces:", "",
+                  "| ROC AUC | accuracy at 0.5 | mean score: faces | mean score: non-faces | Spearman ρ with quality |",
+                  "|---|---|---|---|---|",
+                  f"| {aligner['test/face_auc']:.3f} | {100 * aligner['test/face_accuracy@0.5']:.1f} % | "
+                  f"{aligner['test/face_score_mean']:.3f} | {aligner['test/nonface_score_mean']:.3f} | {rho:.3f} |"]
     if align:
         lines += ["", f"After `align`, the ground-truth landmarks land {align['align/residual_px']:.2f} px from the "
                   f"ArcFace template on average (NME {align['align/residual_nme']:.4f})."]

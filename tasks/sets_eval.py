@@ -3,8 +3,12 @@
 Fusion methods, all over the same per-image features and styles of the FR model:
 ``average`` (mean of unit features), ``norm_weighted`` (sum of raw features), ``landmark_score`` (KP-RPE supp.
 Eq. 17–18: weight = landmark closeness to the template × face score) and ``caface`` (``models/fusion``, streamed in
-``fusion.chunk_size`` frames). Landmarks and face scores: the manifest's landmarks and quality (ground truth for
-procedural faces; an aligner's predictions for real data once ``align`` writes them).
+``fusion.chunk_size`` frames). Landmarks and face scores for ``landmark_score``: when the DFA aligner
+(``models/aligner``, stage ``train_aligner``) exists, its predicted landmarks and pooled face score on every template
+and video frame (the paper's recipe); its scores only if it was trained with non-face crops (``face_score_trained``
+in its config), the manifest's quality otherwise. Without the aligner: the manifest's landmarks and quality (ground
+truth for procedural faces). ``sets/face_inputs/aligner_landmarks`` and ``.../aligner_scores`` (1/0) record which,
+and the report names them.
 
 - templates (``data/prepared/templates``, IJB meta files): 1:1 template verification, TAR@FAR 1e-5..1e-2;
 - videos (``data/prepared/videos``): each probe = one long sequence of mixed quality; galleries *single* (one still
@@ -18,6 +22,7 @@ Writes ``metrics/sets.json`` and ``plots/fusion_gain.png``; ``render_section`` i
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,47 +37,105 @@ LABELS = {"average": "average", "norm_weighted": "norm-weighted average",
           "landmark_score": "KP-RPE landmark × face score", "caface": "CAFace"}
 
 
-def _features(fr_model: Any, dataset: Path, rows: Any, data: Any, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+@dataclass(frozen=True)
+class FrameAligner:
+    """The DFA aligner the ``landmark_score`` fusion takes its landmarks (and face scores) from."""
+
+    model: Any  # ml.models.aligner.dfa.DFA in eval mode
+    scores: bool  # its face score was trained (non-face crops); False: the manifest's quality stands in
+
+
+@dataclass(frozen=True)
+class Frames:
+    """Per-image inputs of the fusion methods, rows in manifest order."""
+
+    feats: np.ndarray  # (N, D) FR features
+    styles: np.ndarray  # (N, ...) FR styles (CAFace)
+    landmarks: np.ndarray  # (N, 5, 2) pixel x, y in the image
+    scores: np.ndarray  # (N,) face scores ≥ 0
+
+    def take(self, mask: np.ndarray) -> "Frames":
+        return Frames(self.feats[mask], self.styles[mask], self.landmarks[mask], self.scores[mask])
+
+
+def load_frame_aligner(paths: Paths, device: Any = "cpu") -> FrameAligner | None:
+    """The aligner in ``paths.aligner_model`` on ``device`` (None when it has no ``config.json``: not trained yet)."""
+    if not (paths.aligner_model / "config.json").is_file():
+        return None
+    from ml.models.aligner.dfa import load_aligner
+
+    model, config = load_aligner(paths.aligner_model)
+    return FrameAligner(model.to(device), bool(config.get("extra", {}).get("face_score_trained", False)))
+
+
+def face_inputs(aligner: FrameAligner | None, images: np.ndarray, rows: Any,
+                batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(landmarks (N, 5, 2) px, face scores (N,)) for ``images`` (N, H, W, 3) uint8 and their manifest ``rows``:
+    the aligner's predictions (scores only when ``aligner.scores``), else the manifest's landmarks and quality
+    (missing quality → 1)."""
+    from ml.data.dataset import landmarks_array
+
+    quality = rows["quality"].fillna(1.0).to_numpy(np.float32)
+    if aligner is None:
+        return landmarks_array(rows), quality
+    from tqdm.auto import tqdm
+
+    landmarks, scores = [], []
+    with tqdm(total=len(images), desc="aligner landmarks", unit="img") as bar:
+        for i in range(0, len(images), batch_size):
+            lm, sc = aligner.model.predict(images[i : i + batch_size], batch_size=batch_size)
+            landmarks.append(lm)
+            scores.append(sc)
+            bar.update(len(lm))
+    landmarks_px = np.concatenate(landmarks) if landmarks else np.zeros((0, 5, 2), np.float32)
+    if not aligner.scores:
+        return landmarks_px, quality
+    return landmarks_px, (np.concatenate(scores) if scores else np.zeros(0, np.float32))
+
+
+def _frames(fr_model: Any, aligner: FrameAligner | None, dataset: Path, rows: Any, data: Any,
+            batch_size: int) -> Frames:
     from ml.data.dataset import landmarks_array, load_images
     from ml.eval.sets import features_and_styles
     from ml.train.fr import needs_keypoints
 
     images = load_images(dataset, rows, expected_size=(data.image_size, data.image_size), progress=True)
     keypoints = landmarks_array(rows) if needs_keypoints(fr_model) else None
-    return features_and_styles(fr_model, images, keypoints=keypoints, batch_size=batch_size, progress=True)
+    feats, styles = features_and_styles(fr_model, images, keypoints=keypoints, batch_size=batch_size, progress=True)
+    landmarks, scores = face_inputs(aligner, images, rows, batch_size)
+    return Frames(feats, styles, landmarks, scores)
 
 
-def _fuse(method: str, feats: np.ndarray, styles: np.ndarray, rows: Any, groups: np.ndarray, caface: Any,
-          data: Any, chunk_size: int) -> np.ndarray:
-    from ml.data.dataset import landmarks_array
+def _fuse(method: str, frames: Frames, groups: np.ndarray, caface: Any, data: Any, chunk_size: int) -> np.ndarray:
     from ml.eval.sets import fuse_templates
 
+    feats, styles = frames.feats, frames.styles
     extra: dict[str, Any] = {}
     if method == "landmark_score":
-        extra = {"landmarks": landmarks_array(rows), "face_scores": rows["quality"].fillna(1.0).to_numpy(np.float32),
-                 "image_size": float(data.image_size)}
+        extra = {"landmarks": frames.landmarks, "face_scores": frames.scores, "image_size": float(data.image_size)}
     if method == "caface":
         extra = {"model": caface, "chunk_size": chunk_size}
     return fuse_templates(method, feats, groups, styles=styles, **extra)
 
 
 def template_fusion(fr_model: Any, caface: Any, paths: Paths, data: Any, batch_size: int, methods: list[str],
-                    chunk_size: int = 64) -> dict[str, float]:
+                    chunk_size: int = 64, aligner: FrameAligner | None = None) -> dict[str, float]:
     """1:1 verification of the IJB-B/C-style templates (``data/prepared/templates``) fused by each of ``methods``
     over ``fr_model``'s features → ``{"<method>/tar@far=1e-4": …, "<method>/n_genuine": …}`` (TAR at ``FARS``);
-    ``caface`` is the CAFace model (or None when ``methods`` leaves it out)."""
+    ``caface`` is the CAFace model (or None when ``methods`` leaves it out), ``aligner`` the source of the
+    ``landmark_score`` landmarks and scores (None: the manifest's, see :func:`face_inputs`)."""
     from ml.data.dataset import read_manifest
     from ml.data.ijb import read_template_pairs
     from ml.eval.sets import index_pairs, template_verification
 
     rows = read_manifest(paths.template_set / "manifest.parquet")
-    feats, styles = _features(fr_model, paths.template_set, rows, data, batch_size)
+    frames = _frames(fr_model, aligner, paths.template_set, rows, data, batch_size)
     tids, groups = np.unique(rows["template"].to_numpy(np.int64), return_inverse=True)
     pairs, labels = read_template_pairs(paths.template_set / "meta" / "template_pair_label.txt")
     pairs = index_pairs(pairs, tids)
     metrics: dict[str, float] = {}
     for method in methods:
-        templates = _fuse(method, feats, styles, rows, groups, caface, data, chunk_size)
+        templates = _fuse(method, frames, groups, caface, data, chunk_size)
         for k, v in template_verification(templates, pairs, labels, fars=FARS).items():
             metrics[f"{method}/{k}"] = v
     return metrics
@@ -80,33 +143,45 @@ def template_fusion(fr_model: Any, caface: Any, paths: Paths, data: Any, batch_s
 
 def evaluate_sets(cfg: Any, data: Any, paths: Paths, fr_model: Any, chunk_size: int = 64) -> dict[str, float]:
     """Every fusion method on templates and videos → flat metrics ``sets/<part>/<method>/<metric>``."""
-    from ml.data.dataset import landmarks_array, read_manifest
+    from ml.data.dataset import read_manifest
+    from ml.eval.alignment import spearman
     from ml.eval.sets import gain_vs_probe_size, order_robustness, video_identification
     from ml.models.fusion.caface import load_caface
 
     caface = load_caface(paths.fusion_model) if (paths.fusion_model / "config.json").is_file() else None
     methods = [m for m in LABELS if m != "caface" or caface is not None]
-    metrics: dict[str, float] = {}
+    aligner = load_frame_aligner(paths, device=next(fr_model.parameters()).device)
+    if aligner is None:
+        log.info("landmark_score fusion: no aligner at %s; using the manifest's landmarks and quality",
+                 paths.aligner_model)
+    metrics: dict[str, float] = {"sets/face_inputs/aligner_landmarks": float(aligner is not None),
+                                 "sets/face_inputs/aligner_scores": float(aligner is not None and aligner.scores)}
 
     # IJB-B/C-style templates
-    for k, v in template_fusion(fr_model, caface, paths, data, cfg.batch_size, methods, chunk_size).items():
+    for k, v in template_fusion(fr_model, caface, paths, data, cfg.batch_size, methods, chunk_size,
+                                aligner=aligner).items():
         metrics[f"sets/templates/{k}"] = v
 
     # IJB-S-style videos
     rows = read_manifest(paths.video_set / "manifest.parquet")
-    feats, styles = _features(fr_model, paths.video_set, rows, data, cfg.batch_size)
+    frames_all = _frames(fr_model, aligner, paths.video_set, rows, data, cfg.batch_size)
+    quality = rows["quality"].to_numpy(np.float64)
+    known = np.isfinite(quality)
+    if aligner is not None and aligner.scores and known.sum() > 1:  # does the face score rank frames by quality?
+        metrics["sets/face_inputs/score_quality_spearman"] = spearman(frames_all.scores[known], quality[known])
     probe = (rows["split"] == "probe").to_numpy()
     p_rows, g_rows = rows[probe].reset_index(drop=True), rows[~probe].reset_index(drop=True)
+    p_frames, g_frames = frames_all.take(probe), frames_all.take(~probe)
     p_tids, p_groups = np.unique(p_rows["template"].to_numpy(np.int64), return_inverse=True)
     probe_ids = p_rows.groupby("template")["identity"].first().loc[p_tids].to_numpy()
-    g_feats, g_styles = feats[~probe], styles[~probe]
+    g_feats = g_frames.feats
     g_tids, g_groups = np.unique(g_rows["template"].to_numpy(np.int64), return_inverse=True)
     gallery_ids = g_rows.groupby("template")["identity"].first().loc[g_tids].to_numpy()
     first_still = ~g_rows.duplicated("template").to_numpy()
     galleries: dict[str, dict[str, np.ndarray]] = {}
     for method in methods:
-        probes = _fuse(method, feats[probe], styles[probe], p_rows, p_groups, caface, data, chunk_size)
-        booking = _fuse(method, g_feats, g_styles, g_rows, g_groups, caface, data, chunk_size)
+        probes = _fuse(method, p_frames, p_groups, caface, data, chunk_size)
+        booking = _fuse(method, g_frames, g_groups, caface, data, chunk_size)
         single = g_feats[first_still] / np.linalg.norm(g_feats[first_still], axis=1, keepdims=True)
         galleries[method] = {"booking": booking, "single": single}
         for name, gallery in galleries[method].items():
@@ -118,21 +193,19 @@ def evaluate_sets(cfg: Any, data: Any, paths: Paths, fr_model: Any, chunk_size: 
     metrics["sets/videos/frames_max"] = float(lengths.max())
     sizes = [s for s in (1, 4, 16, 64, 256, 1024) if s <= lengths.max()]
     mated = np.isin(probe_ids, gallery_ids)
-    frames = mated[p_groups]  # closed-set curve: the mated probes' frames only
-    _, m_groups = np.unique(p_groups[frames], return_inverse=True)
-    m_rows = p_rows[frames].reset_index(drop=True)
+    m_frames = p_frames.take(mated[p_groups])  # closed-set curve: the mated probes' frames only
+    _, m_groups = np.unique(p_groups[mated[p_groups]], return_inverse=True)
     gain = gain_vs_probe_size(
-        feats[probe][frames], styles[probe][frames], m_groups, probe_ids[mated], galleries["average"]["booking"],
-        gallery_ids, sizes=sizes, methods=methods, model=caface, seed=data.seed, landmarks=landmarks_array(m_rows),
-        face_scores=m_rows["quality"].fillna(1.0).to_numpy(np.float32), image_size=float(data.image_size),
-        chunk_size=chunk_size,
+        m_frames.feats, m_frames.styles, m_groups, probe_ids[mated], galleries["average"]["booking"],
+        gallery_ids, sizes=sizes, methods=methods, model=caface, seed=data.seed, landmarks=m_frames.landmarks,
+        face_scores=m_frames.scores, image_size=float(data.image_size), chunk_size=chunk_size,
     )
     for method in methods:
         for size, v in gain[method].items():
             metrics[f"sets/gain/{method}/n={size}/rank1"] = v
     plot_gain(gain, methods, paths.plots / "fusion_gain.png")
     if caface is not None:
-        robust = order_robustness(caface, feats[probe], styles[probe], p_groups, probe_ids,
+        robust = order_robustness(caface, p_frames.feats, p_frames.styles, p_groups, probe_ids,
                                   galleries["caface"]["booking"], gallery_ids, shuffles=5, chunk_size=chunk_size,
                                   ranks=cfg.ranks, fpirs=cfg.fpirs, seed=data.seed)
         metrics.update({f"sets/order/caface/{k}": v for k, v in robust.items()})
@@ -156,6 +229,20 @@ def plot_gain(gain: dict, methods: list[str], path: Path) -> None:
     save_figure(fig, path)
 
 
+def face_inputs_note(metrics: dict[str, float]) -> str:
+    """One sentence naming where the landmark × face score fusion's landmarks and scores came from."""
+    if not metrics.get("sets/face_inputs/aligner_landmarks"):
+        return ("Landmark × face score fusion used the manifest's landmarks and quality (no DFA aligner in "
+                "`models/aligner`): ground truth for procedural faces, not the paper's detector outputs.")
+    if not metrics.get("sets/face_inputs/aligner_scores"):
+        return ("Landmark × face score fusion used the DFA aligner's predicted landmarks and the manifest's quality "
+                "as the face score (the aligner's score was not trained with non-face crops).")
+    rho = metrics.get("sets/face_inputs/score_quality_spearman")
+    tail = f" Its face score ranks the video frames by procedural quality with Spearman ρ = {rho:.2f}." \
+        if rho is not None and rho == rho else ""
+    return "Landmark × face score fusion used the DFA aligner's predicted landmarks and face scores." + tail
+
+
 def render_section(metrics: dict[str, float]) -> list[str]:
     """Markdown for ``reports/benchmark.md``."""
     pct = lambda v: "—" if v is None or v != v else f"{100 * v:.1f}"  # noqa: E731
@@ -168,6 +255,8 @@ def render_section(metrics: dict[str, float]) -> list[str]:
              "|---|" + "---|" * len(fars)]
     for m in methods:
         lines.append(f"| {LABELS[m]} | " + " | ".join(pct(metrics.get(f"sets/templates/{m}/{f}")) for f in fars) + " |")
+    if "landmark_score" in methods:
+        lines += ["", face_inputs_note(metrics)]
     lines += ["", f"## Set fusion: IJB-S-style video probes ({int(metrics.get('sets/videos/mated_probes', 0))} mated "
               f"probes, {metrics.get('sets/videos/frames_mean', 0):.0f} frames on average, up to "
               f"{int(metrics.get('sets/videos/frames_max', 0))})", "",

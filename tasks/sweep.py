@@ -581,7 +581,7 @@ def _fr_callbacks(trial: Any, metric: str, val: tuple[Any, Any, Any] | None) -> 
 
 OBJECTIVES: dict[str, SweepTarget] = {
     "train_fr": SweepTarget(
-        section="fr", config="ml.train.fr:FRConfig", metrics=("val/accuracy", "train/accuracy", "train/loss"),
+        section="fr", config="ml.train.fr_config:FRConfig", metrics=("val/accuracy", "train/accuracy", "train/loss"),
         check_data=_fr_check_data, trainer=_fr_trainer,
     ),
 }

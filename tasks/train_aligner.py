@@ -5,6 +5,12 @@ measures on split ``test`` (identities never seen): NME normalised by the inter-
 between the two eye landmarks; 5 points have no outer eye corners), failure rate at NME > 0.1, AUC@0.1 and the
 cumulative error distribution (``plots/aligner_ced.png``) against the trivial mean-landmark predictor.
 
+Face score: the test faces against as many held-out non-face crops (``render_nonface`` at indices from
+``HELDOUT_NONFACE_START``, never trained on; at most ``aligner.score_nonfaces``): ROC AUC of the pooled score and
+accuracy at 0.5 (``test/face_auc``, ``test/face_accuracy@0.5``); and Spearman's ρ between the score and the procedural
+quality (``ml.data.procedural.quality_score``) on ``aligner.score_quality_faces`` freshly rendered unaligned faces of
+identities no dataset uses (``quality/score_spearman``; the unaligned manifest records no quality).
+
 Outside reference: on a folder of real aligned faces (``aligner.reference_faces``; the default points at the
 development checkout's ``glint24`` set) the predictions are compared with OpenCV Zoo's YuNet landmarks when YuNet
 is installed (``pip install 'faceops[reference]'``); otherwise the report says why the comparison was skipped.
@@ -21,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from ml.config import from_mapping
+from ml.errors import ConfigError
 from ml.train.aligner import AlignerConfig
 from tasks.common import Paths, StageResult, load_params, section, stage_main, write_json, write_history_csv
 from tasks.tracking import registered_note
@@ -37,6 +44,29 @@ class AlignerStageConfig:
     train: AlignerConfig = field(default_factory=AlignerConfig)
     reference_faces: str = ""   # folder <identity>/<image> of real aligned faces for the YuNet comparison; "" = off
     reference_max_images: int = 300
+    score_nonfaces: int = 400  # held-out non-face crops scored against the test faces (face_auc, accuracy@0.5)
+    score_quality_faces: int = 200  # rendered held-out faces for the face score vs quality correlation; 0 = skip
+
+    def __post_init__(self) -> None:
+        for key in ("score_nonfaces", "score_quality_faces"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"aligner.{key} = {value!r}: a count ≥ 0")
+
+
+QUALITY_FIRST_IDENTITY = 10_000_000  # the quality faces' identities: above every dataset's range
+QUALITY_PER_IDENTITY = 4
+
+
+def score_quality_faces(count: int, size: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``count`` unaligned procedural faces (``size``², default nuisance) of reserved identities with their
+    landmarks and quality: (images, landmarks px, quality)."""
+    from ml.data.unaligned import unaligned_faces
+
+    ids = -(-count // QUALITY_PER_IDENTITY)
+    images, landmarks, _, quality = unaligned_faces(ids, QUALITY_PER_IDENTITY, size, seed,
+                                                    first_identity=QUALITY_FIRST_IDENTITY, return_quality=True)
+    return images[:count], landmarks[:count], quality[:count]
 
 
 def reference_comparison(model: Any, folder: str, max_images: int) -> dict[str, Any]:
@@ -71,7 +101,7 @@ def run(cfg: AlignerStageConfig, paths: Paths, *, tracker: Any = None) -> StageR
     from ml.data.dataset import landmarks_array, load_images, read_dataset_info, read_manifest
     from ml.eval.alignment import auc_at, failure_rate, nme, plot_ced
     from ml.models.aligner.dfa import save_aligner
-    from ml.train.aligner import evaluate_aligner, train_aligner
+    from ml.train.aligner import HELDOUT_NONFACE_START, evaluate_aligner, nonface_crops, train_aligner
 
     manifest = read_manifest(paths.unaligned_set / "manifest.parquet")
     train_rows = manifest[manifest["split"] == "train"].reset_index(drop=True)
@@ -81,8 +111,12 @@ def run(cfg: AlignerStageConfig, paths: Paths, *, tracker: Any = None) -> StageR
     res = train_aligner(cfg.train, x, lm, val=(tx, tlm), progress=True)
     info = read_dataset_info(paths.unaligned_set)
     save_aligner(paths.aligner_model, res.model, extra={"registered_name": REGISTERED_MODEL,
-                                                        "training_data_digest": info["digest"]})
-    test = evaluate_aligner(res.model, tx, tlm)
+                                                        "training_data_digest": info["digest"],
+                                                        "face_score_trained": cfg.train.nonfaces_per_batch > 0})
+    n_neg = min(cfg.score_nonfaces, len(tx))
+    nonfaces = (nonface_crops(cfg.train.seed, HELDOUT_NONFACE_START, n_neg, tx.shape[1], progress=True)
+                if n_neg else None)
+    test = evaluate_aligner(res.model, tx, tlm, nonfaces=nonfaces)
     mean_shape = np.broadcast_to(lm.mean(axis=0), tlm.shape)  # the trivial predictor: the training mean landmarks
     baseline = nme(mean_shape, tlm)
     plot_ced({"DFA": test["nmes"], "mean landmarks": baseline}, paths.plots / "aligner_ced.png")
@@ -92,13 +126,25 @@ def run(cfg: AlignerStageConfig, paths: Paths, *, tracker: Any = None) -> StageR
         "test/mean_shape_nme": float(baseline.mean()), "test/mean_shape_failure@0.1": failure_rate(baseline, 0.1),
         "test/mean_shape_auc@0.1": auc_at(baseline, 0.1), "test/faces": float(len(tx)),
         "train/seconds": float(res.seconds), "train/faces": float(len(x)),
+        "train/nonfaces_per_batch": float(cfg.train.nonfaces_per_batch),
+        "test/face_score_mean": test["face_score_mean"], "test/nonfaces": float(n_neg),
     }
+    if nonfaces is not None:
+        result.metrics.update({f"test/{k}": test[k] for k in ("face_auc", "face_accuracy@0.5", "nonface_score_mean")})
+    if cfg.score_quality_faces:
+        qx, qlm, quality = score_quality_faces(cfg.score_quality_faces, tx.shape[1], cfg.train.seed)
+        q = evaluate_aligner(res.model, qx, qlm, qualities=quality)
+        result.metrics.update({"quality/score_spearman": q["score_quality_spearman"], "quality/faces": float(len(qx)),
+                               "quality/nme": q["nme"]})
     reference = reference_comparison(res.model, cfg.reference_faces, cfg.reference_max_images)
     result.metrics.update({f"reference/{k}": float(v) for k, v in reference.items() if k != "skipped"})
     write_json(paths.metrics / "train_aligner.json", {**result.metrics, "reference": reference})
     write_history_csv(paths.plots / "train_aligner_history.csv", res.history)
     result.summary = (f"DFA: test NME {test['nme']:.4f} (mean shape {baseline.mean():.4f}), failure@0.1 "
-                      f"{100 * test['failure@0.1']:.1f} % in {res.seconds:.0f}s → {paths.aligner_model}")
+                      f"{100 * test['failure@0.1']:.1f} %")
+    if nonfaces is not None:
+        result.summary += f", face score AUC {test['face_auc']:.3f} vs {n_neg} non-face crops"
+    result.summary += f" in {res.seconds:.0f}s → {paths.aligner_model}"
     if "skipped" in reference:
         result.summary += f"; YuNet comparison skipped: {reference['skipped']}"
     if tracker is not None:

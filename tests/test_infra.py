@@ -218,12 +218,12 @@ def test_docker_compose_config_accepts_the_file(tmp_path):
 
 # ── Dockerfile ────────────────────────────────────────────────────────────────────────────────────────────────────
 
-VALUE_OPTIONS = {"--index-url", "-i", "--extra-index-url", "-c", "--constraint", "-r", "--requirement"}
-HOW_ONLY = {"--quiet", "-q", "--no-compile", "--compile", "-e", "--editable", "--no-cache-dir"}
+VALUE_OPTIONS = {"--index-url", "-i", "--extra-index-url", "-c", "--constraint", "-r", "--requirement", "--python"}
+HOW_ONLY = {"--quiet", "-q", "--no-compile", "--compile", "--compile-bytecode", "-e", "--editable", "--no-cache-dir", "--python"}
 
 
 def _pip_installs(text: str) -> list[tuple[set[str], list[str]]]:
-    """(options, targets) of every ``pip install`` command in a Makefile or Dockerfile, in order."""
+    """(options, targets) of every ``pip install`` (or ``uv pip install``) in a Makefile or Dockerfile, in order."""
     out = []
     for line in text.splitlines():
         if "pip install" not in line or line.lstrip().startswith("#"):
@@ -250,9 +250,10 @@ def test_dockerfile_installs_torch_first_then_the_project_as_the_makefile_does()
     docker_torch = next(i for i, (_, t) in enumerate(docker) if any(x.startswith("torch==") for x in t))
     docker_project = next(i for i, (_, t) in enumerate(docker) if "." in t)
     assert make_torch < make_project and docker_torch < docker_project
-    assert docker[docker_torch][1] == make[make_torch][1]  # the same pin, e.g. torch==2.13.0
+    torch_pin = [x for x in make[make_torch][1] if x.startswith("torch==")]
+    assert docker[docker_torch][1] == torch_pin  # the same pin, e.g. torch==2.13.0 (the Makefile adds uv beside it)
     pyproject = (REPO / "pyproject.toml").read_text()
-    assert f'"{make[make_torch][1][0]}"' in pyproject
+    assert f'"{torch_pin[0]}"' in pyproject
     # the project line is the Makefile's, except for options that change only how, not what, is installed:
     # no editable install (an image has no checkout to edit), bytecode compiled (its user cannot write it later)
     assert docker[docker_project][0] - HOW_ONLY == make[make_project][0] - HOW_ONLY

@@ -70,12 +70,14 @@ def unaligned_faces(
     first_identity: int = 0,
     base: ProceduralConfig | None = None,
     progress: bool = False,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return_quality: bool = False,
+) -> tuple[np.ndarray, ...]:
     """Render ``n_identities × per_identity`` unaligned faces.
 
     Returns ``images`` uint8 (N, size, size, 3) RGB, ``landmarks`` float32 (N, 5, 2) pixel x, y (pixel
-    centres at integers, ArcFace order) and ``identities`` int64 (N,) = ``first_identity + i``. Use a
-    different ``first_identity`` range (or seed) for held-out faces.
+    centres at integers, ArcFace order) and ``identities`` int64 (N,) = ``first_identity + i``, and with
+    ``return_quality`` also each face's procedural ``quality`` float32 (N,) (:func:`ml.data.procedural.quality_score`).
+    Use a different ``first_identity`` range (or seed) for held-out faces.
     """
     for name, value, low in (("n_identities", n_identities, 1), ("per_identity", per_identity, 1),
                              ("first_identity", first_identity, 0)):
@@ -90,6 +92,7 @@ def unaligned_faces(
     n = n_identities * per_identity
     images = np.empty((n, size, size, 3), dtype=np.uint8)
     landmarks = np.empty((n, 5, 2), dtype=np.float32)
+    quality = np.empty(n, dtype=np.float32)
     identities = np.repeat(np.arange(first_identity, first_identity + n_identities, dtype=np.int64), per_identity)
     row = rejected = 0
     with tqdm(total=n, unit="face", desc="unaligned faces", disable=not progress) as bar:
@@ -107,9 +110,9 @@ def unaligned_faces(
                 if sample.landmarks.min() < lo or sample.landmarks.max() > hi:
                     rejected += 1
                     continue
-                images[row], landmarks[row] = sample.image, sample.landmarks
+                images[row], landmarks[row], quality[row] = sample.image, sample.landmarks, sample.quality
                 row += 1
                 kept += 1
                 bar.update(1)
     log.info("rendered %d unaligned %d-px faces (%d draws rejected: landmarks outside the image)", n, size, rejected)
-    return images, landmarks, identities
+    return (images, landmarks, identities, quality) if return_quality else (images, landmarks, identities)

@@ -5,6 +5,8 @@
 * ``ced_curve`` / ``auc_at`` / ``failure_rate`` - the CED and its summary numbers as in 300-W/WFLW
   evaluations (Wu et al., "Look at Boundary", CVPR 2018): fraction of faces with NME ≤ t, the area under
   that curve up to ``max_error`` divided by ``max_error``, and the fraction above a threshold.
+* ``score_auc`` / ``spearman`` - how well an aligner's face score separates face crops from non-face
+  crops (ROC AUC, the Mann–Whitney statistic) and how it ranks faces by quality (Spearman's ρ).
 * ``plot_ced`` - CED curves of several predictors in one PNG (the only function here that does I/O).
 
 Differences from the reference
@@ -19,6 +21,7 @@ Differences from the reference
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from collections.abc import Mapping
@@ -28,7 +31,7 @@ import numpy as np
 
 from ml.errors import DataError
 
-__all__ = ["auc_at", "ced_curve", "failure_rate", "inter_pupil", "nme", "plot_ced"]
+__all__ = ["auc_at", "ced_curve", "failure_rate", "inter_pupil", "nme", "plot_ced", "score_auc", "spearman"]
 
 
 def _landmarks(x: np.ndarray, name: str) -> np.ndarray:
@@ -100,6 +103,48 @@ def auc_at(nmes: np.ndarray, max_error: float = 0.1) -> float:
     if not max_error > 0:
         raise DataError(f"auc_at needs max_error > 0, got {max_error}")
     return float(np.mean(np.clip(max_error - e, 0.0, None)) / max_error)
+
+
+def _scores(x: np.ndarray, name: str) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    if x.ndim != 1 or x.size == 0 or not np.all(np.isfinite(x)):
+        raise DataError(f"{name} must be a non-empty 1-D array of finite scores, got shape {x.shape}")
+    return x
+
+
+def _ranks(x: np.ndarray) -> np.ndarray:
+    """1-based ranks of ``x``, ties given their average rank."""
+    order = np.argsort(x, kind="stable")
+    sorted_x = x[order]
+    first = np.r_[True, sorted_x[1:] != sorted_x[:-1]]
+    group = np.cumsum(first) - 1
+    starts = np.flatnonzero(first)
+    ends = np.r_[starts[1:], x.size]
+    ranks = np.empty(x.size, dtype=np.float64)
+    ranks[order] = (0.5 * (starts + ends + 1))[group]  # mean of the 1-based positions start+1 … end
+    return ranks
+
+
+def score_auc(positive: np.ndarray, negative: np.ndarray) -> float:
+    """ROC AUC of a score with ``positive`` (e.g. face crops) above ``negative`` (non-face crops).
+
+    ``AUC = P(s⁺ > s⁻) + ½ P(s⁺ = s⁻)`` over all pairs, from the ranks of the pooled scores (Mann–Whitney U):
+    ``(R⁺ − n⁺(n⁺ + 1)/2) / (n⁺ n⁻)`` with ``R⁺`` the sum of the positives' ranks (ties averaged).
+    """
+    pos, neg = _scores(positive, "positive"), _scores(negative, "negative")
+    ranks = _ranks(np.concatenate([pos, neg]))
+    n_pos = pos.size
+    return float((ranks[:n_pos].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * neg.size))
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    """Spearman's rank correlation: Pearson's r of the (tie-averaged) ranks; NaN if either is constant."""
+    a, b = _scores(a, "a"), _scores(b, "b")
+    if a.shape != b.shape:
+        raise DataError(f"spearman needs two arrays of the same length, got {a.shape} and {b.shape}")
+    ra, rb = _ranks(a) - (a.size + 1) / 2.0, _ranks(b) - (b.size + 1) / 2.0
+    denom = math.sqrt(float((ra * ra).sum() * (rb * rb).sum()))
+    return float((ra * rb).sum() / denom) if denom > 0 else float("nan")
 
 
 def plot_ced(curves: Mapping[str, np.ndarray], path: str | os.PathLike, max_error: float = 0.2) -> Path:

@@ -25,6 +25,10 @@ Fusion methods (``FUSERS``), for a group ``g`` with images ``i ∈ g``, ``f̄_i 
   length so that one call holds at most ``max_items`` items and ``MAX_ATTENTION`` attention pairs (a single
   group over that without ``chunk_size`` is fused alone, in one call, at its full cost).
 
+``FusionStream`` fuses one set whose frames arrive a chunk at a time (probes of tens of thousands of frames) in
+memory bounded by the chunk: running sums for the baselines, the CAFace memory for ``caface``; its template equals
+``fuse_templates`` over the same frames (CAFace: over the same chunks).
+
 Groups are integer ids ``0..G-1`` per image (``np.unique(ids, return_inverse=True)`` makes them); row ``g`` of
 a result is group ``g``. Variable-length groups cost one segment sum (baselines) or length-sorted padded
 batches (CAFace), never a Python loop over images.
@@ -83,6 +87,7 @@ from ml.train.fusion import fuse_sets
 __all__ = [
     "FUSERS",
     "FUSION_METHODS",
+    "FusionStream",
     "features_and_styles",
     "fuse_templates",
     "gain_vs_probe_size",
@@ -327,24 +332,31 @@ def _fuse_norm_weighted(features: np.ndarray, groups: _Groups, inputs: _Inputs) 
     return _segment_sum(torch.from_numpy(features), groups).numpy()
 
 
-def _fuse_landmark_score(features: np.ndarray, groups: _Groups, inputs: _Inputs) -> np.ndarray:
-    n = features.shape[0]
-    if inputs.landmarks is None:
+def _landmark_score_weights(
+    landmarks: Any, face_scores: Any, n: int, image_size: float | None, h: float
+) -> torch.Tensor:
+    """Checked KP-RPE weights ``w_i = d_i·s_i`` (N,) float32 (supp. Eq. 17 × face score) of N images."""
+    if landmarks is None:
         raise DataError("landmark_score fusion needs landmarks (N, 5, 2) pixel x, y per image (ArcFace order)")
     hint = "pixel (x, y) of the 5 ArcFace landmarks; re-run the detector on those images or drop them"
-    landmarks = torch.from_numpy(_check_rows(inputs.landmarks, n, (5, 2), "landmarks", hint))
-    if inputs.face_scores is None:
+    points = torch.from_numpy(_check_rows(landmarks, n, (5, 2), "landmarks", hint))
+    if face_scores is None:
         scores = torch.ones(n)
     else:
-        scores = torch.from_numpy(_check_rows(inputs.face_scores, n, (), "face_scores", "the detector's faceness score"))
+        scores = torch.from_numpy(_check_rows(face_scores, n, (), "face_scores", "the detector's faceness score"))
         if bool((scores < 0).any()):
             row = int(torch.nonzero(scores < 0)[0])
             raise DataError(f"face_scores row {row} is negative ({float(scores[row])}); detector scores must be ≥ 0")
-    size = 112.0 if inputs.image_size is None else float(inputs.image_size)
+    size = 112.0 if image_size is None else float(image_size)
     if not size > 0:
         raise ConfigError(f"image_size must be positive (the side of the images the landmarks are in), got {size}")
     template = torch.tensor(ARCFACE_TEMPLATE_112, dtype=torch.float32) * (size / 112.0)  # (5, 2) in this frame
-    weights = landmark_weights(landmarks[None], scores[None], template, inputs.h, image_size=size)[0]  # (N,)
+    return landmark_weights(points[None], scores[None], template, h, image_size=size)[0]  # (N,)
+
+
+def _fuse_landmark_score(features: np.ndarray, groups: _Groups, inputs: _Inputs) -> np.ndarray:
+    n = features.shape[0]
+    weights = _landmark_score_weights(inputs.landmarks, inputs.face_scores, n, inputs.image_size, inputs.h)
     units = F.normalize(torch.from_numpy(features), dim=1)
     fused = _segment_sum(weights[:, None] * units, groups)  # (G, D)
     degenerate = _segment_sum(weights, groups) <= 0  # (G,)
@@ -457,6 +469,169 @@ def fuse_templates(
             "cancel out; check its images"
         )
     return (fused / norms[:, None]).float().numpy()
+
+
+class FusionStream:
+    """One set's template fused from frames that arrive a chunk at a time, in memory that does not grow with the
+    set (IJB-S probes of tens of thousands of frames): between calls it keeps fewer than ``chunk_size`` frames.
+
+    The state per ``method`` (D = feature size; the formulas are ``fuse_templates``'s, see the module docstring):
+
+    - ``average``: ``Σ_i f̄_i`` (D,) in float64; ``norm_weighted``: ``Σ_i f_i`` (D,);
+    - ``landmark_score``: ``Σ_i w_i·f̄_i`` (D,), ``Σ_i w_i`` and ``Σ_i f̄_i`` (the fallback when every weight is
+      0), ``w_i = d_i·s_i`` (KP-RPE supp. Eq. 17–18) from ``landmarks`` and ``face_scores``;
+    - ``caface``: the CAFace memory ``(c̄, F̄', S̄')`` of ``init_state``/``update`` (O(M·(D + d)), paper Eq. 8) plus
+      a buffer of fewer than ``chunk_size`` frames, so the chunks absorbed are frames [0, C), [C, 2C), … however
+      ``update`` is sliced.
+
+    ``template()`` equals ``fuse_templates(method, <every frame so far>, chunk_size=chunk_size)`` up to float
+    rounding (the same float64 sums; CAFace over the same chunks) and leaves the state as it is, so the templates
+    of a probe's prefixes are read on the way. Bad input raises as in ``fuse_templates``.
+    """
+
+    def __init__(
+        self,
+        method: str,
+        *,
+        model: CAFace | None = None,
+        image_size: float | None = None,
+        chunk_size: int = 64,
+        h: float = 0.2,
+    ) -> None:
+        if method not in FUSERS:
+            raise ConfigError(f"unknown fusion method {method!r}; choose one of {', '.join(FUSERS)}")
+        if method == "caface" and not isinstance(model, CAFace):
+            raise ConfigError(
+                f"caface fusion needs a trained CAFace model (ml.models.fusion.load_caface), got {type(model).__name__}"
+            )
+        self.method = method
+        self.model = model if method == "caface" else None
+        self.image_size = image_size
+        self.chunk_size = _positive_int(chunk_size, "chunk_size")
+        self.h = h
+        self.frames = 0
+        self._total: np.ndarray | None = None  # (D,) float64: Σ f̄, Σ f or Σ w·f̄
+        self._units: np.ndarray | None = None  # (D,) float64: Σ f̄ (landmark_score's fallback)
+        self._weight = 0.0  # Σ w (landmark_score)
+        self._state: Any = None  # CAFace FusionState of the chunks absorbed
+        self._buffer: list[tuple[np.ndarray, np.ndarray]] = []  # CAFace frames not yet absorbed, < chunk_size
+        self._buffered = 0
+
+    def update(
+        self,
+        features: np.ndarray | torch.Tensor,
+        *,
+        styles: np.ndarray | torch.Tensor | None = None,
+        landmarks: np.ndarray | torch.Tensor | None = None,
+        face_scores: np.ndarray | torch.Tensor | None = None,
+    ) -> FusionStream:
+        """Absorb the next frames: ``features`` (n, D) and what the method needs (``styles`` (n, style_dim, 2) for
+        ``caface``; ``landmarks`` (n, 5, 2) pixels and optional ``face_scores`` (n,) for ``landmark_score``)."""
+        feats = _check_features(features)
+        n, d = feats.shape
+        dim = self.model.feature_dim if self.model is not None else (None if self._total is None else self._total.size)
+        if dim is not None and d != dim:
+            raise DataError(f"features have {d} channels but this stream fuses {dim}-d features; use one backbone")
+        if self.method == "caface":
+            self._update_caface(feats, styles)
+        else:
+            units = F.normalize(torch.from_numpy(feats), dim=1)  # (n, D) float32, as fuse_templates
+            if self.method == "average":
+                part = units.double().sum(dim=0)
+            elif self.method == "norm_weighted":
+                part = torch.from_numpy(feats).double().sum(dim=0)
+            else:
+                weights = _landmark_score_weights(landmarks, face_scores, n, self.image_size, self.h)  # (n,)
+                part = (weights[:, None] * units).double().sum(dim=0)
+                self._weight += float(weights.double().sum())
+                unit_sum = units.double().sum(dim=0).numpy()
+                self._units = unit_sum if self._units is None else self._units + unit_sum
+            self._total = part.numpy() if self._total is None else self._total + part.numpy()
+        self.frames += n
+        return self
+
+    def _update_caface(self, feats: np.ndarray, styles: Any) -> None:
+        model = self.model
+        assert model is not None  # checked in __init__
+        if feats.shape[1] != model.feature_dim:
+            raise DataError(
+                f"features have {feats.shape[1]} channels but the CAFace model was trained on {model.feature_dim}; "
+                "use the backbone the fusion model was trained on"
+            )
+        if styles is None:
+            raise DataError("caface fusion needs styles (N, style_dim, 2); get them with features_and_styles")
+        sty = _check_rows(
+            styles, feats.shape[0], (model.style_dim, 2), "styles",
+            f"per-image (mean, std) of the backbone's {model.style_dim} style channels, from features_and_styles",
+        )
+        self._buffer.append((feats, sty))
+        self._buffered += feats.shape[0]
+        if self._buffered < self.chunk_size:
+            return
+        all_feats = np.concatenate([f for f, _ in self._buffer])
+        all_styles = np.concatenate([s for _, s in self._buffer])
+        full = (all_feats.shape[0] // self.chunk_size) * self.chunk_size
+        for lo in range(0, full, self.chunk_size):
+            self._state = self._absorb(self._state, all_feats[lo : lo + self.chunk_size],
+                                       all_styles[lo : lo + self.chunk_size])
+        rest = all_feats.shape[0] - full
+        self._buffer = [(all_feats[full:].copy(), all_styles[full:].copy())] if rest else []
+        self._buffered = rest
+
+    @torch.no_grad()
+    def _absorb(self, state: Any, feats: np.ndarray, styles: np.ndarray) -> Any:
+        """The CAFace memory after one chunk (eval mode, the model's mode restored)."""
+        model = self.model
+        assert model is not None
+        device = model.cn.centres.device
+        was_training = model.training
+        model.eval()
+        try:
+            if state is None:
+                state = model.init_state(1, device=device)
+            return model.update(state, torch.from_numpy(feats)[None].to(device), torch.from_numpy(styles)[None].to(device))
+        finally:
+            model.train(was_training)
+
+    @torch.no_grad()
+    def template(self) -> np.ndarray:
+        """The unit-norm template (D,) float32 of every frame so far; the state is unchanged."""
+        if self.frames == 0:
+            raise DataError(f"the {self.method} stream has no frames yet; call update() with at least one frame first")
+        if self.method == "caface":
+            model = self.model
+            assert model is not None
+            state = self._state
+            if self._buffer:  # the last, partial chunk, absorbed into a copy of the memory
+                state = self._absorb(state, np.concatenate([f for f, _ in self._buffer]),
+                                     np.concatenate([s for _, s in self._buffer]))
+            was_training = model.training
+            model.eval()
+            try:
+                fused = model.fuse(state)[0].double().cpu()
+            finally:
+                model.train(was_training)
+        else:
+            assert self._total is not None
+            fused = torch.from_numpy(self._total)
+            if self.method == "landmark_score" and self._weight <= 0:
+                log.warning("the landmark_score stream has all weights 0 after %d frames; using the plain average",
+                            self.frames)
+                assert self._units is not None
+                fused = torch.from_numpy(self._units)
+        norm = float(fused.norm())
+        if norm <= 1e-12:
+            raise DataError(
+                f"the {self.method} stream fuses to the zero vector after {self.frames} frames: its features cancel out"
+            )
+        return (fused / norm).float().numpy()
+
+    def state_nbytes(self) -> int:
+        """Bytes the stream holds now (sums, CAFace memory, buffered frames): bounded by the chunk, not the set."""
+        total = sum(a.nbytes for a in (self._total, self._units) if a is not None)
+        if self._state is not None:
+            total += sum(t.numel() * t.element_size() for t in self._state)
+        return total + sum(f.nbytes + s.nbytes for f, s in self._buffer)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -33,8 +33,10 @@ Differences from the reference
   logits, so our token has 16 channels.
 - The read-out ``Linear(mixer_dim → 1)`` is zero-initialised: training starts from the uniform
   average of all anchors' landmarks.
-- The score is the softmax-weighted face probability; with a landmark-only loss (the paper's) and
-  face-only crops it receives no supervision. Treat it as uncalibrated unless trained with negatives.
+- The score is the softmax-weighted face probability. The paper trains DFA with a landmark-only loss on
+  face crops, which leaves it unsupervised; ``ml.train.aligner`` adds non-face crops to each batch and
+  trains it (per-anchor cross-entropy with hard negatives plus a BCE on the pooled score). A model trained
+  with ``nonface_fraction: 0`` has an untrained, uninformative score.
 - ``min_sizes`` are scaled with ``input_size`` (the reference uses 160 only).
 - The mixer widths (token embedding 16, token-mixing hidden 16, channel-mixing hidden 32) are ours, picked
   so that the whole model has 0.53M parameters at 160 (0.47M at 96), near the paper's 0.49M for "DFA
@@ -386,14 +388,16 @@ class DFA(nn.Module):
         return box, score, ldmk
 
     def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``landmarks`` (B, 5, 2) normalised, ``score`` (B,), ``weights`` (B, A) summing to 1, and the
-        per-anchor decoded ``anchor_landmarks`` (B, A, 5, 2)."""
+        """``landmarks`` (B, 5, 2) normalised, ``score`` (B,), ``weights`` (B, A) summing to 1, the
+        per-anchor decoded ``anchor_landmarks`` (B, A, 5, 2) and score logits ``anchor_scores`` (B, A, 2)
+        (background, face)."""
         box, score, ldmk = self.forward_anchors(images)
         weights = self.pool(torch.cat([box, score, ldmk], dim=-1))  # (B, A)
         per_anchor = decode_landmarks(ldmk, self.priors, self.cfg.variances)  # (B, A, 5, 2)
         landmarks = torch.einsum("ba,bakc->bkc", weights, per_anchor)  # (B, 5, 2)
         face = (weights * score.softmax(dim=-1)[..., 1]).sum(dim=1)  # (B,) in [0, 1]
-        return {"landmarks": landmarks, "score": face, "weights": weights, "anchor_landmarks": per_anchor}
+        return {"landmarks": landmarks, "score": face, "weights": weights, "anchor_landmarks": per_anchor,
+                "anchor_scores": score}
 
     @torch.no_grad()
     def predict(self, images: np.ndarray, batch_size: int = 64) -> tuple[np.ndarray, np.ndarray]:
