@@ -687,8 +687,11 @@ def _verdict(metrics: dict[str, Any], cfg: LongProbesConfig, results: Sequence[P
         r1 = {m: metrics[name][m]["rank1"] for m in cfg.methods}
         best = max(r1.values())
         winners = [LABELS[m] for m in cfg.methods if r1[m] == best]
-        lines.append(f"- {name.capitalize()} gallery: the best rank-1 is {_pct(best)} % ({', '.join(winners)}); "
-                     f"the methods span {_pct(min(r1.values()))}–{_pct(best)} %.")
+        if min(r1.values()) == best:
+            lines.append(f"- {name.capitalize()} gallery: every method reaches the same rank-1, {_pct(best)} %.")
+        else:
+            lines.append(f"- {name.capitalize()} gallery: the best rank-1 is {_pct(best)} % ({', '.join(winners)}); "
+                         f"the methods span {_pct(min(r1.values()))}–{_pct(best)} %.")
     if "caface" in cfg.methods and "average" in cfg.methods:
         diffs = []
         for name in ("single", "booking"):
@@ -709,7 +712,9 @@ def _verdict(metrics: dict[str, Any], cfg: LongProbesConfig, results: Sequence[P
         pairs = ", ".join(f"{g:+.1f} at {f:,.0f} frames" for g, f in zip(gains, frames))
         grows = all(b >= a for a, b in zip(gains, gains[1:])) and gains[-1] > gains[0]
         trend = ("grows with the number of frames fused, as in CAFace Fig. 1c" if grows
-                 else "does not grow steadily with the number of frames fused (CAFace Fig. 1c has it growing)")
+                 else "is 0 at every probe length (CAFace Fig. 1c has it growing with the frames fused)"
+                 if not any(gains) else
+                 "does not grow steadily with the number of frames fused (CAFace Fig. 1c has it growing)")
         lines.append(f"- CAFace's rank-1 gain over averaging (single gallery) {trend}: {pairs}.")
     if metrics.get("cosine"):
         keys = [*sorted(set(cfg.prefixes)), 0]

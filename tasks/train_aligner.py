@@ -8,8 +8,9 @@ cumulative error distribution (``plots/aligner_ced.png``) against the trivial me
 Face score: the test faces against as many held-out non-face crops (``render_nonface`` at indices from
 ``HELDOUT_NONFACE_START``, never trained on; at most ``aligner.score_nonfaces``): ROC AUC of the pooled score and
 accuracy at 0.5 (``test/face_auc``, ``test/face_accuracy@0.5``); and Spearman's ρ between the score and the procedural
-quality (``ml.data.procedural.quality_score``) on ``aligner.score_quality_faces`` freshly rendered unaligned faces of
-identities no dataset uses (``quality/score_spearman``; the unaligned manifest records no quality).
+quality (``ml.data.procedural.quality_score``) on ``aligner.score_quality_faces`` (at most one per test face) freshly
+rendered unaligned faces of identities no dataset uses, with the default nuisance (``quality/score_spearman``; the
+unaligned manifest records no quality).
 
 Outside reference: on a folder of real aligned faces (``aligner.reference_faces``; the default points at the
 development checkout's ``glint24`` set) the predictions are compared with OpenCV Zoo's YuNet landmarks when YuNet
@@ -45,7 +46,7 @@ class AlignerStageConfig:
     reference_faces: str = ""   # folder <identity>/<image> of real aligned faces for the YuNet comparison; "" = off
     reference_max_images: int = 300
     score_nonfaces: int = 400  # held-out non-face crops scored against the test faces (face_auc, accuracy@0.5)
-    score_quality_faces: int = 200  # rendered held-out faces for the face score vs quality correlation; 0 = skip
+    score_quality_faces: int = 200  # rendered faces (at most one per test face) for the score–quality ρ; 0 = skip
 
     def __post_init__(self) -> None:
         for key in ("score_nonfaces", "score_quality_faces"):
@@ -58,7 +59,7 @@ QUALITY_FIRST_IDENTITY = 10_000_000  # the quality faces' identities: above ever
 QUALITY_PER_IDENTITY = 4
 
 
-def score_quality_faces(count: int, size: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def render_quality_faces(count: int, size: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``count`` unaligned procedural faces (``size``², default nuisance) of reserved identities with their
     landmarks and quality: (images, landmarks px, quality)."""
     from ml.data.unaligned import unaligned_faces
@@ -131,8 +132,9 @@ def run(cfg: AlignerStageConfig, paths: Paths, *, tracker: Any = None) -> StageR
     }
     if nonfaces is not None:
         result.metrics.update({f"test/{k}": test[k] for k in ("face_auc", "face_accuracy@0.5", "nonface_score_mean")})
-    if cfg.score_quality_faces:
-        qx, qlm, quality = score_quality_faces(cfg.score_quality_faces, tx.shape[1], cfg.train.seed)
+    n_quality = min(cfg.score_quality_faces, len(tx))
+    if n_quality >= 2:
+        qx, qlm, quality = render_quality_faces(n_quality, tx.shape[1], cfg.train.seed)
         q = evaluate_aligner(res.model, qx, qlm, qualities=quality)
         result.metrics.update({"quality/score_spearman": q["score_quality_spearman"], "quality/faces": float(len(qx)),
                                "quality/nme": q["nme"]})
