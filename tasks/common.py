@@ -48,10 +48,6 @@ class Paths:
         return self.prepared / "templates"
 
     @property
-    def real_set(self) -> Path:
-        return self.prepared / "real"
-
-    @property
     def discovery_set(self) -> Path:
         return self.prepared / "discovery"
 

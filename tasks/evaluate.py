@@ -59,6 +59,7 @@ class EvaluateConfig:
     # set and video fusion (tasks/sets_eval.py)
     sets: bool = True
     fusion_chunk_size: int = 64  # CAFace streams each probe in chunks of this many frames (memory O(chunk))
+    bin_dir: str = ""  # a folder of InsightFace verification .bin files (lfw.bin, cfp_fp.bin, agedb_30.bin, ...)
 
 
 def _normalise(x: np.ndarray) -> np.ndarray:
@@ -69,12 +70,35 @@ def _fmt_far(far: float) -> str:
     return f"{far:.0e}".replace("e-0", "e-")
 
 
-def _verification_sets(paths: Paths) -> list[tuple[str, np.ndarray, np.ndarray, np.ndarray | None]]:
-    """(name, images, issame, landmarks or None) for every ``.bin`` in ``data/prepared/verification``."""
+def verification_bins(paths: Paths, bin_dir: str = "") -> list[Path]:
+    """Every ``.bin`` in ``data/prepared/verification``, then every one in ``evaluate.bin_dir`` (the user's LFW,
+    CFP-FP, AgeDB-30, ... as InsightFace ships them); each name (file stem) is one column of the report."""
+    from ml.errors import DataError
+
+    bins = sorted(paths.verification_dir.glob("*.bin"))
+    if bin_dir:
+        folder = Path(bin_dir)
+        if not folder.is_dir():
+            raise DataError(f"evaluate.bin_dir: {bin_dir} is not a directory; point it at a folder of InsightFace "
+                            "verification .bin files (lfw.bin, cfp_fp.bin, agedb_30.bin, ...) or set it to ''")
+        extra = sorted(folder.glob("*.bin"))
+        if not extra:
+            raise DataError(f"evaluate.bin_dir: {bin_dir} holds no .bin file; add the verification sets or set it to ''")
+        taken = {b.stem: b for b in bins}
+        for b in extra:
+            if b.stem in taken:
+                raise DataError(f"{b}: its name {b.stem!r} is also {taken[b.stem]}; rename it (each .bin's name is "
+                                "one column of the report)")
+        bins += extra
+    return bins
+
+
+def _verification_sets(paths: Paths, bin_dir: str = "") -> list[tuple[str, np.ndarray, np.ndarray, np.ndarray | None]]:
+    """(name, images, issame, landmarks or None) for every ``.bin`` of :func:`verification_bins`."""
     from ml.data.formats import read_verification_bin
 
     sets = []
-    for bin_path in sorted(paths.verification_dir.glob("*.bin")):
+    for bin_path in verification_bins(paths, bin_dir):
         images, issame = read_verification_bin(bin_path)
         sidecar = bin_path.with_suffix(".landmarks.npy")
         landmarks = _landmarks_sidecar(sidecar, len(images)) if sidecar.is_file() else None
@@ -105,13 +129,17 @@ def _landmarks_sidecar(path: Path, n_images: int) -> np.ndarray:
     return landmarks.astype(np.float32)
 
 
-def _pair_metrics(feats: np.ndarray, issame: np.ndarray, n_folds: int) -> tuple[dict[str, float], tuple]:
-    from ml.eval.metrics import pair_scores, roc_curve, verification_accuracy
+def _pair_metrics(feats: np.ndarray, issame: np.ndarray, cfg: EvaluateConfig) -> tuple[dict[str, float], tuple]:
+    """10-fold accuracy ± std and TAR at each of ``cfg.fars`` over all pairs of one ``.bin``."""
+    from ml.eval.metrics import pair_scores, roc_curve, tar_at_far, verification_accuracy
 
-    acc = verification_accuracy(feats[0::2], feats[1::2], issame, n_folds=n_folds)
+    acc = verification_accuracy(feats[0::2], feats[1::2], issame, n_folds=cfg.n_folds)
     scores = pair_scores(_normalise(feats[0::2]), _normalise(feats[1::2]))
     fpr, tpr, _ = roc_curve(scores, issame.astype(int))
-    return {"accuracy": acc["accuracy"], "std": acc["std"]}, (fpr, tpr)
+    values = {"accuracy": acc["accuracy"], "std": acc["std"]}
+    values.update({f"tar@far={_fmt_far(far)}": tar for far, tar in tar_at_far(scores, issame.astype(int),
+                                                                             fars=cfg.fars).items()})
+    return values, (fpr, tpr)
 
 
 def evaluate_baselines(cfg: EvaluateConfig, paths: Paths, data: DataConfig, sets: list) -> tuple[dict, dict]:
@@ -128,7 +156,7 @@ def evaluate_baselines(cfg: EvaluateConfig, paths: Paths, data: DataConfig, sets
     curves: dict[str, tuple] = {}
     for name, images, issame, _ in sets:
         for method, feats in (("raw_pixels", raw_pixels(images)), ("linear_probe", probe.embed(images))):
-            values, curves[f"{name}: {method}"] = _pair_metrics(feats, issame, cfg.n_folds)
+            values, curves[f"{name}: {method}"] = _pair_metrics(feats, issame, cfg)
             for k, v in values.items():
                 metrics[f"baseline/{method}/verification/{name}/{k}"] = v
     return metrics, curves
@@ -154,7 +182,7 @@ def evaluate_model(model: Any, tag: str, cfg: EvaluateConfig, paths: Paths, sets
             log.warning("%s.bin has no landmarks sidecar; the KP-RPE model %s is not evaluated on it", name, tag)
             metrics[f"{tag}/verification/{name}/skipped_no_landmarks"] = 1.0
             continue
-        values, curves[f"{name}: {tag}"] = _pair_metrics(emb(images, landmarks), issame, cfg.n_folds)
+        values, curves[f"{name}: {tag}"] = _pair_metrics(emb(images, landmarks), issame, cfg)
         for k, v in values.items():
             metrics[f"{tag}/verification/{name}/{k}"] = v
 
@@ -301,6 +329,51 @@ def synthetic_section(synth: dict[str, Any], metrics: dict[str, float]) -> list[
     return lines + ["", "![synthetic faces](../plots/synthetic_samples.png)"]
 
 
+def data_section(paths: Paths, bins: list[Path], metrics: dict[str, float], models: dict[str, dict]) -> list[str]:
+    """Markdown: which benchmark read which data (the user's real faces or procedural ones), and with real faces
+    ingested, each model's numbers on the held-out real identities."""
+    import json
+
+    from ml.data.dataset import read_dataset_info
+
+    def described(directory: Path) -> str:
+        if not (directory / "dataset.json").is_file():
+            return "—"
+        info = read_dataset_info(directory)
+        origin = (info.get("generator") or {}).get("ingested_from")
+        where = f" from `{origin}`" if origin else ""
+        return f"{info['source']}{where}: {info['identity_count']} identities, {info['image_count']} images"
+
+    gfd_info = paths.gfd_split.parent / "split.json"
+    gfd = json.loads(gfd_info.read_text())["dataset"] if gfd_info.is_file() else None
+    rows = [("FR training (`real`), generator, fusion", described(paths.train_set)),
+            ("identification, open set (held-out identities)", described(paths.heldout_set))]
+    for b in bins:
+        kind = {"real": "real held-out identities (never trained on)", "procedural": "procedural held-out identities"}
+        rows.append((f"verification `{b.name}`", kind.get(b.stem, f"your `.bin` from `{b.parent}`")))
+    rows += [("templates (IJB-B/C style)", "procedural: video-like sequences + stills (real folders have no sequences)"),
+             ("video probes (IJB-S style)", "procedural: long mixed-quality sequences"),
+             ("discovery (GFD split)", "—" if gfd is None else described(paths.prepared / gfd)),
+             ("aligner", "procedural unaligned crops (training needs exact landmarks)")]
+    lines = ["", "## Data: which benchmark used which faces", "", "| benchmark | data |", "|---|---|"]
+    lines += [f"| {a} | {b} |" for a, b in rows]
+    if "real" not in {b.stem for b in bins}:
+        return lines
+    fars = sorted({k.rsplit("/", 1)[1] for k in metrics if "/verification/real/tar@" in k},
+                  key=lambda f: float(f.split("=")[1]))
+    lines += ["", "## Real faces: held-out identities (never trained on)", "",
+              "| model | trained on | `real.bin` accuracy | " + " | ".join(f.replace("tar@far", "TAR@FAR") for f in fars)
+              + " | rank-1 | rank-5 |", "|---|---|---|" + "---|" * (len(fars) + 2)]
+    pct = lambda v: "—" if v is None else f"{100 * v:.2f} %"  # noqa: E731
+    for tag, config in models.items():
+        acc = metrics.get(f"{tag}/verification/real/accuracy")
+        lines.append(f"| `{tag}` | {config.get('extra', {}).get('training_data_source', '?')} | {pct(acc)} | "
+                     + " | ".join(pct(metrics.get(f"{tag}/verification/real/{f}")) for f in fars)
+                     + f" | {pct(metrics.get(f'{tag}/identification/rank1'))} | "
+                     f"{pct(metrics.get(f'{tag}/identification/rank5'))} |")
+    return lines
+
+
 def render_report(metrics: dict[str, float], models: dict[str, dict], train_metrics: dict[str, dict],
                   extra_sections: list[str] = ()) -> str:
     """``reports/benchmark.md``: the run's numbers, one row per trained model plus the pixel baselines."""
@@ -373,7 +446,7 @@ def run(cfg: EvaluateConfig, data: DataConfig, paths: Paths, *, tracker: Any = N
 
     from ml.models.io import load_model
 
-    sets = _verification_sets(paths)
+    sets = _verification_sets(paths, cfg.bin_dir)
     metrics: dict[str, float] = {}
     curves: dict[str, tuple] = {}
     models: dict[str, dict] = {}
@@ -409,7 +482,9 @@ def run(cfg: EvaluateConfig, data: DataConfig, paths: Paths, *, tracker: Any = N
     stage_json = {n: json.loads((paths.metrics / f"{n}.json").read_text()) if (paths.metrics / f"{n}.json").is_file()
                   else {} for n in ("train_aligner", "align", "synthesize")}
     write_text(paths.benchmark_report, render_report(
-        metrics, models, train_metrics, aligner_section(stage_json["train_aligner"], stage_json["align"])
+        metrics, models, train_metrics,
+        data_section(paths, verification_bins(paths, cfg.bin_dir), metrics, models)
+        + aligner_section(stage_json["train_aligner"], stage_json["align"])
         + synthetic_section(stage_json["synthesize"], metrics)))
     result = StageResult("evaluate", metrics=metrics,
                          outputs=[paths.metrics / "evaluate.json", paths.plots / "roc.png", paths.benchmark_report])

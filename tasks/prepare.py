@@ -12,7 +12,14 @@
                   quality (mated and non-mated), ``meta/face_tid_mid.txt``
 - ``unaligned/``   unaligned crops (rotation, scale, shift) with exact landmarks for the DFA aligner (``train`` /
                   ``test`` identities)
-- ``real/`` + ``verification/real.bin``  only when ``data.ingest_folder`` or ``data.ingest_recordio`` is set
+
+With real faces ingested (``data.ingest_folder`` or ``data.ingest_recordio``) their identities are split by seed
+into training, held-out and discovery identities (disjoint; ``data.real_heldout_fraction``,
+``data.real_discovery_fraction``), and the real faces take the procedural ones' places, so every stage that
+trains on faces reads them: ``train/`` holds the real training identities, ``heldout/`` + ``verification/real.bin``
+the held-out ones (never trained on), and with ``data.gfd_dataset`` ``auto`` or ``real``, ``discovery/`` the real
+discovery identities that the GFD split covers. ``verification/procedural.bin`` stays as a procedural reference; the
+template, video and unaligned sets stay procedural (real folders have no sequences and no exact landmarks).
 
 The whole directory is written to a temporary sibling and renamed on success. Its parts are independent and are
 written by as many processes as the stage has cores (same bytes whatever the count).
@@ -40,7 +47,7 @@ from tasks.common import Paths, StageResult, atomic_path, load_params, section, 
 log = logging.getLogger(__name__)
 
 
-GFD_DATASETS = ("discovery", "real")  # prepared datasets the generalized-face-discovery split can cover
+GFD_DATASETS = ("auto", "discovery", "real")  # what the generalized-face-discovery split covers (auto: real if ingested)
 
 
 @dataclass(frozen=True)
@@ -63,10 +70,14 @@ class DataConfig:
     ingest_folder: str = ""
     ingest_recordio: str = ""
     ingest_max_images: int = 0
+    ingest_resize: bool = True          # real faces of another square size are resized to image_size (False: refused)
+    ingest_max_corrupt_fraction: float = 0.01  # undecodable images skipped (logged) up to this share, then refused
+    real_heldout_fraction: float = 0.2  # share of the real identities held out: verification, identification only
+    real_discovery_fraction: float = 0.2  # share drawn for the GFD set when data.gfd_dataset resolves to real
     # generalized face discovery (FaceGCD): identities disjoint from train and held-out, and the GFD split
     discovery_identities: int = 100
     discovery_images_per_identity: int = 20
-    gfd_dataset: str = "discovery"      # which prepared dataset the GFD split covers: discovery | real
+    gfd_dataset: str = "auto"           # what the GFD split covers: discovery | real | auto (real when ingested)
     gfd_known_fraction: float = 0.5     # share of identities that are known (some of their images labelled)
     gfd_labelled_fraction: float = 0.5  # share of a known identity's training images that carry a label
     gfd_test_fraction: float = 0.1      # per identity, share of images held out for the test subset
@@ -86,6 +97,18 @@ class DataConfig:
             raise ConfigError("params key 'data.procedural.image_size'/'aligned': set 'data.image_size' instead.")
         cfg = from_mapping(ProceduralConfig, self.procedural, "data.procedural")
         return dataclasses.replace(cfg, image_size=self.image_size, aligned=aligned)
+
+    @property
+    def ingested(self) -> bool:
+        """Real faces are ingested: they replace the procedural training and held-out sets."""
+        return bool(self.ingest_folder or self.ingest_recordio)
+
+    @property
+    def gfd_source(self) -> str:
+        """The prepared dataset the GFD split covers: ``real`` (ingested discovery identities) or ``discovery``."""
+        if self.gfd_dataset == "auto":
+            return "real" if self.ingested else "discovery"
+        return self.gfd_dataset
 
     def __post_init__(self) -> None:
         checks = {
@@ -113,6 +136,9 @@ class DataConfig:
             "unaligned_test_identities": 1 <= self.unaligned_test_identities < self.unaligned_identities,
             "unaligned_size": 64 <= self.unaligned_size <= 512,
             "ingest_max_images": self.ingest_max_images >= 0,
+            "ingest_max_corrupt_fraction": 0.0 <= self.ingest_max_corrupt_fraction < 1.0,
+            "real_heldout_fraction": 0.0 < self.real_heldout_fraction < 1.0,
+            "real_discovery_fraction": 0.0 <= self.real_discovery_fraction < 1.0,
         }
         for key, ok in checks.items():
             if not ok:
@@ -223,46 +249,66 @@ def _template_set(
     return len(lines)
 
 
-def _ingest_real(out: Path, cfg: DataConfig, progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """Ingest a user image folder or RecordIO into a ``real`` dataset resized to ``data.image_size``."""
-    from PIL import Image
+def _ingest_real(out: Path, cfg: DataConfig, progress: bool = True) -> dict[str, float]:
+    """Stream the user's real faces into ``train/`` (training identities, split ``train``/``val``), ``heldout/``
+    (held-out identities, ``gallery``/``probe``) and, when the GFD split covers real faces, ``discovery/``
+    (discovery identities); then ``verification/real.bin`` over the held-out identities with ≥ 2 images."""
+    from contextlib import ExitStack
 
     from ml.data.dataset import DatasetWriter
-    from ml.data.formats import RecordIOReader, decode_image, ingest_image_folder
+    from ml.data.ingest import IngestSpec, ingest_split
 
-    size = cfg.image_size
+    spec = IngestSpec(folder=cfg.ingest_folder, recordio=cfg.ingest_recordio, image_size=cfg.image_size,
+                      resize=cfg.ingest_resize, max_images=cfg.ingest_max_images,
+                      max_corrupt_fraction=cfg.ingest_max_corrupt_fraction)
+    meta = {"ingested_from": str(Path(spec.source).resolve()), "seed": cfg.seed,
+            "heldout_fraction": cfg.real_heldout_fraction, "discovery_fraction": cfg.real_discovery_fraction}
+    groups = {"train": ("train", "real-train"), "heldout": ("heldout", "real-heldout")}
+    if cfg.gfd_source == "real":
+        groups["discovery"] = ("discovery", "real-discovery")
 
-    def resize(img: np.ndarray, source: str) -> np.ndarray:
-        if img.shape[0] != img.shape[1]:  # aligned faces are square crops: resizing would distort the face
-            raise DataError(f"{source}: image is {img.shape[0]}x{img.shape[1]} (HxW), not square; real faces are "
-                            "ingested as aligned square crops (e.g. 112x112), re-align or crop it")
-        if img.shape[:2] == (size, size):
-            return img
-        return np.asarray(Image.fromarray(img).resize((size, size), Image.BICUBIC))
+    def train_split(i: int, n: int) -> str:  # the last round(n × val_fraction) images of an identity, ≥ 1 kept
+        return "val" if i >= n - min(int(round(n * cfg.val_fraction)), n - 1) else "train"
 
-    def items():
-        if cfg.ingest_folder:
-            for path, identity in ingest_image_folder(Path(cfg.ingest_folder)):
-                yield decode_image(path.read_bytes(), source=str(path), rgb_only=True), identity, str(path)
-        else:
-            with RecordIOReader(Path(cfg.ingest_recordio), rgb_only=True) as reader:
-                for i in range(len(reader)):
-                    img, label = reader[i]
-                    yield img, f"{label:06d}", f"{reader.rec_path}: record {reader.image_keys[i]}"
+    def heldout_split(i: int, n: int) -> str:  # an identity with too few images for a probe is gallery only
+        return "gallery" if i < cfg.gallery_images_per_identity or n <= cfg.gallery_images_per_identity else "probe"
 
-    images, identities = [], []
-    source_name = cfg.ingest_folder or cfg.ingest_recordio
-    with DatasetWriter(out, name="real", source="real", aligned=True, generator={"ingested_from": source_name}) as w:
-        for n, (img, identity, where) in enumerate(tqdm(items(), desc="ingest real", unit="img", leave=False,
-                                                        disable=not progress)):
-            if cfg.ingest_max_images and n >= cfg.ingest_max_images:
-                break
-            img = resize(img, where)
-            w.add(img, identity=identity, split="real")
-            images.append(img)
-            identities.append(identity)
-    uniq = {name: k for k, name in enumerate(sorted(set(identities)))}
-    return np.stack(images), np.asarray([uniq[i] for i in identities])
+    split_of = {"train": train_split, "heldout": heldout_split, "discovery": lambda i, n: "train"}
+    with ExitStack() as stack:
+        opened = {g: stack.enter_context(DatasetWriter(out / d, name=name, source="real", aligned=True, generator=meta))
+                  for g, (d, name) in groups.items()}
+
+        def writer(group: str):
+            return lambda img, identity, i, n: opened[group].add(img, identity=identity, split=split_of[group](i, n))
+
+        stats = ingest_split(spec, {g: writer(g) for g in opened}, seed=cfg.seed,
+                             heldout_fraction=cfg.real_heldout_fraction,
+                             discovery_fraction=cfg.real_discovery_fraction, progress=progress)
+    stats["data/real_verification_pairs"] = _real_pairs_bin(out, cfg)
+    return stats
+
+
+def _real_pairs_bin(out: Path, cfg: DataConfig) -> int:
+    """``verification/real.bin`` over the held-out real identities with ≥ 2 images (single-image identities give
+    no genuine pair and are left out); only the images the pairs use are decoded."""
+    from ml.data.dataset import load_images, read_manifest
+    from ml.data.formats import write_verification_bin
+
+    manifest = read_manifest(out / "heldout" / "manifest.parquet")
+    multi = manifest[manifest.groupby("identity")["path"].transform("count") >= 2].reset_index(drop=True)
+    if multi["identity"].nunique() < 2:
+        raise DataError(f"the held-out real identities have {multi['identity'].nunique()} with ≥ 2 images: "
+                        "verification pairs need at least 2; ingest more images per identity or raise "
+                        "data.real_heldout_fraction")
+    labels = multi["label"].to_numpy()
+    pairs, issame = _sample_pairs(labels, min(cfg.verification_pairs, 20 * len(labels)),
+                                  np.random.default_rng(cfg.seed))
+    used = np.unique(pairs)
+    images = load_images(out / "heldout", multi.iloc[used])
+    position = np.searchsorted(used, pairs.reshape(-1))
+    (out / "verification").mkdir(exist_ok=True)
+    write_verification_bin(out / "verification" / "real.bin", images[position], issame, image_format="jpg")
+    return len(issame)
 
 
 def _video_set(
@@ -324,11 +370,12 @@ def _unaligned_set(out: Path, cfg: DataConfig, first_identity: int, progress: bo
 
 
 def write_gfd_split(prepared: Path, cfg: DataConfig) -> dict[str, float]:
-    """``gfd/split.parquet`` over ``prepared/<data.gfd_dataset>`` (+ ``gfd/split.json`` naming the dataset)."""
+    """``gfd/split.parquet`` over ``prepared/discovery`` (procedural, or the real discovery identities) +
+    ``gfd/split.json`` naming the dataset, its source and the counts."""
     from ml.data.dataset import read_manifest
     from ml.discovery.split import gfd_split, write_gfd_split as write_split
 
-    manifest = read_manifest(prepared / cfg.gfd_dataset / "manifest.parquet")
+    manifest = read_manifest(prepared / "discovery" / "manifest.parquet")
     split = gfd_split(manifest, seed=cfg.seed, known_fraction=cfg.gfd_known_fraction,
                       labelled_fraction=cfg.gfd_labelled_fraction, test_fraction=cfg.gfd_test_fraction)
     out = prepared / "gfd"
@@ -341,7 +388,7 @@ def write_gfd_split(prepared: Path, cfg: DataConfig) -> dict[str, float]:
         "test_images": int((split["subset"] == "test").sum()),
     }
     (out / "split.json").write_text(json.dumps({
-        "dataset": cfg.gfd_dataset, "seed": cfg.seed, "known_fraction": cfg.gfd_known_fraction,
+        "dataset": "discovery", "source": "real" if cfg.gfd_source == "real" else "procedural", "seed": cfg.seed, "known_fraction": cfg.gfd_known_fraction,
         "labelled_fraction": cfg.gfd_labelled_fraction, "test_fraction": cfg.gfd_test_fraction, **counts,
     }, indent=2) + "\n")
     return {f"data/gfd_{k}": v for k, v in counts.items()}
@@ -403,6 +450,14 @@ def _prepare_part(name: str, cfg: DataConfig, out: Path, progress: bool = True) 
     heldout_first = cfg.train_identities
     discovery_first = heldout_first + cfg.heldout_identities
     video_first = discovery_first + cfg.discovery_identities
+    if name == "heldout" and cfg.ingested:  # the held-out set is real; the procedural pairs stay as a reference
+        per = cfg.heldout_images_per_identity
+        samples = [gen.sample(ident, i) for ident in range(heldout_first, discovery_first) for i in range(per)]
+        (out / "verification").mkdir(exist_ok=True)
+        pairs = write_pairs_bin(out / "verification" / "procedural.bin", np.stack([s.image for s in samples]),
+                                np.repeat(np.arange(cfg.heldout_identities), per), cfg.verification_pairs, cfg.seed,
+                                landmarks=np.stack([s.landmarks for s in samples]))
+        return {"data/verification_pairs": pairs}
     if name == "train":
         _procedural_split(out / "train", gen, range(cfg.train_identities), cfg.images_per_identity,
                           lambda i: "train" if i < n_train_imgs else "val", name="procedural-train", progress=progress)
@@ -425,11 +480,7 @@ def _prepare_part(name: str, cfg: DataConfig, out: Path, progress: bool = True) 
                           progress=progress)
         return {}
     if name == "real":
-        images, labels = _ingest_real(out / "real", cfg, progress)
-        (out / "verification").mkdir(exist_ok=True)
-        pairs = write_pairs_bin(out / "verification" / "real.bin", images, labels,
-                                min(cfg.verification_pairs, 20 * len(labels)), cfg.seed)
-        return {"data/real_images": len(labels), "data/real_verification_pairs": pairs}
+        return _ingest_real(out, cfg, progress)
     if name == "videos":
         return _video_set(out / "videos", gen, cfg, video_first, progress)
     if name == "unaligned":
@@ -440,7 +491,10 @@ def _prepare_part(name: str, cfg: DataConfig, out: Path, progress: bool = True) 
 
 def _prepare_parts(cfg: DataConfig, out: Path, workers: int) -> dict[str, float]:
     """Every part of ``PARTS`` that the config asks for, in ``workers`` processes (in-process when 1)."""
-    parts = [p for p in PARTS if p != "real" or cfg.ingest_folder or cfg.ingest_recordio]
+    skip = {"train"} if cfg.ingested else {"real"}  # ingested real faces replace the procedural training set
+    if cfg.gfd_source == "real":
+        skip.add("discovery")
+    parts = [p for p in PARTS if p not in skip]
     workers = max(1, min(workers, len(parts)))
     metrics: dict[str, float] = {}
     if workers == 1:
@@ -475,11 +529,17 @@ def run(cfg: DataConfig, paths: Paths, *, tracker: Any = None, workers: int | No
     gen = ProceduralFaces(cfg.procedural_config(aligned=True), seed=cfg.seed)
     sample_grid(gen, cfg, paths.plots / "samples.png")
     result.outputs += [paths.prepared, paths.plots / "samples.png"]
-    result.summary = (
-        f"{cfg.train_identities} train identities × {cfg.images_per_identity} images, "
-        f"{cfg.heldout_identities} held-out identities, {result.metrics['data/verification_pairs']} verification "
-        f"pairs, {result.metrics['data/template_pairs']} template pairs → {paths.prepared}"
-    )
+    m = result.metrics
+    if cfg.ingested:
+        faces = (f"real faces from {cfg.ingest_folder or cfg.ingest_recordio}: {m['data/real_train_images']:.0f} "
+                 f"images of {m['data/real_train_identities']:.0f} training identities, "
+                 f"{m['data/real_heldout_identities']:.0f} held-out identities, "
+                 f"{m['data/real_verification_pairs']:.0f} real verification pairs "
+                 f"({m['data/real_corrupt_skipped']:.0f} undecodable images skipped)")
+    else:
+        faces = (f"{cfg.train_identities} train identities × {cfg.images_per_identity} images, "
+                 f"{cfg.heldout_identities} held-out identities, {m['data/verification_pairs']} verification pairs")
+    result.summary = f"{faces}, {m['data/template_pairs']} template pairs → {paths.prepared}"
     return result
 
 

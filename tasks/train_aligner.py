@@ -12,9 +12,9 @@ quality (``ml.data.procedural.quality_score``) on ``aligner.score_quality_faces`
 rendered unaligned faces of identities no dataset uses, with the default nuisance (``quality/score_spearman``; the
 unaligned manifest records no quality).
 
-Outside reference: on a folder of real aligned faces (``aligner.reference_faces``; the default points at the
-development checkout's ``glint24`` set) the predictions are compared with OpenCV Zoo's YuNet landmarks when YuNet
-is installed (``pip install 'faceops[reference]'``); otherwise the report says why the comparison was skipped.
+Outside reference: on a folder of real aligned faces (``aligner.reference_faces``; off by default) the predictions
+are compared with OpenCV Zoo's YuNet landmarks when YuNet is installed (``pip install 'faceops[reference]'``);
+otherwise the report says why the comparison was skipped.
 Writes ``models/aligner/``, ``metrics/train_aligner.json``; registers ``faceops-aligner`` @candidate.
 """
 

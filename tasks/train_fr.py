@@ -131,10 +131,15 @@ def run(cfg: FRConfig, data: DataConfig, paths: Paths, *, source: str = "real", 
         return StageResult(f"train_fr@{source}", outputs=[],
                            summary=f"rank {res.global_rank} done; rank 0 saves and logs the model")
 
+    from ml.data.dataset import read_dataset_info
+
+    ingested = [(read_dataset_info(d).get("generator") or {}).get("ingested_from") for d, _ in parts]
     extra = {
         "training_data_digest": digest,
         "training_source": source,
         "training_data_source": data_source,
+        # where the user's real faces came from (null for procedural and synthetic data)
+        "training_data_path": next((p for p in ingested if p), None),
         "training_identities": int(labels.max()) + 1,
         "training_images": int(len(labels)),
     }

@@ -1,8 +1,8 @@
 """Stage ``validate``: the Great Expectations gate over every manifest ``prepare`` wrote.
 
-One suite per manifest kind (``train``, ``heldout``, ``templates``, ``discovery``, ``videos``, ``unaligned``, ``real``)
-plus one for the
-generalized-face-discovery split (``gfd_split``); each expectation carries the
+One suite per manifest kind (``train``, ``heldout``, ``templates``, ``discovery``, ``videos``, ``unaligned``; the
+first two and ``discovery`` hold the user's real faces when they are ingested, with counts that are theirs, not
+params') plus one for the generalized-face-discovery split (``gfd_split``); each expectation carries the
 risk it guards against in ``meta.risk``. Results land in ``reports/validation/<dataset>.json`` and as Data Docs
 HTML in ``reports/validation/docs/index.html``. A failed expectation stops the pipeline with one message
 naming the dataset, the expectation, the column and the offending rows.
@@ -85,9 +85,12 @@ def build_expectations(
                                       meta={"risk": "labels not contiguous 0..K-1 or not one per identity: the classifier head and metrics misalign"}),
         E.ExpectColumnValuesToBeBetween(column="quality", min_value=0.0, max_value=1.0, meta={"risk": "quality outside [0,1] breaks quality-weighted fusion"}),
         E.ExpectColumnValuesToBeInSet(column="source", value_set=["procedural", "real", "synthetic"], meta={"risk": "unknown provenance"}),
-        E.ExpectColumnValuesToBeBetween(column="images_of_identity", min_value=cfg.min_images_per_identity,
-                                        meta={"risk": "identities with a single image give no genuine pairs"}),
     ]
+    # real faces: an identity with one image is kept for training (and left out of verification pairs), so the
+    # minimum applies to the procedural sets, whose counts are set by params
+    real = data.ingested and kind in ("train", "heldout") or (kind == "discovery" and data.gfd_source == "real")
+    exps.append(E.ExpectColumnValuesToBeBetween(column="images_of_identity", min_value=1 if real else cfg.min_images_per_identity,
+                                                meta={"risk": "identities with a single image give no genuine pairs"}))
     for j in range(5):
         for axis in ("x", "y"):
             exps.append(E.ExpectColumnValuesToBeBetween(
@@ -104,7 +107,7 @@ def build_expectations(
         "discovery": (data.discovery_identities, data.discovery_identities * data.discovery_images_per_identity),
         "unaligned": (data.unaligned_identities, data.unaligned_identities * data.unaligned_images_per_identity),
     }
-    if kind in expected:
+    if kind in expected and not real:  # a real set's counts are the user's, not params
         ids, rows = expected[kind]
         exps.append(E.ExpectTableRowCountToBeBetween(**_between(rows, cfg.count_tolerance),
                                                      meta={"risk": "images lost or duplicated while preparing"}))
@@ -113,11 +116,12 @@ def build_expectations(
     if kind == "train":
         expected_val = round(data.images_per_identity * data.val_fraction) / data.images_per_identity
         exps.append(E.ExpectColumnValuesToBeInSet(column="split", value_set=["train", "val"], meta={"risk": "unknown split name"}))
-        exps.append(E.ExpectColumnMeanToBeBetween(
-            column="is_val", min_value=max(expected_val - cfg.split_tolerance, 0.0),
-            max_value=min(expected_val + cfg.split_tolerance, 1.0),
-            meta={"risk": "train/val proportions drifted from data.val_fraction"},
-        ))
+        if not real:  # a real identity's val share depends on its image count
+            exps.append(E.ExpectColumnMeanToBeBetween(
+                column="is_val", min_value=max(expected_val - cfg.split_tolerance, 0.0),
+                max_value=min(expected_val + cfg.split_tolerance, 1.0),
+                meta={"risk": "train/val proportions drifted from data.val_fraction"},
+            ))
     if kind == "videos":
         exps.append(E.ExpectColumnValuesToBeInSet(column="split", value_set=["gallery", "probe"], meta={"risk": "unknown split name"}))
         exps.append(E.ExpectColumnValuesToNotBeNull(column="template", meta={"risk": "frames outside any probe or gallery"}))
@@ -273,16 +277,15 @@ def run(data: DataConfig, cfg: ValidateConfig, paths: Paths, *, tracker: Any = N
     from ml.discovery.split import read_gfd_split
 
     datasets: dict[str, tuple[str, pd.DataFrame]] = {}
-    for kind in ("train", "heldout", "templates", "discovery", "videos", "unaligned", "real"):
+    for kind in ("train", "heldout", "templates", "discovery", "videos", "unaligned"):
         directory = paths.prepared / kind
-        if kind != "real" or directory.exists():
-            manifest = read_manifest(directory / "manifest.parquet")
-            extra = [str(c) for c in manifest.columns if c not in MANIFEST_COLUMNS]
-            if extra:  # no expectation covers them, and a name like 'row' would collide with the gate's view
-                raise DataError(f"{directory / 'manifest.parquet'}: unexpected column(s) "
-                                f"{', '.join(repr(c) for c in extra)}; a prepared manifest has exactly "
-                                f"{', '.join(MANIFEST_COLUMNS)}. Rebuild it with the prepare stage")
-            datasets[kind] = (kind, manifest)
+        manifest = read_manifest(directory / "manifest.parquet")
+        extra = [str(c) for c in manifest.columns if c not in MANIFEST_COLUMNS]
+        if extra:  # no expectation covers them, and a name like 'row' would collide with the gate's view
+            raise DataError(f"{directory / 'manifest.parquet'}: unexpected column(s) "
+                            f"{', '.join(repr(c) for c in extra)}; a prepared manifest has exactly "
+                            f"{', '.join(MANIFEST_COLUMNS)}. Rebuild it with the prepare stage")
+        datasets[kind] = (kind, manifest)
     datasets["gfd_split"] = ("gfd_split", read_gfd_split(paths.gfd_split))
     result = StageResult("validate")
     with atomic_path(paths.validation_reports) as tmp:

@@ -93,34 +93,27 @@ def test_template_meta_files_match_manifest(prepared):
 
 
 def test_ingest_recordio(tmp_path):
+    """Ingested real faces take the procedural training, held-out and discovery sets' places (tests/test_ingest.py
+    covers the split and bad input)."""
     gen = ProceduralFaces(seed=3)
-    images = np.stack([gen.sample(i, j).image for i in range(3) for j in range(4)])
-    labels = np.repeat(np.arange(3), 4)
+    images = np.stack([gen.sample(i, j).image for i in range(8) for j in range(4)])
+    labels = np.repeat(np.arange(8), 4)
     rec = tmp_path / "train.rec"
     write_recordio(rec, images, labels)
-    assert len(RecordIOReader(rec)) == 12
-    cfg = dataclasses.replace(TINY, ingest_recordio=str(rec), gfd_dataset="real")
+    assert len(RecordIOReader(rec)) == 32
+    cfg = dataclasses.replace(TINY, ingest_recordio=str(rec))
     paths = Paths(tmp_path / "ws")
     result = run(cfg, paths)
-    real = read_manifest(paths.real_set / "manifest.parquet")
     from ml.discovery.split import read_gfd_split
 
-    split = read_gfd_split(paths.gfd_split)  # the GFD split covers the ingested RecordIO
-    assert set(split["path"]) == set(real["path"]) and split["known"].any() and not split["known"].all()
-    assert len(real) == 12 and real["identity"].nunique() == 3 and set(real["source"]) == {"real"}
-    assert read_dataset_info(paths.real_set)["source"] == "real"
-    assert result.metrics["data/real_images"] == 12
-    assert (paths.verification_dir / "real.bin").is_file()
-
-
-def test_ingest_real_faces_folder(glint24, tmp_path):
-    cfg = dataclasses.replace(TINY, ingest_folder=str(glint24), ingest_max_images=120)
-    paths = Paths(tmp_path / "ws")
-    run(cfg, paths)
-    real = read_manifest(paths.real_set / "manifest.parquet")
-    assert len(real) == 120 and (real["width"] == 64).all()
-    images, issame = read_verification_bin(paths.verification_dir / "real.bin")
-    assert images.shape[1:] == (64, 64, 3) and issame.any() and (~issame).any()
+    sets = {d: read_manifest(paths.prepared / d / "manifest.parquet") for d in ("train", "heldout", "discovery")}
+    assert {d: m["identity"].nunique() for d, m in sets.items()} == {"train": 4, "heldout": 2, "discovery": 2}
+    assert all(set(m["source"]) == {"real"} for m in sets.values())
+    assert read_dataset_info(paths.train_set)["source"] == "real"
+    split = read_gfd_split(paths.gfd_split)  # the GFD split covers the real discovery identities
+    assert set(split["path"]) == set(sets["discovery"]["path"]) and split["known"].any() and not split["known"].all()
+    assert result.metrics["data/real_images"] == 32 and result.metrics["data/real_train_images"] == 16
+    assert (paths.verification_dir / "real.bin").is_file() and (paths.verification_dir / "procedural.bin").is_file()
 
 
 def test_parts_in_parallel_write_the_same_bytes_as_one_process(tmp_path):

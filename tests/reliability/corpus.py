@@ -276,10 +276,11 @@ PREPARE_OUTPUTS = ("data/prepared/", "plots/samples.png")
 
 
 def _ingest_folder(ws: Workspace, bad: Mapping[str, bytes | None], *, kind: str = "cli", **data: Any) -> Invocation:
-    """An image folder of two good identities (3 RGB 64x64 PNGs each) plus ``bad`` (path → bytes; None: a
-    directory); params point ``data.ingest_folder`` at it; a prior ``data/prepared`` and sample grid exist."""
+    """An image folder of six good identities (3 RGB 64x64 PNGs each: enough to split into training, held-out and
+    discovery identities) plus ``bad`` (path → bytes; None: a directory); params point ``data.ingest_folder`` at it;
+    a prior ``data/prepared`` and sample grid exist."""
     folder = ws.inputs / "faces"
-    for k, ident in enumerate(("alice", "bob")):
+    for k, ident in enumerate(("alice", "bob", "erin", "frank", "grace", "heidi")):
         for i in range(3):
             path = folder / ident / f"{i}.png"
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -397,13 +398,15 @@ def _(ws: Workspace) -> Invocation:
 
 def _recordio(ws: Workspace, corrupt: Callable[[Path, Path, dict[int, int]], None] | None = None,
               images: list | None = None) -> Invocation:
-    """A valid InsightFace RecordIO (6 faces, 2 identities: keys 1..6 images, 7..8 identity records) under
-    ``inputs/rec/``, then ``corrupt(rec, idx, offsets)``; params point ``data.ingest_recordio`` at it."""
+    """A valid InsightFace RecordIO (14 faces, 6 identities: keys 1..6 images of the first two, 7..14 images of four
+    more, 15..20 identity records) under ``inputs/rec/``, then ``corrupt(rec, idx, offsets)``; params point
+    ``data.ingest_recordio`` at it."""
     from ml.data.formats import write_recordio
 
     rec = ws.inputs / "rec" / "train.rec"
     rec.parent.mkdir(parents=True)
-    write_recordio(rec, images or [_rgb(seed=i) for i in range(6)], [0, 0, 0, 1, 1, 1], image_format="jpg")
+    images = (images or [_rgb(seed=i) for i in range(6)]) + [_rgb(seed=100 + i) for i in range(8)]
+    write_recordio(rec, images, [0, 0, 0, 1, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5], image_format="jpg")
     idx = rec.with_suffix(".idx")
     offsets = {int(k): int(v) for k, v in (line.split("\t") for line in idx.read_text().splitlines())}
     if corrupt is not None:
