@@ -66,6 +66,12 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
         "UIFace faces/s at the embedded size (adaptive + injection, 25 DDIM steps, batch 64 identities), CPU",
         "report",
     ),
+    "ingest_recordio": (
+        "benchmarks.bench_ingest:bench_ingest_recordio",
+        "real-data ingest of a generated RecordIO (112×112 JPEG payloads → 64×64 train/held-out/discovery + real.bin): "
+        "seconds and peak RSS at 10k and 100k images",
+        "peak RSS flat from 10k to 100k",
+    ),
     "smoke_and_noop": (
         "benchmarks.bench_pipeline:bench_smoke_and_noop",
         "`faceops run --preset smoke` from nothing, then `dvc repro` with nothing changed",

@@ -1,0 +1,53 @@
+"""Ingest of a large InsightFace RecordIO: seconds and peak RSS at 10k and 100k images.
+
+Each size runs in a fresh process (its own peak RSS): a RecordIO of JPEG payloads at 112×112 (procedural faces, 20
+per identity) is written, then ``prepare``'s real-data ingest streams it into the training / held-out / discovery
+datasets at 64×64 with the real verification pairs. Streaming holds the item list, never the images, so peak RSS
+should stay flat as the set grows ten-fold.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+
+CHILD = r"""
+import json, resource, sys, time
+from pathlib import Path
+import numpy as np
+from ml.data.formats import encode_image, write_recordio
+from ml.data.procedural import ProceduralConfig, ProceduralFaces
+from tasks.prepare import DataConfig, _ingest_real
+
+n, root = int(sys.argv[1]), Path(sys.argv[2])
+gen = ProceduralFaces(ProceduralConfig(image_size=112), seed=0)
+bank = [encode_image(gen.sample(i // 4, i % 4).image, "jpg", quality=90) for i in range(400)]
+labels = np.arange(n) // 20
+write_recordio(root / "train.rec", [bank[i % len(bank)] for i in range(n)], labels)
+del bank
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+cfg = DataConfig(ingest_recordio=str(root / "train.rec"), verification_pairs=3000)
+out = root / "prepared"
+out.mkdir()
+start = time.perf_counter()
+stats = _ingest_real(out, cfg, progress=False)
+seconds = time.perf_counter() - start
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"images": int(stats["data/real_images"]), "seconds": seconds, "images_per_s": n / seconds,
+                  "peak_rss_mb": peak / 1024, "rss_before_ingest_mb": before / 1024}))
+"""
+
+
+def bench_ingest_recordio(sizes: tuple[int, ...] = (10_000, 100_000)) -> dict[str, object]:
+    """``rows``: per size, images, seconds, images/s and peak RSS of the ingesting process."""
+    rows = []
+    for n in sizes:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = subprocess.run([sys.executable, "-c", CHILD, str(n), tmp], capture_output=True, text=True,
+                                 check=True)
+            row = json.loads(out.stdout.strip().splitlines()[-1])
+            rows.append({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()})
+    growth = rows[-1]["peak_rss_mb"] - rows[0]["peak_rss_mb"] if len(rows) > 1 else 0.0
+    return {"rows": rows, "peak_rss_growth_mb": round(growth, 1)}
