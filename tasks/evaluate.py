@@ -93,12 +93,12 @@ def verification_bins(paths: Paths, bin_dir: str = "") -> list[Path]:
     return bins
 
 
-def _verification_sets(paths: Paths, bin_dir: str = "") -> list[tuple[str, np.ndarray, np.ndarray, np.ndarray | None]]:
-    """(name, images, issame, landmarks or None) for every ``.bin`` of :func:`verification_bins`."""
+def _verification_sets(bins: list[Path]) -> list[tuple[str, np.ndarray, np.ndarray, np.ndarray | None]]:
+    """(name, images, issame, landmarks or None) for every ``.bin`` of ``bins`` (:func:`verification_bins`)."""
     from ml.data.formats import read_verification_bin
 
     sets = []
-    for bin_path in verification_bins(paths, bin_dir):
+    for bin_path in bins:
         images, issame = read_verification_bin(bin_path)
         sidecar = bin_path.with_suffix(".landmarks.npy")
         landmarks = _landmarks_sidecar(sidecar, len(images)) if sidecar.is_file() else None
@@ -348,8 +348,8 @@ def data_section(paths: Paths, bins: list[Path], metrics: dict[str, float], mode
     gfd = json.loads(gfd_info.read_text())["dataset"] if gfd_info.is_file() else None
     rows = [("FR training (`real`), generator, fusion", described(paths.train_set)),
             ("identification, open set (held-out identities)", described(paths.heldout_set))]
+    kind = {"real": "real held-out identities (never trained on)", "procedural": "procedural held-out identities"}
     for b in bins:
-        kind = {"real": "real held-out identities (never trained on)", "procedural": "procedural held-out identities"}
         rows.append((f"verification `{b.name}`", kind.get(b.stem, f"your `.bin` from `{b.parent}`")))
     rows += [("templates (IJB-B/C style)", "procedural: video-like sequences + stills (real folders have no sequences)"),
              ("video probes (IJB-S style)", "procedural: long mixed-quality sequences"),
@@ -446,7 +446,8 @@ def run(cfg: EvaluateConfig, data: DataConfig, paths: Paths, *, tracker: Any = N
 
     from ml.models.io import load_model
 
-    sets = _verification_sets(paths, cfg.bin_dir)
+    bins = verification_bins(paths, cfg.bin_dir)
+    sets = _verification_sets(bins)
     metrics: dict[str, float] = {}
     curves: dict[str, tuple] = {}
     models: dict[str, dict] = {}
@@ -483,7 +484,7 @@ def run(cfg: EvaluateConfig, data: DataConfig, paths: Paths, *, tracker: Any = N
                   else {} for n in ("train_aligner", "align", "synthesize")}
     write_text(paths.benchmark_report, render_report(
         metrics, models, train_metrics,
-        data_section(paths, verification_bins(paths, cfg.bin_dir), metrics, models)
+        data_section(paths, bins, metrics, models)
         + aligner_section(stage_json["train_aligner"], stage_json["align"])
         + synthetic_section(stage_json["synthesize"], metrics)))
     result = StageResult("evaluate", metrics=metrics,

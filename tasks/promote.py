@@ -135,10 +135,10 @@ def _recognition(model_dir: Path, ctx: BenchContext) -> dict[str, float]:
     """The evaluate stage's numbers for one FR model (``tasks.evaluate.evaluate_model``), without its tag, plus the
     mean verification accuracy over every ``.bin``."""
     from ml.models.io import load_model
-    from tasks.evaluate import _verification_sets, evaluate_model
+    from tasks.evaluate import _verification_sets, evaluate_model, verification_bins
 
     model, _ = load_model(model_dir)
-    sets = _verification_sets(ctx.paths)
+    sets = _verification_sets(verification_bins(ctx.paths))
     raw, _ = evaluate_model(model, "m", ctx.evaluate, ctx.paths, sets)
     out = {k.removeprefix("m/"): float(v) for k, v in raw.items()}
     accuracies = [out[k] for k in (f"verification/{name}/accuracy" for name, *_ in sets) if k in out]

@@ -88,7 +88,7 @@ def build_expectations(
     ]
     # real faces: an identity with one image is kept for training (and left out of verification pairs), so the
     # minimum applies to the procedural sets, whose counts are set by params
-    real = data.ingested and kind in ("train", "heldout") or (kind == "discovery" and data.gfd_source == "real")
+    real = (data.ingested and kind in ("train", "heldout")) or (kind == "discovery" and data.gfd_source == "real")
     exps.append(E.ExpectColumnValuesToBeBetween(column="images_of_identity", min_value=1 if real else cfg.min_images_per_identity,
                                                 meta={"risk": "identities with a single image give no genuine pairs"}))
     for j in range(5):

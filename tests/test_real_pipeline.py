@@ -56,9 +56,12 @@ def test_smoke_run_trains_on_real_faces_and_scores_heldout_identities(real_rec, 
     assert config["training_data_source"] == "real" and config["training_data_path"] == str(real_rec)
     assert config["training_identities"] == train["identity"].nunique()
     assert config["training_images"] == int((train["split"] == "train").sum())
-    # the generator's contexts, CAFace and FaceGCD read the same real sets
-    generator = json.loads((root / "metrics/train_generator.json").read_text())
-    assert generator  # trained on the real training faces (data/prepared/train is its only face input)
+    # the generator and CAFace trained on the real training set, FaceGCD on the real discovery identities
+    digest = {d: json.loads((d / "dataset.json").read_text())["digest"] for d in (paths.train_set, paths.discovery_set)}
+    for model, dataset in (("generator", paths.train_set), ("fusion", paths.train_set),
+                           ("discovery", paths.discovery_set)):
+        config = json.loads((root / "models" / model / "config.json").read_text())
+        assert config["extra"]["training_data_digest"] == digest[dataset], model
     gfd = json.loads((paths.gfd_split.parent / "split.json").read_text())
     assert gfd["source"] == "real" and gfd["identities"] == discovery["identity"].nunique()
     metrics = json.loads((root / "metrics/evaluate.json").read_text())

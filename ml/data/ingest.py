@@ -3,8 +3,8 @@ datasets, streaming.
 
 The items (a file path or a record key, and its identity) are listed first, without decoding an image; the
 identities are split by seed into training, held-out and discovery groups (disjoint); then the images are decoded
-one at a time and written to their group's dataset. Memory holds the item list, never the images, so a
-half-million-image RecordIO ingests at a flat peak RSS.
+one at a time and written to their group's dataset. Memory holds the item list and the manifest rows (about 1.6 KB
+per image, ``benchmarks/bench_ingest.py``), never the images.
 
 Bad input: an image that does not decode is skipped with its file or record named in the log, and the ingest fails
 when more than ``max_corrupt_fraction`` of the images are skipped; a non-square face is refused (aligned faces are
@@ -145,7 +145,6 @@ def decoded(spec: IngestSpec, items: list[Item], skipped: list[str], *,
     from ml.data.formats import RecordIOReader, decode_image, unpack_irheader
 
     reader = None if spec.folder else RecordIOReader(Path(spec.recordio), rgb_only=True)
-    corrupt = skipped
     try:
         for item in tqdm(items, desc="ingest real", unit="img", leave=False, disable=not progress):
             if reader is None:
@@ -156,12 +155,12 @@ def decoded(spec: IngestSpec, items: list[Item], skipped: list[str], *,
             try:
                 image = decode_image(data, source=where, rgb_only=True)
             except DataError as exc:
-                corrupt.append(str(exc))
+                skipped.append(str(exc))
                 log.warning("skipped: %s", exc)
-                if len(corrupt) > spec.max_corrupt_fraction * len(items):
-                    raise DataError(f"{len(corrupt)} of {len(items)} images could not be ingested (above "
+                if len(skipped) > spec.max_corrupt_fraction * len(items):
+                    raise DataError(f"{len(skipped)} of {len(items)} images could not be ingested (above "
                                     f"data.ingest_max_corrupt_fraction = {spec.max_corrupt_fraction}); the first: "
-                                    f"{corrupt[0]}") from exc
+                                    f"{skipped[0]}") from exc
                 continue
             yield item, _resized(image, spec, where)
     finally:
