@@ -91,7 +91,7 @@ def run_claims(seeds: list[int], scale: Scale) -> dict:
                 res = train_discovery(cfg, data["dx"][train_mask], labels, data["labelled"][train_mask],
                                       init_model_dir=fr_dir, progress=False)
                 seconds[arm].append(time.perf_counter() - start)
-                feats[arm] = res.model.embed(data["dx"])
+                feats[arm] = res.model.embed(data["dx"], flip=True)  # the flip TTA the FR features get
             for arm, f in feats.items():
                 out = gfd_ssk(f, data["dy"], data["labelled"], data["known"], data["test"], seed=seed)
                 for key, value in out.metrics.items():

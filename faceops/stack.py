@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
+import psutil
 import typer
 
 from ml.errors import FaceopsError
@@ -134,20 +135,13 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, seconds: float 
         time.sleep(0.5)
 
 
-def _proc_stat(pid: int) -> tuple[str, str] | None:
-    """(state letter, start time in clock ticks since boot) from ``/proc/<pid>/stat``; None off Linux or if gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text.rsplit(")", 1)[1].split()  # after "pid (comm)": fields 3.. of proc(5)
-    return fields[0], fields[19]  # field 3 = state, field 22 = starttime
-
-
 def proc_start(pid: int) -> str | None:
-    """The kernel's start time of ``pid`` (Linux), recorded so a PID reused by another program is not ours."""
-    stat = _proc_stat(pid)
-    return stat[1] if stat else None
+    """The start time of ``pid`` (``psutil``: seconds since the epoch, to 10 ms), recorded so that a PID reused
+    by another program is not taken for ours; None if it is gone."""
+    try:
+        return f"{psutil.Process(pid).create_time():.2f}"
+    except (psutil.Error, OSError):
+        return None
 
 
 def pid_alive(pid: int, started: str | None = None) -> bool:
@@ -156,32 +150,23 @@ def pid_alive(pid: int, started: str | None = None) -> bool:
         if os.waitpid(pid, os.WNOHANG)[0] == pid:
             return False
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+        proc = psutil.Process(pid)
+        if proc.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            return False
+        return started is None or f"{proc.create_time():.2f}" == started
+    except psutil.AccessDenied:
         return False  # another user's process: whatever it is, it is not one we started
-    stat = _proc_stat(pid)
-    if stat is not None and (stat[0] in "ZX" or (started is not None and stat[1] != started)):
+    except (psutil.Error, OSError):
         return False
-    return True
 
 
-def _group_members(pgid: int) -> list[int] | None:
-    """Live processes in group ``pgid`` (from /proc); None where /proc is not available."""
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return None
+def _group_members(pgid: int) -> list[int]:
+    """Live processes (not zombies) in process group ``pgid``."""
     members = []
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] not in "ZX":  # field 5 = pgrp
-            members.append(int(entry.name))
+    for proc in psutil.process_iter(["status"]):
+        with contextlib.suppress(psutil.Error, OSError):
+            if proc.info["status"] not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD) and os.getpgid(proc.pid) == pgid:
+                members.append(proc.pid)
     return members
 
 
@@ -208,14 +193,7 @@ class _Target:
             return True
         if not self.group:
             return False
-        members = _group_members(self.pid)
-        if members is None:
-            try:
-                os.killpg(self.pid, 0)
-            except OSError:
-                return False
-            return True
-        return bool(members)
+        return bool(_group_members(self.pid))
 
     def send(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -329,7 +307,7 @@ class Service:
     cmd: list[str]
     log: str
     started: str  # ISO-8601 UTC
-    proc_start: str | None = None  # kernel start time of pid (Linux): tells a reused PID from ours
+    proc_start: str | None = None  # start time of pid (psutil): tells a reused PID from ours
     info: dict[str, str] = field(default_factory=dict)
 
 

@@ -1,7 +1,7 @@
 """Where a stage runs — in the pipeline's own process, or on the ``gpu`` work pool — and where to see its records.
 
-**Which stages**: ``GPU_STAGES`` (the generator and FR trainings, synthesis, fusion, discovery; ``train_fr@*`` by
-its base name). **When**: ``FACEOPS_GPU_DEPLOYMENT`` names a deployment of the ``stage`` flow below as
+**Which stages**: ``GPU_STAGES`` (the five trainings — aligner, FR, generator, fusion, discovery — and synthesis;
+``train_fr@*`` by its base name). **When**: ``FACEOPS_GPU_DEPLOYMENT`` names a deployment of the ``stage`` flow below as
 ``FLOW/DEPLOYMENT`` (prefect.yaml declares ``stage/stage-gpu`` on pool ``gpu`` and sets the variable for the
 deployments on pool ``cpu``). Unset, every stage runs in-process, as ``faceops run`` does on a laptop. It is an
 environment variable, not a params key, on purpose: where a stage runs belongs to the machines, not to the
@@ -49,7 +49,7 @@ from prefect.runtime import flow_run
 from ml.errors import ConfigError
 
 ENV_GPU_DEPLOYMENT = "FACEOPS_GPU_DEPLOYMENT"
-GPU_STAGES = frozenset({"train_generator", "train_fr", "synthesize", "train_fusion", "train_discovery"})
+GPU_STAGES = frozenset({"train_aligner", "train_generator", "train_fr", "synthesize", "train_fusion", "train_discovery"})
 STAGE_FLOW = "stage"
 RESULT_KEY = "stage-result"
 ENV_PUBLISH = "FACEOPS_PUBLISH_OUTPUTS"

@@ -1,7 +1,7 @@
 """Cleaning up after writers killed mid-write.
 
 Every atomic writer in faceops (``tasks.common.atomic_path``, ``ml.data.dataset.DatasetWriter`` and
-``write_manifest``, ``ml.models.io.write_model_dir``, ``ml.train.checkpoint.save_checkpoint``) writes to a hidden
+``write_manifest``, ``ml.models.io.write_model_dir``) writes to a hidden
 sibling ``.<name>.<pid>.<...>.tmp`` (or moves the old version aside to ``.<name>.<pid>.old``) and renames it into
 place. A SIGKILL between the two leaves that sibling behind, as large as the output (a whole dataset for
 ``prepare``) and outside anything DVC tracks or cleans; the next writer of the same target removes it when the

@@ -2,7 +2,7 @@
 
 Methods, all on the images of ``data/prepared/gfd/split.parquet`` with K = known + novel identities:
 
-- ``FaceGCD + SSK``: the discovery model's features (``models/discovery``), semi-supervised k-means;
+- ``FaceGCD + SSK``: the discovery model's features (``models/discovery``, flip TTA like the FR features), semi-supervised k-means;
 - ``FR features + SSK``: the FR model's features (flip TTA), semi-supervised k-means (the paper's ArcFace row);
 - ``k-means`` / ``agglomerative`` / ``DBSCAN`` on the FR features, no labels (best linkage / grid point chosen on
   the test labels, as the paper reports them).
@@ -57,11 +57,12 @@ def gfd_inputs(paths: Paths, data: Any) -> GFDInputs:
 
 
 def facegcd_ssk(model: Any, gfd: GFDInputs, cfg: Any, data: Any) -> tuple[np.ndarray, Any]:
-    """A FaceGCD model's features of the GFD images and semi-supervised k-means on them → (features, outcome);
+    """A FaceGCD model's features of the GFD images (flip TTA when ``evaluate.flip``, as for the FR features) and
+    semi-supervised k-means on them → (features, outcome);
     ``outcome.metrics`` are the ``discovery/facegcd/...`` numbers without that prefix."""
     from ml.discovery.protocol import gfd_ssk
 
-    features = model.embed(gfd.images, batch_size=cfg.batch_size)
+    features = model.embed(gfd.images, batch_size=cfg.batch_size, flip=cfg.flip)  # the TTA the FR features get
     return features, gfd_ssk(features, gfd.labels, gfd.labelled, gfd.known, gfd.test, n_init=cfg.ssk_n_init,
                              max_iter=cfg.ssk_max_iter, seed=data.seed, nnc_k=cfg.nnc_k)
 

@@ -30,7 +30,9 @@ import numpy as np
 from ml.config import from_mapping
 from ml.errors import ConfigError
 from ml.train.aligner import AlignerConfig
-from tasks.common import Paths, StageResult, load_params, section, stage_main, write_json, write_history_csv
+from tasks.common import (
+    Paths, StageResult, core_share_callbacks, load_params, section, stage_main, write_json, write_history_csv,
+)
 from tasks.tracking import registered_note
 
 log = logging.getLogger(__name__)
@@ -109,7 +111,7 @@ def run(cfg: AlignerStageConfig, paths: Paths, *, tracker: Any = None) -> StageR
     test_rows = manifest[manifest["split"] == "test"].reset_index(drop=True)
     x, lm = load_images(paths.unaligned_set, train_rows, progress=True), landmarks_array(train_rows)
     tx, tlm = load_images(paths.unaligned_set, test_rows, progress=True), landmarks_array(test_rows)
-    res = train_aligner(cfg.train, x, lm, val=(tx, tlm), progress=True)
+    res = train_aligner(cfg.train, x, lm, val=(tx, tlm), progress=True, callbacks=core_share_callbacks())
     info = read_dataset_info(paths.unaligned_set)
     save_aligner(paths.aligner_model, res.model, extra={"registered_name": REGISTERED_MODEL,
                                                         "training_data_digest": info["digest"],

@@ -23,7 +23,8 @@ from ml.config import from_mapping
 from ml.errors import DataError
 from ml.train.discovery import DiscoveryConfig
 from tasks.common import (
-    Paths, StageResult, load_params, section, stage_main, write_json, pyplot, save_figure, write_history_csv,
+    Paths, StageResult, core_share_callbacks, load_params, section, stage_main, write_json, pyplot, save_figure,
+    write_history_csv,
 )
 from tasks.prepare import DataConfig
 from tasks.tracking import registered_note
@@ -84,7 +85,8 @@ def run(cfg: DiscoveryConfig, data: DataConfig, paths: Paths, *, tracker: Any = 
         if not (init / "config.json").is_file():
             raise DataError(f"discovery.backbone_init is 'fr' but {init} holds no model: run `dvc repro train_fr@real` "
                             "first, or set discovery.backbone_init: random.")
-    res = train_discovery(cfg, images, labels, labelled, init_model_dir=init, progress=True)
+    res = train_discovery(cfg, images, labels, labelled, init_model_dir=init, progress=True,
+                          callbacks=core_share_callbacks())
     info = read_dataset_info(dataset)
     extra = {
         "registered_name": REGISTERED_MODEL,

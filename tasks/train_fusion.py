@@ -4,8 +4,10 @@ Features and styles (per-channel mean/std of two intermediate layers: IResNet la
 token statistics) are precomputed by the FR model ``models/fr/<fusion.fr_source>`` over the training images and
 ``fusion.augmented_copies`` augmented copies of each (the KP-RPE recipe: geometry, photometric, blur, cutout), so
 the sets mix clean and degraded faces. Identity centres (mean normalised feature) are precomputed and frozen;
-CAFace learns ``Lt + λp·Lp`` (ml/train/fusion.py). Writes ``models/fusion/``, ``metrics/train_fusion.json`` and
-the loss curve; the model is registered as ``faceops-fusion`` with alias ``candidate``.
+CAFace learns ``Lt + λp·Lp`` for ``epochs × steps_per_epoch`` steps with Lightning on ``fusion.train.accelerator``
+(ml/train/fusion.py), following the stage's share of the CPU cores. Writes ``models/fusion/``,
+``metrics/train_fusion.json`` and the loss curve; the model is registered as ``faceops-fusion`` with alias
+``candidate``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from ml.config import from_mapping
 from ml.errors import ConfigError, DataError
 from ml.train.fusion import FusionConfig
 from tasks.common import (
-    Paths, StageResult, load_params, section, stage_main, write_json, pyplot, save_figure, write_history_csv,
+    Paths, StageResult, core_share_callbacks, load_params, section, stage_main, write_json, pyplot, save_figure,
+    write_history_csv,
 )
 from tasks.prepare import DataConfig
 from tasks.tracking import registered_note
@@ -39,7 +42,9 @@ class FusionStageConfig:
 
     fr_source: str = "real"
     augmented_copies: int = 1   # augmented copies per training image, besides the image itself
-    train: FusionConfig = field(default_factory=lambda: FusionConfig(epochs=6, lr_steps=(4, 5), batch_size=64))
+    train: FusionConfig = field(
+        default_factory=lambda: FusionConfig(epochs=6, steps_per_epoch=100, lr_steps=(4, 5), batch_size=32)
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.augmented_copies, bool) or not isinstance(self.augmented_copies, int) \
@@ -114,7 +119,7 @@ def run(cfg: FusionStageConfig, data: DataConfig, paths: Paths, *, tracker: Any 
     keypoints = landmarks_array(rows) if needs_keypoints(model) else None
     feats, styles, source = augmented_features(model, images, keypoints, cfg.augmented_copies, train_cfg.seed)
     labels = rows["label"].to_numpy(np.int64)[source]
-    res = train_fusion(train_cfg, feats, styles, labels, progress=True)
+    res = train_fusion(train_cfg, feats, styles, labels, progress=True, callbacks=core_share_callbacks())
     info = read_dataset_info(paths.train_set)
     extra = {"registered_name": REGISTERED_MODEL, "fr_model": str(fr_dir.relative_to(paths.root)),
              "fr_data_digest": fr_config.get("extra", {}).get("training_data_digest", ""),

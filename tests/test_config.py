@@ -117,10 +117,11 @@ def test_apply_delta_rejects_bad_keys_without_writing(tmp_path, delta, match):
     assert list(tmp_path.iterdir()) == [params]  # no temp file left behind
 
 
-def test_smoke_preset_is_valid(tmp_path):
-    delta = load_preset("smoke", REPO)
+@pytest.mark.parametrize("name", sorted(yaml.safe_load((REPO / "presets.yaml").read_text())))
+def test_every_preset_is_valid(tmp_path, name):
+    delta = load_preset(name, REPO)
     params = tmp_path / "params.yaml"
     params.write_text((REPO / "params.yaml").read_text())
-    apply_delta(params, delta)
+    apply_delta(params, delta)  # checks every section of the result
     with pytest.raises(ConfigError, match="unknown preset 'nope'"):
         load_preset("nope", REPO)

@@ -4,6 +4,7 @@ values, a short training run, exact resume, save/load, config errors."""
 import json
 import math
 
+import lightning
 import numpy as np
 import pytest
 import torch
@@ -16,7 +17,6 @@ from ml.models.backbones.vit import ViT, vit_tiny
 from ml.models.discovery import FaceGCD, load_facegcd, save_facegcd
 from ml.models.discovery.facegcd import prefixed_block
 from ml.models.io import CONFIG, save_model
-from ml.train import discovery
 from ml.train.discovery import DiscoveryConfig, train_discovery
 from tests.conftest import separable
 
@@ -138,6 +138,10 @@ def test_embed_is_normalised_and_checks_input():
     assert np.allclose(np.linalg.norm(e, axis=1), 1.0, atol=1e-5)
     assert np.allclose(e, model.embed(images, batch_size=5), atol=1e-6)
     assert model.training  # restored
+    # flip TTA: the normalised f(x) + f(flip x), so an image and its mirror image embed alike
+    flipped = model.embed(images, flip=True)
+    assert np.allclose(flipped, model.embed(images[:, :, ::-1].copy(), flip=True), atol=1e-5)
+    assert np.allclose(np.linalg.norm(flipped, axis=1), 1.0, atol=1e-5) and not np.allclose(flipped, e, atol=1e-3)
     with pytest.raises(DataError, match="uint8"):
         model.embed(images.astype(np.float32))
     with pytest.raises(DataError, match="32, 32, 3"):
@@ -252,36 +256,58 @@ def test_short_training_lowers_the_loss(tmp_path):
     assert not result.model.training
 
 
-def test_resume_gives_the_uninterrupted_weights(tmp_path, monkeypatch):
+class StopAfter(lightning.Callback):
+    """Stops a run after ``epochs`` epochs, as a preempted job would be."""
+
+    def __init__(self, epochs: int) -> None:
+        self.epochs = epochs
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.current_epoch + 1 >= self.epochs:
+            trainer.should_stop = True
+
+
+def test_resume_gives_the_uninterrupted_weights(tmp_path):
     images, labels = separable(k=4, per_class=8, size=32, seed=1)
     mask = labels < 2
     fr = _fr_dir(tmp_path)
     cfg = _cfg(epochs=2, learn_base_prefix=False)  # random base prefix: the model's own RNG must resume too
     full = train_discovery(cfg, images, labels, mask, init_model_dir=fr, checkpoint_dir=tmp_path / "a",
                            progress=False)
-
-    class Stop(Exception):
-        pass
-
-    save = discovery.save_checkpoint
-
-    def save_then_stop(path, state):
-        save(path, state)
-        raise Stop
-
-    monkeypatch.setattr(discovery, "save_checkpoint", save_then_stop)
-    with pytest.raises(Stop):
-        train_discovery(cfg, images, labels, mask, init_model_dir=fr, checkpoint_dir=tmp_path / "b", progress=False)
-    monkeypatch.setattr(discovery, "save_checkpoint", save)
+    first = train_discovery(cfg, images, labels, mask, init_model_dir=fr, checkpoint_dir=tmp_path / "b",
+                            callbacks=[StopAfter(1)], progress=False)
+    assert [h["epoch"] for h in first.history] == [0]
     resumed = train_discovery(cfg, images, labels, mask, init_model_dir=fr, checkpoint_dir=tmp_path / "b",
                               resume=True, progress=False)
     a, b = full.model.state_dict(), resumed.model.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [h["epoch"] for h in resumed.history] == [0, 1]  # the history travels in the checkpoint
     assert [h["loss"] for h in resumed.history] == [h["loss"] for h in full.history]
-    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["last.pt"]  # no temporary files left
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["last.ckpt"]  # no temporary files left
     with pytest.raises(ConfigError, match="lr"):
         train_discovery(_cfg(epochs=2, learn_base_prefix=False, lr=1e-4), images, labels, mask, init_model_dir=fr,
                         checkpoint_dir=tmp_path / "b", resume=True, progress=False)
+    with pytest.raises(DataError, match="other images"):
+        train_discovery(cfg, images[::-1].copy(), labels[::-1].copy(), mask[::-1].copy(), init_model_dir=fr,
+                        checkpoint_dir=tmp_path / "b", resume=True, progress=False)
+    with pytest.raises(ConfigError, match="resume=True"):
+        train_discovery(cfg, images, labels, mask, init_model_dir=fr, checkpoint_dir=tmp_path / "b", progress=False)
+
+
+def test_device_settings_are_honoured_or_refused(tmp_path):
+    images, labels = separable(k=4, per_class=8, size=32, seed=2)
+    mask = labels < 2
+    result = train_discovery(_cfg(epochs=1, accelerator="cpu", precision="bf16-mixed"), images, labels, mask,
+                             init_model_dir=_fr_dir(tmp_path), progress=False)
+    assert math.isfinite(result.history[0]["loss"]) and result.history[0]["seconds"] > 0
+    assert next(result.model.parameters()).device.type == "cpu"
+    with pytest.raises(ConfigError, match="discovery.precision '16-mixed' needs a GPU"):
+        train_discovery(_cfg(epochs=1, accelerator="cpu", precision="16-mixed"), images, labels, mask,
+                        init_model_dir=_fr_dir(tmp_path), progress=False)
+    with pytest.raises(ConfigError, match="discovery.devices"):
+        _cfg(devices=2)
+    with pytest.raises(ConfigError, match="discovery.accelerator"):
+        _cfg(accelerator="tpu9")
 
 
 @pytest.mark.parametrize(

@@ -21,13 +21,14 @@ Differences from the reference
 
 from __future__ import annotations
 
-import math
 import os
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
+from scipy.stats import spearmanr
+from sklearn.metrics import roc_auc_score
 
 from ml.errors import DataError
 
@@ -112,39 +113,23 @@ def _scores(x: np.ndarray, name: str) -> np.ndarray:
     return x
 
 
-def _ranks(x: np.ndarray) -> np.ndarray:
-    """1-based ranks of ``x``, ties given their average rank."""
-    order = np.argsort(x, kind="stable")
-    sorted_x = x[order]
-    first = np.r_[True, sorted_x[1:] != sorted_x[:-1]]
-    group = np.cumsum(first) - 1
-    starts = np.flatnonzero(first)
-    ends = np.r_[starts[1:], x.size]
-    ranks = np.empty(x.size, dtype=np.float64)
-    ranks[order] = (0.5 * (starts + ends + 1))[group]  # mean of the 1-based positions start+1 … end
-    return ranks
-
-
 def score_auc(positive: np.ndarray, negative: np.ndarray) -> float:
-    """ROC AUC of a score with ``positive`` (e.g. face crops) above ``negative`` (non-face crops).
-
-    ``AUC = P(s⁺ > s⁻) + ½ P(s⁺ = s⁻)`` over all pairs, from the ranks of the pooled scores (Mann–Whitney U):
-    ``(R⁺ − n⁺(n⁺ + 1)/2) / (n⁺ n⁻)`` with ``R⁺`` the sum of the positives' ranks (ties averaged).
-    """
+    """ROC AUC of a score with ``positive`` (e.g. face crops) above ``negative`` (non-face crops):
+    ``P(s⁺ > s⁻) + ½ P(s⁺ = s⁻)`` over all pairs (``sklearn.metrics.roc_auc_score``)."""
     pos, neg = _scores(positive, "positive"), _scores(negative, "negative")
-    ranks = _ranks(np.concatenate([pos, neg]))
-    n_pos = pos.size
-    return float((ranks[:n_pos].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * neg.size))
+    labels = np.r_[np.ones(pos.size), np.zeros(neg.size)]
+    return float(roc_auc_score(labels, np.concatenate([pos, neg])))
 
 
 def spearman(a: np.ndarray, b: np.ndarray) -> float:
-    """Spearman's rank correlation: Pearson's r of the (tie-averaged) ranks; NaN if either is constant."""
+    """Spearman's rank correlation (Pearson's r of the tie-averaged ranks, ``scipy.stats.spearmanr``); NaN if either
+    is constant."""
     a, b = _scores(a, "a"), _scores(b, "b")
     if a.shape != b.shape:
         raise DataError(f"spearman needs two arrays of the same length, got {a.shape} and {b.shape}")
-    ra, rb = _ranks(a) - (a.size + 1) / 2.0, _ranks(b) - (b.size + 1) / 2.0
-    denom = math.sqrt(float((ra * ra).sum() * (rb * rb).sum()))
-    return float((ra * rb).sum() / denom) if denom > 0 else float("nan")
+    if np.ptp(a) == 0 or np.ptp(b) == 0:
+        return float("nan")
+    return float(spearmanr(a, b).statistic)
 
 
 def plot_ced(curves: Mapping[str, np.ndarray], path: str | os.PathLike, max_error: float = 0.2) -> Path:

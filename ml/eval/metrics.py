@@ -56,6 +56,7 @@ from fractions import Fraction
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
+from sklearn.metrics import roc_curve as sk_roc_curve
 
 from ml.errors import ConfigError, DataError
 
@@ -297,25 +298,16 @@ def tar_at_far(
 def _full_roc(
     scores: np.ndarray, labels: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """Exact ROC at every distinct score, accepting iff score >= threshold; starts at (0, 0, +inf).
+    """Exact ROC at every distinct score, accepting iff score >= threshold; starts at (0, 0, +inf)
+    (``sklearn.metrics.roc_curve`` without dropping collinear points).
 
     Returns (fpr, tpr, thresholds, n_impostor).
     """
     genuine, impostor = _split_scores(scores, labels)
-    sorted_scores = np.concatenate([genuine, impostor])
-    is_genuine = np.zeros(sorted_scores.size, dtype=np.int64)
-    is_genuine[: genuine.size] = 1
-    order = np.argsort(sorted_scores, kind="stable")[::-1]  # decreasing score
-    sorted_scores = sorted_scores[order]
-    # last position of each run of equal scores: a threshold accepts the whole run
-    last = np.flatnonzero(np.diff(sorted_scores) != 0)
-    last = np.append(last, sorted_scores.size - 1)
-    tps = np.cumsum(is_genuine[order])[last]
-    fps = (last + 1) - tps
-    fpr = np.concatenate([[0.0], fps / impostor.size])
-    tpr = np.concatenate([[0.0], tps / genuine.size])
-    thresholds = np.concatenate([[np.inf], sorted_scores[last].astype(np.float64)])
-    return fpr, tpr, thresholds, impostor.size
+    truth = np.r_[np.ones(genuine.size, dtype=np.int8), np.zeros(impostor.size, dtype=np.int8)]
+    fpr, tpr, thresholds = sk_roc_curve(truth, np.concatenate([genuine, impostor]).astype(np.float64),
+                                        drop_intermediate=False)
+    return fpr, tpr, thresholds.astype(np.float64), impostor.size
 
 
 def roc_curve(

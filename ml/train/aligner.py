@@ -23,24 +23,26 @@ the frame, faces under an opaque cover), and one epoch still passes over every f
 with ``L_anchor`` RetinaFace's classification loss — cross-entropy on the per-anchor logits, positives the
 anchors over a face, negatives the hardest ``negative_ratio``× as many background anchors per crop (all
 anchors of non-face crops, anchors far from the face in face crops) — and ``L_pool`` a BCE of the pooled
-score (faces 1, non-faces 0) that leaves the pooling weights to the landmark loss;
-``λ_a = score_loss_weight``, ``λ_p = pooled_score_loss_weight``. The
-non-face crops, ``render_nonface(seed, j, H)`` for ``j < steps/epoch × per batch``, are rendered once per
-run at the training crops' height ``H`` and resized with them (so resampling cannot tell them apart), a
-function of the seed and the data size, not of the process; each epoch reshuffles them by (seed, epoch)
-and augments them with the faces, so a resumed run sees the same batches. ``nonface_fraction: 0`` trains
-on faces only, as the paper does, and leaves the score untrained.
+score (faces 1, non-faces 0) that leaves the pooling weights to the landmark loss; ``λ_a = score_loss_weight``,
+``λ_p = pooled_score_loss_weight``. The non-face crops, ``render_nonface(seed, j, H)`` for ``j < steps/epoch ×
+per batch``, are rendered once per run at the training crops' height ``H`` and resized with them (so resampling
+cannot tell them apart), a function of the seed and the data size, not of the process; each epoch reshuffles
+them by (seed, epoch) and augments them with the faces. ``nonface_fraction: 0`` trains on faces only, as the
+paper does, and leaves the score untrained.
 
 Augmentation (``cfg.augment``) runs on each batch tensor through ``ml.train.augment.augment_kprpe``:
 horizontal flip with the left/right landmark swap, scale/shift/rotation jitter as one resample with the
-landmarks pushed through exactly, brightness/contrast/saturation and blur. Its random numbers come from a
-generator seeded by (seed, global step), data order from (seed, epoch), so a run stopped after any epoch
-and resumed from ``last.pt`` ends with the same weights as an uninterrupted one.
+landmarks pushed through exactly, brightness/contrast/saturation and blur.
+
+Training runs with Lightning (``ml.train.callbacks.fit``) on the accelerator, device and precision that
+``aligner.accelerator`` / ``devices`` / ``precision`` name ("16-mixed" is refused on the CPU; "bf16-mixed" runs
+everywhere). Each batch is a function of (seed, epoch, step) (``EpochBatches``: faces in the (seed, epoch)
+order, non-face crops in their own (seed, epoch) order), the augmentation draws from a generator seeded by
+(seed, global step), and weights, optimiser, schedule and history are in ``last.ckpt``, so a run stopped after
+any epoch and resumed from it ends with the same weights as an uninterrupted one.
 
 Differences from the reference
 ------------------------------
-- A plain torch loop instead of Lightning (``ml.train.fr``): the model is small, runs on one device, and
-  the loop stays short; checkpoints are written atomically (temporary file + ``os.replace``).
 - The paper trains 750 epochs at batch 320 on WiderFace crops at 160 px; the embedded default trains on
   procedural faces at 96 px for CPU speed (``input_size: 160`` restores the paper's size).
 - The paper says "smooth L2"; we use smooth L1 (its reference [56], Fast R-CNN) with ``β`` in crop units.
@@ -62,43 +64,40 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import lightning
 import numpy as np
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
-from ml.errors import ConfigError, DataError, TrainingError
 from ml.data.procedural import render_nonfaces
+from ml.errors import ConfigError, DataError, TrainingError
 from ml.eval.alignment import auc_at, failure_rate, nme, score_auc, spearman
 from ml.models.aligner.dfa import DFA, DFAConfig, normalise, resize_images, to_normalised, to_pixels
 from ml.train.augment import AugmentConfig, augment_kprpe
-from ml.train.checkpoint import resume_path, save_checkpoint
+from ml.train.callbacks import (
+    EpochBatches, EpochHistory, OnEpochEnd, check_device, check_device_keys, fit, last_good_checkpoint,
+)
+from ml.train.checkpoint import mix_seed, read_checkpoint, resume_path
+from ml.train.schedules import lambda_schedule, warmup_cosine
 
-__all__ = [
-    "AlignerConfig",
-    "AlignerResult",
-    "HELDOUT_NONFACE_START",
-    "LAST_CHECKPOINT",
-    "evaluate_aligner",
-    "hard_negatives",
-    "near_anchors",
-    "nonface_crops",
-    "score_losses",
-    "train_aligner",
-]
+__all__ = ["AlignerConfig", "AlignerModule", "AlignerResult", "HELDOUT_NONFACE_START", "LAST_CHECKPOINT",
+           "evaluate_aligner", "hard_negatives", "near_anchors", "nonface_crops", "score_losses", "train_aligner"]
 
 log = logging.getLogger(__name__)
 
-LAST_CHECKPOINT = "last.pt"
-CHECKPOINT_KIND = "faceops_aligner"
+LAST_CHECKPOINT = "last.ckpt"
+CHECKPOINT_KIND = "faceops_aligner"  # run description in every checkpoint, checked before resuming
 HELDOUT_NONFACE_START = 1 << 32  # non-face indices from here on are never used for training
 FAR_PAD = 0.5  # face crops: anchors centred outside the landmark box grown by this (per side) are background
 _ARCH_KEYS = ("input_size", "width", "fpn_channels", "context", "mixer_dim", "mixer_depth",
@@ -139,6 +138,9 @@ class AlignerConfig:
     photometric_prob: float = 0.3  # each of brightness, contrast, saturation (0.7–1.3)
     blur_prob: float = 0.1
     num_threads: int = 0  # torch intra-op threads during training; 0 = leave torch's setting
+    accelerator: str = "auto"  # | "cpu" | "gpu" | "cuda" | "mps"
+    devices: int = 1  # one device: the model and its data are small
+    precision: str = "32-true"  # | "bf16-mixed" | "16-mixed" (GPU only)
 
     def __post_init__(self) -> None:
         checks = {
@@ -166,6 +168,7 @@ class AlignerConfig:
         for key, ok in checks.items():
             if not ok:
                 raise ConfigError(f"aligner.{key} = {getattr(self, key)!r} is out of range")
+        check_device_keys("aligner", self.accelerator, self.devices, self.precision)
         self.model_config()  # architecture keys are checked by DFAConfig, named aligner.<key>
 
     @property
@@ -180,19 +183,12 @@ class AlignerConfig:
     def augment_config(self) -> AugmentConfig:
         """The ``augment_kprpe`` recipe for these settings (no cutout: it would hide landmarks)."""
         return AugmentConfig(
-            flip_prob=self.flip_prob,
-            scale_prob=0.5 if self.scale_jitter > 0 else 0.0,
+            flip_prob=self.flip_prob, scale_prob=0.5 if self.scale_jitter > 0 else 0.0,
             scale_range=(1.0 - self.scale_jitter, 1.0 + self.scale_jitter),
-            translate_prob=0.5 if self.shift_jitter > 0 else 0.0,
-            max_translate=self.shift_jitter,
-            rotate_prob=0.5 if self.rotate_deg > 0 else 0.0,
-            max_rotate_deg=self.rotate_deg,
-            padding_mode="border",
-            brightness_prob=self.photometric_prob,
-            contrast_prob=self.photometric_prob,
-            saturation_prob=self.photometric_prob,
-            blur_prob=self.blur_prob,
-            cutout_prob=0.0,
+            translate_prob=0.5 if self.shift_jitter > 0 else 0.0, max_translate=self.shift_jitter,
+            rotate_prob=0.5 if self.rotate_deg > 0 else 0.0, max_rotate_deg=self.rotate_deg, padding_mode="border",
+            brightness_prob=self.photometric_prob, contrast_prob=self.photometric_prob,
+            saturation_prob=self.photometric_prob, blur_prob=self.blur_prob, cutout_prob=0.0,
         )
 
 
@@ -201,11 +197,11 @@ class AlignerResult:
     model: DFA  # eval mode
     history: list[dict]  # per epoch: epoch, train/loss, train/nme, and val/* when val data were given
     seconds: float
-    checkpoint: Path | None = None  # last.pt when a checkpoint_dir was given
+    checkpoint: Path | None = None  # last.ckpt when a checkpoint_dir was given
 
 
 # --------------------------------------------------------------------------------------------------
-# Inputs
+# Inputs, batches, the pre-resume check
 
 
 def _check_images(images: np.ndarray, what: str) -> None:
@@ -221,27 +217,21 @@ def _check_landmarks(landmarks: np.ndarray, images: np.ndarray, what: str) -> np
     n, h, w = images.shape[:3]
     landmarks = np.asarray(landmarks, dtype=np.float32)
     if landmarks.shape != (n, 5, 2):
-        raise DataError(
-            f"{what} must have shape ({n}, 5, 2) (pixel x, y per image, ArcFace order), got {landmarks.shape}"
-        )
+        raise DataError(f"{what} must have shape ({n}, 5, 2) (pixel x, y per image, ArcFace order), got "
+                        f"{landmarks.shape}")
     bad = np.flatnonzero(~np.isfinite(landmarks).all(axis=(1, 2)))
     if bad.size:
-        raise DataError(
-            f"{what}: {bad.size} of {n} faces have NaN/inf landmarks (e.g. rows {bad[:5].tolist()}); "
-            "drop those faces before training"
-        )
+        raise DataError(f"{what}: {bad.size} of {n} faces have NaN/inf landmarks (e.g. rows {bad[:5].tolist()}); "
+                        "drop those faces before training")
     if n and max(h, w) >= 16 and np.abs(landmarks).max() <= 1.5:
-        raise DataError(
-            f"{what} all lie within 1.5 px of the origin of {h}×{w} images: they look normalised to [0, 1]; "
-            "pass pixel coordinates (x = u·W − 0.5)"
-        )
+        raise DataError(f"{what} all lie within 1.5 px of the origin of {h}×{w} images: they look normalised to "
+                        "[0, 1]; pass pixel coordinates (x = u·W − 0.5)")
     x, y = landmarks[..., 0], landmarks[..., 1]
     outside = np.flatnonzero(((x < -0.5) | (x > w - 0.5) | (y < -0.5) | (y > h - 0.5)).any(axis=1))
     if outside.size:
-        raise DataError(
-            f"{what}: {outside.size} of {n} faces have landmarks outside the {h}×{w} image (e.g. rows "
-            f"{outside[:5].tolist()}); crop the faces with padding so all 5 points are inside, or drop them"
-        )
+        raise DataError(f"{what}: {outside.size} of {n} faces have landmarks outside the {h}×{w} image (e.g. "
+                        f"rows {outside[:5].tolist()}); crop the faces with padding so all 5 points are inside, or "
+                        "drop them")
     return landmarks
 
 
@@ -256,51 +246,51 @@ def _prepare(images: np.ndarray, landmarks: np.ndarray, size: int) -> tuple[torc
     return x.contiguous(), torch.from_numpy(to_normalised(landmarks, w, h))
 
 
-# --------------------------------------------------------------------------------------------------
-# Schedule, seeds, checkpoints
+class _Batches(Dataset):
+    """Whole training batches keyed by ``(epoch, step)``: ``faces_per_batch`` faces in the (seed, epoch) order,
+    then ``nonfaces_per_batch`` non-face crops in the (seed, 11, epoch) order → (uint8 crops (B, 3, S, S),
+    normalised landmarks (B, 5, 2); the non-faces get a placeholder that is never a target)."""
+
+    def __init__(self, faces: torch.Tensor, landmarks: torch.Tensor, negatives: torch.Tensor, faces_per_batch: int,
+                 nonfaces_per_batch: int, seed: int) -> None:
+        self.faces, self.landmarks, self.negatives = faces, landmarks, negatives
+        self.per_batch, self.n_neg, self.seed = faces_per_batch, nonfaces_per_batch, seed
+        self.placeholder = torch.full((nonfaces_per_batch, 5, 2), 0.5)
+        self._orders: tuple[int, torch.Tensor, torch.Tensor] | None = None
+
+    def orders(self, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._orders is None or self._orders[0] != epoch:
+            faces = np.random.default_rng([self.seed, epoch]).permutation(len(self.faces))
+            negatives = np.random.default_rng([self.seed, 11, epoch]).permutation(len(self.negatives))
+            self._orders = (epoch, torch.from_numpy(faces), torch.from_numpy(negatives))
+        return self._orders[1], self._orders[2]
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        epoch, i = key
+        order, neg_order = self.orders(epoch)
+        idx = order[i * self.per_batch : (i + 1) * self.per_batch]
+        x, y = self.faces[idx], self.landmarks[idx]
+        if self.n_neg:
+            x = torch.cat([x, self.negatives[neg_order[i * self.n_neg : (i + 1) * self.n_neg]]])
+            y = torch.cat([y, self.placeholder])
+        return x, y
 
 
-def _warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
-    """LR factor: linear warmup ``(step + 1)/warmup`` then ``½(1 + cos(π·progress))`` down to 0."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
-def _step_seed(seed: int, step: int) -> int:
-    return int(np.random.SeedSequence([seed, 7, step]).generate_state(1)[0])
-
-
-def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    decay = [p for p in model.parameters() if p.ndim > 1]
-    rest = [p for p in model.parameters() if p.ndim <= 1]  # norms and biases: no decay
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
-
-
-def _load_checkpoint(path: Path, cfg: AlignerConfig, n: int) -> dict[str, Any]:
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # unreadable, truncated or not a torch file
-        raise ConfigError(f"cannot read checkpoint {path}: {exc}; remove it or pass resume=False") from exc
-    if not isinstance(ckpt, dict) or ckpt.get("kind") != CHECKPOINT_KIND:
-        raise ConfigError(f"{path} is not a faceops aligner checkpoint; remove it or pass resume=False")
-    saved = ckpt["config"]
-    arch = {k: (saved.get(k), getattr(cfg, k)) for k in _ARCH_KEYS if saved.get(k) != getattr(cfg, k)}
+def _check_checkpoint(path: Path, info: dict[str, Any]) -> None:
+    """Before fitting: the checkpoint must hold this architecture, trained on as many images; other changed
+    settings are logged."""
+    _, meta = read_checkpoint(path, CHECKPOINT_KIND, "aligner")
+    saved, now = meta.get("config", {}), info["config"]
+    arch = {k: (saved.get(k), now[k]) for k in _ARCH_KEYS if saved.get(k) != now[k]}
     if arch:
-        raise ConfigError(
-            f"checkpoint {path} was trained with another architecture (checkpoint → now: {arch}); resume with the "
-            "same aligner settings or use another checkpoint_dir"
-        )
-    if ckpt["num_images"] != n:
-        raise DataError(
-            f"checkpoint {path} was trained on {ckpt['num_images']} images, these are {n}; resume on the same "
-            "training set or use another checkpoint_dir"
-        )
-    changed = {k: (v, getattr(cfg, k, None)) for k, v in saved.items() if getattr(cfg, k, None) != v}
+        raise ConfigError(f"checkpoint {path} was trained with another architecture (checkpoint → now: {arch}); "
+                          "resume with the same aligner settings or use another checkpoint_dir")
+    if meta.get("num_images") != info["num_images"]:
+        raise DataError(f"checkpoint {path} was trained on {meta.get('num_images')} images, these are "
+                        f"{info['num_images']}; resume on the same training set or use another checkpoint_dir")
+    changed = {k: (v, now.get(k)) for k, v in saved.items() if now.get(k) != v}
     if changed:
         log.warning("resuming %s with changed settings (checkpoint → now): %s", path, changed)
-    return ckpt
 
 
 # --------------------------------------------------------------------------------------------------
@@ -442,6 +432,75 @@ def _loss(out: dict[str, torch.Tensor], target: torch.Tensor, priors: torch.Tens
     return loss
 
 
+class AlignerModule(lightning.LightningModule):
+    """The DFA, its losses on batches of ``faces_per_batch`` faces followed by non-face crops, AdamW and the
+    per-step warmup + cosine schedule; ``val = (images, landmarks_px)`` adds ``val/*`` to each epoch's row."""
+
+    def __init__(self, model: DFA, cfg: AlignerConfig, steps_per_epoch: int, faces_per_batch: int,
+                 val: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        super().__init__()
+        self.model, self.cfg, self.val = model, cfg, val
+        self.steps_per_epoch, self.faces_per_batch = steps_per_epoch, faces_per_batch
+        self.augmentation = cfg.augment_config()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # The model's own randomness as a function of the step, for exact resume.
+        torch.manual_seed(mix_seed(self.cfg.seed, self.global_step, 1))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        images, y = batch  # uint8 (B, 3, S, S), normalised landmarks (B, 5, 2): faces first, then non-faces
+        cfg, b, size = self.cfg, self.faces_per_batch, self.cfg.input_size
+        x = images.float() / 255.0
+        if cfg.augment:  # draws from a CPU generator seeded by (seed, global step); float32 under any precision
+            gen = torch.Generator().manual_seed(mix_seed(cfg.seed, self.global_step, 0))
+            with torch.autocast(self.device.type, enabled=False):
+                x, kp = augment_kprpe(x, to_pixels(y, size, size), self.augmentation, gen)
+            y = to_normalised(kp, size, size)
+        out = {k: v.float() for k, v in self.model(normalise(x * 255.0)).items()}
+        face_out = {k: v[:b] for k, v in out.items()}
+        loss = _loss(face_out, y[:b], self.model.priors, cfg)
+        if len(x) > b:  # non-face crops: the score losses, logged unweighted
+            face = torch.arange(len(x), device=x.device) < b
+            anchor_ce, pooled_bce = score_losses(out, y, face, self.model.priors, cfg.anchor_radius, cfg.negative_ratio)
+            loss = loss + cfg.score_loss_weight * anchor_ce + cfg.pooled_score_loss_weight * pooled_bce
+            self.log("train/score_loss", (anchor_ce + pooled_bce).detach(), on_step=False, on_epoch=True, batch_size=b)
+        if not bool(torch.isfinite(loss)):
+            self._stop_non_finite(float(loss.detach()), batch_idx)
+        with torch.no_grad():  # inter-pupil NME of the batch's faces in crop units
+            yf = y[:b]
+            err = (face_out["landmarks"] - yf).norm(dim=-1).mean(dim=1)
+            err = err / (yf[:, 0] - yf[:, 1]).norm(dim=-1).clamp_min(1e-6)
+        self.log("train/loss", loss.detach(), on_step=False, on_epoch=True, prog_bar=True, batch_size=b)
+        self.log("train/nme", err.mean(), on_step=False, on_epoch=True, prog_bar=True, batch_size=b)
+        return loss
+
+    def _stop_non_finite(self, value: float, batch_idx: int) -> None:
+        ckpt = last_good_checkpoint(self._trainer)
+        where = (f"The last good checkpoint is {ckpt} (train_aligner(..., resume=True) continues from it)" if ckpt
+                 else "No checkpoint was saved (pass checkpoint_dir to train_aligner() to keep one per epoch)")
+        raise TrainingError(
+            f"aligner loss became {value} at global step {self.global_step} (epoch {self.current_epoch}, batch "
+            f"{batch_idx}); training stopped before that step's update. {where}. Lower aligner.lr, set "
+            "aligner.grad_clip > 0 or check the data."
+        )
+
+    def epoch_summary(self) -> dict[str, float]:
+        """``val/*`` of the validation crops (``EpochHistory`` adds them to the epoch's row)."""
+        if self.val is None:
+            return {}
+        summary = evaluate_aligner(self.model, self.val[0], self.val[1])
+        return {f"val/{k}": v for k, v in summary.items() if k != "nmes"}
+
+    def configure_optimizers(self) -> Any:
+        decay = [p for p in self.model.parameters() if p.ndim > 1]
+        rest = [p for p in self.model.parameters() if p.ndim <= 1]  # norms and biases: no decay
+        groups = [{"params": decay, "weight_decay": self.cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW(groups, lr=self.cfg.lr)
+        total = self.steps_per_epoch * self.cfg.epochs
+        warmup = min(total, round(self.cfg.warmup_epochs * self.steps_per_epoch))
+        return lambda_schedule(optimizer, partial(warmup_cosine, warmup_steps=warmup, total_steps=total))
+
+
 def train_aligner(
     cfg: AlignerConfig,
     images: np.ndarray,
@@ -452,6 +511,7 @@ def train_aligner(
     resume: bool = False,
     progress: bool = True,
     on_epoch_end: Callable[[dict], None] | None = None,
+    callbacks: Sequence[Callback] = (),
 ) -> AlignerResult:
     """Fit a DFA on uint8 RGB face crops ``images`` (N, H, W, 3) with pixel landmarks (N, 5, 2).
 
@@ -461,17 +521,18 @@ def train_aligner(
     epoch's history row; with non-face crops in the batches (``cfg.nonface_fraction > 0``) the row also has
     ``train/score_loss`` (unweighted ``L_anchor + L_pool``).
 
-    With ``checkpoint_dir`` a ``last.pt`` (weights, optimiser, schedule, history) is written atomically
-    after every epoch; an existing one is an error unless ``resume``, which continues from it after
-    checking the architecture and the number of images. ``on_epoch_end(row)`` runs after the checkpoint
-    (e.g. to log metrics). A NaN/inf loss raises ``TrainingError`` naming the step.
+    With ``checkpoint_dir`` a ``last.ckpt`` (weights, optimiser, schedule, history) is written after every
+    epoch; an existing one is an error unless ``resume``, which continues from it after checking the
+    architecture and the number of images. ``on_epoch_end(row)`` runs after the checkpoint (e.g. to log
+    metrics); ``callbacks`` are extra Lightning callbacks. A NaN/inf loss raises ``TrainingError`` naming the
+    step. The model comes back in eval mode on the CPU.
     """
     start = time.perf_counter()
     if not isinstance(cfg, AlignerConfig):
         raise ConfigError(f"train_aligner needs an AlignerConfig, got {type(cfg).__name__}")
     _check_images(images, "training images")
     landmarks_px = _check_landmarks(landmarks_px, images, "training landmarks")
-    n = images.shape[0]
+    n, size = images.shape[0], cfg.input_size
     if n < 2:
         raise DataError(f"training needs at least 2 images, got {n}")
     if val is not None:
@@ -479,130 +540,43 @@ def train_aligner(
             raise DataError("val must be a tuple (images, landmarks_px)")
         _check_images(val[0], "validation images")
         val = (val[0], _check_landmarks(val[1], val[0], "validation landmarks"))
+    check_device("aligner", cfg.accelerator, cfg.precision)
     ckpt_path = resume_path(checkpoint_dir, resume, LAST_CHECKPOINT, "train_aligner")
+    info = {"config": dataclasses.asdict(cfg), "num_images": n}
+    if ckpt_path is not None:
+        _check_checkpoint(ckpt_path, info)
+    n_neg = cfg.nonfaces_per_batch  # non-face crops per batch, after the faces
+    batch_size = min(cfg.batch_size - n_neg, n)  # faces per batch
+    steps_per_epoch = n // batch_size  # drop_last: a batch of 1 would break BatchNorm
     threads = torch.get_num_threads()
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     try:
-        return _fit(cfg, images, landmarks_px, val, checkpoint_dir, ckpt_path, progress, on_epoch_end, start)
+        torch.manual_seed(cfg.seed)
+        model = DFA(cfg.model_config())
+        log.info("training DFA (%d anchors at %d², %d params) on %d faces + %d non-face crops per batch: %d "
+                 "steps/epoch × %d epochs%s", model.num_anchors, size, sum(p.numel() for p in model.parameters()), n,
+                 n_neg, steps_per_epoch, cfg.epochs, f", resuming {ckpt_path}" if ckpt_path else "")
+        x_all, y_all = _prepare(images, landmarks_px, size)  # uint8 (N, 3, S, S), float (N, 5, 2) in [0, 1]
+        # One epoch's worth of non-face crops at the faces' size, resized like them, rendered once per run
+        neg_images = nonface_crops(cfg.seed, 0, steps_per_epoch * n_neg, images.shape[1], progress)
+        negatives, _ = _prepare(neg_images, np.zeros((len(neg_images), 5, 2), np.float32), size)
+        loader = DataLoader(_Batches(x_all, y_all, negatives, batch_size, n_neg, cfg.seed), batch_size=None,
+                            sampler=EpochBatches(steps_per_epoch))
+        module = AlignerModule(model, cfg, steps_per_epoch, batch_size, val)
+        history = EpochHistory(("train/loss", "train/nme", "train/score_loss"))
+
+        def report(row: dict) -> None:
+            rounded = {k: round(v, 5) for k, v in row.items() if k != "epoch"}
+            log.info("epoch %d: %s (%.0f s)", row["epoch"], rounded, time.perf_counter() - start)
+
+        after = [OnEpochEnd(history, fn) for fn in (report, on_epoch_end) if fn is not None]
+        fitted = fit(
+            module, loader, section="aligner", epochs=cfg.epochs, steps_per_epoch=steps_per_epoch, history=history,
+            accelerator=cfg.accelerator, devices=cfg.devices, precision=cfg.precision, grad_clip=cfg.grad_clip,
+            run_info=(CHECKPOINT_KIND, info), checkpoint_dir=checkpoint_dir, last_checkpoint=LAST_CHECKPOINT,
+            ckpt_path=ckpt_path, callbacks=callbacks, after_checkpoint=after, progress=progress,
+        )
     finally:
         torch.set_num_threads(threads)
-
-
-def _fit(
-    cfg: AlignerConfig,
-    images: np.ndarray,
-    landmarks_px: np.ndarray,
-    val: tuple[np.ndarray, np.ndarray] | None,
-    checkpoint_dir: str | os.PathLike | None,
-    ckpt_path: Path | None,
-    progress: bool,
-    on_epoch_end: Callable[[dict], None] | None,
-    start: float,
-) -> AlignerResult:
-    n, size = images.shape[0], cfg.input_size
-    torch.manual_seed(cfg.seed)
-    model = DFA(cfg.model_config())
-    x_all, y_all = _prepare(images, landmarks_px, size)  # uint8 (N, 3, S, S), float (N, 5, 2) in [0, 1]
-    n_neg = cfg.nonfaces_per_batch  # non-face crops per batch, after the faces
-    batch_size = min(cfg.batch_size - n_neg, n)  # faces per batch
-    steps_per_epoch = n // batch_size  # drop_last: a batch of 1 would break BatchNorm
-    total = steps_per_epoch * cfg.epochs
-    warmup = min(total, round(cfg.warmup_epochs * steps_per_epoch))
-    optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: _warmup_cosine(step, warmup, total)
-    )
-    history: list[dict] = []
-    first_epoch = 0
-    if ckpt_path is not None:
-        ckpt = _load_checkpoint(ckpt_path, cfg, n)
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        schedule.load_state_dict(ckpt["schedule"])
-        history = [dict(r) for r in ckpt["history"]]
-        first_epoch = int(ckpt["epoch"]) + 1
-        log.info("resuming %s after epoch %d", ckpt_path, first_epoch - 1)
-    aug_cfg = cfg.augment_config()
-    last = Path(checkpoint_dir) / LAST_CHECKPOINT if checkpoint_dir is not None else None
-    log.info(
-        "training DFA (%d anchors at %d², %d params) on %d faces + %d non-face crops per batch: %d steps/epoch × "
-        "%d epochs", model.num_anchors, size, sum(p.numel() for p in model.parameters()), n, n_neg, steps_per_epoch,
-        cfg.epochs,
-    )
-    # One epoch's worth of non-face crops at the faces' size, resized like them; reshuffled and re-augmented each epoch
-    neg_images = nonface_crops(cfg.seed, 0, steps_per_epoch * n_neg, images.shape[1], progress)
-    negatives, _ = _prepare(neg_images, np.zeros((len(neg_images), 5, 2), np.float32), size)
-    placeholder = torch.full((n_neg, 5, 2), 0.5)  # non-face "landmarks": augmented along, never a target
-    for epoch in range(first_epoch, cfg.epochs):
-        model.train()
-        order = torch.from_numpy(np.random.default_rng([cfg.seed, epoch]).permutation(n))
-        neg_order = torch.from_numpy(np.random.default_rng([cfg.seed, 11, epoch]).permutation(len(negatives)))
-        loss_sum = nme_sum = score_sum = 0.0
-        bar = tqdm(range(steps_per_epoch), desc=f"aligner epoch {epoch}", unit="step", disable=not progress,
-                   leave=False)
-        for i in bar:
-            step = epoch * steps_per_epoch + i
-            idx = order[i * batch_size : (i + 1) * batch_size]
-            x = x_all[idx].float() / 255.0  # (B, 3, S, S) in [0, 1]
-            y = y_all[idx]  # (B, 5, 2) normalised
-            if n_neg:
-                x = torch.cat([x, negatives[neg_order[i * n_neg : (i + 1) * n_neg]].float() / 255.0])
-                y = torch.cat([y, placeholder])
-            if cfg.augment:
-                gen = torch.Generator().manual_seed(_step_seed(cfg.seed, step))
-                x, kp = augment_kprpe(x, to_pixels(y, size, size), aug_cfg, gen)
-                y = to_normalised(kp, size, size)
-            out = model(normalise(x * 255.0))
-            face_out = {k: v[:batch_size] for k, v in out.items()} if n_neg else out
-            loss = _loss(face_out, y[:batch_size], model.priors, cfg)
-            if n_neg:
-                face = torch.arange(len(x)) < batch_size
-                anchor_ce, pooled_bce = score_losses(out, y, face, model.priors, cfg.anchor_radius, cfg.negative_ratio)
-                loss = loss + cfg.score_loss_weight * anchor_ce + cfg.pooled_score_loss_weight * pooled_bce
-                score_sum += float(anchor_ce.detach()) + float(pooled_bce.detach())
-            if not torch.isfinite(loss):
-                raise TrainingError(
-                    f"aligner loss became {loss.item()} at epoch {epoch}, step {step}; last good checkpoint: "
-                    f"{last if last is not None and last.is_file() else 'none'}. Lower aligner.lr or check the data"
-                )
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            optimizer.step()
-            schedule.step()
-            with torch.no_grad():  # inter-pupil NME of the batch's faces in crop units
-                yf = y[:batch_size]
-                err = (face_out["landmarks"] - yf).norm(dim=-1).mean(dim=1)
-                err = err / (yf[:, 0] - yf[:, 1]).norm(dim=-1).clamp_min(1e-6)
-            loss_sum += loss.item()
-            nme_sum += float(err.mean())
-            bar.set_postfix(loss=f"{loss_sum / (i + 1):.4f}", nme=f"{nme_sum / (i + 1):.4f}", refresh=False)
-        bar.close()
-        row: dict[str, Any] = {"epoch": epoch, "train/loss": loss_sum / max(1, steps_per_epoch),
-                               "train/nme": nme_sum / max(1, steps_per_epoch)}
-        if n_neg:  # unweighted anchor CE + pooled BCE
-            row["train/score_loss"] = score_sum / max(1, steps_per_epoch)
-        if val is not None:
-            summary = evaluate_aligner(model, val[0], val[1])
-            row.update({f"val/{k}": v for k, v in summary.items() if k != "nmes"})
-        history.append(row)
-        if last is not None:
-            save_checkpoint(last, {
-                "kind": CHECKPOINT_KIND,
-                "config": dataclasses.asdict(cfg),
-                "num_images": n,
-                "epoch": epoch,
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "schedule": schedule.state_dict(),
-                "history": history,
-            })
-        log.info("epoch %d: %s (%.0f s)", epoch, {k: round(v, 5) for k, v in row.items()},
-                 time.perf_counter() - start)
-        if on_epoch_end is not None:
-            on_epoch_end(dict(row))
-    model.eval()
-    checkpoint = last if last is not None and last.is_file() else None
-    return AlignerResult(model, history, time.perf_counter() - start, checkpoint)
+    return AlignerResult(module.model.cpu().eval(), fitted.history, time.perf_counter() - start, fitted.checkpoint)

@@ -1,19 +1,27 @@
-"""What the Lightning trainers (FR, UIFace generator) share: per-epoch history that survives a resume, the run
-description written into every checkpoint, the refusal of device settings the machine cannot run, and following
-a share of the CPU cores that changes while training runs."""
+"""What the five Lightning trainers (FR, UIFace generator, DFA aligner, CAFace fusion, FaceGCD discovery) share:
+``fit`` (one ``lightning.Trainer`` set up the same way for all, with the per-epoch ``last.ckpt`` and exact resume),
+per-epoch history that survives a resume, the run description written into every checkpoint, the refusal of
+device settings the machine cannot run, a sampler of whole batches keyed by (epoch, step), and following a share
+of the CPU cores that changes while training runs."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import lightning
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, Checkpoint, ModelCheckpoint
+from torch.utils.data import DataLoader, Sampler
 
 from ml.errors import ConfigError
+from ml.train.fr_config import PRECISIONS
+
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 
 
 def check_device(section: str, accelerator: str, precision: str) -> None:
@@ -29,6 +37,30 @@ def check_device(section: str, accelerator: str, precision: str) -> None:
             f"{section}.precision '16-mixed' needs a GPU, but {section}.accelerator {accelerator!r} runs on the CPU "
             "here; use 'bf16-mixed' (bfloat16 autocast works on the CPU) or '32-true'"
         )
+
+
+def check_device_keys(section: str, accelerator: Any, devices: Any, precision: Any, max_devices: int | None = 1) -> None:
+    """Config-time check of a trainer's ``accelerator`` / ``devices`` / ``precision`` keys (values, not the machine:
+    ``check_device`` does that when training starts). ``max_devices`` None allows any number (DDP)."""
+    if accelerator not in ACCELERATORS:
+        raise ConfigError(f"{section}.accelerator {accelerator!r} is not one of {list(ACCELERATORS)}")
+    if precision not in PRECISIONS:
+        raise ConfigError(f"{section}.precision {precision!r} is not one of {list(PRECISIONS)}")
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ConfigError(f"{section}.devices = {devices!r}: need an integer ≥ 1")
+    if max_devices is not None and devices > max_devices:
+        raise ConfigError(
+            f"{section}.devices = {devices}: this trainer runs on one device (its model and data fit one GPU); "
+            "only fr.devices spreads training over several with DDP"
+        )
+
+
+def rng_devices(accelerator: str) -> list[int]:
+    """The CUDA devices whose random state a training on ``accelerator`` may reseed (for ``torch.random.fork_rng``,
+    so that the caller's state is left as it was)."""
+    if accelerator == "cpu" or not torch.cuda.is_available():
+        return []
+    return list(range(torch.cuda.device_count()))
 
 
 def last_good_checkpoint(trainer: lightning.Trainer | None) -> str | None:
@@ -72,12 +104,18 @@ class FollowCoreShare(Callback):
 
 
 class EpochHistory(Callback):
-    """Epoch means of ``keys`` from ``trainer.callback_metrics`` (``epoch`` counts from 0, as Lightning does); the
-    rows travel in the checkpoint, so a resumed run's history starts at epoch 0."""
+    """Epoch means of ``keys`` from ``trainer.callback_metrics`` (``epoch`` counts from 0, as Lightning does), plus
+    what the module's ``epoch_summary()`` returns when it has one (e.g. validation numbers) and, with ``timed``,
+    the epoch's ``seconds``; the rows travel in the checkpoint, so a resumed run's history starts at epoch 0."""
 
-    def __init__(self, keys: Sequence[str]) -> None:
+    def __init__(self, keys: Sequence[str], timed: bool = False) -> None:
         self.keys = tuple(keys)
+        self.timed = timed
         self.rows: list[dict] = []
+        self._started = time.perf_counter()
+
+    def on_train_epoch_start(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule) -> None:
+        self._started = time.perf_counter()
 
     def on_train_epoch_end(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule) -> None:
         metrics = trainer.callback_metrics
@@ -85,6 +123,11 @@ class EpochHistory(Callback):
         for key in self.keys:
             if key in metrics:
                 row[key] = float(metrics[key])
+        summary = getattr(pl_module, "epoch_summary", None)
+        if callable(summary):
+            row.update(summary())
+        if self.timed:
+            row["seconds"] = time.perf_counter() - self._started
         self.rows.append(row)
 
     def state_dict(self) -> dict[str, Any]:
@@ -119,3 +162,126 @@ def trainer_callbacks(own: Sequence[Callback], checkpoint_dir: Path | str | None
         ))
     callbacks += list(extra)
     return callbacks, any(isinstance(c, ModelCheckpoint) for c in callbacks)
+
+
+class OnEpochEnd(Callback):
+    """Calls ``fn(row)`` with a copy of ``history``'s newest row after every epoch, e.g. to log metrics as training
+    goes (pass it to ``fit`` as ``after_checkpoint`` to run it once the epoch's checkpoint is written)."""
+
+    def __init__(self, history: EpochHistory, fn: Callable[[dict], None]) -> None:
+        self.history, self.fn = history, fn
+
+    def on_train_epoch_end(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule) -> None:
+        if self.history.rows:
+            self.fn(dict(self.history.rows[-1]))
+
+
+class EpochBatches(Sampler[tuple[int, int]]):
+    """Yields the keys ``(epoch, step)`` of one epoch's ``steps`` batches, for a dataset whose ``__getitem__``
+    builds a whole batch as a function of (seed, epoch, step) (use ``DataLoader(dataset, batch_size=None,
+    sampler=EpochBatches(steps))``). Lightning sets the epoch, so a resumed run sees the batches an uninterrupted
+    one would, however the batch is drawn (identities, set lengths, non-face crops)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps, self.epoch = int(steps), 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        # A generator: the epoch is read when the first key is drawn. Lightning makes the first epoch's iterator
+        # before it calls set_epoch, so reading it here already would replay epoch 0 after a resume.
+        for i in range(self.steps):
+            yield self.epoch, i
+
+
+class _AfterCheckpoint(Checkpoint):
+    """Runs ``inner``'s ``on_train_epoch_end`` after the epoch's checkpoint: Lightning calls the ordinary callbacks'
+    epoch-end hooks, then the module's, then the checkpoint callbacks' in their order, so this one, being a
+    ``Checkpoint`` placed after ``ModelCheckpoint``, comes after the file is written."""
+
+    def __init__(self, inner: Callback) -> None:
+        self.inner = inner
+
+    def on_train_epoch_end(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule) -> None:
+        self.inner.on_train_epoch_end(trainer, pl_module)
+
+
+@dataclass
+class Fitted:
+    """What ``fit`` returns: the trainer (ranks, paths), the per-epoch history and the ``last`` checkpoint."""
+
+    trainer: lightning.Trainer
+    history: list[dict]
+    checkpoint: Path | None
+    seconds: float
+
+
+def fit(
+    module: lightning.LightningModule,
+    loader: DataLoader,
+    *,
+    section: str,
+    epochs: int,
+    steps_per_epoch: int,
+    history: EpochHistory,
+    accelerator: str = "auto",
+    devices: int = 1,
+    precision: str = "32-true",
+    num_nodes: int = 1,
+    strategy: Any = "auto",
+    max_steps: int = -1,
+    grad_clip: float = 0.0,
+    run_info: tuple[str, dict[str, Any]] | None = None,
+    checkpoint_dir: Path | str | None = None,
+    last_checkpoint: str = "last.ckpt",
+    ckpt_path: Path | None = None,
+    callbacks: Sequence[Callback] = (),
+    after_checkpoint: Sequence[Callback] = (),
+    loggers: Any = None,
+    progress: bool = True,
+) -> Fitted:
+    """Fit ``module`` on ``loader`` for ``epochs`` with one ``lightning.Trainer`` set up as every faceops trainer
+    is: the device settings of params ``<section>.*`` (refused up front where the machine cannot run them), gradient
+    clipping at ``grad_clip`` (0 = off), ``history`` and the run description ``run_info = (key, info)`` first, then
+    the per-epoch ``checkpoint_dir/last_checkpoint`` when a directory is given, the caller's ``callbacks``, and
+    last the epoch-end hooks of ``after_checkpoint``, which run once that epoch's checkpoint is written. ``ckpt_path`` resumes: the weights, optimiser, schedule, epoch and global step come
+    back, and data keyed by (seed, epoch, step) make the result equal an uninterrupted run's."""
+    start = time.perf_counter()
+    check_device(section, accelerator, precision)
+    own: list[Callback] = [history]
+    if run_info is not None:
+        own.append(RunInfo(*run_info))
+    after = [_AfterCheckpoint(c) for c in after_checkpoint] if checkpoint_dir is not None else list(after_checkpoint)
+    all_callbacks, checkpointing = trainer_callbacks(own, checkpoint_dir, last_checkpoint, [*after, *callbacks])
+    trainer = lightning.Trainer(
+        max_epochs=epochs,
+        max_steps=max_steps,
+        accelerator=accelerator,
+        devices=devices,
+        num_nodes=num_nodes,
+        strategy=strategy,
+        precision=precision,
+        gradient_clip_val=grad_clip if grad_clip > 0 else None,
+        logger=loggers if loggers else False,
+        callbacks=all_callbacks,
+        enable_checkpointing=checkpointing,
+        enable_progress_bar=progress,
+        enable_model_summary=False,
+        log_every_n_steps=max(1, min(50, steps_per_epoch)),
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,  # the samplers order (and split) the data themselves
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        warnings.filterwarnings("ignore", message=".*treespec, LeafSpec.*")  # lightning 2.6 vs torch 2.13, harmless
+        warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")  # frozen parts (FaceGCD) by design
+        if ckpt_path is not None:  # resuming into the directory is the point
+            warnings.filterwarnings("ignore", message=".*exists and is not empty.*")
+        trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
+    last = Path(checkpoint_dir) / last_checkpoint if checkpoint_dir is not None else None
+    return Fitted(trainer, history.rows, last if last is not None and last.is_file() else None,
+                  time.perf_counter() - start)

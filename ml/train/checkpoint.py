@@ -1,34 +1,39 @@
-"""Checkpoint files shared by the plain-torch trainers (aligner, fusion, discovery) and the FR trainer's resume rule."""
+"""The resume rule every trainer follows (``resume_path``), reading a checkpoint's run description before resuming
+(``read_checkpoint``), and the seeds derived from (seed, epoch, step) that make a resumed run exact (``mix_seed``)."""
 
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ml.errors import ConfigError
-from ml.atomic import remove_dead_temporaries
 
 log = logging.getLogger(__name__)
 
 
-def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    """``torch.save`` to a temporary sibling, then ``os.replace``: a crash never leaves a truncated checkpoint.
-    The temporary's name carries this process's id, so the next save removes one a killed writer left behind."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_dead_temporaries(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
+def mix_seed(*values: int) -> int:
+    """A well-spread 63-bit seed from integers, e.g. (seed, epoch) or (seed, step, rank, stream)."""
+    words = [int(v) % 2**63 for v in values]
+    return int(np.random.SeedSequence(words).generate_state(1, dtype=np.uint64)[0] % 2**63)
+
+
+def read_checkpoint(path: Path, key: str, what: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(checkpoint, its run description under ``key``) of a Lightning checkpoint written by the ``what`` trainer;
+    a ConfigError that says what to do when it is unreadable or another trainer's."""
     try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(state, fh)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # unreadable, truncated or not a torch file
+        raise ConfigError(f"cannot read checkpoint {path}: {exc}; remove it or pass resume=False") from exc
+    meta = ckpt.get(key) if isinstance(ckpt, dict) else None
+    if meta is None or "state_dict" not in ckpt:
+        raise ConfigError(
+            f"{path} is not a faceops {what} checkpoint (no {key!r} entry); remove it or pass resume=False"
+        )
+    return ckpt, meta
 
 
 def resume_path(checkpoint_dir: Path | str | None, resume: bool, filename: str, who: str) -> Path | None:

@@ -4,17 +4,18 @@
 initialised from the pipeline's FR model (``backbone_init: fr``) or at random, draws two augmented views of every
 image in a batch, and minimises ``(1 − λ)·L_u(all) + λ·L_s(labelled)`` (``ml.losses.contrastive``) on the
 projection head's output with AdamW over the trainable parameters only (hypernetwork, base prefixes, last block,
-projection head), a per-step linear warmup and cosine decay to 0. A plain torch loop: one process, no DDP.
+projection head), a per-step linear warmup and cosine decay to 0. It runs as a Lightning fit
+(``ml.train.callbacks.fit``) on the device ``discovery.accelerator`` / ``precision`` name; one device, no DDP.
 
 Views: ``ml.train.augment.augment_kprpe`` without landmarks, with contrastive-strength defaults
 (``DISCOVERY_AUGMENTATION``: flip, zoom 0.85–1.2, shift, small rotation, colour jitter, blur, cutout), drawn
 independently for the two views.
 
 Exact resume: batch order depends only on (seed, epoch); the views and the model's own randomness (a random base
-prefix, stochastic depth in the last block) are reseeded from (seed, global step) before every step, inside
-``torch.random.fork_rng`` so the caller's RNG is untouched. ``checkpoint_dir/last.pt`` (weights, optimiser,
-history, config, data digest) is written atomically after every epoch; ``resume=True`` continues from it and ends
-with the same weights as an uninterrupted run of the same config on the same data.
+prefix, stochastic depth in the last block) are reseeded from (seed, global step) before every step.
+``checkpoint_dir/last.ckpt`` (weights, optimiser, schedule, history, config, data digest) is written after every
+epoch; ``resume=True`` continues from it and ends with the same weights as an uninterrupted run of the same config
+on the same data (the device keys may change between the two).
 
 Differences from the reference (FaceGCD App. A.2, GCD's ``contrastive_training.py``):
 
@@ -32,16 +33,18 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import math
 import os
-import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import lightning
 import numpy as np
 import torch
-from tqdm.auto import tqdm
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader, TensorDataset
 
 from ml.errors import ConfigError, DataError, TrainingError
 from ml.losses.contrastive import gcd_loss_terms
@@ -50,11 +53,15 @@ from ml.models.backbones.vit import ViT
 from ml.models.discovery.facegcd import FaceGCD
 from ml.models.io import load_model
 from ml.train.augment import AugmentConfig, augment_kprpe
-from ml.train.checkpoint import save_checkpoint
+from ml.train.callbacks import EpochHistory, check_device_keys, fit, last_good_checkpoint, rng_devices
+from ml.train.checkpoint import mix_seed, read_checkpoint, resume_path
+from ml.train.fr_data import EpochSampler
+from ml.train.schedules import lambda_schedule, warmup_cosine
 
 __all__ = [
     "DISCOVERY_AUGMENTATION",
     "DiscoveryConfig",
+    "DiscoveryModule",
     "DiscoveryResult",
     "build_facegcd",
     "train_discovery",
@@ -68,8 +75,9 @@ BACKBONE_INITS = ("fr", "random")
 def plain_vits() -> tuple[str, ...]:
     """Registry names that build a plain ``ViT`` (what FaceGCD wraps): the builders of ``ml.models.backbones.vit``."""
     return tuple(name for name, build in BACKBONES.items() if getattr(build, "__module__", None) == ViT.__module__)
-LAST_CHECKPOINT = "last.pt"
-CHECKPOINT_FORMAT = 1
+LAST_CHECKPOINT = "last.ckpt"
+CHECKPOINT_KEY = "faceops_discovery"  # run description stored in every checkpoint, checked before resuming
+DEVICE_KEYS = ("accelerator", "devices", "precision")  # may change on resume
 
 
 def _discovery_augmentation() -> AugmentConfig:
@@ -110,6 +118,9 @@ class DiscoveryConfig:
     grad_clip: float = 0.0  # max gradient norm; 0 = off
     augment: bool = True
     augmentation: AugmentConfig = field(default_factory=_discovery_augmentation)
+    accelerator: str = "auto"  # | "cpu" | "gpu"
+    devices: int = 1
+    precision: str = "32-true"  # | "16-mixed" (GPU only) | "bf16-mixed"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -148,6 +159,7 @@ class DiscoveryConfig:
                 "discovery.learn_base_prefix false (random base prefix) needs the hypernetwork; with "
                 "discovery.static_prefix true there is no base prefix: set learn_base_prefix true"
             )
+        check_device_keys("discovery", self.accelerator, self.devices, self.precision)
         if not isinstance(self.augmentation, AugmentConfig):
             raise ConfigError(
                 f"discovery.augmentation must be an AugmentConfig, got {type(self.augmentation).__name__}"
@@ -162,24 +174,12 @@ class DiscoveryConfig:
 
 @dataclass
 class DiscoveryResult:
-    """The trained model (eval mode) and one dict per epoch: epoch, loss, loss/unsup, loss/sup, lr, seconds."""
+    """The trained model (eval mode, on the CPU) and one dict per epoch: epoch (from 0), loss, loss/unsup, loss/sup,
+    lr (of the epoch's last step), seconds."""
 
     model: FaceGCD
     history: list[dict[str, float]]
-
-
-def _mix_seed(*values: int) -> int:
-    """A well-spread 63-bit seed from integers, e.g. (seed, epoch) or (seed, step, stream)."""
-    words = [int(v) % 2**63 for v in values]
-    return int(np.random.SeedSequence(words).generate_state(1, dtype=np.uint64)[0] % 2**63)
-
-
-def _lr_factor(step: int, warmup: int, total: int) -> float:
-    """Linear from 1/warmup to 1 over ``warmup`` steps, then ``½(1 + cos(π·progress))`` down to 0 at ``total``."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+    checkpoint: Path | None = None  # last.ckpt when a checkpoint_dir was given
 
 
 def _check_data(images: Any, labels: Any, labelled_mask: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -259,6 +259,64 @@ def _views(model: FaceGCD, x: torch.Tensor, cfg: DiscoveryConfig, gen: torch.Gen
     return model.normalize(torch.cat([v1, v2]))
 
 
+class DiscoveryModule(lightning.LightningModule):
+    """FaceGCD under GCD's loss: two views per image, ``(1 − λ)·L_u + λ·L_s``, AdamW with warmup + cosine per step."""
+
+    def __init__(self, model: FaceGCD, cfg: DiscoveryConfig, steps_per_epoch: int) -> None:
+        super().__init__()
+        self.model = model
+        self.cfg = cfg
+        self.steps_per_epoch = steps_per_epoch
+        self._view_generator: torch.Generator | None = None  # made on first use
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # the model's own randomness (random base prefix, stochastic depth) as a function of the step
+        torch.manual_seed(mix_seed(self.cfg.seed, self.global_step, 1))
+
+    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
+        x, labels, labelled = batch  # uint8 (B, 3, S, S), int64 (B,), bool (B,)
+        if self._view_generator is None:
+            self._view_generator = torch.Generator()
+        gen = self._view_generator.manual_seed(mix_seed(self.cfg.seed, self.global_step, 2))
+        _, z = self.model(_views(self.model, x, self.cfg, gen))  # (2B, proj_dim)
+        z1, z2 = z.chunk(2)
+        terms = gcd_loss_terms(z1, z2, labels, labelled, self.cfg.sup_weight, self.cfg.temperature,
+                               self.cfg.sup_temperature)
+        loss = terms["loss"]
+        if not bool(torch.isfinite(loss)):
+            ckpt = last_good_checkpoint(self._trainer)
+            raise TrainingError(
+                f"discovery loss became {float(loss.detach())} at global step {self.global_step} (epoch "
+                f"{self.current_epoch}); the last good checkpoint is {ckpt or 'none'}. Lower discovery.lr or raise "
+                "discovery.temperature"
+            )
+        b = x.shape[0]
+        for key, name in (("loss", "loss"), ("unsup", "loss/unsup"), ("sup", "loss/sup")):
+            self.log(name, terms[key].detach(), on_step=False, on_epoch=True, prog_bar=key == "loss", batch_size=b)
+        self.log("lr", self.optimizers().param_groups[0]["lr"], on_step=True, on_epoch=False, batch_size=b)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        total = self.cfg.epochs * self.steps_per_epoch
+        warmup = round(self.cfg.warmup_epochs * self.steps_per_epoch)
+        return lambda_schedule(_optimizer(self.model, self.cfg),
+                               partial(warmup_cosine, warmup_steps=warmup, total_steps=total))
+
+
+def _check_checkpoint(path: Path, info: dict[str, Any]) -> None:
+    """Before resuming: the checkpoint must come from the same settings (device keys aside) and the same data."""
+    _, meta = read_checkpoint(path, CHECKPOINT_KEY, "discovery")
+    old, now = meta.get("config") or {}, info["config"]
+    diff = sorted(k for k in set(old) | set(now) if k not in DEVICE_KEYS and old.get(k) != now.get(k))
+    if diff:
+        raise ConfigError(
+            f"{path} was written with other discovery settings ({', '.join(diff)}); resume with the same config or "
+            "start a new run without resume"
+        )
+    if meta.get("data_digest") != info["data_digest"]:
+        raise DataError(f"{path} was trained on other images/labels; resume on the same data or start afresh")
+
+
 def train_discovery(
     cfg: DiscoveryConfig,
     images: np.ndarray,
@@ -269,100 +327,38 @@ def train_discovery(
     checkpoint_dir: str | os.PathLike | None = None,
     resume: bool = False,
     progress: bool = True,
+    callbacks: Sequence[Callback] = (),
 ) -> DiscoveryResult:
     """Fit FaceGCD on uint8 RGB ``images`` (N, S, S, 3); ``labels`` (N,) are read where ``labelled_mask`` (N,) is true.
 
-    ``init_model_dir``: the FR model for ``backbone_init: fr``. ``checkpoint_dir``: where ``last.pt`` is written after
-    every epoch; with ``resume`` the run continues from it (a missing checkpoint starts afresh).
+    ``init_model_dir``: the FR model for ``backbone_init: fr``. ``checkpoint_dir``: where ``last.ckpt`` is written
+    after every epoch (an existing one is an error unless ``resume``); with ``resume`` the run continues from it
+    (a missing checkpoint starts afresh). ``callbacks``: extra Lightning callbacks (e.g. the core share).
     """
     x_all, y_all, m_all = _check_data(images, labels, labelled_mask)
     n, size = len(x_all), x_all.shape[-1]
+    ckpt_path = resume_path(checkpoint_dir, resume, LAST_CHECKPOINT, "train_discovery")
+    info = {"config": dataclasses.asdict(cfg), "data_digest": _digest(x_all, y_all, m_all)}
+    if ckpt_path is not None:
+        _check_checkpoint(ckpt_path, info)
     model = build_facegcd(cfg, size, init_model_dir)
-    optimizer = _optimizer(model, cfg)
     batch = min(cfg.batch_size, n)
     steps_per_epoch = n // batch  # drop the last partial batch
-    total = cfg.epochs * steps_per_epoch
-    warmup = round(cfg.warmup_epochs * steps_per_epoch)
-    digest = _digest(x_all, y_all, m_all)
-    config_dict = dataclasses.asdict(cfg)
-    history: list[dict[str, float]] = []
-    start_epoch = 0
-
-    ckpt_path = Path(checkpoint_dir) / LAST_CHECKPOINT if checkpoint_dir is not None else None
-    if resume and ckpt_path is None:
-        raise ConfigError("train_discovery: resume=True needs a checkpoint_dir to resume from")
-    if resume and ckpt_path is not None and ckpt_path.is_file():
-        state = torch.load(ckpt_path, map_location="cpu", weights_only=True)
-        if state.get("config") != config_dict:
-            old = state.get("config") or {}
-            diff = sorted(k for k in set(old) | set(config_dict) if old.get(k) != config_dict.get(k))
-            raise ConfigError(
-                f"{ckpt_path} was written with other discovery settings ({', '.join(diff)}); resume with the same "
-                "config or start a new run without resume"
-            )
-        if state.get("data_digest") != digest:
-            raise DataError(f"{ckpt_path} was trained on other images/labels; resume on the same data or start afresh")
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        history = list(state["history"])
-        start_epoch = int(state["epoch"])
-        log.info("resuming discovery training from %s after epoch %d", ckpt_path, start_epoch)
-    elif resume:
-        log.info("no checkpoint at %s; starting discovery training afresh", ckpt_path)
-
-    bar = tqdm(total=total, initial=start_epoch * steps_per_epoch, disable=not progress, desc="discovery",
-               unit="step")
-    for epoch in range(start_epoch, cfg.epochs):
-        model.train()
-        t0 = time.perf_counter()
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(_mix_seed(cfg.seed, epoch)))
-        sums = {"loss": 0.0, "unsup": 0.0, "sup": 0.0}
-        lr = cfg.lr
-        for i in range(steps_per_epoch):
-            step = epoch * steps_per_epoch + i
-            lr = cfg.lr * _lr_factor(step, warmup, total)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            idx = perm[i * batch:(i + 1) * batch]
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(_mix_seed(cfg.seed, step, 1))  # random base prefix, stochastic depth
-                gen = torch.Generator().manual_seed(_mix_seed(cfg.seed, step, 2))
-                _, z = model(_views(model, x_all[idx], cfg, gen))  # (2B, proj_dim)
-                z1, z2 = z.chunk(2)
-                terms = gcd_loss_terms(z1, z2, y_all[idx], m_all[idx], cfg.sup_weight, cfg.temperature,
-                                       cfg.sup_temperature)
-                loss = terms["loss"]
-                if not torch.isfinite(loss):
-                    where = f"; the last good checkpoint is {ckpt_path}" if ckpt_path and ckpt_path.is_file() else ""
-                    raise TrainingError(
-                        f"discovery loss became {loss.item()} at epoch {epoch + 1}, step {step}{where}; "
-                        "lower discovery.lr or raise discovery.temperature"
-                    )
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-            if cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.grad_clip)
-            optimizer.step()
-            for k in sums:
-                sums[k] += terms[k].item()
-            bar.set_postfix(epoch=epoch + 1, loss=f"{sums['loss'] / (i + 1):.4f}", refresh=False)  # shown at update
-            bar.update(1)
-        record = {
-            "epoch": epoch + 1,
-            "loss": sums["loss"] / steps_per_epoch,
-            "loss/unsup": sums["unsup"] / steps_per_epoch,
-            "loss/sup": sums["sup"] / steps_per_epoch,
-            "lr": lr,
-            "seconds": time.perf_counter() - t0,
-        }
-        history.append(record)
-        log.info("discovery epoch %d/%d: loss %.4f (unsup %.4f, sup %.4f) in %.1f s", epoch + 1, cfg.epochs,
-                 record["loss"], record["loss/unsup"], record["loss/sup"], record["seconds"])
-        if ckpt_path is not None:
-            save_checkpoint(ckpt_path, {
-                "format": CHECKPOINT_FORMAT, "config": config_dict, "data_digest": digest, "epoch": epoch + 1,
-                "model": model.state_dict(), "optimizer": optimizer.state_dict(), "history": history,
-            })
-    bar.close()
-    model.eval()
-    return DiscoveryResult(model=model, history=history)
+    loader = DataLoader(TensorDataset(x_all, y_all, m_all), batch_size=batch, sampler=EpochSampler(n, cfg.seed),
+                        drop_last=True)
+    module = DiscoveryModule(model, cfg, steps_per_epoch)
+    log.info("training FaceGCD (%s, %d trainable parameters) on %d images (%d labelled): %d steps/epoch × %d epochs%s",
+             cfg.backbone, sum(p.numel() for p in model.parameters() if p.requires_grad), n, int(m_all.sum()),
+             steps_per_epoch, cfg.epochs, f", resuming {ckpt_path}" if ckpt_path else "")
+    with torch.random.fork_rng(devices=rng_devices(cfg.accelerator)):  # per-step reseeding leaves the caller's RNG
+        fitted = fit(
+            module, loader, section="discovery", epochs=cfg.epochs, steps_per_epoch=steps_per_epoch,
+            history=EpochHistory(("loss", "loss/unsup", "loss/sup", "lr"), timed=True),
+            accelerator=cfg.accelerator, devices=cfg.devices, precision=cfg.precision, grad_clip=cfg.grad_clip,
+            run_info=(CHECKPOINT_KEY, info), checkpoint_dir=checkpoint_dir, last_checkpoint=LAST_CHECKPOINT,
+            ckpt_path=ckpt_path, callbacks=callbacks, progress=progress,
+        )
+    for row in fitted.history:
+        log.info("discovery epoch %d/%d: loss %.4f (unsup %.4f, sup %.4f) in %.1f s", row["epoch"] + 1, cfg.epochs,
+                 row["loss"], row["loss/unsup"], row["loss/sup"], row["seconds"])
+    return DiscoveryResult(model=module.model.cpu().eval(), history=fitted.history, checkpoint=fitted.checkpoint)

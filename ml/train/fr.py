@@ -40,7 +40,6 @@ import dataclasses
 import inspect
 import logging
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -59,8 +58,8 @@ from tqdm.auto import tqdm
 from ml.errors import ConfigError, DataError
 from ml.models.backbones import BACKBONES, build_backbone, input_contract
 from ml.train.augment import FLIP_LANDMARK_ORDER, flip_keypoints
-from ml.train.callbacks import EpochHistory, RunInfo, check_device, trainer_callbacks
-from ml.train.checkpoint import resume_path
+from ml.train.callbacks import EpochHistory, check_device, fit
+from ml.train.checkpoint import read_checkpoint, resume_path
 
 # Not all of these are used here: the choice constants and ``normalize`` stay importable from ml.train.fr too.
 from ml.train.fr_config import AUGMENT_RECIPES, HEAD_MARGINS, PRECISIONS, SCHEDULES, STRATEGIES, FRConfig
@@ -146,15 +145,7 @@ def _head_kind(cfg: FRConfig) -> str:
 def _check_checkpoint(path: Path, info: dict[str, Any], backbone: nn.Module) -> None:
     """Before fitting: the checkpoint must hold this run's backbone (name, kwargs, tensor shapes), class count and
     kind of head. Other config differences (e.g. more epochs) are logged, as they change the run."""
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # unreadable, truncated or not a torch file
-        raise ConfigError(f"cannot read checkpoint {path}: {exc}; remove it or pass resume=False") from exc
-    meta = ckpt.get(CHECKPOINT_KEY) if isinstance(ckpt, dict) else None
-    if meta is None or "state_dict" not in ckpt:
-        raise ConfigError(
-            f"{path} is not a faceops FR checkpoint (no {CHECKPOINT_KEY!r} entry); remove it or pass resume=False"
-        )
+    ckpt, meta = read_checkpoint(path, CHECKPOINT_KEY, "FR")
     if (meta["backbone"], meta["backbone_kwargs"]) != (info["backbone"], info["backbone_kwargs"]):
         raise ConfigError(
             f"checkpoint {path} holds backbone {meta['backbone']!r} {meta['backbone_kwargs']}, but this run builds "
@@ -257,43 +248,23 @@ def train(
         persistent_workers=cfg.num_workers > 0,
     )
     module = FRModule(backbone, head, cfg, steps_per_epoch)
-    history = EpochHistory(("train/loss", "train/accuracy"))
-    all_callbacks, checkpointing = trainer_callbacks([history, RunInfo(CHECKPOINT_KEY, info)], checkpoint_dir,
-                                                     LAST_CHECKPOINT, callbacks)
-    trainer = lightning.Trainer(
-        max_epochs=cfg.epochs,
-        max_steps=cfg.max_steps,
-        accelerator=cfg.accelerator,
-        devices=cfg.devices,
-        num_nodes=cfg.num_nodes,
-        strategy=_strategy(cfg),
-        precision=cfg.precision,
-        gradient_clip_val=cfg.grad_clip if cfg.grad_clip > 0 else None,
-        logger=loggers if loggers else False,
-        callbacks=all_callbacks,
-        enable_checkpointing=checkpointing,
-        enable_progress_bar=progress,
-        enable_model_summary=False,
-        log_every_n_steps=max(1, min(50, steps_per_epoch)),
-        num_sanity_val_steps=0,
-        use_distributed_sampler=False,  # EpochSampler splits the data between ranks itself
-    )
     log.info(
         "training %s %s on %d images (%d identities, %d×%d), %s head: %d steps/epoch × %d epochs%s",
         cfg.backbone, kwargs, n, num_classes, size, size, info["head"], steps_per_epoch, cfg.epochs,
         f", resuming {ckpt_path}" if ckpt_path else "",
     )
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-        if ckpt_path is not None:  # resuming into the directory is the point
-            warnings.filterwarnings("ignore", message=".*exists and is not empty.*")
-        trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
+    fitted = fit(
+        module, loader, section="fr", epochs=cfg.epochs, steps_per_epoch=steps_per_epoch,
+        history=EpochHistory(("train/loss", "train/accuracy")), accelerator=cfg.accelerator, devices=cfg.devices,
+        precision=cfg.precision, num_nodes=cfg.num_nodes, strategy=_strategy(cfg), max_steps=cfg.max_steps,
+        grad_clip=cfg.grad_clip, run_info=(CHECKPOINT_KEY, info), checkpoint_dir=checkpoint_dir,
+        last_checkpoint=LAST_CHECKPOINT, ckpt_path=ckpt_path, callbacks=callbacks, loggers=loggers, progress=progress,
+    )
     seconds = time.perf_counter() - start
-    if history.rows:
-        log.info("done in %.1f s; last epoch %s", seconds, history.rows[-1])
-    last = Path(checkpoint_dir) / LAST_CHECKPOINT if checkpoint_dir is not None else None
-    return FRResult(backbone.eval(), cfg.backbone, kwargs, history.rows, seconds,
-                    last if last is not None and last.is_file() else None, global_rank=trainer.global_rank)
+    if fitted.history:
+        log.info("done in %.1f s; last epoch %s", seconds, fitted.history[-1])
+    return FRResult(backbone.eval(), cfg.backbone, kwargs, fitted.history, seconds, fitted.checkpoint,
+                    global_rank=fitted.trainer.global_rank)
 
 
 def embed(

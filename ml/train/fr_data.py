@@ -2,7 +2,7 @@
 
 Data stay a uint8 ``(N, 3, H, W)`` tensor; ``normalize`` and ``augment_batch`` ("basic": random flip, small zoom
 and translation as one affine resample) run on each batch tensor, so a step costs no per-image Python work.
-``EpochSampler`` orders the data by (seed, epoch) only, and ``_mix_seed`` derives every other seed (augmentation,
+``EpochSampler`` orders the data by (seed, epoch) only, and ``mix_seed`` (ml.train.checkpoint) derives every other seed (augmentation,
 the model's own randomness, PartialFC's initial shards), which is what makes a resumed run exact.
 ``_check_images``, ``_check_labels`` and ``check_keypoints`` turn bad arrays into a DataError that says what to fix.
 
@@ -23,6 +23,7 @@ from torch.utils.data import Sampler
 from ml.errors import DataError
 from ml.models.backbones.vit import INPUT_CONTRACT
 from ml.train.augment import FLIP_LANDMARK_ORDER
+from ml.train.checkpoint import mix_seed
 
 __all__ = [
     "EpochSampler",
@@ -92,10 +93,7 @@ def augment_batch(
     return out, moved
 
 
-def _mix_seed(*values: int) -> int:
-    """A well-spread 63-bit seed from integers, e.g. (seed, epoch) or (seed, step, rank, stream)."""
-    words = [int(v) % 2**63 for v in values]
-    return int(np.random.SeedSequence(words).generate_state(1, dtype=np.uint64)[0] % 2**63)
+_mix_seed = mix_seed  # the name this module's callers import
 
 
 def _rank_world() -> tuple[int, int]:

@@ -13,8 +13,7 @@ randomness are reseeded from (seed, global step, rank) before every step, for ex
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -34,23 +33,9 @@ from ml.train.augment import augment_kprpe
 from ml.train.callbacks import last_good_checkpoint
 from ml.train.fr_config import FRConfig
 from ml.train.fr_data import _mean_std, _mix_seed, augment_batch, needs_keypoints, normalize
+from ml.train.schedules import lambda_schedule, warmup_cosine, warmup_step_decay
 
 __all__ = ["FRModule", "build_head", "warmup_cosine", "warmup_step_decay"]
-
-
-def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
-    """LR factor: linear from 1/warmup to 1 over ``warmup_steps``, then cosine from 1 to 0 at ``total_steps``."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-
-
-def warmup_step_decay(step: int, warmup_steps: int, milestones: Sequence[int]) -> float:
-    """LR factor: linear from 1/warmup to 1 over ``warmup_steps``, then ×0.1 from each milestone step on."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    return 0.1 ** sum(step >= m for m in milestones)
 
 
 def build_head(cfg: FRConfig, num_classes: int) -> nn.Module:
@@ -311,5 +296,4 @@ class FRModule(lightning.LightningModule):
             factor = partial(warmup_step_decay, warmup_steps=warmup, milestones=milestones)
         else:
             factor = partial(warmup_cosine, warmup_steps=warmup, total_steps=total)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+        return lambda_schedule(optimizer, factor)

@@ -1,26 +1,34 @@
-"""CAFace training on precomputed (feature, style, label) triples, and fused inference over many sets.
+"""CAFace training on precomputed (feature, style, label) triples with Lightning, and fused inference over many sets.
 
-``train_fusion(cfg, features, styles, labels)`` fits ``ml.models.fusion.CAFace`` on features of a
-frozen FR backbone (paper Sec. 3.2 and 4.1):
+``train_fusion(cfg, features, styles, labels)`` fits ``ml.models.fusion.CAFace`` on features of a frozen FR
+backbone (paper Sec. 3.2 and 4.1):
 
-- Targets: ``f_GT`` = per-identity mean of the L2-normalised features, computed once and frozen.
-- An epoch shuffles the identities and visits them in full batches of ``batch_size`` (the remainder,
-  fewer than ``batch_size``, waits for the next epoch's shuffle). For each identity ``per_identity`` (32)
-  of its features are drawn (without replacement when it has that many, with replacement otherwise) and
-  split into ``per_identity / group`` groups of ``group`` (2 of 16).
-- One prefix length ``L ∈ [min_len, max_len]`` is drawn per batch; every group's first ``L`` items are a
+- Targets: ``f_GT`` = per-identity mean of the L2-normalised features, computed once on the CPU and frozen.
+- Step budget: an epoch is ``steps_per_epoch`` (100) optimiser steps, whatever the number of identities K.
+  Step ``s`` of epoch ``e`` draws ``min(batch_size, K)`` distinct identities at random from a generator seeded by
+  (seed, e, s); for each, ``per_identity`` (32) of its features (without replacement when it has that many,
+  with replacement otherwise), split into ``per_identity / group`` groups of ``group`` (2 of 16).
+- One prefix length ``L ∈ [min_len, max_len]`` is drawn per step; every group's first ``L`` items are a
   training set: ``Lt = mean(1 − cos(CAFace(set), f_GT))`` (Eq. 9).
 - ``Lp = mean(1 − cos(f_streamed, f_all_at_once))`` (Eq. 10) on the identity's ``per_identity`` items: fed
   group by group through ``init_state/update/fuse`` against one call over all of them, gradients
-  through both. ``L = Lt + λp·Lp`` (Eq. 11).
-- AdamW (lr 1e-3, wd 5e-4), the LR multiplied by 0.1 at each epoch of ``lr_steps`` (6, 9), 10 epochs.
+  through both. ``L = Lt + λp·Lp`` (Eq. 11). ``train/lt_average`` is ``Lt`` of plain averaging on the same sets
+  (a yardstick, no gradient).
+- AdamW (lr 1e-3, wd 5e-4); the LR is multiplied by 0.1 from each epoch of ``lr_steps`` (6, 9) on (an
+  epoch-interval LambdaLR); 10 epochs.
 
-Checkpoints: with ``checkpoint_dir`` the complete state (weights, optimiser, epoch, history, config,
-a digest of the data) is written after every epoch to ``last.pt`` (temporary file + ``os.replace``).
-``resume=True`` continues from it. All randomness of an epoch (sampling, drop-path) is seeded from
-(seed, epoch), so a run stopped after any epoch and resumed ends with the same weights as an
-uninterrupted one. ``epochs`` may grow between the two (the step schedule is in absolute epochs); every
-other key must match.
+Lightning (``ml.train.callbacks.fit``): ``fusion.train.accelerator`` / ``devices`` (one) / ``precision`` choose where
+and how the model trains; batches are built on the CPU (``EpochBatches`` keys → a whole batch) and Lightning
+moves them to the device. The history has one row per epoch: ``epoch`` (from 0), ``lr`` and the epoch means of
+``train/loss``, ``train/lt``, ``train/lp``, ``train/lt_average``. A non-finite loss stops training with a
+``TrainingError`` naming the step and the last good checkpoint.
+
+Exact resume: with ``checkpoint_dir`` Lightning writes ``last.ckpt`` (weights, optimiser, LR schedule, epoch,
+global step, history, the run description: config and a digest of the data) after every epoch; ``resume=True``
+continues from it. A batch is a function of (seed, epoch, step) and drop-path is reseeded from (seed, global
+step) before every step, so a run stopped after any epoch and resumed ends with the same weights (bit for bit
+on the CPU) as an uninterrupted one. ``epochs`` may grow between the two (``lr_steps`` are absolute epochs), and
+the device keys may change; every other key and the data must match.
 
 ``fuse_sets`` fuses many sets of different lengths in eval mode, batching sets with a padding mask and
 feeding long sets in chunks, so memory is bounded by ``sets_per_batch × chunk_size`` items.
@@ -29,10 +37,11 @@ Differences from the reference (``mk-minchul/caface``, ``caface/trainer.py``, ``
 dual_multi_v1``):
 
 - Prefixes: the reference averages ``Lt`` over every even prefix length 2, 4, …, 16 of both groups in each
-  step; here one length per batch is drawn uniformly from ``[min_len, max_len]`` (odd ones included),
+  step; here one length per step is drawn uniformly from ``[min_len, max_len]`` (odd ones included),
   so a step costs one CAFace call instead of eight.
+- Identities per step are drawn afresh each step (the reference walks a shuffled list of them); the number of
+  steps is set directly rather than implied by the number of identities.
 - The reference precomputes features under image augmentation; here the features are given.
-- The step schedule is per epoch and set directly on the optimiser (no scheduler object to checkpoint).
 """
 
 from __future__ import annotations
@@ -42,25 +51,35 @@ import hashlib
 import logging
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import lightning
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader, Dataset
 
 from ml.errors import ConfigError, DataError, TrainingError
 from ml.models.fusion.caface import CAFace
-from ml.train.checkpoint import save_checkpoint
+from ml.train.callbacks import (
+    EpochBatches, EpochHistory, check_device_keys, fit, last_good_checkpoint, rng_devices,
+)
+from ml.train.checkpoint import mix_seed, read_checkpoint, resume_path
+from ml.train.schedules import lambda_schedule, multistep
 
-__all__ = ["FusionConfig", "FusionResult", "fuse_sets", "identity_centres", "step_lr", "train_fusion"]
+__all__ = ["FusionConfig", "FusionModule", "FusionResult", "fuse_sets", "identity_centres", "step_lr", "train_fusion"]
 
 log = logging.getLogger(__name__)
 
-LAST_CHECKPOINT = "last.pt"
-CHECKPOINT_KEY = "faceops_fusion"
+LAST_CHECKPOINT = "last.ckpt"
+CHECKPOINT_KEY = "faceops_fusion"  # run description stored in every checkpoint, checked before resuming
+DEVICE_KEYS = ("accelerator", "devices", "precision")  # may change on resume, as may epochs
+LOSS_KEYS = ("train/loss", "train/lt", "train/lp", "train/lt_average")
 
 
 @dataclass(frozen=True)
@@ -71,6 +90,7 @@ class FusionConfig:
     style_dim: int = 384
     num_clusters: int = 4
     epochs: int = 10
+    steps_per_epoch: int = 100  # optimiser steps per epoch, whatever the number of identities
     lr: float = 1e-3
     weight_decay: float = 5e-4
     lr_steps: tuple[int, ...] = (6, 9)  # epochs (0-based) from which the LR is ×0.1 once more
@@ -81,10 +101,13 @@ class FusionConfig:
     batch_size: int = 512  # identities per step (reference: 512)
     lambda_p: float = 1.0
     seed: int = 0
+    accelerator: str = "auto"  # | "cpu" | "gpu"
+    devices: int = 1  # one device: the model and its batches fit one GPU
+    precision: str = "32-true"  # | "16-mixed" (GPU only) | "bf16-mixed"
 
     def __post_init__(self) -> None:
-        ints = ("feature_dim", "style_dim", "num_clusters", "epochs", "per_identity", "group", "min_len",
-                "max_len", "batch_size", "seed")
+        ints = ("feature_dim", "style_dim", "num_clusters", "epochs", "steps_per_epoch", "per_identity", "group",
+                "min_len", "max_len", "batch_size", "seed")
         for key in ints:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -93,7 +116,8 @@ class FusionConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ConfigError(f"fusion.{key} must be a finite number, got {value!r}")
-        for key in ("feature_dim", "style_dim", "num_clusters", "epochs", "group", "min_len", "batch_size"):
+        for key in ("feature_dim", "style_dim", "num_clusters", "epochs", "steps_per_epoch", "group", "min_len",
+                    "batch_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"fusion.{key} = {getattr(self, key)} must be ≥ 1")
         if self.lr <= 0:
@@ -117,23 +141,31 @@ class FusionConfig:
         if any(s < 1 for s in steps) or any(a >= b for a, b in zip(steps, steps[1:])):
             raise ConfigError(f"fusion.lr_steps = {list(steps)} must be increasing epochs ≥ 1")
         object.__setattr__(self, "lr_steps", tuple(steps))
+        check_device_keys("fusion", self.accelerator, self.devices, self.precision)
 
     @property
     def model_kwargs(self) -> dict[str, Any]:
         return {"feature_dim": self.feature_dim, "style_dim": self.style_dim, "num_clusters": self.num_clusters}
 
+    def to_dict(self) -> dict[str, Any]:
+        """The config as plain values (``lr_steps`` a list), as stored in the checkpoint's run description."""
+        out = dataclasses.asdict(self)
+        out["lr_steps"] = list(self.lr_steps)
+        return out
+
 
 @dataclass
 class FusionResult:
-    model: CAFace  # in eval mode
+    model: CAFace  # in eval mode, on the CPU
     # per epoch: epoch, lr, train/loss, train/lt, train/lp, train/lt_average (Lt of the plain average, same sets)
     history: list[dict[str, float]] = field(default_factory=list)
-    checkpoint: Path | None = None  # last.pt when a checkpoint_dir was given
+    checkpoint: Path | None = None  # last.ckpt when a checkpoint_dir was given
+    steps: int = 0  # optimiser steps taken in all (resumed ones included): epochs × steps_per_epoch
 
 
-def step_lr(epoch: int, lr: float, steps: tuple[int, ...], gamma: float = 0.1) -> float:
+def step_lr(epoch: int, lr: float, steps: Sequence[int], gamma: float = 0.1) -> float:
     """Step schedule: ``lr · γ^{#{s ∈ steps : s ≤ epoch}}`` (epochs from 0; MultiStepLR milestones)."""
-    return lr * gamma ** sum(epoch >= s for s in steps)
+    return lr * multistep(epoch, steps, gamma)
 
 
 def identity_centres(features: torch.Tensor, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
@@ -141,10 +173,6 @@ def identity_centres(features: torch.Tensor, labels: torch.Tensor, num_classes: 
     units = F.normalize(features, dim=-1)
     sums = torch.zeros(num_classes, features.shape[1], dtype=features.dtype).index_add_(0, labels, units)
     return F.normalize(sums, dim=-1)
-
-
-def _mix(*values: int) -> int:
-    return int.from_bytes(hashlib.blake2b(repr(values).encode(), digest_size=8).digest(), "little") & (2**63 - 1)
 
 
 def _as_tensor(x: Any, name: str) -> torch.Tensor:
@@ -237,29 +265,84 @@ def _batch_loss(
     return {"train/loss": lt + cfg.lambda_p * lp, "train/lt": lt, "train/lp": lp, "train/lt_average": lt_average}
 
 
-def _load_checkpoint(path: Path, cfg: FusionConfig, digest: str) -> dict[str, Any]:
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # unreadable, truncated or not a torch file
-        raise ConfigError(f"cannot read checkpoint {path}: {exc}; remove it or pass resume=False") from exc
-    if not isinstance(ckpt, dict) or CHECKPOINT_KEY not in ckpt:
-        raise ConfigError(f"{path} is not a faceops fusion checkpoint; remove it or pass resume=False")
-    saved = ckpt[CHECKPOINT_KEY]["config"]
-    now = dataclasses.asdict(cfg)
-    now["lr_steps"] = list(cfg.lr_steps)
-    saved = {**saved, "lr_steps": list(saved.get("lr_steps", []))}
-    differ = sorted(k for k in now if k != "epochs" and saved.get(k) != now[k])
+class _StepBatches(Dataset):
+    """Batch ``(epoch, step)`` (an ``EpochBatches`` key) as a pure function of (seed, epoch, step): the
+    identities' draws (B, P, D) and (B, P, style_dim, 2), their centres (B, D) and the prefix length, on the CPU."""
+
+    def __init__(self, cfg: FusionConfig, features: torch.Tensor, styles: torch.Tensor, targets: torch.Tensor,
+                 members: list[np.ndarray]) -> None:
+        self.cfg, self.features, self.styles, self.targets, self.members = cfg, features, styles, targets, members
+        self.batch = min(cfg.batch_size, len(members))
+
+    def __getitem__(self, key: tuple[int, int]) -> dict[str, Any]:
+        epoch, step = key
+        rng = np.random.default_rng(mix_seed(self.cfg.seed, 0, epoch, step))
+        ids = rng.choice(len(self.members), self.batch, replace=False)
+        rows = torch.from_numpy(_sample(rng, self.members, ids, self.cfg.per_identity))  # (B, P)
+        length = int(rng.integers(self.cfg.min_len, self.cfg.max_len + 1))
+        return {"features": self.features[rows], "styles": self.styles[rows],
+                "targets": self.targets[torch.from_numpy(ids)], "length": length}
+
+
+class FusionModule(lightning.LightningModule):
+    """CAFace under ``Lt + λp·Lp``; AdamW with the LR ×0.1 from each epoch of ``lr_steps``."""
+
+    def __init__(self, model: CAFace, cfg: FusionConfig) -> None:
+        super().__init__()
+        self.model = model
+        self.cfg = cfg
+        self._epoch_lr = cfg.lr
+
+    def on_train_epoch_start(self) -> None:
+        self._epoch_lr = float(self.trainer.optimizers[0].param_groups[0]["lr"])
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # drop-path masks as a function of the step, for exact resume
+        torch.manual_seed(mix_seed(self.cfg.seed, 1, self.global_step))
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        losses = _batch_loss(self.model, self.cfg, batch["features"], batch["styles"], batch["targets"],
+                             int(batch["length"]))
+        loss = losses["train/loss"]
+        if not bool(torch.isfinite(loss)):
+            ckpt = last_good_checkpoint(self._trainer)
+            raise TrainingError(
+                f"fusion loss became {float(loss.detach())} at global step {self.global_step} (epoch "
+                f"{self.current_epoch}, step {batch_idx}); training stopped before that step's update. Last good "
+                f"checkpoint: {ckpt or 'none'} (train_fusion(..., resume=True) continues from it). Lower fusion.lr "
+                "or check the features"
+            )
+        b = batch["targets"].shape[0]
+        for key, value in losses.items():
+            self.log(key, value.detach(), on_step=False, on_epoch=True, prog_bar=key == "train/loss", batch_size=b)
+        return loss
+
+    def epoch_summary(self) -> dict[str, float]:
+        """The epoch's learning rate, for the history (Lightning steps an epoch schedule before the epoch's end)."""
+        return {"lr": self._epoch_lr}
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        return lambda_schedule(optimizer, partial(multistep, milestones=self.cfg.lr_steps, gamma=0.1), interval="epoch")
+
+
+def _check_checkpoint(path: Path, info: dict[str, Any]) -> None:
+    """Before resuming: every config key but ``epochs`` and the device keys, and the data, must match."""
+    _, meta = read_checkpoint(path, CHECKPOINT_KEY, "fusion")
+    saved, now = meta.get("config") or {}, info["config"]
+    free = {"epochs", *DEVICE_KEYS}
+    differ = sorted(k for k in set(saved) | set(now) if k not in free and saved.get(k) != now.get(k))
     if differ:
         raise ConfigError(
-            f"checkpoint {path} was trained with a different fusion config ({', '.join(f'{k}: {saved.get(k)!r} → {now[k]!r}' for k in differ)}); "
-            "only fusion.epochs may change on resume — restore the keys or use another checkpoint_dir"
+            f"checkpoint {path} was trained with a different fusion config "
+            f"({', '.join(f'{k}: {saved.get(k)!r} → {now.get(k)!r}' for k in differ)}); only fusion.epochs and the "
+            "device keys may change on resume — restore the keys or use another checkpoint_dir"
         )
-    if ckpt[CHECKPOINT_KEY]["data"] != digest:
+    if meta.get("data") != info["data"]:
         raise DataError(
             f"checkpoint {path} was trained on other features/styles/labels; resume on the same data or use another "
             "checkpoint_dir"
         )
-    return ckpt
 
 
 def train_fusion(
@@ -271,85 +354,44 @@ def train_fusion(
     checkpoint_dir: str | os.PathLike | None = None,
     resume: bool = False,
     progress: bool = True,
+    callbacks: Sequence[Callback] = (),
 ) -> FusionResult:
-    """Fit a CAFace on ``features`` (N, D), ``styles`` (N, style_dim, 2), ``labels`` (N,) 0..K-1; CPU training."""
+    """Fit a CAFace on ``features`` (N, D), ``styles`` (N, style_dim, 2), ``labels`` (N,) 0..K-1 for
+    ``epochs × steps_per_epoch`` steps on ``fusion.train.accelerator``.
+
+    ``checkpoint_dir``: where ``last.ckpt`` is written after every epoch (an existing one is an error unless
+    ``resume``); with ``resume`` the run continues from it (a missing checkpoint starts afresh).
+    ``callbacks``: extra Lightning callbacks (e.g. the core share).
+    """
     features, styles, labels, num_classes = _check_data(cfg, features, styles, labels)
+    ckpt_path = resume_path(checkpoint_dir, resume, LAST_CHECKPOINT, "train_fusion")
+    info = {"config": cfg.to_dict(), "data": _digest(features, styles, labels)}
+    if ckpt_path is not None:
+        _check_checkpoint(ckpt_path, info)
     targets = identity_centres(features, labels, num_classes)  # (K, D), frozen
     members = [np.flatnonzero(labels.numpy() == k) for k in range(num_classes)]
-    digest = _digest(features, styles, labels)
+    dataset = _StepBatches(cfg, features, styles, targets, members)
+    loader = DataLoader(dataset, batch_size=None, sampler=EpochBatches(cfg.steps_per_epoch))
 
-    with torch.random.fork_rng(devices=[]):  # seeded initialisation, the caller's RNG left as it was
-        torch.manual_seed(cfg.seed)
+    with torch.random.fork_rng(devices=rng_devices(cfg.accelerator)):  # the caller's RNG is left as it was
+        torch.manual_seed(cfg.seed)  # seeded initialisation
         model = CAFace(**cfg.model_kwargs)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    history: list[dict[str, float]] = []
-    start = 0
-
-    ckpt_path = None if checkpoint_dir is None else Path(checkpoint_dir) / LAST_CHECKPOINT
-    if resume and ckpt_path is None:
-        raise ConfigError("train_fusion(resume=True) needs a checkpoint_dir holding last.pt")
-    if ckpt_path is not None and ckpt_path.is_file():
-        if not resume:
-            raise ConfigError(
-                f"{ckpt_path} exists from an earlier run; pass resume=True to continue it, or remove it / choose "
-                "another checkpoint_dir to start over"
-            )
-        ckpt = _load_checkpoint(ckpt_path, cfg, digest)
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        history = [dict(r) for r in ckpt["history"]]
-        start = int(ckpt["epoch"])
-        log.info("resuming fusion training from %s after epoch %d", ckpt_path, start)
-    elif resume:
-        log.warning("resume=True but %s does not exist; training from scratch", ckpt_path)
-
-    batch = min(cfg.batch_size, num_classes)
-    steps = num_classes // batch  # full batches only: every step has the same shape
-    for epoch in range(start, cfg.epochs):
-        lr = step_lr(epoch, cfg.lr, cfg.lr_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        rng = np.random.default_rng(_mix(cfg.seed, epoch))
-        order = rng.permutation(num_classes)
-        model.train()
-        sums = {"train/loss": 0.0, "train/lt": 0.0, "train/lp": 0.0, "train/lt_average": 0.0}
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(_mix(cfg.seed, epoch, 1))  # drop-path masks
-            bar = tqdm(range(steps), desc=f"fusion epoch {epoch + 1}/{cfg.epochs}", disable=not progress, leave=False)
-            for step in bar:
-                ids = order[step * batch:(step + 1) * batch]
-                rows = torch.from_numpy(_sample(rng, members, ids, cfg.per_identity))  # (B, P)
-                length = int(rng.integers(cfg.min_len, cfg.max_len + 1))
-                losses = _batch_loss(model, cfg, features[rows], styles[rows], targets[torch.from_numpy(ids)], length)
-                loss = losses["train/loss"]
-                if not torch.isfinite(loss):
-                    last = ckpt_path if ckpt_path is not None and ckpt_path.is_file() else None
-                    raise TrainingError(
-                        f"fusion loss became {loss.item()} at epoch {epoch}, step {step}; last good checkpoint: "
-                        f"{last or 'none'}. Lower fusion.lr or check the features"
-                    )
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                for key, value in losses.items():
-                    sums[key] += float(value.detach())
-                bar.set_postfix(loss=f"{float(loss.detach()):.4f}", refresh=False)
-        row = {"epoch": epoch, "lr": lr, **{k: v / steps for k, v in sums.items()}}
-        history.append(row)
-        log.info("fusion epoch %d: loss %.4f (Lt %.4f vs %.4f for the average, Lp %.4f)", epoch, row["train/loss"],
-                 row["train/lt"], row["train/lt_average"], row["train/lp"])
-        if ckpt_path is not None:
-            config = dataclasses.asdict(cfg)
-            config["lr_steps"] = list(cfg.lr_steps)
-            save_checkpoint(ckpt_path, {
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "epoch": epoch + 1,
-                "history": history,
-                CHECKPOINT_KEY: {"config": config, "data": digest, "model_kwargs": model.config},
-            })
-    model.eval()
-    return FusionResult(model=model, history=history, checkpoint=ckpt_path)
+        info["model"] = model.config
+        module = FusionModule(model, cfg)
+        log.info("training CAFace on %d features of %d identities: %d steps/epoch × %d epochs of %d identities%s",
+                 features.shape[0], num_classes, cfg.steps_per_epoch, cfg.epochs, dataset.batch,
+                 f", resuming {ckpt_path}" if ckpt_path else "")
+        fitted = fit(
+            module, loader, section="fusion", epochs=cfg.epochs, steps_per_epoch=cfg.steps_per_epoch,
+            history=EpochHistory(LOSS_KEYS), accelerator=cfg.accelerator, devices=cfg.devices,
+            precision=cfg.precision, run_info=(CHECKPOINT_KEY, info), checkpoint_dir=checkpoint_dir,
+            last_checkpoint=LAST_CHECKPOINT, ckpt_path=ckpt_path, callbacks=callbacks, progress=progress,
+        )
+    for row in fitted.history:
+        log.info("fusion epoch %d: loss %.4f (Lt %.4f vs %.4f for the average, Lp %.4f), lr %.2e", row["epoch"],
+                 row["train/loss"], row["train/lt"], row["train/lt_average"], row["train/lp"], row["lr"])
+    return FusionResult(model=module.model.cpu().eval(), history=fitted.history, checkpoint=fitted.checkpoint,
+                        steps=int(fitted.trainer.global_step))
 
 
 @torch.no_grad()

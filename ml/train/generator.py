@@ -39,7 +39,6 @@ import dataclasses
 import logging
 import math
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -64,8 +63,9 @@ from ml.models.generator.uiface import (
     encode_images,
     save_generator,
 )
-from ml.train.callbacks import EpochHistory, RunInfo, check_device, last_good_checkpoint, trainer_callbacks
-from ml.train.checkpoint import resume_path
+from ml.train.callbacks import EpochHistory, check_device, check_device_keys, fit, last_good_checkpoint
+from ml.train.checkpoint import mix_seed, read_checkpoint, resume_path
+from ml.train.schedules import lambda_schedule, warmup_cosine
 from ml.train.fr import EpochSampler
 
 __all__ = [
@@ -82,7 +82,6 @@ log = logging.getLogger(__name__)
 
 LAST_CHECKPOINT = "last.ckpt"
 CHECKPOINT_KEY = "faceops_generator"  # run description stored in every checkpoint, checked before resuming
-PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
 LR_SCHEDULES = ("constant", "cosine")
 BETA_SCHEDULES = ("linear", "scaled_linear")
 ENCODE_BATCH = 64  # images per autoencoder call when precomputing latents
@@ -108,6 +107,7 @@ class GeneratorConfig:
     num_workers: int = 0
     precision: str = "32-true"  # | "16-mixed" (GPU only) | "bf16-mixed"
     accelerator: str = "auto"  # | "cpu" | "gpu"
+    devices: int = 1  # one device: the embedded UNet fits one GPU
     max_steps: int = -1  # -1 = no limit (for smoke runs)
 
     def __post_init__(self) -> None:
@@ -129,7 +129,8 @@ class GeneratorConfig:
         for key, (ok, need) in checks.items():
             if not ok:
                 raise ConfigError(f"generator.{key} = {getattr(self, key)!r} is out of range; it must be {need}")
-        choices = {"precision": PRECISIONS, "lr_schedule": LR_SCHEDULES, "beta_schedule": BETA_SCHEDULES}
+        check_device_keys("generator", self.accelerator, self.devices, self.precision)
+        choices = {"lr_schedule": LR_SCHEDULES, "beta_schedule": BETA_SCHEDULES}
         for key, valid in choices.items():
             if getattr(self, key) not in valid:
                 raise ConfigError(f"generator.{key} {getattr(self, key)!r} is not one of {list(valid)}")
@@ -160,16 +161,6 @@ def images_to_unit_range(images: torch.Tensor) -> torch.Tensor:
     return images.float() / 127.5 - 1.0
 
 
-def _mix_seed(*values: int) -> int:
-    """A well-spread 63-bit seed from integers, e.g. (seed, global step)."""
-    words = [int(v) % 2**63 for v in values]
-    return int(np.random.SeedSequence(words).generate_state(1, dtype=np.uint64)[0] % 2**63)
-
-
-def _cosine(step: int, total: int) -> float:
-    return 0.5 * (1.0 + math.cos(math.pi * min(step / max(1, total), 1.0)))
-
-
 class GeneratorModule(lightning.LightningModule):
     """The denoiser, its EMA copy and the DDPM forward process; ``pixel`` batches are uint8 images, otherwise
     precomputed latents."""
@@ -190,7 +181,7 @@ class GeneratorModule(lightning.LightningModule):
     def _step_generator(self) -> torch.Generator:
         if self._generator is None or self._generator.device != self.device:
             self._generator = torch.Generator(device=self.device)
-        return self._generator.manual_seed(_mix_seed(self.cfg.seed, self.global_step))
+        return self._generator.manual_seed(mix_seed(self.cfg.seed, self.global_step))
 
     def diffusion_loss(self, x0: torch.Tensor, ids: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """Mean ‖ε − ε_θ(x_t, t, c'')‖² of one batch; every random draw from ``generator``."""
@@ -253,8 +244,7 @@ class GeneratorModule(lightning.LightningModule):
         total = self.cfg.epochs * self.steps_per_epoch
         if self.cfg.max_steps > 0:
             total = min(total, self.cfg.max_steps)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(_cosine, total=total))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+        return lambda_schedule(optimizer, partial(warmup_cosine, warmup_steps=0, total_steps=total))
 
 
 @dataclass
@@ -286,16 +276,7 @@ class GeneratorResult:
 def _check_checkpoint(path: Path, info: dict[str, Any]) -> None:
     """Before fitting: the checkpoint must hold this run's UNet, space and data shape; other changed settings
     are logged."""
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # unreadable, truncated or not a torch file
-        raise ConfigError(f"cannot read checkpoint {path}: {exc}; remove it or pass resume=False") from exc
-    meta = ckpt.get(CHECKPOINT_KEY) if isinstance(ckpt, dict) else None
-    if meta is None or "state_dict" not in ckpt:
-        raise ConfigError(
-            f"{path} is not a faceops generator checkpoint (no {CHECKPOINT_KEY!r} entry); remove it or pass "
-            "resume=False"
-        )
+    _, meta = read_checkpoint(path, CHECKPOINT_KEY, "generator")
     if meta["model"] != info["model"] or meta["space"] != info["space"]:
         raise ConfigError(
             f"checkpoint {path} holds a {meta['space']} generator {meta['model']}, but this run builds a "
@@ -434,47 +415,28 @@ def train_generator(
         persistent_workers=cfg.num_workers > 0,
     )
     module = GeneratorModule(model, cfg, steps_per_epoch, pixel=space == "pixel")
-    history = EpochHistory(("train/loss",))
-    all_callbacks, checkpointing = trainer_callbacks([history, RunInfo(CHECKPOINT_KEY, info)], checkpoint_dir,
-                                                     LAST_CHECKPOINT, callbacks or ())
-    trainer = lightning.Trainer(
-        max_epochs=cfg.epochs,
-        max_steps=cfg.max_steps,
-        accelerator=cfg.accelerator,
-        devices=1,
-        precision=cfg.precision,
-        gradient_clip_val=cfg.grad_clip if cfg.grad_clip > 0 else None,
-        logger=loggers if loggers else False,
-        callbacks=all_callbacks,
-        enable_checkpointing=checkpointing,
-        enable_progress_bar=progress,
-        enable_model_summary=False,
-        log_every_n_steps=max(1, min(50, steps_per_epoch)),
-        num_sanity_val_steps=0,
-        use_distributed_sampler=False,  # EpochSampler orders the data itself
-    )
     log.info(
         "training UIFace generator (%s space, UNet %d×%d×%d) on %d images: %d steps/epoch × %d epochs%s",
         space, cfg.model.in_channels, cfg.model.image_size, cfg.model.image_size, n, steps_per_epoch, cfg.epochs,
         f", resuming {ckpt_path}" if ckpt_path else "",
     )
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-        warnings.filterwarnings("ignore", message=".*treespec, LeafSpec.*")  # lightning 2.6 vs torch 2.13, harmless
-        if ckpt_path is not None:  # resuming into the directory is the point
-            warnings.filterwarnings("ignore", message=".*exists and is not empty.*")
-        trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
+    fitted = fit(
+        module, loader, section="generator", epochs=cfg.epochs, steps_per_epoch=steps_per_epoch,
+        history=EpochHistory(("train/loss",)), accelerator=cfg.accelerator, devices=cfg.devices,
+        precision=cfg.precision, max_steps=cfg.max_steps, grad_clip=cfg.grad_clip, run_info=(CHECKPOINT_KEY, info),
+        checkpoint_dir=checkpoint_dir, last_checkpoint=LAST_CHECKPOINT, ckpt_path=ckpt_path,
+        callbacks=callbacks or (), loggers=loggers, progress=progress,
+    )
     seconds = time.perf_counter() - start
-    if history.rows:
-        log.info("done in %.1f s; last epoch %s", seconds, history.rows[-1])
-    last = Path(checkpoint_dir) / LAST_CHECKPOINT if checkpoint_dir is not None else None
+    if fitted.history:
+        log.info("done in %.1f s; last epoch %s", seconds, fitted.history[-1])
     return GeneratorResult(
         model=module.ema.eval(),
         raw_model=module.model.eval(),
-        history=history.rows,
+        history=fitted.history,
         seconds=seconds,
         config=cfg,
         space=space,
         image_size=size,
-        checkpoint=last if last is not None and last.is_file() else None,
+        checkpoint=fitted.checkpoint,
     )

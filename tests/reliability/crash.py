@@ -14,9 +14,9 @@ Two ways to die, both a real SIGKILL that no handler can intercept:
 
 - ``--hold-at K``: after global step K the worker announces the step and waits; the driver sees the line and
   SIGKILLs it. The kill lands after a known step, whatever the trainer had written to disk by then.
-- ``--die-in-save N``: the worker SIGKILLs itself in the middle of writing its N-th checkpoint (plain-torch
-  trainers: half of the bytes written to the temporary file; Lightning trainers: the bytes written to fsspec's
-  temporary file, closed but not yet moved onto ``last.ckpt``).
+- ``--die-in-save N``: the worker SIGKILLs itself in the middle of writing its N-th checkpoint (every trainer is a
+  Lightning fit: the bytes written to fsspec's temporary file, closed but not yet moved onto ``last.ckpt``; a
+  direct ``torch.save`` to a file, should a trainer do one, dies with half of its bytes written).
 
 The driver (``kill_and_resume``) picks the kill step with a seeded RNG, starts the worker, kills it, then resumes
 in a fresh process until training completes; ``reference`` runs the same training uninterrupted in-process.
@@ -105,12 +105,12 @@ def _train_generator(checkpoint_dir: Path | None, resume: bool) -> tuple[dict[st
 
 
 def _train_fusion(checkpoint_dir: Path | None, resume: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-    """CAFace on 16 identities: sets of 4, 4 identities per batch → 4 steps per epoch, 4 epochs (LR step at 3)."""
+    """CAFace on 16 identities: sets of 4, 4 identities per step, 4 steps per epoch, 4 epochs (LR step at 3)."""
     from ml.train.fusion import FusionConfig, train_fusion
     from tests.conftest import caface_toy
 
-    cfg = FusionConfig(feature_dim=32, style_dim=8, epochs=4, lr=3e-3, per_identity=8, group=4, min_len=4,
-                       max_len=4, batch_size=4, lr_steps=(3,))
+    cfg = FusionConfig(feature_dim=32, style_dim=8, epochs=4, steps_per_epoch=4, lr=3e-3, per_identity=8, group=4,
+                       min_len=4, max_len=4, batch_size=4, lr_steps=(3,), accelerator="cpu")
     feats, styles, labels, _ = caface_toy(k=16, per=8)
     result = train_fusion(cfg, feats, styles, labels, checkpoint_dir=checkpoint_dir, resume=resume, progress=False)
     return result.model.state_dict(), {"losses": [row["train/loss"] for row in result.history]}
@@ -140,8 +140,8 @@ def _train_discovery(checkpoint_dir: Path | None, resume: bool) -> tuple[dict[st
 SPECS: dict[str, Spec] = {
     "fr": Spec("fr", "last.ckpt", 3, 8, 0.0, _train_fr),
     "generator": Spec("generator", "last.ckpt", 3, 4, 0.0, _train_generator),
-    "fusion": Spec("fusion", "last.pt", 4, 4, 0.0, _train_fusion),
-    "discovery": Spec("discovery", "last.pt", 4, 2, 0.0, _train_discovery),
+    "fusion": Spec("fusion", "last.ckpt", 4, 4, 0.0, _train_fusion),
+    "discovery": Spec("discovery", "last.ckpt", 4, 2, 0.0, _train_discovery),
 }
 
 

@@ -113,8 +113,8 @@ def render(seed: str, rows: list[dict[str, Any]], pipeline: list[tuple[str, str]
         "## Trainers",
         "",
         "Each trainer runs at toy size (tiny model, separable data, CPU, one thread) in a separate process that is "
-        "SIGKILLed twice: first inside a checkpoint write (plain-torch trainers: half of the bytes in the temporary "
-        "file; Lightning: the temporary written, not yet renamed), then, resumed in a fresh process, right after a "
+        "SIGKILLed twice: first inside a checkpoint write (Lightning's temporary file written, not yet renamed), "
+        "then, resumed in a fresh process, right after a "
         "random optimiser step. A third process resumes from whatever the killed ones left on disk and finishes. "
         "The reference is the same training uninterrupted. `resumed from epoch`: epochs in the checkpoint each "
         "resumed process found. `ok`: both kills were SIGKILLs, every resume started from the last complete "

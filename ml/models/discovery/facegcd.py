@@ -342,8 +342,9 @@ class FaceGCD(nn.Module):
         std = torch.tensor(c["std"], dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
         return (x - mean) / std
 
-    def embed(self, images: np.ndarray, batch_size: int = 256) -> np.ndarray:
-        """uint8 RGB (N, S, S, 3) → L2-normalised ``features`` (N, embed_dim) float32, in eval mode without grad."""
+    def embed(self, images: np.ndarray, batch_size: int = 256, flip: bool = False) -> np.ndarray:
+        """uint8 RGB (N, S, S, 3) → L2-normalised ``features`` (N, embed_dim) float32, in eval mode without grad;
+        with ``flip`` the features of ``f(x) + f(flip x)`` (the flip test-time augmentation FR features get)."""
         size = self.input_contract["size"]
         if not isinstance(images, np.ndarray) or images.dtype != np.uint8 or images.ndim != 4 \
                 or images.shape[1:] != (size, size, 3):
@@ -362,7 +363,10 @@ class FaceGCD(nn.Module):
                 for start in range(0, len(images), batch_size):
                     chunk = torch.from_numpy(np.ascontiguousarray(images[start:start + batch_size]))
                     x = self.normalize(chunk.to(device).permute(0, 3, 1, 2).float() / 255.0)
-                    out.append(F.normalize(self.forward_features(x), dim=1).cpu())
+                    feats = self.forward_features(x)
+                    if flip:
+                        feats = feats + self.forward_features(x.flip(3))
+                    out.append(F.normalize(feats, dim=1).cpu())
         finally:
             self.train(was_training)
         dim = self.input_contract["embedding_dim"]
