@@ -139,3 +139,16 @@ def caface_toy(k: int = 48, per: int = 16, dim: int = 32, style_dim: int = 8, se
     labels = np.repeat(np.arange(k), per)
     return (feats.reshape(k * per, dim).astype(np.float32), styles.reshape(k * per, style_dim, 2).astype(np.float32),
             labels, centres.astype(np.float32))
+
+
+def stop_after(epochs: int):
+    """A Lightning callback that stops a run after ``epochs`` epochs, as a preempted job would be (its last
+    checkpoint is then that epoch's)."""
+    import lightning
+
+    class StopAfter(lightning.Callback):
+        def on_train_epoch_end(self, trainer, pl_module) -> None:
+            if trainer.current_epoch + 1 >= epochs:
+                trainer.should_stop = True
+
+    return StopAfter()

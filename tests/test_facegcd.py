@@ -4,7 +4,6 @@ values, a short training run, exact resume, save/load, config errors."""
 import json
 import math
 
-import lightning
 import numpy as np
 import pytest
 import torch
@@ -18,7 +17,7 @@ from ml.models.discovery import FaceGCD, load_facegcd, save_facegcd
 from ml.models.discovery.facegcd import prefixed_block
 from ml.models.io import CONFIG, save_model
 from ml.train.discovery import DiscoveryConfig, train_discovery
-from tests.conftest import separable
+from tests.conftest import separable, stop_after
 
 # 32 px, patch 8 → 16 tokens; dim 32, 2 heads → head_dim 16, bottleneck 4
 TINY = dict(img_size=32, patch_size=8, dim=32, depth=2, heads=2, embed_dim=16, drop_path=0.0)
@@ -256,17 +255,6 @@ def test_short_training_lowers_the_loss(tmp_path):
     assert not result.model.training
 
 
-class StopAfter(lightning.Callback):
-    """Stops a run after ``epochs`` epochs, as a preempted job would be."""
-
-    def __init__(self, epochs: int) -> None:
-        self.epochs = epochs
-
-    def on_train_epoch_end(self, trainer, pl_module) -> None:
-        if trainer.current_epoch + 1 >= self.epochs:
-            trainer.should_stop = True
-
-
 def test_resume_gives_the_uninterrupted_weights(tmp_path):
     images, labels = separable(k=4, per_class=8, size=32, seed=1)
     mask = labels < 2
@@ -275,7 +263,7 @@ def test_resume_gives_the_uninterrupted_weights(tmp_path):
     full = train_discovery(cfg, images, labels, mask, init_model_dir=fr, checkpoint_dir=tmp_path / "a",
                            progress=False)
     first = train_discovery(cfg, images, labels, mask, init_model_dir=fr, checkpoint_dir=tmp_path / "b",
-                            callbacks=[StopAfter(1)], progress=False)
+                            callbacks=[stop_after(1)], progress=False)
     assert [h["epoch"] for h in first.history] == [0]
     resumed = train_discovery(cfg, images, labels, mask, init_model_dir=fr, checkpoint_dir=tmp_path / "b",
                               resume=True, progress=False)

@@ -16,7 +16,7 @@ from ml.losses import AdaFaceLoss, LVFaceSchedule, PartialFC
 from ml.models.backbones import build_backbone
 from ml.train.fr import EpochSampler, FRConfig, FRModule, build_head, train, warmup_step_decay
 
-from .conftest import separable
+from .conftest import separable, stop_after
 
 TINY = {"depth": 1}
 
@@ -36,17 +36,6 @@ class Probe(lightning.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.head, self.clip = pl_module.head, trainer.gradient_clip_val
-
-
-class StopAfter(lightning.Callback):
-    """Stops a run after ``epochs`` epochs, as a preempted job would be."""
-
-    def __init__(self, epochs: int) -> None:
-        self.epochs = epochs
-
-    def on_train_epoch_end(self, trainer, pl_module) -> None:
-        if trainer.current_epoch + 1 >= self.epochs:
-            trainer.should_stop = True
 
 
 class Poison(lightning.Callback):
@@ -76,7 +65,7 @@ def resumed(tmp_path_factory):
     full = train(RESUME_CFG, images, labels, progress=False, backbone_overrides=RESUME_OVERRIDES, callbacks=[probe])
     ckpt_dir = tmp_path_factory.mktemp("ckpt")
     first = train(RESUME_CFG, images, labels, progress=False, backbone_overrides=RESUME_OVERRIDES,
-                  checkpoint_dir=ckpt_dir, callbacks=[StopAfter(2)])
+                  checkpoint_dir=ckpt_dir, callbacks=[stop_after(2)])
     second = train(RESUME_CFG, images, labels, progress=False, backbone_overrides=RESUME_OVERRIDES,
                    checkpoint_dir=ckpt_dir, resume=True)
     return images, labels, full, first, second, ckpt_dir, probe

@@ -17,7 +17,7 @@ from ml.models.generator import GeneratorModelConfig, IDConditionedUNet, load_au
 from ml.models.io import read_model_config
 from ml.train.generator import GeneratorConfig, ema_decay_at, make_noise_scheduler, train_generator
 
-from .conftest import separable
+from .conftest import separable, stop_after
 from .test_generator_model import tiny_kl, tiny_vq
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -27,17 +27,6 @@ TINY = GeneratorModelConfig(
 )
 # 32 images in batches of 8: 4 steps per epoch
 CFG = GeneratorConfig(model=TINY, batch_size=8, epochs=3, lr=2e-3, accelerator="cpu", seed=0)
-
-
-class StopAfter(lightning.Callback):
-    """Stops a run after ``epochs`` epochs, as a preempted job would be."""
-
-    def __init__(self, epochs: int) -> None:
-        self.epochs = epochs
-
-    def on_train_epoch_end(self, trainer, pl_module) -> None:
-        if trainer.current_epoch + 1 >= self.epochs:
-            trainer.should_stop = True
 
 
 class Steps(lightning.Callback):
@@ -83,7 +72,7 @@ def runs(tmp_path_factory):
     images, ids = faces()
     full = train_generator(CFG, images, ids, progress=False)
     ckpt_dir = tmp_path_factory.mktemp("ckpt")
-    first = train_generator(CFG, images, ids, checkpoint_dir=ckpt_dir, callbacks=[StopAfter(1)], progress=False)
+    first = train_generator(CFG, images, ids, checkpoint_dir=ckpt_dir, callbacks=[stop_after(1)], progress=False)
     steps = Steps()
     second = train_generator(CFG, images, ids, checkpoint_dir=ckpt_dir, resume=True, callbacks=[steps], progress=False)
     return images, ids, full, first, second, ckpt_dir, steps

@@ -81,12 +81,12 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from ml.data.procedural import render_nonfaces
-from ml.errors import ConfigError, DataError, TrainingError
+from ml.errors import ConfigError, DataError
 from ml.eval.alignment import auc_at, failure_rate, nme, score_auc, spearman
 from ml.models.aligner.dfa import DFA, DFAConfig, normalise, resize_images, to_normalised, to_pixels
 from ml.train.augment import AugmentConfig, augment_kprpe
 from ml.train.callbacks import (
-    EpochBatches, EpochHistory, OnEpochEnd, check_device, check_device_keys, fit, last_good_checkpoint,
+    EpochBatches, EpochHistory, OnEpochEnd, check_device, check_device_keys, fit, non_finite_loss,
 )
 from ml.train.checkpoint import mix_seed, read_checkpoint, resume_path
 from ml.train.schedules import lambda_schedule, warmup_cosine
@@ -465,7 +465,8 @@ class AlignerModule(lightning.LightningModule):
             loss = loss + cfg.score_loss_weight * anchor_ce + cfg.pooled_score_loss_weight * pooled_bce
             self.log("train/score_loss", (anchor_ce + pooled_bce).detach(), on_step=False, on_epoch=True, batch_size=b)
         if not bool(torch.isfinite(loss)):
-            self._stop_non_finite(float(loss.detach()), batch_idx)
+            raise non_finite_loss(self, float(loss.detach()), batch_idx, what="aligner loss", entry="train_aligner",
+                                  advice="Lower aligner.lr, set aligner.grad_clip > 0 or check the data.")
         with torch.no_grad():  # inter-pupil NME of the batch's faces in crop units
             yf = y[:b]
             err = (face_out["landmarks"] - yf).norm(dim=-1).mean(dim=1)
@@ -473,16 +474,6 @@ class AlignerModule(lightning.LightningModule):
         self.log("train/loss", loss.detach(), on_step=False, on_epoch=True, prog_bar=True, batch_size=b)
         self.log("train/nme", err.mean(), on_step=False, on_epoch=True, prog_bar=True, batch_size=b)
         return loss
-
-    def _stop_non_finite(self, value: float, batch_idx: int) -> None:
-        ckpt = last_good_checkpoint(self._trainer)
-        where = (f"The last good checkpoint is {ckpt} (train_aligner(..., resume=True) continues from it)" if ckpt
-                 else "No checkpoint was saved (pass checkpoint_dir to train_aligner() to keep one per epoch)")
-        raise TrainingError(
-            f"aligner loss became {value} at global step {self.global_step} (epoch {self.current_epoch}, batch "
-            f"{batch_idx}); training stopped before that step's update. {where}. Lower aligner.lr, set "
-            "aligner.grad_clip > 0 or check the data."
-        )
 
     def epoch_summary(self) -> dict[str, float]:
         """``val/*`` of the validation crops (``EpochHistory`` adds them to the epoch's row)."""

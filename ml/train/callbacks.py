@@ -18,10 +18,11 @@ import torch
 from lightning.pytorch.callbacks import Callback, Checkpoint, ModelCheckpoint
 from torch.utils.data import DataLoader, Sampler
 
-from ml.errors import ConfigError
+from ml.errors import ConfigError, TrainingError
 from ml.train.fr_config import PRECISIONS
 
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
+DEVICE_KEYS = ("accelerator", "devices", "precision")  # where a run trains, not what: may change on resume
 
 
 def check_device(section: str, accelerator: str, precision: str) -> None:
@@ -72,6 +73,20 @@ def last_good_checkpoint(trainer: lightning.Trainer | None) -> str | None:
             if path and Path(path).is_file():
                 return str(path)
     return str(trainer.ckpt_path) if trainer.ckpt_path else None
+
+
+def non_finite_loss(module: lightning.LightningModule, value: float, batch_idx: int, *, what: str, entry: str,
+                    advice: str) -> TrainingError:
+    """The error a trainer raises when ``what`` (its loss) became ``value`` (NaN/inf) in a training step, before
+    that step's update: the global step, epoch and batch, the last good checkpoint and how ``entry()`` resumes
+    from it (or that none was saved), then ``advice``."""
+    ckpt = last_good_checkpoint(module._trainer)
+    where = (f"{ckpt} ({entry}(..., resume=True) continues from it)" if ckpt
+             else f"none: no checkpoint was saved (pass checkpoint_dir to {entry}() to keep one per epoch)")
+    return TrainingError(
+        f"{what} became {value} at global step {module.global_step} (epoch {module.current_epoch}, step "
+        f"{batch_idx}); training stopped before that step's update. Last good checkpoint: {where}. {advice}"
+    )
 
 
 class FollowCoreShare(Callback):

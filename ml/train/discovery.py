@@ -46,14 +46,14 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
-from ml.errors import ConfigError, DataError, TrainingError
+from ml.errors import ConfigError, DataError
 from ml.losses.contrastive import gcd_loss_terms
 from ml.models.backbones import BACKBONES, input_contract
 from ml.models.backbones.vit import ViT
 from ml.models.discovery.facegcd import FaceGCD
 from ml.models.io import load_model
 from ml.train.augment import AugmentConfig, augment_kprpe
-from ml.train.callbacks import EpochHistory, check_device_keys, fit, last_good_checkpoint, rng_devices
+from ml.train.callbacks import DEVICE_KEYS, EpochHistory, check_device_keys, fit, non_finite_loss, rng_devices
 from ml.train.checkpoint import mix_seed, read_checkpoint, resume_path
 from ml.train.fr_data import EpochSampler
 from ml.train.schedules import lambda_schedule, warmup_cosine
@@ -77,7 +77,6 @@ def plain_vits() -> tuple[str, ...]:
     return tuple(name for name, build in BACKBONES.items() if getattr(build, "__module__", None) == ViT.__module__)
 LAST_CHECKPOINT = "last.ckpt"
 CHECKPOINT_KEY = "faceops_discovery"  # run description stored in every checkpoint, checked before resuming
-DEVICE_KEYS = ("accelerator", "devices", "precision")  # may change on resume
 
 
 def _discovery_augmentation() -> AugmentConfig:
@@ -284,12 +283,9 @@ class DiscoveryModule(lightning.LightningModule):
                                self.cfg.sup_temperature)
         loss = terms["loss"]
         if not bool(torch.isfinite(loss)):
-            ckpt = last_good_checkpoint(self._trainer)
-            raise TrainingError(
-                f"discovery loss became {float(loss.detach())} at global step {self.global_step} (epoch "
-                f"{self.current_epoch}); the last good checkpoint is {ckpt or 'none'}. Lower discovery.lr or raise "
-                "discovery.temperature"
-            )
+            raise non_finite_loss(self, float(loss.detach()), batch_idx, what="discovery loss",
+                                  entry="train_discovery",
+                                  advice="Lower discovery.lr or raise discovery.temperature.")
         b = x.shape[0]
         for key, name in (("loss", "loss"), ("unsup", "loss/unsup"), ("sup", "loss/sup")):
             self.log(name, terms[key].detach(), on_step=False, on_epoch=True, prog_bar=key == "loss", batch_size=b)

@@ -30,7 +30,7 @@ from ml.losses.margin import MARGINS, CombinedMarginLoss
 from ml.losses.partial_fc import PartialFC, shard_bounds
 from ml.models.backbones import input_contract
 from ml.train.augment import augment_kprpe
-from ml.train.callbacks import last_good_checkpoint
+from ml.train.callbacks import last_good_checkpoint, non_finite_loss
 from ml.train.fr_config import FRConfig
 from ml.train.fr_data import _mean_std, _mix_seed, augment_batch, needs_keypoints, normalize
 from ml.train.schedules import lambda_schedule, warmup_cosine, warmup_step_decay
@@ -198,25 +198,13 @@ class FRModule(lightning.LightningModule):
         x, keypoints = self._augment(images, rest[0] if rest else None)
         loss, accuracy = self._loss(self(x, keypoints), labels)
         if not bool(torch.isfinite(loss)):
-            self._stop_non_finite(float(loss.detach()), batch_idx)
+            raise non_finite_loss(self, float(loss.detach()), batch_idx, what="train/loss", entry="train",
+                                  advice="Lower fr.lr, set fr.grad_clip > 0 or use fr.precision '32-true'.")
         b = labels.shape[0]
         self.log("train/loss", loss.detach(), on_step=False, on_epoch=True, prog_bar=True, batch_size=b)
         self.log("train/accuracy", accuracy, on_step=False, on_epoch=True, prog_bar=True, batch_size=b)
         self.log("train/lr", self.optimizers().param_groups[0]["lr"], on_step=True, on_epoch=False, batch_size=b)
         return loss
-
-    def _stop_non_finite(self, value: float, batch_idx: int) -> None:
-        ckpt = last_good_checkpoint(self._trainer)
-        where = (
-            f"the last good checkpoint is {ckpt} (train(..., resume=True) continues from it)"
-            if ckpt
-            else "no checkpoint was saved (pass checkpoint_dir to train() to keep one per epoch)"
-        )
-        raise TrainingError(
-            f"train/loss became {value} at global step {self.global_step} (epoch {self.current_epoch}, batch "
-            f"{batch_idx}); training stopped before that step's update. {where}. Lower fr.lr, set fr.grad_clip > 0 "
-            "or use fr.precision '32-true'."
-        )
 
     # Checkpoints hold every class of a sharded head (gathered on save, sliced on load) and its AdamW moments.
     def _param_groups(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:

@@ -64,10 +64,10 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Dataset
 
-from ml.errors import ConfigError, DataError, TrainingError
+from ml.errors import ConfigError, DataError
 from ml.models.fusion.caface import CAFace
 from ml.train.callbacks import (
-    EpochBatches, EpochHistory, check_device_keys, fit, last_good_checkpoint, rng_devices,
+    DEVICE_KEYS, EpochBatches, EpochHistory, check_device_keys, fit, non_finite_loss, rng_devices,
 )
 from ml.train.checkpoint import mix_seed, read_checkpoint, resume_path
 from ml.train.schedules import lambda_schedule, multistep
@@ -78,7 +78,6 @@ log = logging.getLogger(__name__)
 
 LAST_CHECKPOINT = "last.ckpt"
 CHECKPOINT_KEY = "faceops_fusion"  # run description stored in every checkpoint, checked before resuming
-DEVICE_KEYS = ("accelerator", "devices", "precision")  # may change on resume, as may epochs
 LOSS_KEYS = ("train/loss", "train/lt", "train/lp", "train/lt_average")
 
 
@@ -305,13 +304,8 @@ class FusionModule(lightning.LightningModule):
                              int(batch["length"]))
         loss = losses["train/loss"]
         if not bool(torch.isfinite(loss)):
-            ckpt = last_good_checkpoint(self._trainer)
-            raise TrainingError(
-                f"fusion loss became {float(loss.detach())} at global step {self.global_step} (epoch "
-                f"{self.current_epoch}, step {batch_idx}); training stopped before that step's update. Last good "
-                f"checkpoint: {ckpt or 'none'} (train_fusion(..., resume=True) continues from it). Lower fusion.lr "
-                "or check the features"
-            )
+            raise non_finite_loss(self, float(loss.detach()), batch_idx, what="fusion loss", entry="train_fusion",
+                                  advice="Lower fusion.lr or check the features.")
         b = batch["targets"].shape[0]
         for key, value in losses.items():
             self.log(key, value.detach(), on_step=False, on_epoch=True, prog_bar=key == "train/loss", batch_size=b)

@@ -54,7 +54,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ml.errors import ConfigError, DataError, TrainingError
+from ml.errors import ConfigError, DataError
 from ml.models.generator.uiface import (
     GeneratorModelConfig,
     IDConditionedUNet,
@@ -63,7 +63,7 @@ from ml.models.generator.uiface import (
     encode_images,
     save_generator,
 )
-from ml.train.callbacks import EpochHistory, check_device, check_device_keys, fit, last_good_checkpoint
+from ml.train.callbacks import EpochHistory, check_device, check_device_keys, fit, non_finite_loss
 from ml.train.checkpoint import mix_seed, read_checkpoint, resume_path
 from ml.train.schedules import lambda_schedule, warmup_cosine
 from ml.train.fr import EpochSampler
@@ -199,7 +199,9 @@ class GeneratorModule(lightning.LightningModule):
         x0 = images_to_unit_range(data) if self.pixel else data.float()
         loss = self.diffusion_loss(x0, ids, self._step_generator())
         if not bool(torch.isfinite(loss)):
-            self._stop_non_finite(float(loss.detach()), batch_idx)
+            raise non_finite_loss(self, float(loss.detach()), batch_idx, what="train/loss", entry="train_generator",
+                                  advice="Lower generator.lr, set generator.grad_clip > 0 or use generator.precision "
+                                         "'32-true'.")
         b = data.shape[0]
         self.log("train/loss", loss.detach(), on_step=False, on_epoch=True, prog_bar=True, batch_size=b)
         self.log("train/lr", self.optimizers().param_groups[0]["lr"], on_step=True, on_epoch=False, batch_size=b)
@@ -216,19 +218,6 @@ class GeneratorModule(lightning.LightningModule):
                 target.mul_(d).add_(value.detach().to(target.dtype), alpha=1.0 - d)
             else:
                 target.copy_(value)
-
-    def _stop_non_finite(self, value: float, batch_idx: int) -> None:
-        ckpt = last_good_checkpoint(self._trainer)
-        where = (
-            f"the last good checkpoint is {ckpt} (train_generator(..., resume=True) continues from it)"
-            if ckpt
-            else "no checkpoint was saved (pass checkpoint_dir to train_generator() to keep one per epoch)"
-        )
-        raise TrainingError(
-            f"train/loss became {value} at global step {self.global_step} (epoch {self.current_epoch}, batch "
-            f"{batch_idx}); training stopped before that step's update. {where}. Lower generator.lr, set "
-            "generator.grad_clip > 0 or use generator.precision '32-true'."
-        )
 
     def configure_optimizers(self) -> Any:
         decay, no_decay = [], []
