@@ -70,7 +70,7 @@ log = logging.getLogger("experiments.long_probes")
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = Path("reports") / "long_probes.md"
 PLOT = Path("plots") / "long_probes_gain.png"
-METHODS = ("average", "norm_weighted", "landmark_score", "caface")  # ml.eval.sets.FUSION_METHODS, without torch
+METHODS = ("average", "norm_weighted", "landmark_score", "caface")  # ml.eval.sets.STREAM_METHODS, without torch
 LABELS = {"average": "average", "norm_weighted": "norm-weighted average",
           "landmark_score": "KP-RPE landmark × face score", "caface": "CAFace"}
 STILL_INDEX = 20_000  # booking still t of an identity is sample (identity, STILL_INDEX + t), as tasks/prepare.py

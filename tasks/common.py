@@ -61,6 +61,11 @@ class Paths:
         return self.prepared / "videos"
 
     @property
+    def fusion_set(self) -> Path:
+        """``data/prepared/fusion``: CAFace's procedural training sets (not written when real faces are ingested)."""
+        return self.prepared / "fusion"
+
+    @property
     def unaligned_set(self) -> Path:
         return self.prepared / "unaligned"
 

@@ -8,8 +8,11 @@
 - ``discovery/``  procedural faces of further unseen identities, for generalized face discovery (FaceGCD)
 - ``gfd/split.parquet``  the GFD split of ``discovery/`` (or ``real/``): known/unknown identities, labelled
                   images, train/test per identity; ``gfd/split.json`` names the dataset and the counts
-- ``videos/``      IJB-S-like set fusion benchmark: booking galleries of stills and long video-like probes of mixed
-                  quality (mated and non-mated), ``meta/face_tid_mid.txt``
+- ``videos/``      IJB-S-like set fusion benchmark: booking galleries of stills and long surveillance probes, most
+                  frames heavily degraded and a short usable window (``data.surveillance``; mated and non-mated),
+                  ``meta/face_tid_mid.txt``
+- ``fusion/``      CAFace's training sets: identities no other set uses, ``clean`` renders (the targets) and
+                  ``degraded`` copies of a few source poses each (``template`` = the source)
 - ``unaligned/``   unaligned crops (rotation, scale, shift) with exact landmarks for the DFA aligner (``train`` /
                   ``test`` identities)
 
@@ -18,7 +21,8 @@ into training, held-out and discovery identities (disjoint; ``data.real_heldout_
 ``data.real_discovery_fraction``), and the real faces take the procedural ones' places, so every stage that
 trains on faces reads them: ``train/`` holds the real training identities, ``heldout/`` + ``verification/real.bin``
 the held-out ones (never trained on), and with ``data.gfd_dataset`` ``auto`` or ``real``, ``discovery/`` the real
-discovery identities that the GFD split covers. ``verification/procedural.bin`` stays as a procedural reference; the
+discovery identities that the GFD split covers (``fusion/`` is not written: CAFace then trains on degraded copies of
+the real training faces, see tasks/train_fusion.py). ``verification/procedural.bin`` stays as a procedural reference; the
 template, video and unaligned sets stay procedural (real folders have no sequences and no exact landmarks).
 
 The whole directory is written to a temporary sibling and renamed on success. Its parts are independent and are
@@ -41,6 +45,7 @@ from tqdm.auto import tqdm
 
 from ml.config import from_mapping
 from ml.data.procedural import ProceduralConfig, ProceduralFaces
+from ml.data.surveillance import SurveillanceConfig
 from ml.errors import ConfigError, DataError
 from tasks.common import Paths, StageResult, atomic_path, load_params, section, stage_cores, stage_main
 
@@ -86,11 +91,21 @@ class DataConfig:
     video_distractors: int = 10         # not enrolled: probes only (open-set TPIR@FPIR)
     video_frames: tuple[int, int] = (50, 400)  # probe length drawn log-uniformly in [min, max] frames
     booking_stills: int = 3             # gallery stills per identity (the first is the "single" gallery)
+    surveillance: dict = field(default_factory=dict)  # probe and CAFace-set degradation: SurveillanceConfig keys
+    # CAFace's training sets (the reference recipe): identities no other set uses, clean renders for the targets
+    # and a few source poses per identity, each copied under surveillance degradations
+    fusion_identities: int = 400
+    fusion_clean_images: int = 4        # undegraded renders per identity: the target f_GT (with their flips)
+    fusion_sources: int = 3             # source poses per identity; a training set draws from 1–3 of them
+    fusion_copies: int = 16             # degraded copies of each source
     # unaligned crops with exact landmarks for the DFA aligner (rotation ±30°, scale 0.7–1.2, shift ±15 %)
     unaligned_identities: int = 100
     unaligned_images_per_identity: int = 20
     unaligned_test_identities: int = 20  # of those, identities kept for testing the aligner (split "test")
     unaligned_size: int = 128
+
+    def surveillance_config(self) -> SurveillanceConfig:
+        return from_mapping(SurveillanceConfig, self.surveillance, "data.surveillance")
 
     def procedural_config(self, aligned: bool = True) -> ProceduralConfig:
         if "image_size" in self.procedural or "aligned" in self.procedural:
@@ -131,6 +146,10 @@ class DataConfig:
             "video_distractors": self.video_distractors >= 1,
             "video_frames": 1 <= self.video_frames[0] <= self.video_frames[1],
             "booking_stills": self.booking_stills >= 1,
+            "fusion_identities": self.fusion_identities >= 2,
+            "fusion_clean_images": self.fusion_clean_images >= 1,
+            "fusion_sources": self.fusion_sources >= 1,
+            "fusion_copies": self.fusion_copies >= 2,
             "unaligned_identities": self.unaligned_identities >= 2,
             "unaligned_images_per_identity": self.unaligned_images_per_identity >= 1,
             "unaligned_test_identities": 1 <= self.unaligned_test_identities < self.unaligned_identities,
@@ -143,6 +162,7 @@ class DataConfig:
         for key, ok in checks.items():
             if not ok:
                 raise ConfigError(f"params key 'data.{key}' = {getattr(self, key)!r} is out of range.")
+        self.surveillance_config()  # a bad key or range fails here, naming it
         if self.gfd_dataset not in GFD_DATASETS:
             raise ConfigError(f"params key 'data.gfd_dataset' = {self.gfd_dataset!r}: use one of {', '.join(GFD_DATASETS)}.")
 
@@ -315,11 +335,14 @@ def _video_set(
     out: Path, gen: ProceduralFaces, cfg: DataConfig, first_identity: int, progress: bool = True
 ) -> dict[str, float]:
     """IJB-S-like set: per enrolled identity ``booking_stills`` gallery stills (media ``still``) and one long
-    video-like probe of mixed quality; per distractor identity only a probe. Manifest: split ``gallery``/``probe``,
+    surveillance probe (``ml.data.surveillance.surveillance_sequence``: most frames heavily degraded, a short usable
+    window); per distractor identity only a probe. Manifest: split ``gallery``/``probe``,
     ``template`` = the probe or gallery id, ``media`` = one id per video or still; ``meta/face_tid_mid.txt`` as IJB.
     A probe is mated when its identity has a gallery."""
     from ml.data.dataset import DatasetWriter
+    from ml.data.surveillance import surveillance_sequence
 
+    surveillance = cfg.surveillance_config()
     rng = np.random.default_rng(cfg.seed + 17)
     lo, hi = cfg.video_frames
     n_ids = cfg.video_identities + cfg.video_distractors
@@ -338,7 +361,7 @@ def _video_set(
                     rows.append((rel, tid, mid))
                     mid += 1
                 tid += 1
-            for s in gen.sequence(ident, int(lengths[k]), seq_index=7):
+            for s in surveillance_sequence(gen, ident, int(lengths[k]), seq_index=7, cfg=surveillance):
                 rel = w.add(s.image, identity=identity, split="probe", landmarks=s.landmarks.reshape(-1),
                             quality=s.quality, template=tid, media=mid)
                 rows.append((rel, tid, mid))
@@ -349,6 +372,34 @@ def _video_set(
     (meta / "face_tid_mid.txt").write_text("".join(f"{p} {t} {m}\n" for p, t, m in rows))
     return {"data/video_frames": int(lengths.sum()), "data/video_probes": n_ids,
             "data/video_max_frames": int(lengths.max())}
+
+
+def _fusion_set(out: Path, gen: ProceduralFaces, cfg: DataConfig, progress: bool = True) -> dict[str, float]:
+    """CAFace's training material (``ml.data.surveillance.fusion_faces``) for ``fusion_identities`` identities from
+    ``FUSION_FIRST_IDENTITY`` on: split ``clean`` (the targets) and ``degraded`` (``template`` = the source pose a
+    copy was rendered from, numbered across the set)."""
+    from ml.data.dataset import DatasetWriter
+    from ml.data.surveillance import FUSION_FIRST_IDENTITY, fusion_faces
+
+    surveillance = cfg.surveillance_config()
+    meta = {"generator": "procedural", "seed": gen.seed, "surveillance": dataclasses.asdict(surveillance)}
+    source = 0
+    with DatasetWriter(out, name="procedural-fusion", source="procedural", aligned=True, generator=meta) as w:
+        bar = tqdm(range(cfg.fusion_identities), desc="prepare fusion", unit="id", leave=False, disable=not progress)
+        for k in bar:
+            ident = FUSION_FIRST_IDENTITY + k
+            identity = f"id{ident:07d}"
+            clean, sets = fusion_faces(gen, ident, cfg.fusion_clean_images, cfg.fusion_sources, cfg.fusion_copies,
+                                       surveillance)
+            for s in clean:
+                w.add(s.image, identity=identity, split="clean", landmarks=s.landmarks.reshape(-1), quality=s.quality)
+            for copies in sets:
+                for s in copies:
+                    w.add(s.image, identity=identity, split="degraded", landmarks=s.landmarks.reshape(-1),
+                          quality=s.quality, template=source)
+                source += 1
+    return {"data/fusion_images": cfg.fusion_identities * (cfg.fusion_clean_images
+                                                           + cfg.fusion_sources * cfg.fusion_copies)}
 
 
 def _unaligned_set(out: Path, cfg: DataConfig, first_identity: int, progress: bool = True) -> int:
@@ -439,7 +490,7 @@ def sample_grid(gen: ProceduralFaces, cfg: DataConfig, path: Path, rows: int = 6
 
 # The independent parts of ``data/prepared/``: the user's real data first (the likeliest to be refused, so a bad
 # input fails before the rendering), then longest first; each writes only its own subdirectory.
-PARTS = ("real", "videos", "train", "unaligned", "discovery", "heldout", "templates")
+PARTS = ("real", "fusion", "videos", "train", "unaligned", "discovery", "heldout", "templates")
 
 
 def _prepare_part(name: str, cfg: DataConfig, out: Path, progress: bool = True) -> dict[str, float]:
@@ -483,6 +534,8 @@ def _prepare_part(name: str, cfg: DataConfig, out: Path, progress: bool = True) 
         return _ingest_real(out, cfg, progress)
     if name == "videos":
         return _video_set(out / "videos", gen, cfg, video_first, progress)
+    if name == "fusion":
+        return _fusion_set(out / "fusion", gen, cfg, progress)
     if name == "unaligned":
         first = video_first + cfg.video_identities + cfg.video_distractors
         return {"data/unaligned_images": _unaligned_set(out / "unaligned", cfg, first, progress)}
@@ -491,7 +544,7 @@ def _prepare_part(name: str, cfg: DataConfig, out: Path, progress: bool = True) 
 
 def _prepare_parts(cfg: DataConfig, out: Path, workers: int) -> dict[str, float]:
     """Every part of ``PARTS`` that the config asks for, in ``workers`` processes (in-process when 1)."""
-    skip = {"train"} if cfg.ingested else {"real"}  # ingested real faces replace the procedural training set
+    skip = {"train", "fusion"} if cfg.ingested else {"real"}  # ingested real faces replace the procedural training set
     if cfg.gfd_source == "real":
         skip.add("discovery")
     parts = [p for p in PARTS if p not in skip]

@@ -3,8 +3,12 @@
 Fusion methods, all over the same per-image features and styles of the FR model:
 ``average`` (mean of unit features), ``norm_weighted`` (sum of raw features), ``landmark_score`` (KP-RPE supp.
 Eq. 17–18: weight = landmark closeness to the template × face score) and ``caface`` (``models/fusion``, streamed in
-``fusion.chunk_size`` frames). Landmarks and face scores for ``landmark_score``: when the DFA aligner
-(``models/aligner``, stage ``train_aligner``) exists, its predicted landmarks and pooled face score on every template
+``fusion.chunk_size`` frames); beside them ``quality_oracle``, the unit features weighted by each image's true
+quality (the manifest's ``quality``, the renderer's; 1 where unknown): not a method but the headroom, what
+weighting frames by quality alone could gain over averaging.
+
+Landmarks and face scores for ``landmark_score``: when the DFA aligner (``models/aligner``, stage ``train_aligner``)
+exists, its predicted landmarks and pooled face score on every template
 and video frame (the paper's recipe); its scores only if it was trained with non-face crops (``face_score_trained``
 in its config), the manifest's quality otherwise. Without the aligner: the manifest's landmarks and quality (ground
 truth for procedural faces). ``sets/face_inputs/aligner_landmarks`` and ``.../aligner_scores`` (1/0) record which,
@@ -15,6 +19,16 @@ and the report names them.
   per identity) and *booking* (all stills, fused with the same method); rank-1/5 and TPIR@FPIR=1 % (non-mated probes
   from identities without a gallery); CAFace's gain over averaging versus probe size (CAFace Fig. 1c) and its
   robustness to the frame order (mean ± std over 5 shuffles, Table 4's last row).
+- how sure and why (``ml.eval.fusion_diagnostics``), on the single gallery: each method's rank-1 with its Wilson 95 %
+  interval (``sets/videos_single/<method>/rank1_ci_low``, ``.../rank1_ci_high``); CAFace's and the oracle's rank-1
+  minus the average's over the same probes with a paired-bootstrap 95 % interval (seed ``data.seed``;
+  ``sets/videos_single/{caface,quality_oracle}_minus_average/rank1`` and ``.../rank1/ci_low``, ``.../rank1/ci_high``);
+  and whether CAFace learned to weight frames by quality: its per-frame weights on every probe against the frames'
+  true quality (``sets/caface/<key>``: ``weight_quality_spearman``, ``weight_cv``, ``usable_weight_ratio``,
+  ``assignment_entropy``, ``cluster_usage_entropy``, ``effective_clusters``, and ``num_clusters``).
+  ``sets/videos/zero_quality_probes`` counts the probes whose every frame has quality < 0.05 (their templates are
+  still defined: small weights still give a direction, and the oracle falls back to the average when every weight
+  of a probe is 0).
 
 Writes ``metrics/sets.json`` and ``plots/fusion_gain.png``; ``render_section`` is the Markdown for the report.
 """
@@ -34,7 +48,9 @@ log = logging.getLogger(__name__)
 
 FARS = (1e-5, 1e-4, 1e-3, 1e-2)
 LABELS = {"average": "average", "norm_weighted": "norm-weighted average",
-          "landmark_score": "KP-RPE landmark × face score", "caface": "CAFace"}
+          "landmark_score": "KP-RPE landmark × face score", "caface": "CAFace",
+          "quality_oracle": "true-quality oracle (renderer quality as weights; headroom, not a method)"}
+ZERO_QUALITY = 0.05  # a probe whose every frame is below this true quality holds no usable frame
 
 
 @dataclass(frozen=True)
@@ -53,9 +69,10 @@ class Frames:
     styles: np.ndarray  # (N, ...) FR styles (CAFace)
     landmarks: np.ndarray  # (N, 5, 2) pixel x, y in the image
     scores: np.ndarray  # (N,) face scores ≥ 0
+    quality: np.ndarray  # (N,) true quality in [0, 1] (the manifest's; 1 where unknown): the oracle's weights
 
     def take(self, mask: np.ndarray) -> "Frames":
-        return Frames(self.feats[mask], self.styles[mask], self.landmarks[mask], self.scores[mask])
+        return Frames(self.feats[mask], self.styles[mask], self.landmarks[mask], self.scores[mask], self.quality[mask])
 
 
 def load_frame_aligner(paths: Paths, device: Any = "cpu") -> FrameAligner | None:
@@ -103,7 +120,14 @@ def _frames(fr_model: Any, aligner: FrameAligner | None, dataset: Path, rows: An
     keypoints = landmarks_array(rows) if needs_keypoints(fr_model) else None
     feats, styles = features_and_styles(fr_model, images, keypoints=keypoints, batch_size=batch_size, progress=True)
     landmarks, scores = face_inputs(aligner, images, rows, batch_size)
-    return Frames(feats, styles, landmarks, scores)
+    return Frames(feats, styles, landmarks, scores, rows["quality"].fillna(1.0).to_numpy(np.float32))
+
+
+def zero_quality_probes(quality: np.ndarray, groups: np.ndarray, threshold: float = ZERO_QUALITY) -> int:
+    """How many probes (``groups`` (N,) ∈ 0..P-1) have every frame's true ``quality`` (N,) below ``threshold``."""
+    best = np.full(int(groups.max()) + 1 if groups.size else 0, -np.inf)
+    np.maximum.at(best, groups, np.asarray(quality, dtype=np.float64))
+    return int((best < threshold).sum())
 
 
 def _fuse(method: str, frames: Frames, groups: np.ndarray, caface: Any, data: Any, chunk_size: int) -> np.ndarray:
@@ -115,6 +139,8 @@ def _fuse(method: str, frames: Frames, groups: np.ndarray, caface: Any, data: An
         extra = {"landmarks": frames.landmarks, "face_scores": frames.scores, "image_size": float(data.image_size)}
     if method == "caface":
         extra = {"model": caface, "chunk_size": chunk_size}
+    if method == "quality_oracle":
+        extra = {"quality": frames.quality}
     return fuse_templates(method, feats, groups, styles=styles, **extra)
 
 
@@ -142,9 +168,11 @@ def template_fusion(fr_model: Any, caface: Any, paths: Paths, data: Any, batch_s
 
 
 def evaluate_sets(cfg: Any, data: Any, paths: Paths, fr_model: Any, chunk_size: int = 64) -> dict[str, float]:
-    """Every fusion method on templates and videos → flat metrics ``sets/<part>/<method>/<metric>``."""
+    """Every fusion method on templates and videos → flat metrics ``sets/<part>/<method>/<metric>``, the
+    single-gallery intervals and CAFace's diagnostics (see the module docstring)."""
     from ml.data.dataset import read_manifest
     from ml.eval.alignment import spearman
+    from ml.eval.fusion_diagnostics import caface_diagnostics, paired_difference, rank1_hits, wilson_interval
     from ml.eval.sets import gain_vs_probe_size, order_robustness, video_identification
     from ml.models.fusion.caface import load_caface
 
@@ -179,15 +207,31 @@ def evaluate_sets(cfg: Any, data: Any, paths: Paths, fr_model: Any, chunk_size: 
     gallery_ids = g_rows.groupby("template")["identity"].first().loc[g_tids].to_numpy()
     first_still = ~g_rows.duplicated("template").to_numpy()
     galleries: dict[str, dict[str, np.ndarray]] = {}
+    single = g_feats[first_still] / np.linalg.norm(g_feats[first_still], axis=1, keepdims=True)
+    hits: dict[str, np.ndarray] = {}  # per mated probe: rank-1 hit against the single gallery
     for method in methods:
         probes = _fuse(method, p_frames, p_groups, caface, data, chunk_size)
         booking = _fuse(method, g_frames, g_groups, caface, data, chunk_size)
-        single = g_feats[first_still] / np.linalg.norm(g_feats[first_still], axis=1, keepdims=True)
         galleries[method] = {"booking": booking, "single": single}
         for name, gallery in galleries[method].items():
             for k, v in video_identification(probes, probe_ids, gallery, gallery_ids, ranks=cfg.ranks,
                                              fpirs=cfg.fpirs).items():
                 metrics[f"sets/videos_{name}/{method}/{k}"] = v
+        hits[method] = rank1_hits(probes, probe_ids, single, gallery_ids)
+        if hits[method].size:
+            low, high = wilson_interval(hits[method])
+            metrics[f"sets/videos_single/{method}/rank1_ci_low"] = low
+            metrics[f"sets/videos_single/{method}/rank1_ci_high"] = high
+    for method in ("caface", "quality_oracle"):
+        if method in hits and hits[method].size:
+            diff = paired_difference(hits[method], hits["average"], seed=data.seed)
+            key = f"sets/videos_single/{method}_minus_average/rank1"
+            metrics.update({key: diff["mean"], f"{key}/ci_low": diff["ci_low"], f"{key}/ci_high": diff["ci_high"]})
+    if caface is not None:  # does CAFace weight a probe's frames by their true quality?
+        diagnostics = caface_diagnostics(caface, p_frames.feats, p_frames.styles, p_groups, p_frames.quality)
+        metrics.update({f"sets/caface/{k}": v for k, v in diagnostics.items()})
+        metrics["sets/caface/num_clusters"] = float(caface.num_clusters)
+    metrics["sets/videos/zero_quality_probes"] = float(zero_quality_probes(p_frames.quality, p_groups))
     lengths = np.bincount(p_groups)
     metrics["sets/videos/frames_mean"] = float(lengths.mean())
     metrics["sets/videos/frames_max"] = float(lengths.max())
@@ -199,6 +243,7 @@ def evaluate_sets(cfg: Any, data: Any, paths: Paths, fr_model: Any, chunk_size: 
         m_frames.feats, m_frames.styles, m_groups, probe_ids[mated], galleries["average"]["booking"],
         gallery_ids, sizes=sizes, methods=methods, model=caface, seed=data.seed, landmarks=m_frames.landmarks,
         face_scores=m_frames.scores, image_size=float(data.image_size), chunk_size=chunk_size,
+        quality=m_frames.quality,
     )
     for method in methods:
         for size, v in gain[method].items():
@@ -220,7 +265,8 @@ def plot_gain(gain: dict, methods: list[str], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(5.4, 3.6))
     for method in methods:
         sizes = sorted(gain[method])
-        ax.plot(sizes, [100 * gain[method][s] for s in sizes], "-o", label=LABELS[method], ms=3)
+        look = dict(color="0.45", linestyle="--", marker="s") if method == "quality_oracle" else dict(marker="o")
+        ax.plot(sizes, [100 * gain[method][s] for s in sizes], label=LABELS[method], ms=3, **look)
     ax.set(xscale="log", xlabel="frames fused per probe (random subset)", ylabel="rank-1 (%)",
            title="Video identification vs probe size (booking gallery)")
     ax.grid(alpha=0.3, which="both")
@@ -243,6 +289,61 @@ def face_inputs_note(metrics: dict[str, float]) -> str:
     return "Landmark × face score fusion used the DFA aligner's predicted landmarks and face scores." + tail
 
 
+def _points(diff: float, low: float, high: float) -> str:
+    """A rank-1 difference (fractions) as signed points with its interval: ``+2.5 points (−1.0 to +6.0)``."""
+    return f"{100 * diff:+.1f} points ({100 * low:+.1f} to {100 * high:+.1f})"
+
+
+def _beyond_noise(low: float, high: float) -> str:
+    if low > 0:
+        return "above 0"
+    if high < 0:
+        return "below 0"
+    return "not distinguishable from 0"
+
+
+def gain_note(metrics: dict[str, float]) -> str:
+    """CAFace's and the oracle's single-gallery rank-1 minus the average's, with their paired 95 % intervals."""
+    parts = []
+    for method, what in (("caface", "CAFace"), ("quality_oracle", "the true-quality oracle")):
+        key = f"sets/videos_single/{method}_minus_average/rank1"
+        if key in metrics:
+            low, high = metrics[f"{key}/ci_low"], metrics[f"{key}/ci_high"]
+            tail = " (the headroom that weighting frames by their quality alone offers)" \
+                if method == "quality_oracle" else ""
+            parts.append(f"{what} {_points(metrics[key], low, high)}, {_beyond_noise(low, high)}{tail}")
+    if not parts:
+        return ""
+    return ("Gain over averaging (single gallery, rank-1 on the same probes, paired bootstrap 95 % interval): "
+            + "; ".join(parts) + ".")
+
+
+# within-probe Spearman ρ between CAFace's frame weights and the true quality: at least this → "yes", at least
+# the second → "weakly", below → "no"
+WEIGHTS_BY_QUALITY = (0.3, 0.1)
+
+
+def diagnostics_note(metrics: dict[str, float]) -> str:
+    """One paragraph: does CAFace weight frames by quality (``sets/caface/*``)?"""
+    rho = metrics.get("sets/caface/weight_quality_spearman")
+    if rho is None:
+        return ""
+    if rho != rho:
+        verdict = "Cannot tell"
+    else:
+        verdict = "Yes" if rho >= WEIGHTS_BY_QUALITY[0] else "Weakly" if rho >= WEIGHTS_BY_QUALITY[1] else "No"
+    ratio = metrics.get("sets/caface/usable_weight_ratio", float("nan"))
+    usable = f", frames of quality ≥ 0.3 get ×{ratio:.2f} the weight of the others" if ratio == ratio else ""
+    clusters = metrics.get("sets/caface/num_clusters")
+    of = f" of {int(clusters)}" if clusters else ""
+    cv = metrics.get("sets/caface/weight_cv", float("nan"))
+    effective = metrics.get("sets/caface/effective_clusters", float("nan"))
+    return (f"Does CAFace weight frames by quality? **{verdict}**: within a probe its frame weights follow the "
+            f"frames' true quality with Spearman ρ = {rho:.2f} (mean over probes; 0 = unrelated, 1 = same "
+            f"order){usable}; the weights vary with CV {cv:.2f} across a probe's frames (0 = plain averaging), and "
+            f"the frames use {effective:.2f} effective clusters{of}.")
+
+
 def render_section(metrics: dict[str, float]) -> list[str]:
     """Markdown for ``reports/benchmark.md``."""
     pct = lambda v: "—" if v is None or v != v else f"{100 * v:.1f}"  # noqa: E731
@@ -260,12 +361,22 @@ def render_section(metrics: dict[str, float]) -> list[str]:
     lines += ["", f"## Set fusion: IJB-S-style video probes ({int(metrics.get('sets/videos/mated_probes', 0))} mated "
               f"probes, {metrics.get('sets/videos/frames_mean', 0):.0f} frames on average, up to "
               f"{int(metrics.get('sets/videos/frames_max', 0))})", "",
-              "| fusion | single: rank-1 | single: rank-5 | single: TPIR@FPIR 1 % | booking: rank-1 | booking: rank-5 | "
-              "booking: TPIR@FPIR 1 % |", "|---|---|---|---|---|---|---|"]
+              "| fusion | single: rank-1 (95 % CI) | single: rank-5 | single: TPIR@FPIR 1 % | booking: rank-1 | "
+              "booking: rank-5 | booking: TPIR@FPIR 1 % |", "|---|---|---|---|---|---|---|"]
     for m in methods:
         cells = [pct(metrics.get(f"sets/videos_{g}/{m}/{k}")) for g in ("single", "booking")
                  for k in ("rank1", "rank5", "tpir@fpir=1e-2")]
+        if f"sets/videos_single/{m}/rank1_ci_low" in metrics:
+            cells[0] += (f" ({pct(metrics[f'sets/videos_single/{m}/rank1_ci_low'])}–"
+                         f"{pct(metrics[f'sets/videos_single/{m}/rank1_ci_high'])})")
         lines.append(f"| {LABELS[m]} | " + " | ".join(cells) + " |")
+    zero = int(metrics.get("sets/videos/zero_quality_probes", 0))
+    if zero:
+        lines += ["", f"{zero} probe(s) hold no frame of true quality ≥ {ZERO_QUALITY} (kept: every fusion still "
+                  "gives them a finite template)."]
+    for note in (gain_note(metrics), diagnostics_note(metrics)):
+        if note:
+            lines += ["", note]
     sizes = sorted({int(k.split("n=")[1].split("/")[0]) for k in metrics if k.startswith("sets/gain/average/")})
     if sizes:
         lines += ["", "Rank-1 (booking gallery) when each probe is fused from N random frames (CAFace Fig. 1c):", "",

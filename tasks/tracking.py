@@ -119,8 +119,8 @@ class _Tracker:
 
     def log_prepared_datasets(self, prepared: Path) -> None:
         """Log every dataset directory ``prepare`` wrote (``train``, ``heldout``, ``templates``, ``discovery``,
-        ``videos``, ``unaligned``, ``real``)."""
-        for sub in ("train", "heldout", "templates", "discovery", "videos", "unaligned", "real"):
+        ``videos``, ``unaligned``, ``fusion``, ``real``)."""
+        for sub in ("train", "heldout", "templates", "discovery", "videos", "unaligned", "fusion", "real"):
             if (prepared / sub / "dataset.json").is_file():
                 self.log_dataset(prepared / sub, context=sub)
 

@@ -1,13 +1,31 @@
-"""Stage ``train_fusion``: CAFace set fusion on features of the frozen FR model.
+"""Stage ``train_fusion``: CAFace set fusion on features of the frozen FR model, trained on surveillance-degraded sets.
 
-Features and styles (per-channel mean/std of two intermediate layers: IResNet layer2/3, or two ViT blocks'
-token statistics) are precomputed by the FR model ``models/fr/<fusion.fr_source>`` over the training images and
-``fusion.augmented_copies`` augmented copies of each (the KP-RPE recipe: geometry, photometric, blur, cutout), so
-the sets mix clean and degraded faces. Identity centres (mean normalised feature) are precomputed and frozen;
-CAFace learns ``Lt + λp·Lp`` for ``epochs × steps_per_epoch`` steps with Lightning on ``fusion.train.accelerator``
+CAFace learns what the IJB-S-style probes need, weighting a few usable frames up among many unusable ones, only
+from sets like them. It trains on the reference recipe (``mk-minchul/caface``): the target ``f_GT`` of an
+identity is the mean L2-normalised feature of *clean* images of it, and the set items are heavily degraded copies
+of 1–3 *source* images of it. Which faces, depending on ``data``:
+
+- procedural (the default): ``data/prepared/fusion`` (tasks/prepare.py, ``ml.data.surveillance.fusion_faces``):
+  ``data.fusion_identities`` identities no other set uses. Set items: the ``degraded`` rows, ``data.fusion_sources``
+  source poses per identity (``template`` = the source), each rendered ``data.fusion_copies`` times under
+  surveillance degradations (``data.surveillance``: usable with probability ``usable_fraction``, heavy otherwise).
+  Targets: the identity mean over its ``clean`` rows (``data.fusion_clean_images`` undegraded renders without
+  occluders) of the unit feature ``f(x) + f(flip x)``. The model records ``training_data: procedural-fusion``.
+- real faces ingested (``data.ingest_*``; ``fusion/`` is then not written): the same material from the real
+  training faces, ``data/prepared/train`` split ``train``, so CAFace trains on the user's faces. Every image is a
+  source and a clean image at once: the target is the identity mean of the images' unit flip features, the set
+  items ``data.fusion_copies`` copies of each image degraded in image space (``ml.data.surveillance.degrade_image``,
+  usable with probability ``data.surveillance.usable_fraction``, heavy otherwise, drawn from ``fusion.train.seed``).
+  The model records ``training_data: real-degraded``.
+
+Features and styles (per-channel mean/std of two intermediate layers: IResNet layer2/3, or two ViT blocks' token
+statistics) come from the FR model ``models/fr/<fusion.fr_source>`` (set items without flip, as the evaluation
+embeds probe frames). CAFace learns ``Lt + λp·Lp`` for ``epochs × steps_per_epoch`` steps, each step drawing an
+identity's items from 1..``fusion.train.max_sources`` of its sources, with Lightning on ``fusion.train.accelerator``
 (ml/train/fusion.py), following the stage's share of the CPU cores. Writes ``models/fusion/``,
-``metrics/train_fusion.json`` and the loss curve; the model is registered as ``faceops-fusion`` with alias
-``candidate``.
+``metrics/train_fusion.json`` (the last epoch's ``train/*`` losses, ``train/features``: set items,
+``train/identities``, ``train/steps``: optimiser steps) and the loss curve; the model is registered as
+``faceops-fusion`` with alias ``candidate``.
 """
 
 from __future__ import annotations
@@ -21,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from ml.config import from_mapping
+from ml.data.surveillance import SurveillanceConfig
 from ml.errors import ConfigError, DataError
 from ml.train.fusion import FusionConfig
 from tasks.common import (
@@ -33,6 +52,7 @@ from tasks.tracking import registered_note
 log = logging.getLogger(__name__)
 
 REGISTERED_MODEL = "faceops-fusion"
+FEATURE_BATCH = 256  # images per FR forward pass
 
 
 @dataclass(frozen=True)
@@ -41,43 +61,129 @@ class FusionStageConfig:
     style sizes are taken from the FR model, whatever is written there)."""
 
     fr_source: str = "real"
-    augmented_copies: int = 1   # augmented copies per training image, besides the image itself
     train: FusionConfig = field(
-        default_factory=lambda: FusionConfig(epochs=6, steps_per_epoch=100, lr_steps=(4, 5), batch_size=32)
+        default_factory=lambda: FusionConfig(epochs=6, steps_per_epoch=100, lr_steps=(4, 5), batch_size=32, lr=1e-4,
+                                             lambda_p=0.0)
     )
 
-    def __post_init__(self) -> None:
-        if isinstance(self.augmented_copies, bool) or not isinstance(self.augmented_copies, int) \
-                or not 0 <= self.augmented_copies <= 8:
-            raise ConfigError(f"fusion.augmented_copies = {self.augmented_copies!r}: need an integer in [0, 8]")
+
+@dataclass(frozen=True)
+class FusionMaterial:
+    """What CAFace trains on: degraded set items of K identities and their clean targets."""
+
+    features: np.ndarray  # (N, D) FR features of the set items
+    styles: np.ndarray  # (N, style_dim, 2)
+    labels: np.ndarray  # (N,) identity 0..K-1
+    sources: np.ndarray  # (N,) the source image each item is a copy of
+    centres: np.ndarray  # (K, D) unit targets f_GT
+    dataset: Path  # the prepared dataset it was built from
+    kind: str  # "procedural-fusion" | "real-degraded"
 
 
-def augmented_features(model: Any, images: np.ndarray, keypoints: np.ndarray | None, copies: int, seed: int,
-                       batch_size: int = 256) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(features (N·(1+copies), D), styles (…, style_dim, 2), index of the source image per row)."""
+def clean_centres(model: Any, images: np.ndarray, keypoints: np.ndarray | None, labels: np.ndarray,
+                  num_classes: int, batch_size: int = FEATURE_BATCH) -> np.ndarray:
+    """``f_GT`` (K, D): per-identity mean of the unit features ``f(x) + f(flip x)`` of clean ``images``, unit norm."""
     import torch
 
     from ml.eval.sets import features_and_styles
-    from ml.train.augment import AugmentConfig, augment_kprpe
+    from ml.train.fusion import identity_centres
 
-    feats, styles = features_and_styles(model, images, keypoints=keypoints, batch_size=batch_size, progress=True)
-    out_f, out_s, source = [feats], [styles], [np.arange(len(images))]
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(copies):
-        imgs, kps = np.empty_like(images), None if keypoints is None else np.empty_like(keypoints, dtype=np.float32)
-        for start in range(0, len(images), batch_size):  # augment batch by batch: memory O(batch), not O(N)
-            part = slice(start, start + batch_size)
-            x = torch.from_numpy(images[part]).permute(0, 3, 1, 2).float() / 255.0
-            kp = None if keypoints is None else torch.from_numpy(keypoints[part].astype(np.float32))
-            aug, kp_aug = augment_kprpe(x, kp, AugmentConfig(), generator=gen)
-            imgs[part] = (aug.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
-            if kps is not None:
-                kps[part] = kp_aug.numpy()
-        f, s = features_and_styles(model, imgs, keypoints=kps, batch_size=batch_size, progress=True)
-        out_f.append(f)
-        out_s.append(s)
-        source.append(np.arange(len(images)))
-    return np.concatenate(out_f), np.concatenate(out_s), np.concatenate(source)
+    feats, _ = features_and_styles(model, images, keypoints=keypoints, batch_size=batch_size, flip=True,
+                                   progress=True)
+    return identity_centres(torch.from_numpy(feats), torch.from_numpy(labels.astype(np.int64)), num_classes).numpy()
+
+
+def degraded_copies(images: np.ndarray, copies: int, surveillance: SurveillanceConfig,
+                    rng: np.random.Generator) -> np.ndarray:
+    """(n·copies, H, W, 3) uint8: ``copies`` surveillance-degraded copies of each image, image by image (row
+    ``i·copies + c`` is copy ``c`` of image ``i``); a copy is usable with probability ``usable_fraction``."""
+    from ml.data.surveillance import degrade_image, draw_degradation
+
+    out = np.empty((len(images) * copies, *images.shape[1:]), dtype=np.uint8)
+    for i, image in enumerate(images):
+        for c in range(copies):
+            usable = bool(rng.random() < surveillance.usable_fraction)
+            degradation = draw_degradation(rng, surveillance, usable)
+            out[i * copies + c] = degrade_image(image, degradation, int(rng.integers(0, 2**31)))
+    return out
+
+
+def degraded_features(model: Any, images: np.ndarray, keypoints: np.ndarray | None, copies: int,
+                      surveillance: SurveillanceConfig, seed: int,
+                      batch_size: int = FEATURE_BATCH) -> tuple[np.ndarray, np.ndarray]:
+    """Features (N·copies, D) and styles (N·copies, style_dim, 2) of ``copies`` degraded copies of each image
+    (:func:`degraded_copies`, row ``i·copies + c``), degraded and embedded a few images at a time (memory
+    O(batch), not O(N·copies)); the same rows whatever ``batch_size``."""
+    from tqdm.auto import tqdm
+
+    from ml.eval.sets import features_and_styles
+
+    rng = np.random.default_rng([seed, 93])
+    per = max(1, batch_size // copies)  # source images per chunk: about batch_size copies
+    feats, styles = [], []
+    for lo in tqdm(range(0, len(images), per), desc="degraded copies", unit="chunk", leave=False):
+        part = degraded_copies(images[lo:lo + per], copies, surveillance, rng)
+        kps = None if keypoints is None else np.repeat(keypoints[lo:lo + per], copies, axis=0)
+        f, s = features_and_styles(model, part, keypoints=kps, batch_size=batch_size)
+        feats.append(f)
+        styles.append(s)
+    return np.concatenate(feats), np.concatenate(styles)
+
+
+def procedural_material(model: Any, paths: Paths, data: DataConfig) -> FusionMaterial:
+    """Set items and targets from ``data/prepared/fusion`` (split ``degraded``: items, ``template`` = source;
+    split ``clean``: the targets, with flip)."""
+    from ml.data.dataset import landmarks_array, load_images, read_manifest
+    from ml.eval.sets import features_and_styles
+    from ml.train.fr import needs_keypoints
+
+    path = paths.fusion_set / "manifest.parquet"
+    manifest = read_manifest(path)
+    degraded = manifest[manifest["split"] == "degraded"].reset_index(drop=True)
+    clean = manifest[manifest["split"] == "clean"].reset_index(drop=True)
+    if degraded.empty:
+        raise DataError(f"{path}: no 'degraded' rows, so CAFace has no sets to train on; rebuild it with "
+                        "`dvc repro prepare`")
+    if degraded["template"].isna().any():
+        raise DataError(f"{path}: degraded row {int(degraded['template'].isna().idxmax())} has no template (its source "
+                        "image); rebuild it with `dvc repro prepare`")
+    names, labels = np.unique(degraded["identity"].to_numpy(str), return_inverse=True)
+    missing = sorted(set(names) - set(clean["identity"]))
+    if missing:
+        raise DataError(f"{path}: identity {missing[0]!r} has degraded rows but no clean one, so no target "
+                        f"({len(missing)} such identities); rebuild it with `dvc repro prepare`")
+    clean = clean[clean["identity"].isin(names)].reset_index(drop=True)
+    size = (data.image_size, data.image_size)
+    keypoints = needs_keypoints(model)
+    images = load_images(paths.fusion_set, clean, expected_size=size, progress=True)
+    centres = clean_centres(model, images, landmarks_array(clean) if keypoints else None,
+                            np.searchsorted(names, clean["identity"].to_numpy(str)), len(names))
+    images = load_images(paths.fusion_set, degraded, expected_size=size, progress=True)
+    feats, styles = features_and_styles(model, images, keypoints=landmarks_array(degraded) if keypoints else None,
+                                        batch_size=FEATURE_BATCH, progress=True)
+    return FusionMaterial(feats, styles, labels.astype(np.int64), degraded["template"].to_numpy(np.int64), centres,
+                          paths.fusion_set, "procedural-fusion")
+
+
+def real_material(model: Any, paths: Paths, data: DataConfig, seed: int) -> FusionMaterial:
+    """Set items and targets from the real training faces (``data/prepared/train``, split ``train``): each image is
+    a source (``data.fusion_copies`` degraded copies) and a clean image for its identity's target."""
+    from ml.data.dataset import landmarks_array, load_images, read_manifest
+    from ml.train.fr import needs_keypoints
+
+    manifest = read_manifest(paths.train_set / "manifest.parquet")
+    rows = manifest[manifest["split"] == "train"].reset_index(drop=True)
+    if rows.empty:
+        raise DataError(f"{paths.train_set / 'manifest.parquet'}: no 'train' rows to build CAFace's sets from; "
+                        "check data.ingest_* and rerun `dvc repro prepare`")
+    _, labels = np.unique(rows["label"].to_numpy(np.int64), return_inverse=True)
+    images = load_images(paths.train_set, rows, expected_size=(data.image_size, data.image_size), progress=True)
+    keypoints = landmarks_array(rows) if needs_keypoints(model) else None
+    centres = clean_centres(model, images, keypoints, labels, int(labels.max()) + 1)
+    feats, styles = degraded_features(model, images, keypoints, data.fusion_copies, data.surveillance_config(), seed)
+    items = np.repeat(np.arange(len(rows)), data.fusion_copies)  # row i·copies + c is a copy of image i
+    return FusionMaterial(feats, styles, labels[items].astype(np.int64), items.astype(np.int64), centres,
+                          paths.train_set, "real-degraded")
 
 
 def plot_history(history: list[dict], path: Path) -> None:
@@ -96,10 +202,9 @@ def plot_history(history: list[dict], path: Path) -> None:
 
 
 def run(cfg: FusionStageConfig, data: DataConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
-    from ml.data.dataset import landmarks_array, load_images, read_dataset_info, read_manifest
+    from ml.data.dataset import read_dataset_info
     from ml.models.fusion.caface import save_caface
     from ml.models.io import load_model
-    from ml.train.fr import needs_keypoints
     from ml.train.fusion import train_fusion
 
     fr_dir = paths.fr_model(cfg.fr_source)
@@ -113,35 +218,43 @@ def run(cfg: FusionStageConfig, data: DataConfig, paths: Paths, *, tracker: Any 
                           "a ViT or IResNet backbone.")
     train_cfg = dataclasses.replace(cfg.train, feature_dim=int(contract["embedding_dim"]),
                                     style_dim=int(contract["style_dim"]))
-    manifest = read_manifest(paths.train_set / "manifest.parquet")
-    rows = manifest[manifest["split"] == "train"].reset_index(drop=True)
-    images = load_images(paths.train_set, rows, expected_size=(data.image_size, data.image_size), progress=True)
-    keypoints = landmarks_array(rows) if needs_keypoints(model) else None
-    feats, styles, source = augmented_features(model, images, keypoints, cfg.augmented_copies, train_cfg.seed)
-    labels = rows["label"].to_numpy(np.int64)[source]
-    res = train_fusion(train_cfg, feats, styles, labels, progress=True, callbacks=core_share_callbacks())
-    info = read_dataset_info(paths.train_set)
+    if data.ingested:
+        material = real_material(model, paths, data, train_cfg.seed)
+    elif (paths.fusion_set / "manifest.parquet").is_file():
+        material = procedural_material(model, paths, data)
+    else:
+        raise DataError(f"{paths.fusion_set} holds no dataset: CAFace trains on it when no real faces are ingested; "
+                        "run `dvc repro prepare`.")
+    res = train_fusion(train_cfg, material.features, material.styles, material.labels, sources=material.sources,
+                       centres=material.centres, progress=True, callbacks=core_share_callbacks())
+    info = read_dataset_info(material.dataset)
+    identities = len(material.centres)
     extra = {"registered_name": REGISTERED_MODEL, "fr_model": str(fr_dir.relative_to(paths.root)),
              "fr_data_digest": fr_config.get("extra", {}).get("training_data_digest", ""),
-             "training_data_digest": info["digest"], "training_features": int(len(feats))}
+             "training_data": material.kind, "training_data_digest": info["digest"],
+             "training_features": int(len(material.features)), "training_identities": identities,
+             "training_sources": int(np.unique(material.sources).size)}
     save_caface(res.model, paths.fusion_model, extra=extra)
 
     last = res.history[-1] if res.history else {}
     result = StageResult("train_fusion", outputs=[paths.fusion_model])
     result.metrics = {k: float(v) for k, v in last.items() if k.startswith("train/")}
-    result.metrics["train/features"] = float(len(feats))
+    result.metrics.update({"train/features": float(len(material.features)), "train/identities": float(identities),
+                           "train/steps": float(res.steps)})
     write_json(paths.metrics / "train_fusion.json", result.metrics)
     write_history_csv(paths.plots / "train_fusion_history.csv", res.history)
     plot_history(res.history, paths.plots / "train_fusion_loss.png")
-    result.summary = (f"CAFace trained on {len(feats)} features ({cfg.augmented_copies} augmented copies) of "
+    result.summary = (f"CAFace trained {res.steps} steps on {len(material.features)} degraded faces of {identities} "
+                      f"identities ({material.kind}: {material.dataset.relative_to(paths.root)}) with features of "
                       f"{fr_dir.name} → {paths.fusion_model}")
     if tracker is not None:
-        tracker.log_dataset(paths.train_set, context="train")
+        tracker.log_dataset(material.dataset, context="train")
         for h in res.history:
             tracker.log_metrics({k: v for k, v in h.items() if k.startswith("train/")}, step=int(h["epoch"]))
         tracker.log_artifact(paths.plots / "train_fusion_loss.png", artifact_path="plots")
         version = tracker.register_model_dir(REGISTERED_MODEL, model_dir=paths.fusion_model,
-                                             tags={"fr_model": extra["fr_model"], "data_digest": info["digest"]})
+                                             tags={"fr_model": extra["fr_model"], "data_digest": info["digest"],
+                                                   "training_data": material.kind})
         result.summary += f"; {registered_note(REGISTERED_MODEL, version)}"
     return result
 
@@ -153,7 +266,8 @@ def main() -> None:
     params = load_params(paths.params)
     cfg = from_mapping(FusionStageConfig, section(params, "fusion"), "fusion")
     data = from_mapping(DataConfig, section(params, "data"), "data")
-    with stage_run("train_fusion", {"fusion": section(params, "fusion")}, paths.root) as tracker:
+    data_keys = {k: v for k, v in section(params, "data").items() if k.startswith("fusion_") or k == "surveillance"}
+    with stage_run("train_fusion", {"fusion": section(params, "fusion"), "data": data_keys}, paths.root) as tracker:
         result = run(cfg, data, paths, tracker=tracker)
     log.info(result.summary)
 

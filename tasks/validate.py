@@ -1,7 +1,7 @@
 """Stage ``validate``: the Great Expectations gate over every manifest ``prepare`` wrote.
 
-One suite per manifest kind (``train``, ``heldout``, ``templates``, ``discovery``, ``videos``, ``unaligned``; the
-first two and ``discovery`` hold the user's real faces when they are ingested, with counts that are theirs, not
+One suite per manifest kind (``train``, ``heldout``, ``templates``, ``discovery``, ``videos``, ``unaligned``, and
+``fusion`` unless real faces are ingested; the first two and ``discovery`` hold the user's real faces when they are ingested, with counts that are theirs, not
 params') plus one for the generalized-face-discovery split (``gfd_split``); each expectation carries the
 risk it guards against in ``meta.risk``. Results land in ``reports/validation/<dataset>.json`` and as Data Docs
 HTML in ``reports/validation/docs/index.html``. A failed expectation stops the pipeline with one message
@@ -106,6 +106,8 @@ def build_expectations(
         ),
         "discovery": (data.discovery_identities, data.discovery_identities * data.discovery_images_per_identity),
         "unaligned": (data.unaligned_identities, data.unaligned_identities * data.unaligned_images_per_identity),
+        "fusion": (data.fusion_identities,
+                   data.fusion_identities * (data.fusion_clean_images + data.fusion_sources * data.fusion_copies)),
     }
     if kind in expected and not real:  # a real set's counts are the user's, not params
         ids, rows = expected[kind]
@@ -131,6 +133,11 @@ def build_expectations(
     if kind == "unaligned":
         exps.append(E.ExpectColumnValuesToBeInSet(column="split", value_set=["train", "test"], meta={"risk": "unknown split name"}))
         exps.append(E.ExpectColumnValuesToNotBeNull(column="lm_x0", meta={"risk": "an aligner training face without landmarks"}))
+    if kind == "fusion":
+        exps.append(E.ExpectColumnValuesToBeInSet(column="split", value_set=["clean", "degraded"],
+                                                  meta={"risk": "unknown split name"}))
+        exps.append(E.ExpectColumnValuesToNotBeNull(column="quality", meta={"risk": "a CAFace training face without "
+                                                                                    "its true quality"}))
     if kind == "discovery":
         exps.append(E.ExpectColumnValuesToBeInSet(column="split", value_set=["train"], meta={"risk": "unknown split name"}))
     if kind == "heldout":
@@ -277,7 +284,8 @@ def run(data: DataConfig, cfg: ValidateConfig, paths: Paths, *, tracker: Any = N
     from ml.discovery.split import read_gfd_split
 
     datasets: dict[str, tuple[str, pd.DataFrame]] = {}
-    for kind in ("train", "heldout", "templates", "discovery", "videos", "unaligned"):
+    kinds = ("train", "heldout", "templates", "discovery", "videos", "unaligned") + (() if data.ingested else ("fusion",))
+    for kind in kinds:
         directory = paths.prepared / kind
         manifest = read_manifest(directory / "manifest.parquet")
         extra = [str(c) for c in manifest.columns if c not in MANIFEST_COLUMNS]

@@ -18,7 +18,8 @@ from tasks.prepare import DataConfig, run
 TINY = DataConfig(train_identities=6, images_per_identity=5, val_fraction=0.2, heldout_identities=6, heldout_images_per_identity=4,
                   gallery_images_per_identity=1, verification_pairs=40, template_identities=4,
                   templates_per_identity=2, frames_per_template=3, discovery_identities=8,
-                  discovery_images_per_identity=10)
+                  discovery_images_per_identity=10, video_identities=4, video_distractors=2, video_frames=(30, 60),
+                  fusion_identities=3, fusion_clean_images=2, fusion_sources=2, fusion_copies=3)
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +93,39 @@ def test_template_meta_files_match_manifest(prepared):
         assert (ident[a] == ident[b]) == bool(same)
 
 
+def test_fusion_set_clean_targets_and_degraded_sources(prepared):
+    """CAFace's training sets: per identity 2 clean renders and 2 sources × 3 degraded copies, on identities no
+    other set uses; sources are numbered across the set and each belongs to one identity."""
+    paths, result = prepared
+    fusion = read_manifest(paths.fusion_set / "manifest.parquet")
+    assert Counter(fusion["split"]) == {"clean": 3 * 2, "degraded": 3 * 2 * 3}
+    assert result.metrics["data/fusion_images"] == 3 * (2 + 2 * 3)
+    assert fusion["identity"].nunique() == 3 and fusion["quality"].notna().all()
+    others = set().union(*(read_manifest(paths.prepared / d / "manifest.parquet")["identity"]
+                           for d in ("train", "heldout", "discovery", "templates", "videos")))
+    assert set(fusion["identity"]).isdisjoint(others)
+    clean, degraded = fusion[fusion["split"] == "clean"], fusion[fusion["split"] == "degraded"]
+    assert clean["template"].isna().all() and degraded["template"].notna().all()
+    assert sorted(degraded["template"].unique()) == list(range(6))
+    assert (degraded.groupby("template")["identity"].nunique() == 1).all()
+    assert (degraded.groupby("template").size() == 3).all()
+    assert clean["quality"].min() >= degraded["quality"].mean()  # the targets are the clean faces
+
+
+def test_video_probes_have_a_short_usable_window(prepared):
+    """Surveillance probes at the default degradations: most frames unusable (median quality < 0.15), a usable
+    window in each. Over 200 probes of 8–96 frames the best frame lies in 0.24–0.9 (> 0.3 for 95 % of them) and
+    the median quality below 0.08."""
+    paths, _ = prepared
+    videos = read_manifest(paths.video_set / "manifest.parquet")
+    probes = videos[videos["split"] == "probe"].groupby("template")["quality"]
+    assert probes.ngroups == 6
+    best, median = probes.max(), probes.median()
+    assert (best > 0.2).all() and best.median() > 0.3, best
+    assert (median < 0.15).all(), median
+    assert (best > 3 * median).all()
+
+
 def test_ingest_recordio(tmp_path):
     """Ingested real faces take the procedural training, held-out and discovery sets' places (tests/test_ingest.py
     covers the split and bad input)."""
@@ -114,6 +148,7 @@ def test_ingest_recordio(tmp_path):
     assert set(split["path"]) == set(sets["discovery"]["path"]) and split["known"].any() and not split["known"].all()
     assert result.metrics["data/real_images"] == 32 and result.metrics["data/real_train_images"] == 16
     assert (paths.verification_dir / "real.bin").is_file() and (paths.verification_dir / "procedural.bin").is_file()
+    assert not paths.fusion_set.exists()  # CAFace then trains on degraded copies of the real training faces
 
 
 def test_parts_in_parallel_write_the_same_bytes_as_one_process(tmp_path):

@@ -34,6 +34,7 @@ FR_SEEDS = (0, 1, 2)
 DATA = dict(seed=0, train_identities=4, images_per_identity=4, heldout_identities=8, heldout_images_per_identity=4,
             gallery_images_per_identity=1, verification_pairs=200, template_identities=4, templates_per_identity=2,
             frames_per_template=2, discovery_identities=6, discovery_images_per_identity=6, video_identities=2,
+            fusion_identities=2, fusion_clean_images=1, fusion_sources=1, fusion_copies=2,
             video_distractors=1, video_frames=[2, 3], booking_stills=1, unaligned_identities=4,
             unaligned_images_per_identity=3, unaligned_test_identities=2, unaligned_size=64)
 EVALUATE = dict(fars=[0.01, 0.1], ranks=[1, 5], fpirs=[0.1], distractor_ranks=[1, 5], batch_size=64, ssk_n_init=2,

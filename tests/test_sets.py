@@ -16,6 +16,7 @@ from ml.errors import ConfigError, DataError
 from ml.eval.metrics import template_features
 from ml.eval.sets import (
     FUSERS,
+    FusionStream,
     features_and_styles,
     fuse_templates,
     gain_vs_probe_size,
@@ -127,6 +128,46 @@ def test_landmarks_outside_the_image_weigh_nothing_and_all_zero_groups_fall_back
     assert "plain average" in caplog.text
 
 
+def test_quality_oracle_by_hand():
+    feats = np.array([[3.0, 4.0], [0.0, 2.0], [0.0, -5.0]], dtype=np.float32)
+    quality = np.array([0.5, 0.25, 0.9], dtype=np.float32)
+    out = fuse_templates("quality_oracle", feats, np.array([0, 0, 1]), quality=quality)
+    # group 0: 0.5·(0.6, 0.8) + 0.25·(0, 1) = (0.3, 0.65), ‖·‖ = √0.5125; group 1 (one image): its unit feature
+    norm = math.sqrt(0.3**2 + 0.65**2)
+    np.testing.assert_allclose(out, [[0.3 / norm, 0.65 / norm], [0.0, -1.0]], atol=1e-6)
+    # the raw norms do not count, only the quality: scaling a feature changes nothing
+    np.testing.assert_allclose(fuse_templates("quality_oracle", feats * [[10.0], [1.0], [3.0]], np.array([0, 0, 1]),
+                                              quality=quality), out, atol=1e-6)
+    with pytest.raises(DataError, match="needs quality"):
+        fuse_templates("quality_oracle", feats, np.array([0, 0, 1]))
+    with pytest.raises(DataError, match="quality row 1 is negative"):
+        fuse_templates("quality_oracle", feats, np.array([0, 0, 1]), quality=np.array([0.5, -0.1, 0.2]))
+
+
+def test_zero_quality_groups_fall_back_to_the_average_and_no_template_is_nan(caplog):
+    """A probe without a usable frame (every quality < 0.05, or exactly 0) still gets a defined template with
+    every method: the oracle's tiny weights still give a direction, and all-zero weights fall back to the average."""
+    f, s, g = _random_sets([5, 4, 3], d=32)
+    quality = np.where(g == 0, 0.0, np.where(g == 1, 0.01 + 0.03 * (np.arange(g.size) % 2), 0.9)).astype(np.float32)
+    with caplog.at_level(logging.WARNING, logger="ml.eval.sets"):
+        out = fuse_templates("quality_oracle", f, g, quality=quality)
+    assert "1 group(s) have quality 0" in caplog.text and "plain average" in caplog.text
+    average = fuse_templates("average", f, g)
+    np.testing.assert_allclose(out[0], average[0], atol=1e-6)  # all zero: the plain average
+    assert not np.allclose(out[1], average[1], atol=1e-4)  # small but unequal weights still weigh
+    landmarks = np.tile(np.asarray(ARCFACE_TEMPLATE_112, np.float32), (g.size, 1, 1))
+    for method in FUSERS:
+        templates = fuse_templates(method, f, g, styles=s, landmarks=landmarks, face_scores=quality, model=_caface(),
+                                   quality=quality, chunk_size=2)
+        assert np.isfinite(templates).all(), method
+        np.testing.assert_allclose(np.linalg.norm(templates, axis=1), 1.0, atol=1e-5)
+
+
+def test_fusion_stream_refuses_the_oracle():
+    with pytest.raises(ConfigError, match="FusionStream fuses .*not 'quality_oracle'"):
+        FusionStream("quality_oracle")
+
+
 def test_segment_fusion_equals_the_batched_baselines():
     f, _, g = _random_sets([1, 4, 2, 9, 3], d=16)
     rng = np.random.default_rng(3)
@@ -164,7 +205,7 @@ def test_caface_equals_the_model_and_streams_in_bounded_batches():
 
 
 def test_registry_lists_every_method():
-    assert set(FUSERS) == {"average", "norm_weighted", "landmark_score", "caface"}
+    assert set(FUSERS) == {"average", "norm_weighted", "landmark_score", "caface", "quality_oracle"}
 
 
 # ---- fusion: bad input
@@ -366,6 +407,9 @@ def test_gain_vs_probe_size():
     again = gain_vs_probe_size(feats, styles, groups, probe_ids, gallery, gallery_ids, sizes=(1, 4, 64),
                                methods=("average", "norm_weighted", "caface"), model=model, seed=0, chunk_size=16)
     assert again == out  # seeded
+    flat = gain_vs_probe_size(feats, styles, groups, probe_ids, gallery, gallery_ids, sizes=(1, 4, 64),
+                              methods=("average", "quality_oracle"), quality=np.ones(len(feats)), seed=0)
+    assert flat["quality_oracle"] == flat["average"] == out["average"]  # equal qualities: the oracle is the average
     with pytest.raises(DataError, match="probe 0 .* is not in the gallery"):
         gain_vs_probe_size(feats, styles, groups, probe_ids + 100, gallery, gallery_ids, sizes=(1,))
     with pytest.raises(ConfigError, match="positive integer"):
@@ -485,7 +529,7 @@ def test_procedural_video_probes_end_to_end():
     model = _caface(feature_dim=16, style_dim=64)
     for method in FUSERS:
         templates = fuse_templates(method, p_feats, groups, styles=p_styles, landmarks=landmarks,
-                                   face_scores=scores, image_size=64, model=model, chunk_size=2)
+                                   face_scores=scores, image_size=64, model=model, chunk_size=2, quality=scores)
         assert templates.shape == (3, 16) and np.isfinite(templates).all()
         out = video_identification(templates, np.array(identities), g_feats, np.array(identities), ranks=(1, 3))
         assert out["rank3"] == 1.0 and 0.0 <= out["rank1"] <= 1.0

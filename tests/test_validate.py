@@ -44,6 +44,7 @@ def test_clean_data_passes_and_writes_reports(prepared, tmp_path):
     result = validate.run(data, validate.ValidateConfig(), dataclasses.replace(paths))
     assert result.metrics["validate/train/success_percent"] == 100.0
     assert (paths.validation_reports / "train.json").is_file()
+    assert result.metrics["validate/fusion/success_percent"] == 100.0  # CAFace's procedural training sets
     assert (paths.validation_reports / "docs" / "index.html").is_file()
 
 
@@ -65,6 +66,10 @@ def _corrupt(paths, kind, fn):
      "column 'width'", "row 0"),
     ("train", lambda df: df.__setitem__("split", "train"), "is_val", "observed"),
     ("templates", lambda df: df.drop(index=[0, 1], inplace=True), "expect_table_row_count_to_be_between", "observed"),
+    ("fusion", lambda df: df.__setitem__("split", df["split"].where(df.index != 2, "noisy")),
+     "expect_column_values_to_be_in_set", "row 2"),
+    ("fusion", lambda df: df.__setitem__("quality", df["quality"].where(df.index != 4, np.nan)),
+     "expect_column_values_to_not_be_null", "row 4"),
 ])
 def test_broken_manifest_is_rejected_naming_dataset_expectation_rows(prepared, tmp_path, kind, mutate, expectation, row):
     data, paths = prepared

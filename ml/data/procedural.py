@@ -788,6 +788,11 @@ class ProceduralFaces:
         index = self._check_index(index, "index")
         return self._render(face, self._sample_nuisance(face, int(identity), index))
 
+    def sample_nuisance(self, identity: int, index: int) -> dict:
+        """The nuisance :meth:`sample` renders image ``index`` of ``identity`` with (nothing is rendered)."""
+        face = self._face(identity)
+        return self._sample_nuisance(face, int(identity), self._check_index(index, "index"))
+
     def sequence(self, identity: int, length: int, seq_index: int = 0) -> list[FaceSample]:
         """A video-like sequence: pose, expression and degradations follow a smooth random walk.
 
@@ -795,6 +800,11 @@ class ProceduralFaces:
         from the per-image distributions) joined by cosine interpolation, so consecutive frames differ
         a little and distant ones more; background, colour cast and occluders stay fixed.
         """
+        face = self._face(identity)
+        return [self._render(face, n) for n in self.sequence_nuisance(identity, length, seq_index)]
+
+    def sequence_nuisance(self, identity: int, length: int, seq_index: int = 0) -> list[dict]:
+        """The per-frame nuisance of :meth:`sequence` (nothing is rendered)."""
         face = self._face(identity)
         seq_index = self._check_index(seq_index, "seq_index")
         if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length < 1:
@@ -812,7 +822,7 @@ class ProceduralFaces:
             j, frac = divmod(t, stride)
             w = 0.5 - 0.5 * math.cos(math.pi * frac / stride)
             dyn = {key: (1 - w) * knots[j][key] + w * knots[j + 1][key] for key in _SMOOTH_KEYS}
-            out.append(self._render(face, self._finish(face, dyn, static, noise_seeds[t])))
+            out.append(self._finish(face, dyn, static, noise_seeds[t]))
         return out
 
     def render(self, identity: int, nuisance: dict) -> FaceSample:

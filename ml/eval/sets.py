@@ -18,6 +18,9 @@ Fusion methods (``FUSERS``), for a group ``g`` with images ``i ∈ g``, ``f̄_i 
   Landmarks outside the image are not special-cased: they are simply far from the template. Every template
   point lies at least 19.6 px of 112 (0.175·S) inside the border, so an outside landmark alone costs at least
   0.175 of the h = 0.2 budget (weight ≤ 0.12), and an image with landmarks well outside gets weight 0.
+- ``quality_oracle``: ``normalize(Σ_i q_i·f̄_i)`` with ``q_i`` the renderer's true quality of image ``i`` (the
+  headroom reference: what weighting frames by quality can gain; a group of all-zero quality falls back to
+  ``average``).
 - ``caface``: the learned CAFace (``ml.train.fusion.fuse_sets``, eval mode). ``chunk_size=None`` fuses each
   group in one call (exactly ``model(set)``); a ``chunk_size`` streams groups in chunks through the CAFace
   memory (paper Eq. 8), which is how probes of thousands of frames stay in bounded memory (the paper uses
@@ -305,6 +308,7 @@ class _Inputs:
     media: Any = None
     h: float = 0.2
     max_items: int = MAX_ITEMS
+    quality: Any = None
 
 
 def _segment_sum(values: torch.Tensor, groups: _Groups) -> torch.Tensor:
@@ -418,14 +422,33 @@ def _fuse_caface(features: np.ndarray, groups: _Groups, inputs: _Inputs) -> np.n
     return out
 
 
+def _fuse_quality_oracle(features: np.ndarray, groups: _Groups, inputs: _Inputs) -> np.ndarray:
+    n = features.shape[0]
+    if inputs.quality is None:
+        raise DataError("quality_oracle fusion needs quality (N,): the renderer's true quality of each image")
+    weights = torch.from_numpy(_check_rows(inputs.quality, n, (), "quality", "the manifest's quality column"))
+    if bool((weights < 0).any()):
+        row = int(torch.nonzero(weights < 0)[0])
+        raise DataError(f"quality row {row} is negative ({float(weights[row])}); qualities lie in [0, 1]")
+    units = F.normalize(torch.from_numpy(features), dim=1)
+    fused = _segment_sum(weights[:, None] * units, groups)
+    degenerate = _segment_sum(weights, groups) <= 1e-12
+    if bool(degenerate.any()):
+        log.warning("%d group(s) have quality 0 in every image; using the plain average for them", int(degenerate.sum()))
+        fused = torch.where(degenerate[:, None], _segment_sum(units, groups), fused)
+    return fused.numpy()
+
+
 # Fusion registry: name → fuser(features (N, D), groups, inputs) → unnormalised or unit templates (G, D).
 FUSERS: dict[str, Callable[[np.ndarray, _Groups, _Inputs], np.ndarray]] = {
     "average": _fuse_average,
     "norm_weighted": _fuse_norm_weighted,
     "landmark_score": _fuse_landmark_score,
     "caface": _fuse_caface,
+    "quality_oracle": _fuse_quality_oracle,
 }
 FUSION_METHODS: tuple[str, ...] = tuple(FUSERS)
+STREAM_METHODS: tuple[str, ...] = ("average", "norm_weighted", "landmark_score", "caface")
 
 
 def fuse_templates(
@@ -442,10 +465,12 @@ def fuse_templates(
     media: np.ndarray | None = None,
     h: float = 0.2,
     max_items: int = MAX_ITEMS,
+    quality: np.ndarray | None = None,
 ) -> np.ndarray:
     """Unit-norm templates (G, D) float32 of the images ``features`` (N, D) grouped by ``groups`` (N,) ∈ 0..G-1.
 
     ``method`` is a key of ``FUSERS`` (see the module docstring for each formula). What each needs:
+    ``quality_oracle``: ``quality`` (N,) ≥ 0, the renderer's true quality (a headroom reference, not a method);
     ``landmark_score``: ``landmarks`` (N, 5, 2) pixels in images of side ``image_size`` (default 112) and
     optionally ``face_scores`` (N,) ≥ 0 (default 1); ``caface``: ``model`` (a CAFace), ``styles``
     (N, style_dim, 2) and optionally ``chunk_size`` (stream each group in chunks; None = one call per group)
@@ -459,7 +484,7 @@ def fuse_templates(
         raise ConfigError(f"media pooling is defined for 'average' only, not {method!r}; pass media=None")
     feats = _check_features(features)
     grp = _check_groups(groups, feats.shape[0])
-    inputs = _Inputs(styles, landmarks, face_scores, model, image_size, chunk_size, media, h, max_items)
+    inputs = _Inputs(styles, landmarks, face_scores, model, image_size, chunk_size, media, h, max_items, quality)
     fused = torch.from_numpy(np.asarray(FUSERS[method](feats, grp, inputs), dtype=np.float64))
     norms = fused.norm(dim=1)
     zero = torch.nonzero(norms <= 1e-12).flatten()
@@ -498,8 +523,11 @@ class FusionStream:
         chunk_size: int = 64,
         h: float = 0.2,
     ) -> None:
-        if method not in FUSERS:
-            raise ConfigError(f"unknown fusion method {method!r}; choose one of {', '.join(FUSERS)}")
+        if method not in STREAM_METHODS:
+            if method in FUSERS:
+                raise ConfigError(f"FusionStream fuses {', '.join(STREAM_METHODS)}, not {method!r}: the quality "
+                                  "oracle weights each frame by its true quality; use fuse_templates(quality=...)")
+            raise ConfigError(f"unknown fusion method {method!r}; FusionStream fuses {', '.join(STREAM_METHODS)}")
         if method == "caface" and not isinstance(model, CAFace):
             raise ConfigError(
                 f"caface fusion needs a trained CAFace model (ml.models.fusion.load_caface), got {type(model).__name__}"
@@ -800,6 +828,7 @@ def gain_vs_probe_size(
     face_scores: np.ndarray | None = None,
     image_size: float | None = None,
     chunk_size: int | None = None,
+    quality: np.ndarray | None = None,
 ) -> dict[str, dict[int, float]]:
     """Closed-set rank-1 of probe templates fused from N random frames of each probe, for each N in ``sizes``
     and each fusion method (CAFace Fig. 1c: the gain over averaging grows with the probe size).
@@ -828,7 +857,7 @@ def gain_vs_probe_size(
         if m not in FUSERS:
             raise ConfigError(f"unknown fusion method {m!r}; choose from {', '.join(FUSERS)}")
     rng = np.random.default_rng(seed)
-    arrays = {"styles": styles, "landmarks": landmarks, "face_scores": face_scores}
+    arrays = {"styles": styles, "landmarks": landmarks, "face_scores": face_scores, "quality": quality}
     arrays = {k: _to_numpy(v, k) for k, v in arrays.items() if v is not None}
     for k, v in arrays.items():
         if v.shape[:1] != (feats.shape[0],):

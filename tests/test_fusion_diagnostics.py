@@ -1,0 +1,88 @@
+"""ml/eval/fusion_diagnostics.py: rank-1 hits, the Wilson interval and the paired bootstrap against hand values, and
+CAFace's frame-weight diagnostics on a tiny untrained model (finite, in range)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ml.errors import DataError
+from ml.eval.fusion_diagnostics import (
+    caface_diagnostics,
+    caface_frame_weights,
+    paired_difference,
+    rank1_hits,
+    wilson_interval,
+)
+from ml.models.fusion import CAFace
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_rank1_hits_by_hand_skip_non_mated_probes():
+    gallery = np.array([[1.0, 0.0], [0.0, 1.0]])
+    probes = np.array([[0.9, 0.1], [0.8, 0.2], [0.0, 1.0], [0.1, 0.9]])
+    hits = rank1_hits(probes, np.array(["a", "b", "x", "b"]), gallery, np.array(["a", "b"]))
+    assert hits.tolist() == [True, False, True]  # probe 2 (x) is not enrolled
+
+
+def test_wilson_interval_against_the_closed_form():
+    # 8 of 10: p̂ = 0.8, z = 1.959964: centre (p̂ + z²/2n)/(1 + z²/n),
+    # half-width z/(1 + z²/n)·√(p̂(1−p̂)/n + z²/4n²)
+    z = 1.959963984540054
+    centre = (0.8 + z**2 / 20) / (1 + z**2 / 10)
+    half = z / (1 + z**2 / 10) * math.sqrt(0.8 * 0.2 / 10 + z**2 / 400)
+    low, high = wilson_interval(np.array([True] * 8 + [False] * 2))
+    assert (low, high) == pytest.approx((centre - half, centre + half), abs=1e-9)
+    assert (low, high) == pytest.approx((0.4902, 0.9433), abs=1e-4)  # the textbook value
+    low, high = wilson_interval(np.zeros(5, dtype=bool))
+    assert low == pytest.approx(0.0, abs=1e-12) and 0.0 < high < 0.5  # never a degenerate [0, 0]
+    with pytest.raises(DataError, match="at least one trial"):
+        wilson_interval(np.array([], dtype=bool))
+
+
+def test_paired_difference_mean_and_bootstrap_interval():
+    a = np.array([1, 1, 0, 1, 0], dtype=bool)
+    b = np.array([0, 1, 0, 0, 0], dtype=bool)
+    out = paired_difference(a, b, seed=3)
+    assert out["mean"] == pytest.approx(0.4)
+    assert 0.0 <= out["ci_low"] <= 0.4 <= out["ci_high"] <= 1.0  # every paired difference is ≥ 0
+    assert paired_difference(a, b, seed=3) == out  # seeded
+    assert paired_difference(a, a) == {"mean": 0.0, "ci_low": 0.0, "ci_high": 0.0}
+    assert paired_difference(b, a, seed=3)["mean"] == pytest.approx(-0.4)
+    with pytest.raises(DataError, match="equal-length"):
+        paired_difference(a, b[:4])
+
+
+def _sets(lengths, d=16, style_dim=8, seed=0):
+    rng = np.random.default_rng(seed)
+    n = sum(lengths)
+    feats = rng.normal(size=(n, d)).astype(np.float32) * rng.uniform(1, 4, size=(n, 1)).astype(np.float32)
+    styles = rng.normal(size=(n, style_dim, 2)).astype(np.float32)
+    groups = np.repeat(np.arange(len(lengths)), lengths)
+    quality = rng.uniform(0.0, 0.8, size=n)
+    return feats, styles, groups, quality
+
+
+def test_caface_diagnostics_on_an_untrained_model_are_finite_and_in_range():
+    torch.manual_seed(0)
+    model = CAFace(feature_dim=16, style_dim=8, num_clusters=4).train()
+    feats, styles, groups, quality = _sets([6, 5, 1, 8])
+    weights, entropy, usage = caface_frame_weights(model, feats, styles, groups)
+    assert model.training  # its mode is restored
+    assert (weights >= 0).all() and np.bincount(groups, weights=weights) == pytest.approx(np.ones(4))
+    assert ((entropy >= -1e-9) & (entropy <= 1 + 1e-9)).all()
+    assert len(usage) == 4 and all(u.shape == (4,) and u.sum() == pytest.approx(1.0) for u in usage)
+    out = caface_diagnostics(model, feats, styles, groups, quality)
+    assert set(out) == {"weight_quality_spearman", "weight_cv", "usable_weight_ratio", "assignment_entropy",
+                        "cluster_usage_entropy", "effective_clusters"}
+    assert all(math.isfinite(v) for v in out.values()), out
+    assert -1.0 <= out["weight_quality_spearman"] <= 1.0
+    assert out["weight_cv"] >= 0.0 and out["usable_weight_ratio"] > 0.0
+    assert 0.0 <= out["assignment_entropy"] <= 1.0 + 1e-9 and 0.0 <= out["cluster_usage_entropy"] <= 1.0 + 1e-9
+    assert 1.0 - 1e-9 <= out["effective_clusters"] <= 4.0 + 1e-9
+    with pytest.raises(DataError, match="one set id per frame"):
+        caface_frame_weights(model, feats, styles, groups[:-1])

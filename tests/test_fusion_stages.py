@@ -1,0 +1,144 @@
+"""The fusion stages at toy size: ``train_fusion`` on the procedural fusion set (clean targets, degraded sources) and on
+degraded copies of the real training faces, and the set evaluation's oracle, intervals, CAFace diagnostics and
+report lines (tasks/train_fusion.py, tasks/sets_eval.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ml.data.dataset import read_dataset_info, read_manifest
+from ml.data.surveillance import SurveillanceConfig
+from ml.models.backbones.vit import vit_tiny
+from ml.models.io import load_model, save_model
+from ml.train.fusion import FusionConfig
+from tasks import sets_eval
+from tasks.common import Paths
+from tasks.evaluate import EvaluateConfig
+from tasks.prepare import DataConfig, _prepare_part
+from tasks.train_fusion import (
+    FusionStageConfig, degraded_features, procedural_material, real_material, run,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VIT = dict(depth=4, dim=32, heads=2, embed_dim=16, drop_path=0.0)  # 64 px; taps blocks 2 and 3: style_dim 64
+DATA = DataConfig(train_identities=3, images_per_identity=3, val_fraction=0.0, heldout_identities=4,
+                  heldout_images_per_identity=3, gallery_images_per_identity=1, verification_pairs=20,
+                  template_identities=2, templates_per_identity=2, frames_per_template=2, discovery_identities=4,
+                  discovery_images_per_identity=4, video_identities=3, video_distractors=1, video_frames=(6, 12),
+                  fusion_identities=4, fusion_clean_images=2, fusion_sources=2, fusion_copies=3)
+STAGE = FusionStageConfig(train=FusionConfig(epochs=1, steps_per_epoch=2, lr_steps=(), batch_size=4, per_identity=8,
+                                             group=4, max_len=4, accelerator="cpu"))
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """Prepared train / fusion / templates / videos parts and a random tiny FR ViT as ``models/fr/real``."""
+    paths = Paths(tmp_path_factory.mktemp("ws"))
+    paths.prepared.mkdir(parents=True)
+    for part in ("train", "fusion", "templates", "videos"):
+        _prepare_part(part, DATA, paths.prepared, progress=False)
+    torch.manual_seed(0)
+    save_model(paths.fr_model("real"), vit_tiny(**VIT).eval(), backbone="vit_tiny", kwargs=VIT)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def trained(workspace):
+    return run(STAGE, DATA, workspace)
+
+
+def test_procedural_material_clean_targets_and_degraded_sources(workspace):
+    model, _ = load_model(workspace.fr_model("real"))
+    m = procedural_material(model, workspace, DATA)
+    k, per = 4, 2 * 3  # identities; sources × copies
+    assert m.kind == "procedural-fusion" and m.dataset == workspace.fusion_set
+    assert m.features.shape == (k * per, 16) and m.styles.shape == (k * per, 64, 2)
+    assert np.bincount(m.labels).tolist() == [per] * k
+    assert np.unique(m.sources).size == k * 2 and np.bincount(m.sources).tolist() == [3] * (k * 2)
+    for source in np.unique(m.sources):  # a source belongs to one identity
+        assert np.unique(m.labels[m.sources == source]).size == 1
+    assert m.centres.shape == (k, 16) and np.allclose(np.linalg.norm(m.centres, axis=1), 1.0, atol=1e-5)
+
+
+def test_degraded_copies_do_not_depend_on_the_batch_size(workspace):
+    model, _ = load_model(workspace.fr_model("real"))
+    rows = read_manifest(workspace.train_set / "manifest.parquet")
+    from ml.data.dataset import load_images
+
+    images = load_images(workspace.train_set, rows.iloc[:3])
+    small = degraded_features(model, images, None, 4, SurveillanceConfig(), seed=1, batch_size=3)
+    large = degraded_features(model, images, None, 4, SurveillanceConfig(), seed=1, batch_size=256)
+    assert small[0].shape == (12, 16)
+    np.testing.assert_allclose(small[0], large[0], atol=1e-5)
+    other = degraded_features(model, images, None, 4, SurveillanceConfig(), seed=2)
+    assert not np.allclose(other[0], large[0], atol=1e-3)  # the seed draws other degradations
+
+
+def test_train_fusion_on_the_procedural_fusion_set(workspace, trained):
+    metrics = json.loads((workspace.metrics / "train_fusion.json").read_text())
+    assert metrics["train/features"] == 4 * 2 * 3 and metrics["train/identities"] == 4 and metrics["train/steps"] == 2
+    assert {"train/loss", "train/lt", "train/lp", "train/lt_average"} <= set(metrics)
+    extra = json.loads((workspace.fusion_model / "config.json").read_text())["extra"]
+    assert extra["training_data"] == "procedural-fusion"
+    assert extra["training_data_digest"] == read_dataset_info(workspace.fusion_set)["digest"]
+    assert extra["training_features"] == 24 and extra["training_sources"] == 8
+    assert (workspace.plots / "train_fusion_loss.png").is_file()
+
+
+def test_train_fusion_on_degraded_real_faces_when_ingested(workspace, tmp_path):
+    """Ingested faces: no fusion set; every training image is a source with ``fusion_copies`` degraded copies."""
+    paths = Paths(tmp_path)
+    (tmp_path / "data").mkdir()
+    (paths.prepared).mkdir()
+    (paths.prepared / "train").symlink_to(workspace.train_set)
+    (tmp_path / "models").mkdir()
+    (paths.fr_models).mkdir()
+    paths.fr_model("real").symlink_to(workspace.fr_model("real"))
+    data = dataclasses.replace(DATA, ingest_folder=str(tmp_path / "faces"), fusion_copies=2)
+    model, _ = load_model(paths.fr_model("real"))
+    m = real_material(model, paths, data, seed=0)
+    n = len(read_manifest(paths.train_set / "manifest.parquet").query("split == 'train'"))
+    assert m.kind == "real-degraded" and m.features.shape == (2 * n, 16)
+    assert m.sources.tolist() == np.repeat(np.arange(n), 2).tolist() and m.centres.shape == (3, 16)
+    run(STAGE, data, paths)
+    extra = json.loads((paths.fusion_model / "config.json").read_text())["extra"]
+    assert extra["training_data"] == "real-degraded"
+    assert extra["training_data_digest"] == read_dataset_info(workspace.train_set)["digest"]
+    assert json.loads((paths.metrics / "train_fusion.json").read_text())["train/features"] == 2 * n
+
+
+def test_zero_quality_probes_by_hand():
+    quality = np.array([0.01, 0.04, 0.0, 0.9, 0.049, 0.06])
+    groups = np.array([0, 0, 1, 1, 2, 3])
+    assert sets_eval.zero_quality_probes(quality, groups) == 2  # probes 0 and 2; 1 and 3 have a usable frame
+
+
+def test_evaluate_sets_adds_the_oracle_intervals_and_caface_diagnostics(workspace, trained):
+    model, _ = load_model(workspace.fr_model("real"))
+    metrics = sets_eval.evaluate_sets(EvaluateConfig(batch_size=16), DATA, workspace, model, chunk_size=4)
+    assert all(math.isfinite(v) for v in metrics.values()), {k: v for k, v in metrics.items() if not math.isfinite(v)}
+    for method in sets_eval.LABELS:
+        low, high = (metrics[f"sets/videos_single/{method}/rank1_ci_{b}"] for b in ("low", "high"))
+        assert 0.0 <= low <= metrics[f"sets/videos_single/{method}/rank1"] <= high <= 1.0, method
+        assert f"sets/gain/{method}/n=1/rank1" in metrics and f"sets/templates/{method}/tar@far=1e-2" in metrics
+    for method in ("caface", "quality_oracle"):
+        key = f"sets/videos_single/{method}_minus_average/rank1"
+        assert -1.0 <= metrics[f"{key}/ci_low"] <= metrics[key] <= metrics[f"{key}/ci_high"] <= 1.0
+        assert metrics[key] == pytest.approx(metrics[f"sets/videos_single/{method}/rank1"]
+                                             - metrics["sets/videos_single/average/rank1"])
+    assert {f"sets/caface/{k}" for k in ("weight_quality_spearman", "weight_cv", "usable_weight_ratio",
+                                         "assignment_entropy", "cluster_usage_entropy", "effective_clusters",
+                                         "num_clusters")} <= set(metrics)
+    assert metrics["sets/videos/zero_quality_probes"] == 0  # every surveillance probe has a usable window
+    assert json.loads((workspace.metrics / "sets.json").read_text()) == pytest.approx(metrics)
+    report = "\n".join(sets_eval.render_section(metrics))
+    assert f"| {sets_eval.LABELS['quality_oracle']} |" in report
+    assert "Gain over averaging" in report and "the true-quality oracle" in report
+    assert "Does CAFace weight frames by quality?" in report and "Spearman ρ" in report
