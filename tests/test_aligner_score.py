@@ -206,7 +206,7 @@ def test_evaluate_aligner_score_metrics_by_hand():
     gt = np.tile(np.array([[10, 12], [22, 12], [16, 17], [11, 23], [21, 23]], np.float32), (3, 1, 1))
     model = _FixedAligner(gt, {32: np.array([0.9, 0.8, 0.3], np.float32), 24: np.array([0.2, 0.85], np.float32)})
     res = evaluate_aligner(model, faces, gt, nonfaces=nonfaces, qualities=np.array([0.7, 0.9, 0.1]))
-    assert res["nme"] == 0.0
+    assert res["nme"] == 0.0 and res["nme_box"] == 0.0 and res["failure_box@0.05"] == 0.0
     assert res["face_auc"] == pytest.approx(4 / 6)
     assert res["face_accuracy@0.5"] == pytest.approx(3 / 5)  # 0.9, 0.8 ≥ ½ and 0.2 < ½ are right
     assert res["face_score_mean"] == pytest.approx(2.0 / 3) and res["nonface_score_mean"] == pytest.approx(0.525)
@@ -363,7 +363,15 @@ def test_train_aligner_stage_writes_the_face_score_metrics(tmp_path):
     for key in ("test/face_auc", "test/face_accuracy@0.5", "test/face_score_mean", "test/nonface_score_mean"):
         assert 0.0 <= saved[key] <= 1.0, key
     assert -1.0 <= saved["quality/score_spearman"] <= 1.0
-    assert "face score AUC" in result.summary
+    for key in ("test/nme_box", "test/nme_box_top_anchor", "test/nme_top_anchor", "test/mean_shape_nme_box"):
+        assert saved[key] > 0.0, key
+    for key in ("test/failure_box@0.05", "test/failure_box@0.07", "test/auc_box@0.07",
+                "test/failure_box@0.05_top_anchor", "test/mean_shape_failure_box@0.05"):
+        assert 0.0 <= saved[key] <= 1.0, key
+    # the two conventions differ by the normaliser only: the box one is ≈ 2.3× smaller here
+    assert 1.5 < saved["test/nme"] / saved["test/nme_box"] < 3.5
+    assert "face score AUC" in result.summary and "test NME (face box)" in result.summary
+    assert (paths.plots / "aligner_ced.png").is_file()
     _, config = load_aligner(paths.aligner_model)
     assert config["extra"]["face_score_trained"] is True
     assert "| ROC AUC |" in "\n".join(aligner_section(saved, {}))

@@ -6,7 +6,10 @@ import numpy as np
 import pytest
 
 from ml.errors import DataError
-from ml.eval.alignment import auc_at, ced_curve, failure_rate, inter_pupil, nme, plot_ced
+from ml.data.procedural import ARCFACE_TEMPLATE_112
+from ml.eval.alignment import (
+    FACE_BOX_112, auc_at, ced_curve, face_box_size, failure_rate, inter_pupil, nme, nme_box, plot_ced, template_scale,
+)
 
 
 def _face(scale: float = 1.0) -> np.ndarray:
@@ -31,6 +34,50 @@ def test_nme_is_invariant_to_a_common_similarity():
     th, s = 0.7, 3.0
     r = s * np.array([[np.cos(th), -np.sin(th)], [np.sin(th), np.cos(th)]])
     np.testing.assert_allclose(nme(pred @ r.T + 5, gt @ r.T + 5), nme(pred, gt), rtol=1e-12)
+
+
+def _rotate(points: np.ndarray, degrees: float) -> np.ndarray:
+    th = np.radians(degrees)
+    return points @ np.array([[np.cos(th), -np.sin(th)], [np.sin(th), np.cos(th)]]).T
+
+
+def test_face_box_constant_is_the_renderers_average_face():
+    assert FACE_BOX_112 == pytest.approx(2 * np.sqrt(36.0 * 45.0))  # half width 36, half height 45 canonical units
+    assert FACE_BOX_112 == pytest.approx(80.4984, abs=1e-4)
+
+
+def test_template_scale_and_face_box_hand_computed():
+    t = ARCFACE_TEMPLATE_112.astype(np.float64)
+    # the template itself (σ = 1), ×2 rotated 30° and shifted, ×0.5 rotated −90° and shifted
+    gt = np.stack([t, _rotate(2.0 * t, 30.0) + [7.0, -3.0], _rotate(0.5 * t, -90.0) + 100.0])
+    np.testing.assert_allclose(template_scale(gt), [1.0, 2.0, 0.5], rtol=1e-12)
+    np.testing.assert_allclose(face_box_size(gt), [FACE_BOX_112, 2 * FACE_BOX_112, 0.5 * FACE_BOX_112], rtol=1e-12)
+    # not a similarity: doubling only the x spread, b = (2a_x, a_y), so Σ a·b = 2Σa_x² + Σa_y² and
+    # Σ a×b = Σ (a_x·a_y − a_y·2a_x) = −Σ a_x·a_y (the template's points are not symmetric in x and y)
+    a = t - t.mean(0)
+    stretched = t.mean(0) + a * [2.0, 1.0]
+    dot, cross = 2.0 * (a[:, 0] ** 2).sum() + (a[:, 1] ** 2).sum(), -(a[:, 0] * a[:, 1]).sum()
+    want = np.hypot(dot, cross) / (a**2).sum()
+    assert template_scale(stretched[None])[0] == pytest.approx(want, rel=1e-12)
+
+
+def test_nme_box_hand_computed():
+    gt = np.stack([_face(), _face(2.0)])
+    pred = gt.copy()
+    pred[0, 0] += [3.0, 4.0]  # mean error 1 px, box 20 → 0.05
+    pred[1] += [0.0, 2.0]  # mean error 2 px, box 50 → 0.04
+    np.testing.assert_allclose(nme_box(pred, gt, np.array([20.0, 50.0])), [0.05, 0.04])
+    np.testing.assert_allclose(nme_box(gt, gt, np.array([20.0, 50.0])), [0.0, 0.0])
+    # without boxes: the estimate from gt; the template at scale 2 has a box of 2·80.498 px
+    t = ARCFACE_TEMPLATE_112.astype(np.float64)[None] * 2.0
+    off = t + [0.0, 3.0]  # every point 3 px off
+    np.testing.assert_allclose(nme_box(off, t), [3.0 / (2.0 * FACE_BOX_112)], rtol=1e-12)
+    # the box convention and the inter-pupil one differ by the ratio of the normalisers only
+    np.testing.assert_allclose(nme_box(off, t) * face_box_size(t), nme(off, t) * inter_pupil(t), rtol=1e-12)
+    with pytest.raises(DataError, match="one √\\(W·H\\) per face"):
+        nme_box(pred, gt, np.array([20.0]))
+    with pytest.raises(DataError, match="finite and positive.*rows \\[1\\]"):
+        nme_box(pred, gt, np.array([20.0, 0.0]))
 
 
 def test_ced_failure_auc_hand_computed():
@@ -79,3 +126,8 @@ def test_plot_ced_writes_png_atomically(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ced.png"]  # no temporary left behind
     with pytest.raises(DataError, match="at least one"):
         plot_ced({}, tmp_path / "empty.png")
+    both = plot_ced({"dfa": rng.gamma(2, 0.02, 100)}, tmp_path / "both.png",
+                    box_curves={"dfa": rng.gamma(2, 0.01, 100), "top anchor": rng.gamma(2, 0.012, 100)})
+    assert both.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(DataError, match="box_curves"):
+        plot_ced({"dfa": np.ones(3)}, tmp_path / "none.png", box_curves={})

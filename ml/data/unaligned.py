@@ -9,6 +9,18 @@ landmarks are pushed through the same maps, so they are exact: no resampling of 
 empty borders, no interpolation blur. This module only picks those knobs, rejects draws whose landmarks
 leave the image, and stacks the result.
 
+Face box. With ``return_face_size`` each face also comes with the side ``√(W·H)`` of the renderer's own face
+box: the face outline that ``ml.data.procedural`` draws at depth 0 spans ``2·face_w × 2·face_h`` canonical
+units (ArcFace-112 units; ``face_w`` is the half width of the upper face, ``face_h`` the half height from the
+top of the forehead to the chin), and the depth warp and the similarity scale it to
+
+    W = 2·face_w · cos(yaw) · s · size/112,    H = 2·face_h · cos(pitch) · s · size/112    (pixels)
+
+along the face's own axes (the box of the upright face, rotated with it: an in-plane rotation does not change
+it; the jaw taper and the ears are not in it). ``√(W·H) = 2·√(face_w·face_h) · ppu`` with ``ppu`` the
+renderer's output pixels per canonical unit at depth 0. This is the normaliser of the box-convention NME
+(``ml.eval.alignment.nme_box``), which estimates it from the 5 landmarks when only those are stored.
+
 Rejection is deterministic: identity ``i`` takes its sample indices 0, 1, 2, … in order and keeps the
 first ``per_identity`` whose 5 landmarks all lie at least ``margin`` (fraction of the side) inside the
 image, so the same arguments always give the same faces.
@@ -25,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -32,7 +45,7 @@ from tqdm.auto import tqdm
 from ml.data.procedural import ProceduralConfig, ProceduralFaces
 from ml.errors import ConfigError, DataError
 
-__all__ = ["unaligned_config", "unaligned_faces"]
+__all__ = ["renderer_face_size", "unaligned_config", "unaligned_faces"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +70,14 @@ def unaligned_config(
     )
 
 
+def renderer_face_size(identity: dict[str, float], nuisance: dict, size: int) -> float:
+    """``√(W·H)`` in pixels of the renderer's face box (module docstring) for a face of ``identity``
+    (``ProceduralFaces.identity``) rendered at ``size``² with ``nuisance`` (``FaceSample.nuisance``)."""
+    ppu = nuisance["scale"] * size / 112.0 * math.sqrt(math.cos(math.radians(nuisance["yaw"]))
+                                                        * math.cos(math.radians(nuisance["pitch"])))
+    return 2.0 * math.sqrt(identity["face_w"] * identity["face_h"]) * ppu
+
+
 def unaligned_faces(
     n_identities: int,
     per_identity: int,
@@ -71,12 +92,15 @@ def unaligned_faces(
     base: ProceduralConfig | None = None,
     progress: bool = False,
     return_quality: bool = False,
+    return_face_size: bool = False,
 ) -> tuple[np.ndarray, ...]:
     """Render ``n_identities × per_identity`` unaligned faces.
 
     Returns ``images`` uint8 (N, size, size, 3) RGB, ``landmarks`` float32 (N, 5, 2) pixel x, y (pixel
     centres at integers, ArcFace order) and ``identities`` int64 (N,) = ``first_identity + i``, and with
-    ``return_quality`` also each face's procedural ``quality`` float32 (N,) (:func:`ml.data.procedural.quality_score`).
+    ``return_quality`` also each face's procedural ``quality`` float32 (N,) (:func:`ml.data.procedural.quality_score`),
+    then with ``return_face_size`` the side ``√(W·H)`` float32 (N,) of each face's box in pixels
+    (:func:`renderer_face_size`).
     Use a different ``first_identity`` range (or seed) for held-out faces.
     """
     for name, value, low in (("n_identities", n_identities, 1), ("per_identity", per_identity, 1),
@@ -93,6 +117,7 @@ def unaligned_faces(
     images = np.empty((n, size, size, 3), dtype=np.uint8)
     landmarks = np.empty((n, 5, 2), dtype=np.float32)
     quality = np.empty(n, dtype=np.float32)
+    face_size = np.empty(n, dtype=np.float32)
     identities = np.repeat(np.arange(first_identity, first_identity + n_identities, dtype=np.int64), per_identity)
     row = rejected = 0
     with tqdm(total=n, unit="face", desc="unaligned faces", disable=not progress) as bar:
@@ -111,8 +136,11 @@ def unaligned_faces(
                     rejected += 1
                     continue
                 images[row], landmarks[row], quality[row] = sample.image, sample.landmarks, sample.quality
+                if return_face_size:
+                    face_size[row] = renderer_face_size(gen.identity(identity), sample.nuisance, size)
                 row += 1
                 kept += 1
                 bar.update(1)
     log.info("rendered %d unaligned %d-px faces (%d draws rejected: landmarks outside the image)", n, size, rejected)
-    return (images, landmarks, identities, quality) if return_quality else (images, landmarks, identities)
+    out = (images, landmarks, identities) + ((quality,) if return_quality else ())
+    return out + ((face_size,) if return_face_size else ())

@@ -19,6 +19,9 @@ Aggregation instead of NMS (supp. Eq. 13–15): tokens ``O = [box | score | land
 embedded to ``mixer_dim``, pass ``mixer_depth`` MLP-Mixer blocks (token mixing across the A anchors,
 then channel mixing), and a linear read-out gives one logit per anchor; ``w = softmax(logits)`` over
 anchors and the face's landmarks are ``L = Σ_a w_a l_a`` (5, 2), its score ``Σ_a w_a·softmax(s_a)₁``.
+The paper's claim is that this pooling beats picking one detection: :meth:`DFA.top_anchor` reads the same
+forward pass the RetinaFace way instead (the landmarks of the anchor with the highest face probability,
+what NMS keeps first), and ``predict(..., readout="top_anchor")`` returns those.
 
 Coordinates: landmarks are normalised to the crop, ``u = (x + ½)/W``, ``v = (y + ½)/H`` for pixel
 ``(x, y)`` with pixel centres at integers (the crop spans ``[0, 1]``). This is resize-invariant under
@@ -66,6 +69,7 @@ __all__ = [
     "DFA",
     "DFAConfig",
     "INPUT_CONTRACT",
+    "READOUTS",
     "build_aligner",
     "decode_boxes",
     "decode_landmarks",
@@ -80,6 +84,7 @@ __all__ = [
 ]
 
 ANCHOR_REFERENCE = 160  # min sizes are given for a 160×160 crop
+READOUTS = ("pooled", "top_anchor")  # predict(readout=...): the mixer-pooled face, or the best-scoring anchor
 FORMAT = 1
 MODEL_NAME = "dfa"
 
@@ -399,11 +404,26 @@ class DFA(nn.Module):
         return {"landmarks": landmarks, "score": face, "weights": weights, "anchor_landmarks": per_anchor,
                 "anchor_scores": score}
 
+    @staticmethod
+    def top_anchor(out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The single-detection read-out of a :meth:`forward` output: per image, the decoded landmarks (B, 5, 2)
+        and face probability (B,) of the anchor with the highest face probability ``softmax(s_a)₁`` (ties: the
+        first anchor in prior order)."""
+        prob = out["anchor_scores"].float().softmax(dim=-1)[..., 1]  # (B, A)
+        best = prob.argmax(dim=1)  # (B,)
+        rows = torch.arange(prob.shape[0], device=prob.device)
+        return out["anchor_landmarks"][rows, best], prob[rows, best]
+
     @torch.no_grad()
-    def predict(self, images: np.ndarray, batch_size: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    def predict(
+        self, images: np.ndarray, batch_size: int = 64, *, readout: str = "pooled"
+    ) -> tuple[np.ndarray, np.ndarray]:
         """uint8 RGB ``images`` (N, H, W, 3) of any size → (landmarks (N, 5, 2) float32 pixel x, y in those
         images, scores (N,) float32). Each batch is resized to ``input_size``² (bilinear, antialiased) and
-        the normalised predictions are mapped back with ``x = u·W − ½``."""
+        the normalised predictions are mapped back with ``x = u·W − ½``. ``readout="pooled"`` gives the
+        mixer-pooled landmarks and score, ``"top_anchor"`` those of the best-scoring anchor (:meth:`top_anchor`)."""
+        if readout not in READOUTS:
+            raise ConfigError(f"DFA.predict readout = {readout!r}: use one of {', '.join(READOUTS)}")
         if not isinstance(images, np.ndarray) or images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
             desc = f"{type(images).__name__} {getattr(images, 'dtype', '')} {getattr(images, 'shape', '')}"
             raise DataError(f"DFA.predict images must be a uint8 numpy array (N, H, W, 3) RGB, got {desc}")
@@ -421,8 +441,9 @@ class DFA(nn.Module):
                 x = torch.from_numpy(np.ascontiguousarray(images[i : i + batch_size])).to(device)
                 x = resize_images(x.permute(0, 3, 1, 2), self.cfg.input_size)  # float (b, 3, S, S) in [0, 255]
                 out = self(normalise(x))
-                landmarks.append(to_pixels(out["landmarks"].float(), w, h).cpu().numpy())
-                scores.append(out["score"].float().cpu().numpy())
+                lm, score = (out["landmarks"], out["score"]) if readout == "pooled" else self.top_anchor(out)
+                landmarks.append(to_pixels(lm.float(), w, h).cpu().numpy())
+                scores.append(score.float().cpu().numpy())
         finally:
             self.train(was_training)
         if not landmarks:
