@@ -325,6 +325,8 @@ WEIGHTS_BY_QUALITY = (0.3, 0.1)
 
 def diagnostics_note(metrics: dict[str, float]) -> str:
     """One paragraph: does CAFace weight frames by quality (``sets/caface/*``)?"""
+    from ml.eval.fusion_diagnostics import USABLE_QUALITY
+
     rho = metrics.get("sets/caface/weight_quality_spearman")
     if rho is None:
         return ""
@@ -333,7 +335,7 @@ def diagnostics_note(metrics: dict[str, float]) -> str:
     else:
         verdict = "Yes" if rho >= WEIGHTS_BY_QUALITY[0] else "Weakly" if rho >= WEIGHTS_BY_QUALITY[1] else "No"
     ratio = metrics.get("sets/caface/usable_weight_ratio", float("nan"))
-    usable = f", frames of quality ≥ 0.3 get ×{ratio:.2f} the weight of the others" if ratio == ratio else ""
+    usable = f", frames of quality ≥ {USABLE_QUALITY} get ×{ratio:.2f} the weight of the others" if ratio == ratio else ""
     clusters = metrics.get("sets/caface/num_clusters")
     of = f" of {int(clusters)}" if clusters else ""
     cv = metrics.get("sets/caface/weight_cv", float("nan"))

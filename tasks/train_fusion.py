@@ -97,13 +97,12 @@ def degraded_copies(images: np.ndarray, copies: int, surveillance: SurveillanceC
                     rng: np.random.Generator) -> np.ndarray:
     """(n·copies, H, W, 3) uint8: ``copies`` surveillance-degraded copies of each image, image by image (row
     ``i·copies + c`` is copy ``c`` of image ``i``); a copy is usable with probability ``usable_fraction``."""
-    from ml.data.surveillance import degrade_image, draw_degradation
+    from ml.data.surveillance import degrade_image, draw_copy_degradation
 
     out = np.empty((len(images) * copies, *images.shape[1:]), dtype=np.uint8)
     for i, image in enumerate(images):
         for c in range(copies):
-            usable = bool(rng.random() < surveillance.usable_fraction)
-            degradation = draw_degradation(rng, surveillance, usable)
+            degradation = draw_copy_degradation(rng, surveillance)
             out[i * copies + c] = degrade_image(image, degradation, int(rng.integers(0, 2**31)))
     return out
 

@@ -40,6 +40,7 @@ __all__ = [
     "FUSION_FIRST_IDENTITY",
     "SurveillanceConfig",
     "degrade_image",
+    "draw_copy_degradation",
     "draw_degradation",
     "fusion_faces",
     "surveillance_sequence",
@@ -93,6 +94,11 @@ def draw_degradation(rng: np.random.Generator, cfg: SurveillanceConfig, usable: 
     return {key: float(rng.uniform(*getattr(cfg, f"{kind}_{key.split('_')[0]}"))) for key in _DEGRADATION_KEYS}
 
 
+def draw_copy_degradation(rng: np.random.Generator, cfg: SurveillanceConfig) -> dict[str, float]:
+    """A training copy's degradation: usable with probability ``cfg.usable_fraction``, heavy otherwise."""
+    return draw_degradation(rng, cfg, bool(rng.random() < cfg.usable_fraction))
+
+
 def _apply(nuisance: dict, degradation: dict[str, float], noise_seed: int) -> dict:
     n = dict(nuisance)
     n.update(lowres=degradation["lowres"], blur=degradation["blur"], noise=degradation["noise"],
@@ -144,8 +150,7 @@ def fusion_faces(gen: ProceduralFaces, identity: int, clean: int, sources: int, 
     for s in range(sources):
         base = gen.sample_nuisance(identity, 41_000 + s)  # pose, light, background and occluders of this source
         sets.append([
-            gen.render(identity, _apply(base, draw_degradation(rng, cfg, bool(rng.random() < cfg.usable_fraction)),
-                                        int(rng.integers(0, 2**31))))
+            gen.render(identity, _apply(base, draw_copy_degradation(rng, cfg), int(rng.integers(0, 2**31))))
             for _ in range(copies)
         ])
     return clean_faces, sets

@@ -28,7 +28,10 @@ from scipy.stats import binomtest, spearmanr
 from ml.errors import DataError
 from ml.models.fusion.caface import CAFace, FusionState
 
-__all__ = ["caface_diagnostics", "caface_frame_weights", "paired_difference", "rank1_hits", "wilson_interval"]
+__all__ = ["USABLE_QUALITY", "caface_diagnostics", "caface_frame_weights", "paired_difference", "rank1_hits", "wilson_interval"]
+
+
+USABLE_QUALITY = 0.3  # a frame of at least this true quality counts as usable in ``usable_weight_ratio``
 
 
 @torch.no_grad()
@@ -65,7 +68,7 @@ def caface_frame_weights(model: CAFace, features: np.ndarray, styles: np.ndarray
 
 
 def caface_diagnostics(model: CAFace, features: np.ndarray, styles: np.ndarray, groups: np.ndarray,
-                       quality: np.ndarray, usable: float = 0.3) -> dict[str, float]:
+                       quality: np.ndarray, usable: float = USABLE_QUALITY) -> dict[str, float]:
     """Summaries of :func:`caface_frame_weights` against each frame's true ``quality`` (N,) (see the module
     docstring); sets whose qualities or weights are all equal are left out of the Spearman mean."""
     weights, entropy, usage = caface_frame_weights(model, features, styles, groups)
