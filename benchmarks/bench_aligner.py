@@ -22,7 +22,7 @@ from ml.data.unaligned import unaligned_faces
 from ml.train.aligner import AlignerConfig, train_aligner
 
 
-class _TrainTimer(lightning.Callback):
+class TrainTimer(lightning.Callback):
     """Wall and CPU time from on_train_start to on_train_end, and the number of steps."""
 
     def __init__(self) -> None:
@@ -56,7 +56,7 @@ def bench_aligner_throughput(
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        timer = _TrainTimer()
+        timer = TrainTimer()
         model = train_aligner(cfg, images, landmarks, progress=False, callbacks=[timer]).model
         faces_per_step = min(cfg.batch_size - cfg.nonfaces_per_batch, len(images)) + cfg.nonfaces_per_batch
         trained = timer.steps * faces_per_step

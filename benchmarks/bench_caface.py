@@ -184,3 +184,41 @@ if __name__ == "__main__":
         print(f"  N={row['n']:>7}: {row['features_per_s']:>7} features/s, peak RSS growth {row['peak_rss_growth_bytes']} B")
     for row in streaming["contrast"]:
         print(f"  all at once N={row['n']}: peak RSS growth {row['peak_rss_growth_bytes']} B")
+
+
+def bench_caface_training(
+    steps: int = 20, identities: int = 400, sources: int = 3, copies: int = 16, feature_dim: int = 128,
+    style_dim: int = 256, threads: int | None = 2, seed: int = 0,
+) -> dict:
+    """Optimiser steps/s of ``train_fusion`` at the embedded default recipe (params.yaml ``fusion.train``: 32
+    identities × 32 items per step, every even prefix 2..16, λp 0 and, for comparison, λp 1 and one prefix per
+    step) on random features of the embedded FR model's sizes (vit_tiny: 128-d features, 256×2 styles) for
+    ``identities × sources × copies`` items. Batches are built on the CPU inside the timed loop, as in the stage.
+    """
+    import numpy as np
+
+    from benchmarks.bench_aligner import TrainTimer
+    from ml.train.fusion import FusionConfig, train_fusion
+
+    rng = np.random.default_rng(seed)
+    n = identities * sources * copies
+    labels = np.repeat(np.arange(identities), sources * copies)
+    src = np.repeat(np.arange(identities * sources), copies)
+    feats = rng.normal(size=(n, feature_dim)).astype(np.float32) * rng.uniform(5, 25, size=(n, 1)).astype(np.float32)
+    styles = rng.normal(size=(n, style_dim, 2)).astype(np.float32)
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    out: dict = {"steps": steps, "threads": torch.get_num_threads(), "items": n}
+    try:
+        for name, extra in (("default", {}), ("lambda_p_1", {"lambda_p": 1.0}), ("one_prefix", {"prefixes": "one"})):
+            cfg = FusionConfig(feature_dim=feature_dim, style_dim=style_dim, epochs=1, steps_per_epoch=steps,
+                               lr_steps=(4, 5), batch_size=32, lr=1e-4, lambda_p=0.0, accelerator="cpu", seed=seed,
+                               **extra)
+            timer = TrainTimer()
+            train_fusion(cfg, feats, styles, labels, sources=src, progress=False, callbacks=[timer])
+            out[f"{name}_steps_per_s"] = timer.steps / timer.wall_s
+        out["default_600_steps_s"] = 600 / out["default_steps_per_s"]
+        return out
+    finally:
+        torch.set_num_threads(previous)

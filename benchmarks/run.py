@@ -56,6 +56,17 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
         "streaming CAFace fusion of N = 1k, 10k, 100k features in chunks of 256: features/s and peak-memory growth",
         "peak memory flat from N = 1k to 100k",
     ),
+    "caface_training": (
+        "benchmarks.bench_caface:bench_caface_training",
+        "CAFace training steps/s at the embedded recipe (32 identities × 32 items, even prefixes, λp 0; also λp 1 and "
+        "one prefix per step), vit_tiny feature sizes, CPU",
+        "report (600 default steps in the stage)",
+    ),
+    "aligner_throughput": (
+        "benchmarks.bench_aligner:bench_aligner_throughput",
+        "DFA aligner training and inference images/s at the default input size (96², batch 16), CPU, one thread",
+        "report",
+    ),
     "sampler_cost": (
         "benchmarks.bench_synth:bench_sampler_cost",
         "UIFace two-stage adaptive sampling + attention injection vs plain CFG, per face, embedded UNet, CPU",

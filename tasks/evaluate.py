@@ -2,6 +2,8 @@
 
 - every ``data/prepared/verification/*.bin``: 10-fold verification accuracy with flip TTA (InsightFace/LFW protocol)
 - the IJB-style template set: media-then-template pooling, TAR@FAR, ROC
+- the user's IJB-B / IJB-C folders (``evaluate.ijb_dir``, ``ml/eval/ijb.py``): loose crops aligned on their 5
+  landmarks, faceness-weighted media-then-template pooling, TAR at FAR 1e-5 … 1e-1
 - the held-out identities: closed-set identification rank-1/5 (gallery vs probe split)
 - reference baselines on the same pairs: raw-pixel cosine and a linear probe on raw pixels (trained on the
   training identities), to show the benchmark is not solvable by pixel matching
@@ -60,6 +62,7 @@ class EvaluateConfig:
     sets: bool = True
     fusion_chunk_size: int = 64  # CAFace streams each probe in chunks of this many frames (memory O(chunk))
     bin_dir: str = ""  # a folder of InsightFace verification .bin files (lfw.bin, cfp_fp.bin, agedb_30.bin, ...)
+    ijb_dir: str = ""  # an IJB-B/C folder (meta/ + loose_crop/) or the folder holding IJBB/ and IJBC/
 
 
 def _normalise(x: np.ndarray) -> np.ndarray:
@@ -140,6 +143,51 @@ def _pair_metrics(feats: np.ndarray, issame: np.ndarray, cfg: EvaluateConfig) ->
     values.update({f"tar@far={_fmt_far(far)}": tar for far, tar in tar_at_far(scores, issame.astype(int),
                                                                              fars=cfg.fars).items()})
     return values, (fpr, tpr)
+
+
+def ijb_sets(cfg: EvaluateConfig) -> list:
+    """The IJB-B/C protocols of ``evaluate.ijb_dir`` (``ml.eval.ijb.IJBSet``), read and cross-checked before any
+    model runs; ``[]`` when it is empty."""
+    if not cfg.ijb_dir:
+        return []
+    from ml.eval.ijb import load_ijb_sets
+
+    return load_ijb_sets(cfg.ijb_dir, what="evaluate.ijb_dir")
+
+
+def evaluate_ijb(model: Any, tag: str, cfg: EvaluateConfig, sets: list) -> dict[str, float]:
+    """IJB-B/C 1:1 verification of one model on every set of :func:`ijb_sets`: ``<tag>/ijb/<set>/tar@far=1e-5``
+    … ``1e-1``, ``pairs``, ``impostor_pairs``, ``images``, ``templates``."""
+    from ml.eval.ijb import ijb_verification
+
+    metrics: dict[str, float] = {}
+    for ijb in sets:
+        values = ijb_verification(model, ijb, batch_size=cfg.batch_size, flip=cfg.flip, progress=True)
+        metrics.update({f"{tag}/ijb/{ijb.name}/{k}": v for k, v in values.items()})
+    return metrics
+
+
+def ijb_section(metrics: dict[str, float], models: dict[str, dict], sets: list) -> list[str]:
+    """Markdown for the user's IJB-B/C folders: one table per set, one row per model, one column per FAR."""
+    pct = lambda v: "—" if v is None else f"{100 * v:.2f} %"  # noqa: E731
+    lines = []
+    for ijb in sets:
+        prefix = f"/ijb/{ijb.name}/"
+        fars = sorted({k.rsplit("/", 1)[1] for k in metrics if prefix + "tar@" in k},
+                      key=lambda f: float(f.split("=")[1]))
+        counts = next((t for t in models if f"{t}{prefix}pairs" in metrics), None)
+        if counts is None:
+            continue
+        c = lambda key: int(metrics[f"{counts}{prefix}{key}"])  # noqa: E731
+        lines += ["", f"## IJB 1:1 verification: `{ijb.name}` from `{ijb.root}`", "",
+                  f"{c('images')} loose crops aligned on their 5 landmarks to each model's input size, flip TTA; "
+                  f"faceness-weighted media mean → template mean over {c('templates')} templates; cosine on "
+                  f"{c('pairs')} pairs ({c('impostor_pairs')} impostor).", "",
+                  "| model | " + " | ".join(f.replace("tar@far", "TAR@FAR") for f in fars) + " |",
+                  "|---|" + "---|" * len(fars)]
+        for tag in models:
+            lines.append(f"| `{tag}` | " + " | ".join(pct(metrics.get(f"{tag}{prefix}{f}")) for f in fars) + " |")
+    return lines
 
 
 def evaluate_baselines(cfg: EvaluateConfig, paths: Paths, data: DataConfig, sets: list) -> tuple[dict, dict]:
@@ -447,6 +495,7 @@ def run(cfg: EvaluateConfig, data: DataConfig, paths: Paths, *, tracker: Any = N
     from ml.models.io import load_model
 
     bins = verification_bins(paths, cfg.bin_dir)
+    ijb = ijb_sets(cfg)  # read before any model runs: a broken folder fails in seconds, not after the models
     sets = _verification_sets(bins)
     metrics: dict[str, float] = {}
     curves: dict[str, tuple] = {}
@@ -457,6 +506,7 @@ def run(cfg: EvaluateConfig, data: DataConfig, paths: Paths, *, tracker: Any = N
         m, c = evaluate_model(loaded[tag], tag, cfg, paths, sets)
         metrics.update(m)
         curves.update(c)
+        metrics.update(evaluate_ijb(loaded[tag], tag, cfg, ijb))
     if cfg.discovery and paths.gfd_split.is_file():
         from tasks.discovery_eval import evaluate_discovery
 
@@ -485,6 +535,7 @@ def run(cfg: EvaluateConfig, data: DataConfig, paths: Paths, *, tracker: Any = N
     write_text(paths.benchmark_report, render_report(
         metrics, models, train_metrics,
         data_section(paths, bins, metrics, models)
+        + ijb_section(metrics, models, ijb)
         + aligner_section(stage_json["train_aligner"], stage_json["align"])
         + synthetic_section(stage_json["synthesize"], metrics)))
     result = StageResult("evaluate", metrics=metrics,

@@ -175,6 +175,7 @@ def evaluate_sets(cfg: Any, data: Any, paths: Paths, fr_model: Any, chunk_size: 
     from ml.eval.fusion_diagnostics import caface_diagnostics, paired_difference, rank1_hits, wilson_interval
     from ml.eval.sets import gain_vs_probe_size, order_robustness, video_identification
     from ml.models.fusion.caface import load_caface
+    from ml.models.io import read_model_config
 
     caface = load_caface(paths.fusion_model) if (paths.fusion_model / "config.json").is_file() else None
     methods = [m for m in LABELS if m != "caface" or caface is not None]
@@ -231,6 +232,8 @@ def evaluate_sets(cfg: Any, data: Any, paths: Paths, fr_model: Any, chunk_size: 
         diagnostics = caface_diagnostics(caface, p_frames.feats, p_frames.styles, p_groups, p_frames.quality)
         metrics.update({f"sets/caface/{k}": v for k, v in diagnostics.items()})
         metrics["sets/caface/num_clusters"] = float(caface.num_clusters)
+        recipe = read_model_config(paths.fusion_model, what="CAFace").get("extra", {}).get("recipe", {})
+        metrics["sets/caface/lambda_u"] = float(recipe.get("lambda_u", 0.0))  # Lu pushes towards equal cluster shares
     metrics["sets/videos/zero_quality_probes"] = float(zero_quality_probes(p_frames.quality, p_groups))
     lengths = np.bincount(p_groups)
     metrics["sets/videos/frames_mean"] = float(lengths.mean())
@@ -340,10 +343,13 @@ def diagnostics_note(metrics: dict[str, float]) -> str:
     of = f" of {int(clusters)}" if clusters else ""
     cv = metrics.get("sets/caface/weight_cv", float("nan"))
     effective = metrics.get("sets/caface/effective_clusters", float("nan"))
+    lambda_u = metrics.get("sets/caface/lambda_u", 0.0)
+    pushed = (f" (it trained with the cluster-usage term λu = {lambda_u:g}, which rewards equal shares, so this count "
+              "alone does not show that the clusters mean something; the weights above do)") if lambda_u > 0 else ""
     return (f"Does CAFace weight frames by quality? **{verdict}**: within a probe its frame weights follow the "
             f"frames' true quality with Spearman ρ = {rho:.2f} (mean over probes; 0 = unrelated, 1 = same "
             f"order){usable}; the weights vary with CV {cv:.2f} across a probe's frames (0 = plain averaging), and "
-            f"the frames use {effective:.2f} effective clusters{of}.")
+            f"the frames use {effective:.2f} effective clusters{of}{pushed}.")
 
 
 def render_section(metrics: dict[str, float]) -> list[str]:

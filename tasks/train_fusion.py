@@ -63,7 +63,7 @@ class FusionStageConfig:
     fr_source: str = "real"
     train: FusionConfig = field(
         default_factory=lambda: FusionConfig(epochs=6, steps_per_epoch=100, lr_steps=(4, 5), batch_size=32, lr=1e-4,
-                                             lambda_p=0.0)
+                                             lambda_p=0.0, lambda_u=0.3)
     )
 
 
@@ -232,7 +232,7 @@ def run(cfg: FusionStageConfig, data: DataConfig, paths: Paths, *, tracker: Any 
              "fr_data_digest": fr_config.get("extra", {}).get("training_data_digest", ""),
              "training_data": material.kind, "training_data_digest": info["digest"],
              "training_features": int(len(material.features)), "training_identities": identities,
-             "training_sources": int(np.unique(material.sources).size)}
+             "training_sources": int(np.unique(material.sources).size), "recipe": train_cfg.to_dict()}
     save_caface(res.model, paths.fusion_model, extra=extra)
 
     last = res.history[-1] if res.history else {}

@@ -23,7 +23,7 @@ from ml.models.fusion import (
     save_caface,
 )
 from ml.models.fusion.caface import assign_average, sinusoid_table
-from ml.train.fusion import FusionConfig, fuse_sets, identity_centres, step_lr, train_fusion
+from ml.train.fusion import FusionConfig, fuse_sets, identity_centres, step_lr, train_fusion, usage_loss
 
 from .conftest import caface_toy, spread_caface
 
@@ -338,17 +338,27 @@ def test_config_validation_names_the_key() -> None:
     assert step_lr(9, 1e-3, (6, 9)) == pytest.approx(1e-5)
 
 
-def test_training_lowers_the_loss_and_beats_averaging() -> None:
-    # On 4-identity batches some seeds (1 and 2 of 0-3 with this recipe) drift into sending every item to one
-    # cluster, where the softmax saturates and the result stays the plain average; seed 0 does not (Lt ≈ 0.46 of
-    # averaging's on its training sets, 0.09 vs 0.17 held out). The paper trains with 512 identities per batch.
+def test_usage_loss_by_hand() -> None:
+    count = torch.tensor([[1.0, 1.0, 1.0, 1.0], [4.0, 0.0, 0.0, 0.0], [2.0, 2.0, 0.0, 0.0], [0.5, 0.5, 0.5, 0.5]])
+    each = [0.0, 1.0, 1.0 - math.log(2) / math.log(4), 0.0]  # equal shares: 0; one cluster: 1; two of four: ½
+    assert usage_loss(count).item() == pytest.approx(sum(each) / 4, abs=1e-6)
+    assert usage_loss(count[1:2]).item() == pytest.approx(1.0, abs=1e-6)
+    assert usage_loss(torch.ones(3, 1)).item() == 0.0  # one cluster: nothing to balance
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_training_beats_averaging_for_every_seed(seed: int) -> None:
+    # Without Lu (lambda_u 0, the paper's loss) seeds 1 and 5 of 0-7 send every item to one cluster, where the
+    # column softmax saturates and the result stays the plain average (held-out Lt ≈ 1.0× averaging's), and seed 2
+    # nearly (0.97×); with lambda_u 0.3 all eight reach 0.42-0.53× (the paper trains with 512 identities a batch).
     feats, styles, labels, _ = caface_toy()
-    result = train_fusion(FusionConfig(**TOY_CFG), feats, styles, labels, progress=False)
+    result = train_fusion(FusionConfig(**TOY_CFG, lambda_u=0.3, seed=seed), feats, styles, labels, progress=False)
     assert not result.model.training
     first, last = result.history[0], result.history[-1]
     assert len(result.history) == 4 and all(np.isfinite(list(row.values())).all() for row in result.history)
     assert last["train/loss"] < first["train/loss"]
     assert last["train/lt"] < 0.8 * last["train/lt_average"]  # better than averaging the same training sets
+    assert last["train/lu"] < 0.5  # the clusters share the items: no collapse into one
     # held-out identities, sets of 4, against the true (noise-free) centres
     tf, ts, _, tc = caface_toy(k=32, per=4, seed=100)
     sets, centres = torch.from_numpy(tf).reshape(32, 4, 32), torch.from_numpy(tc)
@@ -356,7 +366,7 @@ def test_training_lowers_the_loss_and_beats_averaging() -> None:
         fused = result.model(sets, torch.from_numpy(ts).reshape(32, 4, 8, 2))
     lt_caface = (1 - F.cosine_similarity(fused, centres)).mean().item()
     lt_average = (1 - F.cosine_similarity(average_fusion(sets), centres)).mean().item()
-    assert lt_caface < lt_average
+    assert lt_caface < 0.7 * lt_average
 
 
 def test_resume_equals_uninterrupted(tmp_path) -> None:
