@@ -1,28 +1,36 @@
-"""IJB-S-style video benchmark with probes of tens of thousands of frames, every fusion method, streamed:
-``python -m experiments.long_probes``.
+"""IJB-S-style video benchmark with probes of tens of thousands of frames, every fusion method and the true-quality
+oracle, streamed: ``python -m experiments.long_probes``.
 
 IJB-S (Kalka et al., BTAS 2018) searches surveillance videos of hundreds to tens of thousands of frames of mixed
 quality against galleries of one still per identity (Surveillance-to-Single) or of several booking stills
 (Surveillance-to-Booking). The ``evaluate`` stage runs that protocol on probes of 50–400 frames that ``prepare``
 writes to disk and loads at once. Here the probes are as long as IJB-S's and never exist whole: each probe is a
-procedural video-like sequence (``ml.data.procedural``: smoothly varying pose, expression and degradations) rendered
-``--chunk`` frames at a time; each chunk gets its landmarks and face scores (the DFA aligner's predictions, or the
-renderer's ground truth and quality), its FR features and CAFace styles (``ml.eval.sets.features_and_styles``) and is
-fused by every method's ``ml.eval.sets.FusionStream`` (running sums for average / norm-weighted / KP-RPE landmark ×
-face score, the CAFace memory for CAFace, streamed in ``--caface-chunk`` frames), then dropped.
+surveillance sequence of the ``evaluate`` stage's design (``ml.data.surveillance``, ``params.yaml``
+``data.surveillance``: most frames heavily degraded, of true quality ≈ 0.01–0.2, and one contiguous usable window of
+``usable_fraction`` of the frames at a random place) rendered by ``stream_surveillance_sequence`` ``--chunk`` frames
+at a time; each chunk gets its landmarks and face scores (the DFA aligner's predictions, or the renderer's ground
+truth and quality), its FR features and CAFace styles (``ml.eval.sets.features_and_styles``) and is fused by every
+method's ``ml.eval.sets.FusionStream`` (running sums for average / norm-weighted / KP-RPE landmark × face score /
+the oracle, the CAFace memory for CAFace, streamed in ``--caface-chunk`` frames), then dropped.
 
 - Probes: ``--enrolled`` identities with a gallery and a probe, ``--distractors`` identities with a probe only
   (open-set TPIR@FPIR); ``--gallery-only`` further identities are enrolled without a probe, so that a probe searches
-  a gallery of IJB-S's size (202 subjects) rather than of the few probed identities. Lengths are log-uniform in [``--min-frames``, ``--max-frames``], stratified (one draw per
-  equal-width slice of the log range, shuffled over the identities) so that every run covers the range.
+  a gallery of IJB-S's size (202 subjects) rather than of the few probed identities. Lengths are log-uniform in
+  [``--min-frames``, ``--max-frames``], stratified (one draw per equal-width slice of the log range, shuffled over
+  the identities) so that every run covers the range. ``--design procedural`` renders the smooth, mostly usable
+  sequences of ``ProceduralFaces.sequence`` instead (the design this experiment was first measured on).
 - Identities: the first ids after every set ``prepare`` renders (train, held-out, discovery, videos, unaligned; read
   from ``params.yaml`` ``data``), so neither the FR model, nor CAFace, nor the aligner saw them.
 - Galleries (every enrolled identity, probed or gallery-only): *single* = the first booking still alone,
   L2-normalised (the same for every method); *booking* = ``--booking-stills`` stills per identity fused with the
   probe's method (``fuse_templates``).
+- ``quality_oracle`` is a headroom reference, not a method: the unit features weighted by each frame's true quality
+  (the renderer's ``quality_score``, which no method sees; the ``evaluate`` stage's row of the same name). Its gain
+  over averaging is what weighting frames by their quality alone can give on these probes, the bar CAFace's gain is
+  read against; the report does not rank it among the methods.
 - Metrics (``ml.eval.sets.video_identification``): rank-1 / rank-5 of the mated probes, TPIR at FPIR ``--fpir`` at
   rank 1; rank-1 (single gallery) of each probe's first N frames for N in ``--prefixes`` and all frames (CAFace
-  Fig. 1c: the gain over averaging versus the number of frames fused).
+  Fig. 1c: the gain over averaging versus the number of frames fused, CAFace's and the oracle's).
 - Cost: seconds per stage (render, landmarks, embed, fuse) and the peak RSS of the process during each probe
   (``/proc/self/status`` VmHWM, reset per probe), to show memory stays flat as probes grow.
 
@@ -31,18 +39,21 @@ Probes run in ``--workers`` processes (one torch thread each by default), longes
 
 Examples::
 
-    python -m experiments.long_probes                                  # the defaults: about 10 minutes on 2 cores
+    python -m experiments.long_probes                                  # the defaults (99k frames): 5–15 minutes on 2 cores
     python -m experiments.long_probes --enrolled 6 --distractors 2 --min-frames 200 --max-frames 2000  # a minute
     python -m experiments.long_probes --aligner none                   # ground-truth landmarks + quality scores
-    python -m experiments.long_probes --methods average caface --prefixes 16 256 4096
+    python -m experiments.long_probes --methods average caface quality_oracle --prefixes 16 256 4096
+    python -m experiments.long_probes --design procedural              # the smooth sequences of the first runs
 
 Differences from the reference (IJB-S, CAFace Fig. 1c):
 
-- One probe per identity, one procedural sequence each; IJB-S has several videos per subject and detections of
-  several faces per frame. Frames are rendered aligned (the renderer's 5-point fit plus jitter), as the FR model
-  expects; the aligner only supplies landmarks and face scores for ``landmark_score``.
+- One probe per identity, one procedural surveillance sequence each; IJB-S has several videos per subject and
+  detections of several faces per frame. Frames are rendered aligned (the renderer's 5-point fit plus jitter), as
+  the FR model expects, and degraded in the renderer (capture resolution, blur, noise, JPEG), not by distance to a
+  real camera; the aligner only supplies landmarks and face scores for ``landmark_score``.
 - The probe-length curve uses each probe's first N frames (what a live stream has seen), not a random subset, and
-  the single gallery, which does not depend on the fusion method, so only the probe's fusion changes.
+  the single gallery, which does not depend on the fusion method, so only the probe's fusion changes. A prefix
+  shorter than the frames before a probe's usable window holds heavy frames only.
 - Features without flip TTA (as the ``evaluate`` stage's set benchmark).
 """
 
@@ -70,9 +81,13 @@ log = logging.getLogger("experiments.long_probes")
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = Path("reports") / "long_probes.md"
 PLOT = Path("plots") / "long_probes_gain.png"
-METHODS = ("average", "norm_weighted", "landmark_score", "caface")  # ml.eval.sets.STREAM_METHODS, without torch
+METHODS = ("average", "norm_weighted", "landmark_score", "caface", "quality_oracle")  # ml.eval.sets.STREAM_METHODS
 LABELS = {"average": "average", "norm_weighted": "norm-weighted average",
-          "landmark_score": "KP-RPE landmark × face score", "caface": "CAFace"}
+          "landmark_score": "KP-RPE landmark × face score", "caface": "CAFace",
+          "quality_oracle": "true-quality oracle (headroom, not a method)"}
+REFERENCES = ("quality_oracle",)  # rows that know what no method can (the renderer's quality): not ranked as methods
+DESIGNS = ("surveillance", "procedural")  # probe frames: ml.data.surveillance, or the smooth ProceduralFaces.sequence
+LOW_QUALITY = 0.1  # a frame of true quality below this is counted as unusable in the report
 STILL_INDEX = 20_000  # booking still t of an identity is sample (identity, STILL_INDEX + t), as tasks/prepare.py
 MIB = 1 << 20
 
@@ -101,6 +116,7 @@ class LongProbesConfig:
     workers: int = 2
     threads: int = 0  # torch threads per worker; 0 = the machine's cores / workers
     seed: int = 0
+    design: str = "surveillance"
     fr_model: Path = Path("models/fr/real")
     fusion_model: Path | None = Path("models/fusion")
     aligner: Path | None = Path("models/aligner")
@@ -136,6 +152,8 @@ class LongProbesConfig:
             raise ConfigError(f"ranks must be positive integers, got {list(self.ranks)}")
         if not 0 < self.fpir < 1:
             raise ConfigError(f"--fpir must be in (0, 1), got {self.fpir}")
+        if self.design not in DESIGNS:
+            raise ConfigError(f"--design must be one of {', '.join(DESIGNS)}, got {self.design!r}")
         if "caface" in self.methods and self.fusion_model is None:
             raise ConfigError("--methods includes caface but --fusion-model is none; give the CAFace model directory "
                               "or leave caface out of --methods")
@@ -177,6 +195,12 @@ def procedural_config(params_path: Path, image_size: int) -> tuple[Any, int]:
     return dataclasses.replace(data.procedural_config(aligned=True), image_size=image_size), data.seed
 
 
+def surveillance_config(params_path: Path) -> Any:
+    """The ``prepare`` stage's probe degradations: ``data.surveillance`` as ``ml.data.surveillance.SurveillanceConfig``
+    (unknown keys and bad ranges refused)."""
+    return _data_config(params_path).surveillance_config()
+
+
 def probe_lengths(cfg: LongProbesConfig) -> np.ndarray:
     """(P,) probe lengths: log-uniform in [min, max], stratified: draw k lies in the k-th of P equal slices of
     [log min, log max]; the draws are shuffled over the probes (seeded)."""
@@ -212,33 +236,30 @@ def probe_specs(cfg: LongProbesConfig, first_identity: int) -> list[ProbeSpec]:
 
 
 def stream_sequence(gen: Any, identity: int, length: int, seq_index: int = 0) -> Iterator[Any]:
-    """The frames of ``ProceduralFaces.sequence(identity, length, seq_index)``, identical, rendered one at a time.
+    """The frames of ``ProceduralFaces.sequence(identity, length, seq_index)``, identical, rendered one at a time
+    (``--design procedural``: the smooth walk without surveillance degradations).
 
     ``sequence`` returns every frame in a list (a 20,000-frame probe at 64 px is 246 MB of images); this generator
-    keeps only the random walk's knots (17 floats per 8 frames) and one noise seed per frame, and renders a frame when
-    it is asked for. It repeats ``sequence``'s draws in the same order, so the frames are the same bytes (a test
-    checks it against ``sequence``)."""
-    from ml.data.procedural import _SMOOTH_KEYS, _STREAM_SEQUENCE, _rng
-
+    renders each frame of ``ProceduralFaces.iter_sequence_nuisance`` (the same walk, knots only) when it is asked
+    for, so the frames are the same bytes (a test checks it against ``sequence``)."""
     if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length < 1:
         raise ValueError(f"stream_sequence: length must be a positive integer, got {length!r}.")
-    face = gen._face(identity)
-    seq_index = gen._check_index(seq_index, "seq_index")
-    rng = _rng(gen.seed, _STREAM_SEQUENCE, int(identity), seq_index)
-    static = gen._draw_static(rng)
-    stride = 8
-    knots = np.empty(((length - 1) // stride + 2, len(_SMOOTH_KEYS)), dtype=np.float64)
-    first = gen._draw_dynamic(rng)
-    knots[0] = [first[key] for key in _SMOOTH_KEYS]
-    for j in range(1, knots.shape[0]):  # a random walk: each knot halfway to a fresh draw
-        fresh = gen._draw_dynamic(rng)
-        knots[j] = [0.5 * (float(knots[j - 1, i]) + fresh[key]) for i, key in enumerate(_SMOOTH_KEYS)]
-    noise_seeds = np.array([rng.getrandbits(31) for _ in range(int(length))], dtype=np.int64)
-    for t in range(int(length)):
-        j, frac = divmod(t, stride)
-        w = 0.5 - 0.5 * math.cos(math.pi * frac / stride)
-        dyn = {key: (1 - w) * float(knots[j, i]) + w * float(knots[j + 1, i]) for i, key in enumerate(_SMOOTH_KEYS)}
-        yield gen._render(face, gen._finish(face, dyn, static, int(noise_seeds[t])))
+    for nuisance in gen.iter_sequence_nuisance(identity, length, seq_index):
+        yield gen.render(identity, nuisance)
+
+
+def probe_frames(spec: ProbeSpec, design: str, gen: Any, surveillance: Any) -> Iterator[Any]:
+    """``spec``'s frames, one at a time: ``surveillance`` = ``ml.data.surveillance.stream_surveillance_sequence``
+    with ``surveillance`` (``data.surveillance``), the frames ``prepare`` writes for the ``evaluate`` stage's probes;
+    ``procedural`` = ``stream_sequence``."""
+    from ml.data.surveillance import stream_surveillance_sequence
+
+    designs: dict[str, Callable[[], Iterator[Any]]] = {
+        "surveillance": lambda: stream_surveillance_sequence(gen, spec.identity, spec.length, spec.seq_index,
+                                                             surveillance),
+        "procedural": lambda: stream_sequence(gen, spec.identity, spec.length, spec.seq_index),
+    }
+    return designs[design]()
 
 
 def _chunks(frames: Iterator[Any], size: int) -> Iterator[list[Any]]:
@@ -366,12 +387,15 @@ class ProbeResult:
     landmark_error_px: float | None  # mean distance of predicted to true landmarks (DFA only)
     pid: int = 0
     caface_spread: tuple[float, float] | None = None  # (std of A over frames, mean |P − 1/M|) on the first chunk
+    low_quality: int = 0  # frames of true quality < LOW_QUALITY
+    quality_sum: float = 0.0  # Σ true quality over the frames
 
 
-def run_probe(spec: ProbeSpec, cfg: LongProbesConfig, models: Models, gen: Any,
+def run_probe(spec: ProbeSpec, cfg: LongProbesConfig, models: Models, gen: Any, surveillance: Any,
               progress: Callable[[int], None] = lambda n: None) -> ProbeResult:
-    """Render, embed and fuse one probe ``cfg.chunk`` frames at a time with every method in ``cfg.methods``;
-    the templates of its first N frames (N in ``cfg.prefixes``) are read from the streams on the way."""
+    """Render (``cfg.design``; ``surveillance``: ``data.surveillance``), embed and fuse one probe ``cfg.chunk``
+    frames at a time with every method in ``cfg.methods`` (the oracle weighted by each frame's true quality); the
+    templates of its first N frames (N in ``cfg.prefixes``) are read from the streams on the way."""
     from ml.eval.sets import FusionStream
 
     started = _reset_peak()
@@ -384,7 +408,8 @@ def run_probe(spec: ProbeSpec, cfg: LongProbesConfig, models: Models, gen: Any,
     prefix_templates: dict[str, dict[int, np.ndarray]] = {m: {} for m in cfg.methods}
     state_bytes = {m: 0 for m in cfg.methods}
     error_sum, seen = 0.0, 0
-    frames = stream_sequence(gen, spec.identity, spec.length, spec.seq_index)
+    low_quality, quality_sum = 0, 0.0
+    frames = probe_frames(spec, cfg.design, gen, surveillance)
     lo = 0
     while lo < spec.length:
         start = time.perf_counter()
@@ -394,6 +419,8 @@ def run_probe(spec: ProbeSpec, cfg: LongProbesConfig, models: Models, gen: Any,
         quality = np.array([s.quality for s in chunk], dtype=np.float32)
         del chunk
         seconds["render"] += time.perf_counter() - start
+        low_quality += int((quality < LOW_QUALITY).sum())
+        quality_sum += float(quality.astype(np.float64).sum())
         feats, styles, landmarks, scores = frame_inputs(models, images, truth, quality, seconds)
         if models.aligner is not None:
             error_sum += float(np.linalg.norm(landmarks - truth, axis=-1).mean(axis=1).sum())
@@ -406,7 +433,8 @@ def run_probe(spec: ProbeSpec, cfg: LongProbesConfig, models: Models, gen: Any,
         for a, b in zip(bounds[:-1], bounds[1:]):
             rows = slice(a - lo, b - lo)
             for m, stream in streams.items():
-                stream.update(feats[rows], styles=styles[rows], landmarks=landmarks[rows], face_scores=scores[rows])
+                stream.update(feats[rows], styles=styles[rows], landmarks=landmarks[rows], face_scores=scores[rows],
+                              quality=quality[rows])
                 state_bytes[m] = max(state_bytes[m], stream.state_nbytes())
                 if b in cuts:
                     prefix_templates[m][b] = stream.template()
@@ -425,6 +453,7 @@ def run_probe(spec: ProbeSpec, cfg: LongProbesConfig, models: Models, gen: Any,
     return ProbeResult(
         spec.index, spec.length, templates, prefix_templates, {p: min(p, spec.length) for p in cfg.prefixes}, seconds,
         rss_start, peak, not started, state_bytes, error_sum / seen if seen else None, os.getpid(), spread,
+        low_quality, quality_sum,
     )
 
 
@@ -469,7 +498,7 @@ def galleries(specs: Sequence[ProbeSpec], cfg: LongProbesConfig, models: Models,
         out["single"][m] = single.astype(np.float32)
         out["booking"][m] = fuse_templates(m, feats, groups, styles=styles, landmarks=landmarks, face_scores=scores,
                                            model=models.caface, image_size=float(models.image_size),
-                                           chunk_size=cfg.caface_chunk)
+                                           chunk_size=cfg.caface_chunk, quality=quality)
     return np.asarray(enrolled), out
 
 
@@ -488,7 +517,7 @@ def warm_up(models: Models, gen: Any) -> None:
                  np.array([s.quality for s in samples], dtype=np.float32), {"landmarks": 0.0, "embed": 0.0})
 
 
-def _worker_init(cfg: LongProbesConfig, proc_config: Any, proc_seed: int, queue: Any) -> None:
+def _worker_init(cfg: LongProbesConfig, proc_config: Any, proc_seed: int, surveillance: Any, queue: Any) -> None:
     import torch
 
     from ml.data.procedural import ProceduralFaces
@@ -496,16 +525,16 @@ def _worker_init(cfg: LongProbesConfig, proc_config: Any, proc_seed: int, queue:
     torch.set_num_threads(cfg.torch_threads)
     models, gen = load_models(cfg), ProceduralFaces(proc_config, seed=proc_seed)
     warm_up(models, gen)
-    _WORKER.update(cfg=cfg, models=models, gen=gen, queue=queue)
+    _WORKER.update(cfg=cfg, models=models, gen=gen, surveillance=surveillance, queue=queue)
 
 
 def _worker_probe(spec: ProbeSpec) -> ProbeResult:
     w = _WORKER
-    return run_probe(spec, w["cfg"], w["models"], w["gen"], progress=w["queue"].put)
+    return run_probe(spec, w["cfg"], w["models"], w["gen"], w["surveillance"], progress=w["queue"].put)
 
 
 def run_probes(specs: Sequence[ProbeSpec], cfg: LongProbesConfig, proc_config: Any, proc_seed: int,
-               models: Models | None = None, progress: bool = True) -> list[ProbeResult]:
+               surveillance: Any, models: Models | None = None, progress: bool = True) -> list[ProbeResult]:
     """Every probe, longest first, in ``cfg.workers`` processes (in this one when 1); a tqdm bar counts frames."""
     import queue as queue_mod
 
@@ -526,7 +555,7 @@ def run_probes(specs: Sequence[ProbeSpec], cfg: LongProbesConfig, proc_config: A
                 models = models or load_models(cfg)
                 gen = ProceduralFaces(proc_config, seed=proc_seed)
                 warm_up(models, gen)
-                results = [run_probe(s, cfg, models, gen, progress=bar.update) for s in order]
+                results = [run_probe(s, cfg, models, gen, surveillance, progress=bar.update) for s in order]
             finally:
                 torch.set_num_threads(before)
         else:
@@ -537,7 +566,7 @@ def run_probes(specs: Sequence[ProbeSpec], cfg: LongProbesConfig, proc_config: A
             frames_done = context.Queue()
             with ProcessPoolExecutor(max_workers=min(cfg.workers, len(order)), mp_context=context,
                                      initializer=_worker_init,
-                                     initargs=(cfg, proc_config, proc_seed, frames_done)) as pool:
+                                     initargs=(cfg, proc_config, proc_seed, surveillance, frames_done)) as pool:
                 pending = {pool.submit(_worker_probe, s) for s in order}
                 while pending:
                     done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
@@ -621,6 +650,7 @@ class RunInfo:
     cores: int
     measured_at: str = field(default_factory=lambda: f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}")
     fr_digest: str = ""
+    surveillance: dict[str, Any] = field(default_factory=dict)  # data.surveillance (SurveillanceConfig fields)
 
 
 def _show(path: Path | None) -> str:
@@ -631,6 +661,20 @@ def _show(path: Path | None) -> str:
         return path.resolve().relative_to(ROOT).as_posix()
     except ValueError:
         return str(path)
+
+
+def _design_text(cfg: LongProbesConfig, info: RunInfo) -> str:
+    """How the report describes the probe frames."""
+    size = f"{info.image_size}×{info.image_size} px"
+    if cfg.design == "procedural":
+        return ("smooth procedural video-like sequences (`ProceduralFaces.sequence` with `data.procedural` of "
+                f"`params.yaml`, aligned, {size}; `--design procedural`)")
+    fraction = info.surveillance.get("usable_fraction")
+    window = f"{100 * fraction:g} %" if isinstance(fraction, (int, float)) else "a share"
+    return ("IJB-S-like surveillance sequences as `prepare` writes for the `evaluate` stage "
+            "(`ml.data.surveillance.stream_surveillance_sequence`, `data.surveillance` of `params.yaml`: most frames "
+            f"heavily degraded, a contiguous usable window of {window} of each probe at a random place; "
+            f"`data.procedural`, aligned, {size})")
 
 
 def _n(count: int, singular: str, plural: str | None = None) -> str:
@@ -656,10 +700,12 @@ def plot_gain(metrics: dict[str, Any], cfg: LongProbesConfig, path: Path) -> Pat
     fig, (left, right) = plt.subplots(1, 2, figsize=(9.6, 3.6))
     # one colour per method in both panels; decreasing marker sizes keep methods on top of each other visible
     styles = {"average": ("C0", "-", "o", 7), "norm_weighted": ("C1", "--", "s", 5.5),
-              "landmark_score": ("C2", ":", "^", 4.5), "caface": ("C3", "-.", "D", 3)}
+              "landmark_score": ("C2", ":", "^", 4.5), "caface": ("C3", "-.", "D", 3),
+              "quality_oracle": ("0.45", "--", "v", 8)}  # the headroom reference: grey, drawn under the methods
     for m in cfg.methods:
         colour, line, marker, size = styles[m]
-        look = dict(color=colour, linestyle=line, marker=marker, ms=size, label=LABELS[m])
+        look = dict(color=colour, linestyle=line, marker=marker, ms=size, label=LABELS[m],
+                    zorder=1.5 if m in REFERENCES else 2.0)
         y = [100 * metrics["prefix"][m][k] for k in keys]
         left.plot(x, y, **look)
         if "average" in cfg.methods and m != "average":
@@ -683,10 +729,11 @@ def _verdict(metrics: dict[str, Any], cfg: LongProbesConfig, results: Sequence[P
     lines: list[str] = []
     n_mated = cfg.enrolled
     tpir = _tpir_key(metrics["single"][cfg.methods[0]])
-    for name in ("single", "booking"):
-        r1 = {m: metrics[name][m]["rank1"] for m in cfg.methods}
+    methods = [m for m in cfg.methods if m not in REFERENCES]  # the oracle is compared below, not ranked
+    for name in ("single", "booking") if methods else ():
+        r1 = {m: metrics[name][m]["rank1"] for m in methods}
         best = max(r1.values())
-        winners = [LABELS[m] for m in cfg.methods if r1[m] == best]
+        winners = [LABELS[m] for m in methods if r1[m] == best]
         if min(r1.values()) == best:
             lines.append(f"- {name.capitalize()} gallery: every method reaches the same rank-1, {_pct(best)} %.")
         else:
@@ -716,6 +763,21 @@ def _verdict(metrics: dict[str, Any], cfg: LongProbesConfig, results: Sequence[P
                  if not any(gains) else
                  "does not grow steadily with the number of frames fused (CAFace Fig. 1c has it growing)")
         lines.append(f"- CAFace's rank-1 gain over averaging (single gallery) {trend}: {pairs}.")
+    if "quality_oracle" in cfg.methods and "average" in cfg.methods:
+        keys = [*sorted(set(cfg.prefixes)), 0]
+        whole = {name: 100 * (metrics[name]["quality_oracle"]["rank1"] - metrics[name]["average"]["rank1"])
+                 for name in ("single", "booking")}
+        gains = [100 * (metrics["prefix"]["quality_oracle"][k] - metrics["prefix"]["average"][k]) for k in keys]
+        pairs = ", ".join(f"{g:+.1f} at {metrics['prefix_frames'][k]:,.0f} frames" for g, k in zip(gains, keys))
+        caface = ""
+        if "caface" in cfg.methods:
+            got = 100 * (metrics["single"]["caface"]["rank1"] - metrics["single"]["average"]["rank1"])
+            caface = f" CAFace's gain on the same probes (single gallery, all frames) is {got:+.1f} points."
+        lines.append(
+            "- Headroom: the true-quality oracle (each frame weighted by the renderer's quality, which no method "
+            f"sees) − average, rank-1 points: single {whole['single']:+.1f}, booking {whole['booking']:+.1f}; by "
+            f"probe length (single gallery): {pairs}.{caface}"
+        )
     if metrics.get("cosine"):
         keys = [*sorted(set(cfg.prefixes)), 0]
         first, last = keys[0], keys[-1]
@@ -785,6 +847,8 @@ def memory_growth(results: Sequence[ProbeResult]) -> dict[int, int]:
 def render(metrics: dict[str, Any], cfg: LongProbesConfig, results: Sequence[ProbeResult], info: RunInfo) -> str:
     """``reports/long_probes.md``."""
     lengths = np.array([s.length for s in info.specs])
+    total = max(1, sum(r.frames for r in results))
+    low, quality = sum(r.low_quality for r in results), sum(r.quality_sum for r in results)
     tpir = _tpir_key(metrics["single"][cfg.methods[0]]) or ""
     aligner = (f"DFA predictions of `{_show(cfg.aligner)}` (landmarks and face score; mean distance to the renderer's "
                f"true landmarks {np.mean([r.landmark_error_px for r in results if r.landmark_error_px is not None]):.2f}"
@@ -806,11 +870,12 @@ def render(metrics: dict[str, Any], cfg: LongProbesConfig, results: Sequence[Pro
         f"{_n(cfg.distractors, 'distractor')} without), lengths log-uniform (stratified) in [{cfg.min_frames:,}, {cfg.max_frames:,}] frames: "
         f"min {lengths.min():,}, median {int(np.median(lengths)):,}, max {lengths.max():,}; "
         f"{int((lengths >= 10_000).sum())} probes of ≥ 10,000 frames; {int(lengths.sum()):,} frames in all.",
-        f"- Frames: procedural video-like sequences (`data.procedural` of `params.yaml`, aligned, "
-        f"{info.image_size}×{info.image_size} px), identities {info.first_identity}–"
+        f"- Frames: {_design_text(cfg, info)}, identities {info.first_identity}–"
         f"{info.first_identity + cfg.probes - 1}: after every set `prepare` renders (as are the gallery-only ones), "
         "so no model saw them. Rendered, "
-        f"embedded and fused {cfg.chunk} frames at a time; no probe's images are ever held whole.",
+        f"embedded and fused {cfg.chunk} frames at a time; no probe's images are ever held whole. "
+        f"{100 * low / total:.1f} % of the {total:,} frames have true quality < {LOW_QUALITY:g} (mean quality "
+        f"{quality / total:.3f}).",
         f"- Galleries of {cfg.enrolled + cfg.gallery_only} identities: the {cfg.enrolled} probed ones and "
         f"{cfg.gallery_only} without a probe (identities {info.first_identity + cfg.probes}–"
         f"{info.first_identity + cfg.probes + cfg.gallery_only - 1}). *Single* = the first of "
@@ -844,9 +909,10 @@ def render(metrics: dict[str, Any], cfg: LongProbesConfig, results: Sequence[Pro
               "| mean frames fused | " + " | ".join(f"{metrics['prefix_frames'][k]:,.0f}" for k in keys) + " |"]
     for m in cfg.methods:
         lines.append(f"| {LABELS[m]} | " + " | ".join(_pct(metrics["prefix"][m][k]) for k in keys) + " |")
-    if "caface" in cfg.methods and "average" in cfg.methods:
-        lines.append("| CAFace − average (points) | " + " | ".join(
-            f"{100 * (metrics['prefix']['caface'][k] - metrics['prefix']['average'][k]):+.1f}" for k in keys) + " |")
+    for m, label in (("caface", "CAFace"), ("quality_oracle", "true-quality oracle")):
+        if m in cfg.methods and "average" in cfg.methods:
+            lines.append(f"| {label} − average (points) | " + " | ".join(
+                f"{100 * (metrics['prefix'][m][k] - metrics['prefix']['average'][k]):+.1f}" for k in keys) + " |")
     if metrics.get("cosine"):
         lines += ["", f"Cosine between each method's probe template and the average's, mean (lowest) over all "
                   f"{cfg.probes} probes, for the same frames:", "",
@@ -857,7 +923,7 @@ def render(metrics: dict[str, Any], cfg: LongProbesConfig, results: Sequence[Pro
 
     total_frames = sum(r.frames for r in results)
     secs = {k: sum(r.seconds[k] for r in results) for k in ("render", "landmarks", "embed", "fuse")}
-    stage_names = {"render": "render (procedural frames)",
+    stage_names = {"render": f"render ({cfg.design} frames)",
                    "landmarks": "landmarks + face score (DFA)" if info.landmarks_source == "dfa"
                    else "landmarks + face score (ground truth, no cost)",
                    "embed": "embed (FR features + styles)",
@@ -907,6 +973,7 @@ def run_experiment(cfg: LongProbesConfig, *, out_dir: Path = ROOT, params_path: 
     params_path = params_path or ROOT / "params.yaml"
     models = load_models(cfg)
     proc_config, proc_seed = procedural_config(params_path, models.image_size)
+    surveillance = surveillance_config(params_path)
     first = first_free_identity(params_path)
     specs = probe_specs(cfg, first)
     log.info("%d probes, %s frames (%d–%d per probe), identities from %d", len(specs),
@@ -916,8 +983,8 @@ def run_experiment(cfg: LongProbesConfig, *, out_dir: Path = ROOT, params_path: 
     gen = ProceduralFaces(proc_config, seed=proc_seed)
     gallery_ids, gallery = galleries(specs, cfg, models, gen)
     probe_start = time.perf_counter()
-    results = run_probes(specs, cfg, proc_config, proc_seed, models=models if cfg.workers == 1 else None,
-                         progress=progress)
+    results = run_probes(specs, cfg, proc_config, proc_seed, surveillance,
+                         models=models if cfg.workers == 1 else None, progress=progress)
     probe_wall = time.perf_counter() - probe_start
     metrics = identification(specs, results, gallery_ids, gallery, cfg)
     fr_config = (cfg.fr_model / "config.json").read_text()
@@ -926,7 +993,7 @@ def run_experiment(cfg: LongProbesConfig, *, out_dir: Path = ROOT, params_path: 
     digest = str(json.loads(fr_config).get("extra", {}).get("training_data_digest", ""))
     info = RunInfo(specs, first, models.image_size, "dfa" if models.aligner is not None else "truth",
                    0.0, probe_wall, load_before, os.getloadavg() if hasattr(os, "getloadavg") else None,
-                   os.cpu_count() or 1, fr_digest=digest)
+                   os.cpu_count() or 1, fr_digest=digest, surveillance=dataclasses.asdict(surveillance))
     plot_gain(metrics, cfg, out_dir / PLOT)
     info.wall_seconds = time.perf_counter() - start
     text = render(metrics, cfg, results, info)
@@ -962,12 +1029,15 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[LongProbesConfig, Pat
     parser.add_argument("--workers", type=int, default=d.workers, help="processes, one probe each at a time")
     parser.add_argument("--threads", type=int, default=d.threads, help="torch threads per worker (0: cores/workers)")
     parser.add_argument("--seed", type=int, default=d.seed, help="probe lengths and sequences")
+    parser.add_argument("--design", default=d.design,
+                        help=f"probe frames: {' or '.join(DESIGNS)} (the smooth sequences the experiment used first)")
     parser.add_argument("--fr-model", type=Path, default=d.fr_model, help="FR model directory (features + styles)")
     parser.add_argument("--fusion-model", type=_path_or_none, default=d.fusion_model, help="CAFace model directory")
     parser.add_argument("--aligner", type=_path_or_none, default=d.aligner,
                         help="DFA aligner directory for landmarks + face scores; 'none': ground truth + quality")
     parser.add_argument("--params", type=Path, default=ROOT / "params.yaml",
-                        help="params.yaml: data.* (procedural faces, identities used) and evaluate.fusion_chunk_size")
+                        help="params.yaml: data.* (procedural faces, surveillance degradations, identities used) and "
+                        "evaluate.fusion_chunk_size")
     parser.add_argument("--out-dir", type=Path, default=ROOT, help="writes reports/ and plots/ under it")
     args = parser.parse_args(argv)
     caface_chunk = args.caface_chunk if args.caface_chunk is not None else _params_chunk(args.params, d.caface_chunk)
@@ -976,7 +1046,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[LongProbesConfig, Pat
         enrolled=args.enrolled, distractors=args.distractors, gallery_only=args.gallery_only, min_frames=args.min_frames, max_frames=args.max_frames,
         booking_stills=args.booking_stills, chunk=args.chunk, caface_chunk=caface_chunk, prefixes=tuple(args.prefixes),
         methods=tuple(args.methods), fpir=args.fpir, workers=args.workers, threads=args.threads, seed=args.seed,
-        fr_model=root(args.fr_model), fusion_model=root(args.fusion_model), aligner=root(args.aligner),
+        design=args.design, fr_model=root(args.fr_model), fusion_model=root(args.fusion_model),
+        aligner=root(args.aligner),
     )
     return cfg, args.out_dir, args.params
 

@@ -234,6 +234,9 @@ def evaluate_sets(cfg: Any, data: Any, paths: Paths, fr_model: Any, chunk_size: 
         metrics["sets/caface/num_clusters"] = float(caface.num_clusters)
         recipe = read_model_config(paths.fusion_model, what="CAFace").get("extra", {}).get("recipe", {})
         metrics["sets/caface/lambda_u"] = float(recipe.get("lambda_u", 0.0))  # Lu pushes towards equal cluster shares
+        if recipe:  # which training run the numbers come from
+            metrics["sets/caface/train_seed"] = float(recipe["seed"])
+            metrics["sets/caface/train_steps"] = float(recipe["epochs"] * recipe["steps_per_epoch"])
     metrics["sets/videos/zero_quality_probes"] = float(zero_quality_probes(p_frames.quality, p_groups))
     lengths = np.bincount(p_groups)
     metrics["sets/videos/frames_mean"] = float(lengths.mean())
@@ -314,6 +317,9 @@ def gain_note(metrics: dict[str, float]) -> str:
             low, high = metrics[f"{key}/ci_low"], metrics[f"{key}/ci_high"]
             tail = " (the headroom that weighting frames by their quality alone offers)" \
                 if method == "quality_oracle" else ""
+            if method == "caface" and "sets/caface/train_seed" in metrics:
+                tail = (f" (one training run: seed {int(metrics['sets/caface/train_seed'])}, "
+                        f"{int(metrics['sets/caface/train_steps'])} steps)")
             parts.append(f"{what} {_points(metrics[key], low, high)}, {_beyond_noise(low, high)}{tail}")
     if not parts:
         return ""

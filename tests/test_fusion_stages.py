@@ -142,3 +142,7 @@ def test_evaluate_sets_adds_the_oracle_intervals_and_caface_diagnostics(workspac
     assert f"| {sets_eval.LABELS['quality_oracle']} |" in report
     assert "Gain over averaging" in report and "the true-quality oracle" in report
     assert "Does CAFace weight frames by quality?" in report and "Spearman ρ" in report
+    recipe = json.loads((workspace.fusion_model / "config.json").read_text())["extra"]["recipe"]
+    steps = recipe["epochs"] * recipe["steps_per_epoch"]
+    assert metrics["sets/caface/lambda_u"] == recipe["lambda_u"] and metrics["sets/caface/train_steps"] == steps
+    assert f"(one training run: seed {recipe['seed']}, {steps} steps)" in report

@@ -1,6 +1,7 @@
 """experiments/long_probes.py and ``ml.eval.sets.FusionStream``: streamed fusion equals all-at-once fusion, the
-streamed frames equal ``ProceduralFaces.sequence``, the experiment runs end to end at toy size (one process and
-two), and bad arguments give one clear error."""
+streamed frames equal ``surveillance_sequence`` and ``ProceduralFaces.sequence``, the experiment runs end to end at
+toy size (one process and two) on surveillance probes with the true-quality oracle, and bad arguments give one clear
+error."""
 
 from __future__ import annotations
 
@@ -24,8 +25,14 @@ from experiments.long_probes import (
     procedural_config,
     run_experiment,
     stream_sequence,
+    surveillance_config,
 )
 from ml.data.procedural import ProceduralConfig, ProceduralFaces
+from ml.data.surveillance import (
+    SurveillanceConfig,
+    stream_surveillance_sequence,
+    surveillance_sequence,
+)
 from ml.errors import ConfigError, DataError
 from ml.eval.sets import FusionStream, features_and_styles, fuse_templates
 from ml.models.fusion import ARCFACE_TEMPLATE_112, CAFace
@@ -55,7 +62,8 @@ def _feed(stream: FusionStream, feats, styles, landmarks, scores) -> list[np.nda
     out, lo = [], 0
     for n in SLICES:
         rows = slice(lo, lo + n)
-        stream.update(feats[rows], styles=styles[rows], landmarks=landmarks[rows], face_scores=scores[rows])
+        stream.update(feats[rows], styles=styles[rows], landmarks=landmarks[rows], face_scores=scores[rows],
+                      quality=scores[rows])  # the scores stand in for the oracle's true quality
         out.append(stream.template())
         lo += n
     assert lo == feats.shape[0]
@@ -65,7 +73,7 @@ def _feed(stream: FusionStream, feats, styles, landmarks, scores) -> list[np.nda
 # ---- FusionStream equals fuse_templates
 
 
-@pytest.mark.parametrize("method", ["average", "norm_weighted", "landmark_score"])
+@pytest.mark.parametrize("method", ["average", "norm_weighted", "landmark_score", "quality_oracle"])
 def test_baseline_streams_equal_all_at_once_fusion_for_every_prefix(method):
     feats, styles, landmarks, scores = _frames()
     stream = FusionStream(method, image_size=64.0)
@@ -73,7 +81,7 @@ def test_baseline_streams_equal_all_at_once_fusion_for_every_prefix(method):
     ends = np.cumsum(SLICES)
     for end, got in zip(ends, templates):
         want = fuse_templates(method, feats[:end], np.zeros(end, np.int64), landmarks=landmarks[:end],
-                              face_scores=scores[:end], image_size=64.0)[0]
+                              face_scores=scores[:end], image_size=64.0, quality=scores[:end])[0]
         np.testing.assert_allclose(got, want, atol=1e-6)
     assert stream.frames == 40
     assert stream.state_nbytes() <= 3 * 16 * 8  # O(D), not O(frames)
@@ -125,6 +133,8 @@ def test_fusion_stream_bad_input_is_refused_by_name():
         stream.update(feats[:4, :8])
     with pytest.raises(DataError, match="landmark_score fusion needs landmarks"):
         FusionStream("landmark_score").update(feats[:4])
+    with pytest.raises(DataError, match="quality_oracle fusion needs quality"):
+        FusionStream("quality_oracle").update(feats[:4])
     torch.manual_seed(0)
     with pytest.raises(DataError, match="needs styles"):
         FusionStream("caface", model=CAFace(feature_dim=16, style_dim=8).eval()).update(feats[:4])
@@ -150,6 +160,27 @@ def test_streamed_frames_are_the_bytes_of_procedural_sequence():
             assert a.quality == b.quality
 
 
+@pytest.mark.parametrize("cfg", [SurveillanceConfig(), SurveillanceConfig(usable_fraction=0.3)])
+def test_surveillance_frames_are_rendered_only_when_asked_for(cfg, monkeypatch):
+    gen = ProceduralFaces(ProceduralConfig(image_size=32), seed=3)
+    want = surveillance_sequence(gen, 5, 21, seq_index=2, cfg=cfg)
+    rendered = []
+    render = gen.render
+    monkeypatch.setattr(gen, "render", lambda identity, n: rendered.append(1) or render(identity, n))
+    stream = stream_surveillance_sequence(gen, 5, 21, seq_index=2, cfg=cfg)
+    assert not rendered  # the knots are drawn, no frame yet
+    got = [next(stream) for _ in range(3)]
+    assert len(rendered) == 3
+    got += list(stream)
+    assert len(got) == 21 and len(rendered) == 21
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a.image, b.image)
+        assert a.quality == b.quality and a.nuisance == b.nuisance
+    assert sum(s.quality >= 0.3 for s in got) <= max(1, round(cfg.usable_fraction * 21)) + 1  # one usable window
+    with pytest.raises(ValueError, match="length must be a positive integer"):
+        stream_surveillance_sequence(gen, 5, 0)  # checked at the call, not at the first frame
+
+
 def test_probe_lengths_are_stratified_log_uniform_and_seeded():
     cfg = LongProbesConfig(enrolled=12, distractors=4, min_frames=1000, max_frames=20000)
     lengths = probe_lengths(cfg)
@@ -162,7 +193,7 @@ def test_probe_lengths_are_stratified_log_uniform_and_seeded():
 
 def test_the_experiment_knows_every_streamed_fusion_method():
     from experiments.long_probes import METHODS
-    from ml.eval.sets import STREAM_METHODS  # the experiment streams every probe; the quality oracle is not streamed
+    from ml.eval.sets import STREAM_METHODS  # the experiment streams every probe, the quality oracle included
 
     assert METHODS == STREAM_METHODS and set(LABELS) == set(STREAM_METHODS)
 
@@ -181,6 +212,7 @@ def test_probe_identities_come_after_every_prepared_set():
     (["--enrolled", "0"], "--enrolled 0: there are no mated probes"),
     (["--methods", "average", "median"], "--methods must name fusion methods"),
     (["--chunk", "0"], "--chunk must be an integer ≥ 1"),
+    (["--design", "smooth"], "--design must be one of surveillance, procedural, got 'smooth'"),
 ])
 def test_bad_arguments_raise_one_clear_error(argv, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
@@ -233,12 +265,20 @@ def test_toy_run_writes_the_report_and_its_templates_equal_all_at_once_fusion(to
         for method in cfg.methods:
             assert f"| {LABELS[method]} | " in section, (title, method)
     assert "DFA predictions" in report and "## Throughput" in report and "## Memory" in report
+    assert "surveillance sequences" in report and "| true-quality oracle − average (points) |" in report
+    assert "- Headroom: the true-quality oracle" in report
     metrics = out["metrics"]
+    assert "quality_oracle" in cfg.methods  # a default row, beside the methods
     for gallery in ("single", "booking"):
         for m in cfg.methods:
             assert set(metrics[gallery][m]) >= {"rank1", "rank5", "tpir@fpir=1e-2"}
             assert metrics[gallery][m]["n_mated"] == 3 and metrics[gallery][m]["n_nonmated"] == 1
-    for m in ("norm_weighted", "landmark_score", "caface"):  # agreement with averaging, per prefix
+        assert all(np.isfinite(v) for v in metrics[gallery]["quality_oracle"].values())
+    assert all(np.isfinite(v) for v in metrics["prefix"]["quality_oracle"].values())
+    assert all(np.isfinite(r.templates["quality_oracle"]).all() for r in out["results"])
+    # surveillance probes: most frames heavily degraded (data.surveillance: a usable window of 10 % of the frames)
+    assert sum(r.low_quality for r in out["results"]) > 0.7 * sum(r.frames for r in out["results"])
+    for m in ("norm_weighted", "landmark_score", "caface", "quality_oracle"):  # agreement with averaging, per prefix
         assert set(metrics["cosine"][m]) == {5, 30, 0}
         mean, low = metrics["cosine"][m][0]
         assert -1.0 <= low <= mean <= 1.0 + 1e-6
@@ -252,23 +292,27 @@ def test_toy_run_writes_the_report_and_its_templates_equal_all_at_once_fusion(to
     assert result.frames == spec.length and sum(result.seconds.values()) > 0
     models = load_models(cfg)
     proc, seed = procedural_config(REPO / "params.yaml", models.image_size)
-    frames = ProceduralFaces(proc, seed=seed).sequence(spec.identity, spec.length, spec.seq_index)
+    frames = surveillance_sequence(ProceduralFaces(proc, seed=seed), spec.identity, spec.length, spec.seq_index,
+                                   surveillance_config(REPO / "params.yaml"))
     images = np.stack([f.image for f in frames])
+    quality = np.array([f.quality for f in frames], dtype=np.float32)
+    assert np.mean(quality < 0.1) > 0.5 and quality.max() > 0.1  # mostly unusable, with a usable window
     landmarks, scores = models.aligner.predict(images, batch_size=64)
     feats, styles = features_and_styles(models.fr, images)
     groups = np.zeros(spec.length, np.int64)
     for m in cfg.methods:
         want = fuse_templates(m, feats, groups, styles=styles, landmarks=landmarks, face_scores=scores,
-                              model=models.caface, image_size=32.0, chunk_size=8)[0]
+                              model=models.caface, image_size=32.0, chunk_size=8, quality=quality)[0]
         np.testing.assert_allclose(result.templates[m], want, atol=1e-4, err_msg=m)
         first5 = fuse_templates(m, feats[:5], groups[:5], styles=styles[:5], landmarks=landmarks[:5],
-                                face_scores=scores[:5], model=models.caface, image_size=32.0, chunk_size=8)[0]
+                                face_scores=scores[:5], model=models.caface, image_size=32.0, chunk_size=8,
+                                quality=quality[:5])[0]
         np.testing.assert_allclose(result.prefix_templates[m][5], first5, atol=1e-4, err_msg=m)
     assert result.prefix_frames == {5: 5, 30: min(30, spec.length)}
 
 
 def test_two_workers_give_the_same_templates_as_one(toy_models, tmp_path):
-    kw = dict(aligner=None, methods=("average", "landmark_score", "caface"), max_frames=40)
+    kw = dict(aligner=None, methods=("average", "landmark_score", "caface", "quality_oracle"), max_frames=40)
     one = run_experiment(_toy_config(toy_models, **kw), out_dir=tmp_path / "one", progress=False)
     two = run_experiment(_toy_config(toy_models, workers=2, **kw), out_dir=tmp_path / "two", progress=False)
     assert os.getpid() not in {r.pid for r in two["results"]}  # the probes ran in the worker processes
@@ -277,3 +321,20 @@ def test_two_workers_give_the_same_templates_as_one(toy_models, tmp_path):
             np.testing.assert_allclose(a.templates[m], b.templates[m], atol=1e-5)
     assert one["metrics"]["booking"] == two["metrics"]["booking"]
     assert "ground-truth landmarks" in (tmp_path / "two" / "reports" / "long_probes.md").read_text()
+
+
+def test_the_procedural_design_streams_the_smooth_sequences(toy_models, tmp_path):
+    cfg = _toy_config(toy_models, aligner=None, design="procedural", methods=("average", "quality_oracle"), enrolled=1,
+                      distractors=0, gallery_only=1, min_frames=20, max_frames=20)
+    out = run_experiment(cfg, out_dir=tmp_path, params_path=REPO / "params.yaml", progress=False)
+    assert "smooth procedural video-like sequences" in out["report"]
+    spec, result = out["specs"][0], out["results"][0]
+    models = load_models(cfg)
+    proc, seed = procedural_config(REPO / "params.yaml", models.image_size)
+    frames = ProceduralFaces(proc, seed=seed).sequence(spec.identity, spec.length, spec.seq_index)
+    quality = np.array([f.quality for f in frames], dtype=np.float32)
+    feats, _ = features_and_styles(models.fr, np.stack([f.image for f in frames]))
+    for m in cfg.methods:
+        want = fuse_templates(m, feats, np.zeros(20, np.int64), quality=quality)[0]
+        np.testing.assert_allclose(result.templates[m], want, atol=1e-4, err_msg=m)
+    assert result.low_quality == int((quality < 0.1).sum())

@@ -163,9 +163,19 @@ def test_zero_quality_groups_fall_back_to_the_average_and_no_template_is_nan(cap
         np.testing.assert_allclose(np.linalg.norm(templates, axis=1), 1.0, atol=1e-5)
 
 
-def test_fusion_stream_refuses_the_oracle():
-    with pytest.raises(ConfigError, match="FusionStream fuses .*not 'quality_oracle'"):
-        FusionStream("quality_oracle")
+def test_fusion_stream_streams_the_oracle_only_with_quality():
+    f, _, _ = _random_sets([9], d=16)
+    quality = np.array([0.0, 0.02, 0.9, 0.5, 0.0, 0.01, 0.7, 0.03, 0.2], dtype=np.float32)
+    stream = FusionStream("quality_oracle").update(f[:4], quality=quality[:4]).update(f[4:], quality=quality[4:])
+    np.testing.assert_allclose(stream.template(), fuse_templates("quality_oracle", f, np.zeros(9, np.int64),
+                                                                 quality=quality)[0], atol=1e-6)
+    with pytest.raises(DataError, match="quality_oracle fusion needs quality"):
+        FusionStream("quality_oracle").update(f)
+    with pytest.raises(DataError, match="quality row 1 is negative"):
+        stream.update(f[:2], quality=np.array([0.5, -0.1]))
+    assert stream.frames == 9  # a refused update leaves the state as it was
+    zero = FusionStream("quality_oracle").update(f, quality=np.zeros(9))  # no usable frame: the plain average
+    np.testing.assert_allclose(zero.template(), fuse_templates("average", f, np.zeros(9, np.int64))[0], atol=1e-6)
 
 
 def test_segment_fusion_equals_the_batched_baselines():

@@ -57,6 +57,7 @@ import io
 import math
 import random
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -805,6 +806,11 @@ class ProceduralFaces:
 
     def sequence_nuisance(self, identity: int, length: int, seq_index: int = 0) -> list[dict]:
         """The per-frame nuisance of :meth:`sequence` (nothing is rendered)."""
+        return list(self.iter_sequence_nuisance(identity, length, seq_index))
+
+    def iter_sequence_nuisance(self, identity: int, length: int, seq_index: int = 0) -> Iterator[dict]:
+        """:meth:`sequence_nuisance` one frame at a time, holding only the walk's knots (one per 8 frames) and one
+        noise seed per frame: for probes of tens of thousands of frames. Arguments are checked at the call."""
         face = self._face(identity)
         seq_index = self._check_index(seq_index, "seq_index")
         if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length < 1:
@@ -817,13 +823,15 @@ class ProceduralFaces:
             fresh = self._draw_dynamic(rng)
             knots.append({key: 0.5 * (knots[-1][key] + fresh[key]) for key in _SMOOTH_KEYS})
         noise_seeds = [rng.getrandbits(31) for _ in range(length)]
-        out = []
-        for t in range(length):
-            j, frac = divmod(t, stride)
-            w = 0.5 - 0.5 * math.cos(math.pi * frac / stride)
-            dyn = {key: (1 - w) * knots[j][key] + w * knots[j + 1][key] for key in _SMOOTH_KEYS}
-            out.append(self._finish(face, dyn, static, noise_seeds[t]))
-        return out
+
+        def frames() -> Iterator[dict]:
+            for t in range(length):
+                j, frac = divmod(t, stride)
+                w = 0.5 - 0.5 * math.cos(math.pi * frac / stride)
+                dyn = {key: (1 - w) * knots[j][key] + w * knots[j + 1][key] for key in _SMOOTH_KEYS}
+                yield self._finish(face, dyn, static, noise_seeds[t])
+
+        return frames()
 
     def render(self, identity: int, nuisance: dict) -> FaceSample:
         """Render ``identity`` with explicit nuisance values (all keys of :meth:`clean_nuisance`)."""

@@ -9,6 +9,8 @@ show its worth on such probes: when every frame is of similar quality, averaging
   replaced: a contiguous *usable window* of ``max(1, round(usable_fraction · length))`` frames at a random place
   gets mild degradations, every other frame heavy ones, each smooth in time (knots every 8 frames, cosine
   interpolation). Each frame's ``quality`` is the renderer's :func:`~ml.data.procedural.quality_score`.
+  :func:`stream_surveillance_sequence` yields the same frames one at a time, holding only the knots and one seed
+  per frame (probes of tens of thousands of frames).
 - :func:`fusion_faces` renders CAFace's training material for one identity, after the reference recipe
   (``mk-minchul/caface``: centres from clean images only, sets built from 1–3 source images each copied under heavy
   degradation): ``clean`` renders without degradation or occluders (the targets ``f_GT``), and ``sources``
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -43,6 +45,7 @@ __all__ = [
     "draw_copy_degradation",
     "draw_degradation",
     "fusion_faces",
+    "stream_surveillance_sequence",
     "surveillance_sequence",
 ]
 
@@ -106,32 +109,41 @@ def _apply(nuisance: dict, degradation: dict[str, float], noise_seed: int) -> di
     return n
 
 
-def _track(rng: np.random.Generator, cfg: SurveillanceConfig, usable: bool, length: int,
-           stride: int = 8) -> list[dict[str, float]]:
-    """Per-frame degradations joining knots every ``stride`` frames by cosine interpolation."""
-    knots = [draw_degradation(rng, cfg, usable) for _ in range((length - 1) // stride + 2)]
-    out = []
-    for t in range(length):
-        j, frac = divmod(t, stride)
-        w = 0.5 - 0.5 * math.cos(math.pi * frac / stride)
-        out.append({k: (1 - w) * knots[j][k] + w * knots[j + 1][k] for k in _DEGRADATION_KEYS})
-    return out
+def _knots(rng: np.random.Generator, cfg: SurveillanceConfig, usable: bool, length: int,
+           stride: int) -> list[dict[str, float]]:
+    return [draw_degradation(rng, cfg, usable) for _ in range((length - 1) // stride + 2)]
 
 
 def surveillance_sequence(gen: ProceduralFaces, identity: int, length: int, seq_index: int = 0,
                           cfg: SurveillanceConfig = SurveillanceConfig()) -> list[FaceSample]:
     """A probe of ``length`` frames: mostly heavily degraded, a usable window of ``⌈usable_fraction·length⌉``
     frames (rounded, at least one) at a random place; deterministic in (generator seed, identity, seq_index)."""
-    nuisances = gen.sequence_nuisance(identity, length, seq_index)
+    return list(stream_surveillance_sequence(gen, identity, length, seq_index, cfg))
+
+
+def stream_surveillance_sequence(gen: ProceduralFaces, identity: int, length: int, seq_index: int = 0,
+                                 cfg: SurveillanceConfig = SurveillanceConfig()) -> Iterator[FaceSample]:
+    """The frames of :func:`surveillance_sequence`, rendered one at a time, holding only the knots of the pose
+    walk and of the two degradation tracks (every 8 frames, cosine interpolation between them) and one noise seed
+    per frame: a 20,000-frame probe at 64 px would be 246 MB of images as a list. Arguments are checked at the
+    call."""
+    nuisances = gen.iter_sequence_nuisance(identity, length, seq_index)
     rng = np.random.default_rng([gen.seed, 91, int(identity), int(seq_index)])
     usable = max(1, int(round(cfg.usable_fraction * length)))
     start = int(rng.integers(0, length - usable + 1))
-    heavy, mild = _track(rng, cfg, False, length), _track(rng, cfg, True, length)
+    stride = 8
+    heavy, mild = _knots(rng, cfg, False, length, stride), _knots(rng, cfg, True, length, stride)
     seeds = rng.integers(0, 2**31, size=length)
-    return [
-        gen.render(identity, _apply(n, mild[t] if start <= t < start + usable else heavy[t], seeds[t]))
-        for t, n in enumerate(nuisances)
-    ]
+
+    def frames() -> Iterator[FaceSample]:
+        for t, n in enumerate(nuisances):
+            knots = mild if start <= t < start + usable else heavy
+            j, frac = divmod(t, stride)
+            w = 0.5 - 0.5 * math.cos(math.pi * frac / stride)
+            degradation = {k: (1 - w) * knots[j][k] + w * knots[j + 1][k] for k in _DEGRADATION_KEYS}
+            yield gen.render(identity, _apply(n, degradation, seeds[t]))
+
+    return frames()
 
 
 def _clean(nuisance: dict) -> dict:

@@ -29,8 +29,9 @@ Fusion methods (``FUSERS``), for a group ``g`` with images ``i ∈ g``, ``f̄_i 
   group over that without ``chunk_size`` is fused alone, in one call, at its full cost).
 
 ``FusionStream`` fuses one set whose frames arrive a chunk at a time (probes of tens of thousands of frames) in
-memory bounded by the chunk: running sums for the baselines, the CAFace memory for ``caface``; its template equals
-``fuse_templates`` over the same frames (CAFace: over the same chunks).
+memory bounded by the chunk: running sums for the baselines and the quality oracle (given each chunk's true
+quality), the CAFace memory for ``caface``; its template equals ``fuse_templates`` over the same frames (CAFace:
+over the same chunks).
 
 Groups are integer ids ``0..G-1`` per image (``np.unique(ids, return_inverse=True)`` makes them); row ``g`` of
 a result is group ``g``. Variable-length groups cost one segment sum (baselines) or length-sorted padded
@@ -448,7 +449,7 @@ FUSERS: dict[str, Callable[[np.ndarray, _Groups, _Inputs], np.ndarray]] = {
     "quality_oracle": _fuse_quality_oracle,
 }
 FUSION_METHODS: tuple[str, ...] = tuple(FUSERS)
-STREAM_METHODS: tuple[str, ...] = ("average", "norm_weighted", "landmark_score", "caface")
+STREAM_METHODS: tuple[str, ...] = ("average", "norm_weighted", "landmark_score", "caface", "quality_oracle")
 
 
 def fuse_templates(
@@ -505,6 +506,8 @@ class FusionStream:
     - ``average``: ``Σ_i f̄_i`` (D,) in float64; ``norm_weighted``: ``Σ_i f_i`` (D,);
     - ``landmark_score``: ``Σ_i w_i·f̄_i`` (D,), ``Σ_i w_i`` and ``Σ_i f̄_i`` (the fallback when every weight is
       0), ``w_i = d_i·s_i`` (KP-RPE supp. Eq. 17–18) from ``landmarks`` and ``face_scores``;
+    - ``quality_oracle``: the same sums with ``w_i = q_i``, the renderer's true quality of each frame, passed as
+      ``quality`` with its chunk (a headroom reference, not a method: only a renderer knows ``q_i``);
     - ``caface``: the CAFace memory ``(c̄, F̄', S̄')`` of ``init_state``/``update`` (O(M·(D + d)), paper Eq. 8) plus
       a buffer of fewer than ``chunk_size`` frames, so the chunks absorbed are frames [0, C), [C, 2C), … however
       ``update`` is sliced.
@@ -524,9 +527,6 @@ class FusionStream:
         h: float = 0.2,
     ) -> None:
         if method not in STREAM_METHODS:
-            if method in FUSERS:
-                raise ConfigError(f"FusionStream fuses {', '.join(STREAM_METHODS)}, not {method!r}: the quality "
-                                  "oracle weights each frame by its true quality; use fuse_templates(quality=...)")
             raise ConfigError(f"unknown fusion method {method!r}; FusionStream fuses {', '.join(STREAM_METHODS)}")
         if method == "caface" and not isinstance(model, CAFace):
             raise ConfigError(
@@ -539,8 +539,8 @@ class FusionStream:
         self.h = h
         self.frames = 0
         self._total: np.ndarray | None = None  # (D,) float64: Σ f̄, Σ f or Σ w·f̄
-        self._units: np.ndarray | None = None  # (D,) float64: Σ f̄ (landmark_score's fallback)
-        self._weight = 0.0  # Σ w (landmark_score)
+        self._units: np.ndarray | None = None  # (D,) float64: Σ f̄ (landmark_score's and quality_oracle's fallback)
+        self._weight = 0.0  # Σ w (landmark_score, quality_oracle)
         self._state: Any = None  # CAFace FusionState of the chunks absorbed
         self._buffer: list[tuple[np.ndarray, np.ndarray]] = []  # CAFace frames not yet absorbed, < chunk_size
         self._buffered = 0
@@ -552,9 +552,11 @@ class FusionStream:
         styles: np.ndarray | torch.Tensor | None = None,
         landmarks: np.ndarray | torch.Tensor | None = None,
         face_scores: np.ndarray | torch.Tensor | None = None,
+        quality: np.ndarray | torch.Tensor | None = None,
     ) -> FusionStream:
         """Absorb the next frames: ``features`` (n, D) and what the method needs (``styles`` (n, style_dim, 2) for
-        ``caface``; ``landmarks`` (n, 5, 2) pixels and optional ``face_scores`` (n,) for ``landmark_score``)."""
+        ``caface``; ``landmarks`` (n, 5, 2) pixels and optional ``face_scores`` (n,) for ``landmark_score``;
+        ``quality`` (n,) ≥ 0, the renderer's true quality, for ``quality_oracle``)."""
         feats = _check_features(features)
         n, d = feats.shape
         dim = self.model.feature_dim if self.model is not None else (None if self._total is None else self._total.size)
@@ -569,7 +571,10 @@ class FusionStream:
             elif self.method == "norm_weighted":
                 part = torch.from_numpy(feats).double().sum(dim=0)
             else:
-                weights = _landmark_score_weights(landmarks, face_scores, n, self.image_size, self.h)  # (n,)
+                if self.method == "landmark_score":
+                    weights = _landmark_score_weights(landmarks, face_scores, n, self.image_size, self.h)  # (n,)
+                else:
+                    weights = self._quality_weights(quality, n)
                 part = (weights[:, None] * units).double().sum(dim=0)
                 self._weight += float(weights.double().sum())
                 unit_sum = units.double().sum(dim=0).numpy()
@@ -577,6 +582,18 @@ class FusionStream:
             self._total = part.numpy() if self._total is None else self._total + part.numpy()
         self.frames += n
         return self
+
+    @staticmethod
+    def _quality_weights(quality: Any, n: int) -> torch.Tensor:
+        """Checked ``quality_oracle`` weights (n,) float32: the frames' true quality, as ``fuse_templates``."""
+        if quality is None:
+            raise DataError("quality_oracle fusion needs quality (n,) with every update: the renderer's true quality "
+                            "of each frame; pass quality=... or leave quality_oracle out")
+        weights = torch.from_numpy(_check_rows(quality, n, (), "quality", "the renderer's true quality of each frame"))
+        if bool((weights < 0).any()):
+            row = int(torch.nonzero(weights < 0)[0])
+            raise DataError(f"quality row {row} is negative ({float(weights[row])}); qualities lie in [0, 1]")
+        return weights
 
     def _update_caface(self, feats: np.ndarray, styles: Any) -> None:
         model = self.model
@@ -642,8 +659,9 @@ class FusionStream:
         else:
             assert self._total is not None
             fused = torch.from_numpy(self._total)
-            if self.method == "landmark_score" and self._weight <= 0:
-                log.warning("the landmark_score stream has all weights 0 after %d frames; using the plain average",
+            floor = {"landmark_score": 0.0, "quality_oracle": 1e-12}.get(self.method)  # as fuse_templates
+            if floor is not None and self._weight <= floor:
+                log.warning("the %s stream has all weights 0 after %d frames; using the plain average", self.method,
                             self.frames)
                 assert self._units is not None
                 fused = torch.from_numpy(self._units)
