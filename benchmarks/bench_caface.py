@@ -191,7 +191,7 @@ def bench_caface_training(
     style_dim: int = 256, threads: int | None = 2, seed: int = 0,
 ) -> dict:
     """Optimiser steps/s of ``train_fusion`` at the embedded default recipe (params.yaml ``fusion.train``: 32
-    identities × 32 items per step, every even prefix 2..16, λp 0 and, for comparison, λp 1 and one prefix per
+    identities × 32 items per step, every even prefix 2..16, λp 0, λu 0.3 and, for comparison, λp 1 and one prefix per
     step) on random features of the embedded FR model's sizes (vit_tiny: 128-d features, 256×2 styles) for
     ``identities × sources × copies`` items. Batches are built on the CPU inside the timed loop, as in the stage.
     """
@@ -212,9 +212,10 @@ def bench_caface_training(
     out: dict = {"steps": steps, "threads": torch.get_num_threads(), "items": n}
     try:
         for name, extra in (("default", {}), ("lambda_p_1", {"lambda_p": 1.0}), ("one_prefix", {"prefixes": "one"})):
-            cfg = FusionConfig(feature_dim=feature_dim, style_dim=style_dim, epochs=1, steps_per_epoch=steps,
-                               lr_steps=(4, 5), batch_size=32, lr=1e-4, lambda_p=0.0, accelerator="cpu", seed=seed,
-                               **extra)
+            recipe = dict(feature_dim=feature_dim, style_dim=style_dim, epochs=1, steps_per_epoch=steps,
+                          lr_steps=(4, 5), batch_size=32, lr=1e-4, lambda_p=0.0, lambda_u=0.3, accelerator="cpu",
+                          seed=seed)
+            cfg = FusionConfig(**{**recipe, **extra})
             timer = TrainTimer()
             train_fusion(cfg, feats, styles, labels, sources=src, progress=False, callbacks=[timer])
             out[f"{name}_steps_per_s"] = timer.steps / timer.wall_s

@@ -58,7 +58,7 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     ),
     "caface_training": (
         "benchmarks.bench_caface:bench_caface_training",
-        "CAFace training steps/s at the embedded recipe (32 identities × 32 items, even prefixes, λp 0; also λp 1 and "
+        "CAFace training steps/s at the embedded recipe (32 identities × 32 items, even prefixes, λp 0, λu 0.3; also λp 1 and "
         "one prefix per step), vit_tiny feature sizes, CPU",
         "report (600 default steps in the stage)",
     ),
