@@ -14,6 +14,7 @@ import torch
 
 from ml.data.dataset import read_dataset_info, read_manifest
 from ml.data.surveillance import SurveillanceConfig
+from ml.errors import ConfigError
 from ml.models.backbones.vit import vit_tiny
 from ml.models.io import load_model, save_model
 from ml.train.fusion import FusionConfig
@@ -146,3 +147,25 @@ def test_evaluate_sets_adds_the_oracle_intervals_and_caface_diagnostics(workspac
     steps = recipe["epochs"] * recipe["steps_per_epoch"]
     assert metrics["sets/caface/lambda_u"] == recipe["lambda_u"] and metrics["sets/caface/train_steps"] == steps
     assert f"(one training run: seed {recipe['seed']}, {steps} steps)" in report
+
+
+def test_fusion_recipes_compares_variants_seed_by_seed(workspace):
+    from experiments.fusion_recipes import compare_recipes, render
+
+    variants = [{"lambda_u": 0.0}, {"lambda_u": 0.3}]
+    rows, baselines = compare_recipes(workspace, DATA, STAGE, variants, seeds=[0, 1])
+    assert [(r["variant"], r["seed"]) for r in rows] == [(v, s) for v in variants for s in (0, 1)]
+    for r in rows:
+        assert r["steps"] == 2 and 0.0 <= r["rank1"] <= 1.0
+        assert r["minus_average"] == pytest.approx(r["rank1"] - baselines["average"])
+        assert r["ci_low"] <= r["minus_average"] <= r["ci_high"]
+    report = render(rows, baselines, int(rows[0]["hits"].size))
+    assert report.count('| `{"lambda_u": 0.3}` |') == 3  # two runs and the summary line
+    assert "+0.0, +0.0" in report.split('`{"lambda_u": 0.0}` | ')[-1]  # the first variant against itself
+
+
+def test_fusion_recipes_refuses_an_unknown_key_before_training(workspace):
+    from experiments.fusion_recipes import compare_recipes
+
+    with pytest.raises(ConfigError, match=r"unknown FusionConfig key\(s\) \['lambda_q'\]"):
+        compare_recipes(workspace, DATA, STAGE, [{"lambda_q": 1.0}], seeds=[0])
