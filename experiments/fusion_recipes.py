@@ -30,49 +30,27 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ml.config import from_mapping
 from ml.errors import ConfigError, DataError
 from tasks.common import Paths, load_params, section, write_text
 from tasks.prepare import DataConfig
+from tasks.sets_eval import VideoSplit
 from tasks.train_fusion import FusionStageConfig
 
 __all__ = ["compare_recipes", "render", "main"]
 
 
-@dataclasses.dataclass(frozen=True)
-class Probes:
-    """The video probes' frames, embedded once: features (N, D), styles, true quality, probe group of each frame,
-    the mated probes' identities and the single gallery (one still per enrolled identity, unit norm)."""
-
-    feats: np.ndarray
-    styles: np.ndarray
-    quality: np.ndarray
-    groups: np.ndarray
-    probe_ids: np.ndarray
-    gallery: np.ndarray
-    gallery_ids: np.ndarray
-
-
-def load_probes(paths: Paths, data: DataConfig, fr_model: Any, batch_size: int = 256) -> Probes:
-    """``data/prepared/videos`` embedded by ``fr_model`` (as the ``evaluate`` stage does, manifest landmarks)."""
+def load_probes(paths: Paths, data: DataConfig, fr_model: Any, batch_size: int = 256) -> VideoSplit:
+    """``data/prepared/videos`` embedded by ``fr_model`` (as the ``evaluate`` stage does, manifest landmarks) and
+    split into probes and galleries by ``tasks.sets_eval.split_videos``."""
     from ml.data.dataset import read_manifest
-    from tasks.sets_eval import _frames
+    from tasks.sets_eval import _frames, split_videos
 
     manifest = paths.video_set / "manifest.parquet"
     if not manifest.is_file():
         raise DataError(f"{manifest} is missing: run `dvc repro prepare` (or `make run`) first")
     rows = read_manifest(manifest)
-    frames = _frames(fr_model, None, paths.video_set, rows, data, batch_size)
-    probe = (rows["split"] == "probe").to_numpy()
-    p_rows, g_rows = rows[probe].reset_index(drop=True), rows[~probe].reset_index(drop=True)
-    tids, groups = np.unique(p_rows["template"].to_numpy(np.int64), return_inverse=True)
-    probe_ids = p_rows.groupby("template")["identity"].first().loc[tids].to_numpy()
-    first = ~g_rows.duplicated("template").to_numpy()
-    gallery = frames.feats[~probe][first]
-    return Probes(frames.feats[probe], frames.styles[probe], frames.quality[probe], groups, probe_ids,
-                  gallery / np.linalg.norm(gallery, axis=1, keepdims=True), g_rows["identity"].to_numpy()[first])
+    return split_videos(rows, _frames(fr_model, None, paths.video_set, rows, data, batch_size))
 
 
 def _recipe(base: Any, variant: dict[str, Any], seed: int) -> Any:
@@ -106,20 +84,20 @@ def compare_recipes(paths: Paths, data: DataConfig, stage: FusionStageConfig, va
                                style_dim=int(contract["style_dim"]))
     recipes = [[_recipe(base, v, s) for s in seeds] for v in variants]  # every variant checked before any training
     material = real_material(model, paths, data, base.seed) if data.ingested else procedural_material(model, paths, data)
-    probes = load_probes(paths, data, model)
-    hits = {m: rank1_hits(fuse_templates(m, probes.feats, probes.groups, quality=probes.quality), probes.probe_ids,
-                          probes.gallery, probes.gallery_ids) for m in ("average", "norm_weighted", "quality_oracle")}
+    videos = load_probes(paths, data, model)
+    probe, groups, gallery = videos.probe, videos.probe_groups, videos.single  # scored on the single gallery
+    hits = {m: rank1_hits(fuse_templates(m, probe.feats, groups, quality=probe.quality), videos.probe_ids, gallery,
+                          videos.gallery_ids) for m in ("average", "norm_weighted", "quality_oracle")}
     rows = []
     for variant, row_recipes in zip(variants, recipes):
         for seed, cfg in zip(seeds, row_recipes):
             start = time.perf_counter()
             res = train_fusion(cfg, material.features, material.styles, material.labels, sources=material.sources,
                                centres=material.centres, progress=progress)
-            fused = fuse_templates("caface", probes.feats, probes.groups, styles=probes.styles, model=res.model,
-                                   chunk_size=64)
-            h = rank1_hits(fused, probes.probe_ids, probes.gallery, probes.gallery_ids)
+            fused = fuse_templates("caface", probe.feats, groups, styles=probe.styles, model=res.model, chunk_size=64)
+            h = rank1_hits(fused, videos.probe_ids, gallery, videos.gallery_ids)
             diff = paired_difference(h, hits["average"], seed=seed)
-            diag = caface_diagnostics(res.model, probes.feats, probes.styles, probes.groups, probes.quality)
+            diag = caface_diagnostics(res.model, probe.feats, probe.styles, groups, probe.quality)
             last = res.history[-1]
             rows.append({"variant": variant, "seed": seed, "steps": res.steps, "seconds": time.perf_counter() - start,
                          "rank1": float(h.mean()), "minus_average": diff["mean"], "ci_low": diff["ci_low"],

@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -19,8 +21,11 @@ app = typer.Typer(
     rich_markup_mode="markdown",
     help=(
         "**faceops** — reproducible face-recognition research pipelines.\n\n"
-        "The stage DAG lives in `dvc.yaml` (prepare → validate → train_fr@real → evaluate), its configuration in "
-        "`params.yaml`. Every stage execution is an MLflow run (store: `mlflow.db`, or `MLFLOW_TRACKING_URI`).\n\n"
+        "The stage DAG lives in `dvc.yaml`, its configuration in `params.yaml`: `prepare` → `validate` → "
+        "`train_fr@real` (face recognition) and `train_aligner` (landmarks) → `align`; on `train_fr@real`: "
+        "`train_discovery`, `train_fusion` (set fusion) and `train_generator` → `synthesize` → `train_fr@synthetic`; "
+        "`evaluate` last, over every model (`faceops ls` lists them). Every stage execution is an MLflow run (store: "
+        "`mlflow.db`, or `MLFLOW_TRACKING_URI`).\n\n"
         "Typical use:\n\n"
         "* `faceops run` — reproduce the whole pipeline as a Prefect flow (skips what DVC finds up to date)\n\n"
         "* `faceops run --set fr.epochs=2` — the same with a params delta (like `dvc exp run -S`)\n\n"
@@ -35,6 +40,59 @@ app = typer.Typer(
 def _fail(message: str, code: int = 2) -> None:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code)
+
+
+def _unknown_stage(name: str, names: list[str], option: str = "") -> str:
+    """The refusal of stage ``name`` (given with ``option``), suggesting the closest of ``names``."""
+    import difflib
+
+    items = [n for n in names if n.startswith(f"{name}@")]  # a foreach stage named without its item
+    close = items or difflib.get_close_matches(name, names, n=3, cutoff=0.75)
+    hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
+    return f"unknown stage '{name}'{f' for {option}' if option else ''}.{hint} dvc.yaml has {', '.join(names)}."
+
+
+def _stage_names(root: Path) -> list[str] | None:
+    """``dvc.yaml``'s stage names as DVC addresses them (``train_fr@real``), or None when DVC cannot read them
+    (the stage then reports what is wrong itself)."""
+    from dvc.exceptions import DvcException
+    from dvc.repo import Repo
+    from dvc.stage import PipelineStage
+
+    try:
+        with Repo(str(root)) as repo:
+            return [s.name for s in repo.index.stages if isinstance(s, PipelineStage)]
+    except DvcException:
+        return None
+
+
+class _StageFailureEcho(logging.Filter):
+    """Console only: Prefect logs a failed stage's StageFailed four times (two with a traceback); the command
+    prints it once at the end. The Prefect API (the UI) still gets every record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return type(exc).__name__ != "StageFailed" and "StageFailed" not in record.getMessage()
+
+
+def _quiet_prefect_console() -> None:
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, PrefectConsoleHandler) and not any(isinstance(f, _StageFailureEcho)
+                                                                  for f in handler.filters):
+            handler.addFilter(_StageFailureEcho())
+
+
+def _undo_on_failure(undo: Any) -> Callable[..., bool]:
+    """An ``__exit__`` that puts params.yaml back when the run fails (an error, a refusal, Ctrl-C)."""
+
+    def exit_(exc_type: Any, exc: Any, tb: Any) -> bool:
+        if exc_type is not None and undo.restore():
+            typer.secho(f"{undo.path.name}: put back as it was before this run (the run did not succeed).", err=True)
+        return False
+
+    return exit_
 
 
 def _quiet_env() -> None:
@@ -65,8 +123,10 @@ def run(
 ) -> None:
     """Reproduce the pipeline as a Prefect flow, one task per `dvc.yaml` stage.
 
-    Deltas (`--preset`, then `--set`) are written into `params.yaml` with comments kept, as `dvc exp run -S`
-    does; `git checkout params.yaml` returns to the embedded default. Results: `reports/benchmark.md`,
+    Deltas (`--preset`, then `--set`) are written into `params.yaml` as `dvc exp run -S` does, only the lines of
+    the keys set changing; `git checkout params.yaml` returns to the embedded default. A run that fails puts
+    `params.yaml` back as it was. Paths the stages read (`data.ingest_folder`, `evaluate.bin_dir`, ...) are checked
+    before anything starts. Results: `reports/benchmark.md`,
     `metrics/`, `plots/`, `models/fr/`; runs in MLflow (`mlflow ui --backend-store-uri sqlite:///mlflow.db`) and,
     with `PREFECT_API_URL` set, in the Prefect UI. One run at a time per working copy: a second `faceops run` while
     one is in progress is refused (exit 3), naming it.
@@ -74,34 +134,40 @@ def run(
     from faceops.runlock import RunLocked, run_lock
     from ml.errors import ConfigError, FaceopsError
     from tasks.common import load_params
-    from tasks.params import apply_delta, check_params, load_preset, parse_assignments
+    from tasks.params import ParamsUndo, apply_delta, check_input_paths, check_params, load_preset, parse_assignments
 
     root = _root()
     _quiet_env()
+    params_path = root / "params.yaml"
     with contextlib.ExitStack() as held:
         try:
             held.enter_context(run_lock(root))  # before the delta: a refused run leaves params.yaml alone
         except RunLocked as exc:
             _fail(str(exc), code=3)
+        undo = ParamsUndo(params_path)
+        held.push(_undo_on_failure(undo))  # runs before the lock is released
         try:
             delta = load_preset(preset, root) if preset else {}
             delta.update(parse_assignments(set_))
-            if delta:
-                for key, (old, new) in apply_delta(root / "params.yaml", delta).items():
+            if delta:  # keys, types and input paths checked before params.yaml is written
+                for key, (old, new) in apply_delta(params_path, delta).items():
                     typer.echo(f"params.yaml: {key}: {old!r} → {new!r}")
-            else:  # params.yaml as edited by hand: every section and key checked before any stage runs
-                check_params(load_params(root / "params.yaml"))
+                undo.written()
+            else:  # params.yaml as edited by hand: every section, key and input path checked before any stage runs
+                params = load_params(params_path)
+                check_params(params)
+                check_input_paths(params, root)
             from flows.pipeline import stage_graph
 
             graph = stage_graph(root)  # dvc.yaml: readable, every stage with its cmd and deps
-            unknown = [s for s in stage if s not in graph]
-            if unknown:
-                raise ConfigError(f"unknown stage {', '.join(map(repr, unknown))} for --stage; dvc.yaml has "
-                                  f"{', '.join(graph)}")
+            for name in stage:
+                if name not in graph:
+                    raise ConfigError(_unknown_stage(name, list(graph), "--stage"))
         except FaceopsError as exc:
             _fail(str(exc))
         from flows.pipeline import StageFailed, run_pipeline
 
+        _quiet_prefect_console()
         try:
             results = run_pipeline(root=str(root), stages=stage or None, force=force, jobs=jobs)
         except StageFailed as exc:
@@ -129,10 +195,13 @@ def stage_cmd(name: Annotated[str, typer.Argument(help="stage name from dvc.yaml
     from tasks import STAGES
     from tasks.common import stage_main
 
+    root = _root()
+    names = _stage_names(root)
     base, _, item = name.partition("@")  # foreach stages: train_fr@real → tasks.train_fr.main("real")
+    if names is not None and name not in names:
+        _fail(_unknown_stage(name, names))
     if base not in STAGES:
         _fail(f"unknown stage '{name}'. Stages: {', '.join(STAGES)} (foreach stages as NAME@ITEM, e.g. train_fr@real).")
-    _root()
     _quiet_env()
     main = importlib.import_module(STAGES[base]).main
     stage_main((lambda: main(item)) if item else main)
@@ -165,6 +234,46 @@ def export_cmd(
         _fail(str(exc))
 
 
+# config.json "extra" keys shown by `faceops ls` (label, key), when the model has them: what it was trained on
+MODEL_FACTS = (("source", "training_source"), ("data", "training_data_source"), ("data", "training_data"),
+               ("fr", "fr_model"), ("init", "backbone_init"), ("space", "space"), ("ids", "training_identities"))
+# model version tags shown by `faceops ls` (label, tag), as the stages set them when registering
+VERSION_FACTS = (("source", "source"), ("backbone", "backbone"), ("fr", "fr_model"), ("init", "backbone_init"),
+                 ("data", "training_data"))
+
+
+def model_row(cfg: dict[str, Any]) -> tuple[str, str]:
+    """(kind, facts) of a model directory's config.json: ``("vit_tiny", "source=real data=procedural ids=200
+    64px digest=ac158c365b16")``. The kind is the backbone (FR models) or the model's own name (dfa, caface,
+    facegcd, uiface)."""
+    kind = cfg.get("backbone") or cfg.get("architecture") or cfg.get("model") or "unknown"
+    extra = cfg.get("extra") or {}
+    facts = [f"{label}={extra[key]}" for label, key in MODEL_FACTS if extra.get(key) not in (None, "")]
+    size = (cfg.get("input_contract") or {}).get("size") or (cfg.get("config") or {}).get("input_size")
+    if size:
+        facts.append(f"{size}px")
+    if extra.get("training_data_digest"):
+        facts.append(f"digest={str(extra['training_data_digest'])[:12]}")
+    return str(kind), " ".join(facts)
+
+
+def version_facts(tags: dict[str, str]) -> str:
+    """What a registered model version was trained on, from its tags: ``source=real backbone=vit_tiny
+    digest=ac158c365b16``."""
+    facts = [f"{label}={tags[key]}" for label, key in VERSION_FACTS if tags.get(key)]
+    if tags.get("data_digest"):
+        facts.append(f"digest={tags['data_digest'][:12]}")
+    return " ".join(facts)
+
+
+def columns(rows: list[tuple[str, ...]]) -> list[str]:
+    """Rows as lines, each column as wide as its widest cell (the last one unpadded), two spaces apart."""
+    if not rows:
+        return []
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return ["  " + "  ".join([c.ljust(w) for c, w in zip(r, widths)] + [r[-1]]).rstrip() for r in rows]
+
+
 @app.command("ls")
 def ls() -> None:
     """List stages (with DVC status), datasets, models and their MLflow registry versions."""
@@ -182,36 +291,54 @@ def ls() -> None:
     status = subprocess.run([sys.executable, "-m", "dvc", "status", "--json"], cwd=root, capture_output=True, text=True)
     changed = json.loads(status.stdout or "{}") if status.returncode == 0 else {}
     typer.secho("Stages", bold=True)
-    for name in order:
-        typer.echo(f"  {name:<16} {'changed' if name in changed else 'up to date'}")
+    for line in columns([(name, "changed" if name in changed else "up to date") for name in order]):
+        typer.echo(line)
     typer.secho("Datasets", bold=True)
+    rows = []
     for info_path in sorted(root.glob("data/**/dataset.json")):
         info = json.loads(info_path.read_text())
-        typer.echo(f"  {str(info_path.parent.relative_to(root)):<28} {info.get('source'):<11} "
-                   f"{info.get('identity_count')} ids, {info.get('image_count')} images, digest {str(info.get('digest'))[:12]}")
+        rows.append((str(info_path.parent.relative_to(root)), str(info.get("source") or "unknown"),
+                     f"{info.get('identity_count')} ids, {info.get('image_count')} images, "
+                     f"digest {str(info.get('digest'))[:12]}"))
+    for line in columns(rows):
+        typer.echo(line)
     typer.secho("Models", bold=True)
-    for cfg_path in sorted(root.glob("models/**/config.json")):
-        cfg = json.loads(cfg_path.read_text())
-        kind = cfg.get("backbone") or f"{cfg.get('architecture')} ({cfg.get('kwargs', {}).get('backbone', '?')})"
-        typer.echo(f"  {str(cfg_path.parent.relative_to(root)):<28} {kind}")
+    rows = [(str(p.parent.relative_to(root)), *model_row(json.loads(p.read_text())))
+            for p in sorted(root.glob("models/**/config.json"))]
+    for line in columns(rows):
+        typer.echo(line)
     typer.secho("Registry", bold=True)
     try:
-        from mlflow import MlflowClient
-
-        from tasks.tracking import configure
-
-        configure(root)
-        client = MlflowClient()
-        for model in client.search_registered_models():
-            by_version: dict[str, list[str]] = {}
-            for alias, version in (model.aliases or {}).items():
-                by_version.setdefault(str(version), []).append(alias)
-            for v in client.search_model_versions(f"name = '{model.name}'"):
-                aliases = ",".join(sorted(by_version.get(str(v.version), [])))
-                typer.echo(f"  {model.name} v{v.version:<4} {('@' + aliases) if aliases else '':<12} "
-                           f"source={v.tags.get('source', '?')} run={v.run_id[:8]}")
+        for line in columns(_registry_rows(root)) or ["  (no registered models)"]:
+            typer.echo(line)
     except Exception as exc:  # registry unreachable is not fatal for a listing
         typer.echo(f"  (registry unavailable: {exc})")
+
+
+def _registry_rows(root: Path) -> list[tuple[str, ...]]:
+    """(name, version, @aliases, facts, run) per registered model version; none when the repository's own
+    SQLite store does not exist yet (listing does not create it)."""
+    from tasks.tracking import tracking_uri
+
+    uri = tracking_uri(root)
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
+        return []
+    from mlflow import MlflowClient
+
+    from tasks.tracking import configure
+
+    configure(root)
+    client = MlflowClient()
+    rows = []
+    for model in client.search_registered_models():
+        by_version: dict[str, list[str]] = {}
+        for alias, version in (model.aliases or {}).items():
+            by_version.setdefault(str(version), []).append(alias)
+        for v in sorted(client.search_model_versions(f"name = '{model.name}'"), key=lambda v: int(v.version)):
+            aliases = ",".join(sorted(by_version.get(str(v.version), [])))
+            rows.append((model.name, f"v{v.version}", f"@{aliases}" if aliases else "", version_facts(v.tags or {}),
+                         f"run={(v.run_id or '')[:8]}"))
+    return rows
 
 
 # ── operations commands: one module per area beside this one (heavy imports inside the commands) ──

@@ -7,7 +7,7 @@ predicted landmarks in the aligned crop — the keypoints KP-RPE reads; ``qualit
 score head is not trained on the embedded data, which has no non-face crops).
 Metrics: how far the *ground-truth* landmarks land from the template after alignment with the predicted ones
 (pixels, and normalised by the template's inter-pupil distance), which is the error alignment leaves behind.
-``plots/aligned_samples.png`` shows unaligned inputs above their aligned crops.
+``plots/aligned_samples.png`` shows unaligned inputs above their aligned crops, each row labelled.
 """
 
 from __future__ import annotations
@@ -45,15 +45,24 @@ def align_images(model: Any, images: np.ndarray, size: int, batch_size: int = 12
     return np.concatenate(out), np.concatenate(lms), scores, np.concatenate(mats)
 
 
-def sample_grid(unaligned: np.ndarray, aligned: np.ndarray, path: Path, n: int = 10) -> None:
-    from PIL import Image
+ROW_LABELS = ("unaligned input", "aligned crop")  # the rows of plots/aligned_samples.png, top to bottom
+
+
+def sample_grid(unaligned: np.ndarray, aligned: np.ndarray, path: Path, n: int = 10, margin: int = 64) -> None:
+    """The first ``n`` unaligned faces (top row, shown at the crop size) above their aligned crops, each row named
+    in a ``margin`` on the left with its pixel size."""
+    from PIL import Image, ImageDraw, ImageFont
 
     size = aligned.shape[1]
     n = min(n, len(aligned))
-    canvas = Image.new("RGB", (n * (size + 2) + 2, 2 * (size + 2) + 2), (255, 255, 255))
+    canvas = Image.new("RGB", (margin + n * (size + 2) + 2, 2 * (size + 2) + 2), (255, 255, 255))
+    draw, font = ImageDraw.Draw(canvas), ImageFont.load_default(size=9)
+    for row, (label, px) in enumerate(zip(ROW_LABELS, (unaligned.shape[1], size))):
+        draw.multiline_text((3, 2 + row * (size + 2) + size // 2), f"{label.replace(' ', chr(10))}\n{px} px",
+                            fill=(0, 0, 0), font=font, anchor="lm", spacing=1)
     for i in range(n):
-        canvas.paste(Image.fromarray(unaligned[i]).resize((size, size)), (2 + i * (size + 2), 2))
-        canvas.paste(Image.fromarray(aligned[i]), (2 + i * (size + 2), size + 4))
+        canvas.paste(Image.fromarray(unaligned[i]).resize((size, size)), (margin + 2 + i * (size + 2), 2))
+        canvas.paste(Image.fromarray(aligned[i]), (margin + 2 + i * (size + 2), size + 4))
     with atomic_path(path) as tmp:
         canvas.resize((canvas.width * 2, canvas.height * 2), Image.NEAREST).save(tmp, format="PNG")
 

@@ -277,6 +277,22 @@ def save_figure(fig: Any, path: Path | str, dpi: int = 110) -> Path:
     return Path(path)
 
 
+def coinciding(curves: Mapping[str, Mapping[Any, float]], atol: float = 1e-9) -> list[list[str]]:
+    """The names of ``curves`` ({name: {x: y}}) grouped by curves a plot would draw on top of each other (the same
+    x, every y within ``atol``), in first-seen order: ``{"a": {1: .5}, "b": {1: .5}, "c": {1: .7}}`` →
+    ``[["a", "b"], ["c"]]``. Draw one line per group and name the whole group in its legend entry."""
+    groups: list[list[str]] = []
+    for name, curve in curves.items():
+        for group in groups:
+            other = curves[group[0]]
+            if other.keys() == curve.keys() and all(abs(other[x] - curve[x]) <= atol for x in curve):
+                group.append(name)
+                break
+        else:
+            groups.append([name])
+    return groups
+
+
 def write_history_csv(path: Path | str, history: list[dict], fields: list[str] | None = None) -> Path:
     """Per-epoch rows as CSV (for ``dvc plots``): ``fields`` in order, default ``epoch`` then every other key."""
     import csv

@@ -229,7 +229,7 @@ def _generation(model_dir: Path, ctx: BenchContext) -> dict[str, float]:
     from ml.models.io import load_model, read_model_config
     from ml.train.fr import needs_keypoints
     from tasks.synthesize import generate, sampler_for
-    from tasks.train_generator import identity_embeddings, load_autoencoder_for
+    from tasks.train_generator import generator_autoencoder, identity_embeddings
 
     cfg = ctx.promote
     fr, _ = load_model(_fr_dir(ctx, "generator"))
@@ -238,7 +238,7 @@ def _generation(model_dir: Path, ctx: BenchContext) -> dict[str, float]:
                         "judge generators under a plain FR champion.")
     model, model_cfg = load_generator(model_dir)
     extra = read_model_config(model_dir, what="UIFace generator").get("extra", {})
-    autoencoder = load_autoencoder_for(ctx.generator, ctx.paths) if extra.get("space", "pixel") != "pixel" else None
+    autoencoder = generator_autoencoder(ctx.paths, extra, ctx.generator, model_dir)
     manifest = read_manifest(ctx.paths.heldout_set / "manifest.parquet")
     rows = manifest[manifest["split"] == "gallery"].drop_duplicates("identity").head(cfg.generator_identities)
     rows = rows.reset_index(drop=True)

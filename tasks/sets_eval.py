@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from tasks.common import Paths, write_json, pyplot, save_figure
+from tasks.common import Paths, coinciding, pyplot, save_figure, write_json
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,39 @@ def _frames(fr_model: Any, aligner: FrameAligner | None, dataset: Path, rows: An
     return Frames(feats, styles, landmarks, scores, rows["quality"].fillna(1.0).to_numpy(np.float32))
 
 
+@dataclass(frozen=True)
+class VideoSplit:
+    """The video set split by the manifest's ``split``: probe frames and gallery stills, each in manifest order."""
+
+    probe: Frames  # the probes' frames
+    probe_groups: np.ndarray  # (Np,) probe 0..P-1 of each probe frame, probes in template id order
+    probe_ids: np.ndarray  # (P,) identity of each probe
+    gallery: Frames  # the gallery stills: the booking gallery
+    gallery_groups: np.ndarray  # (Ng,) gallery template 0..G-1 of each still, in template id order
+    gallery_ids: np.ndarray  # (G,) identity of each gallery template
+    single: np.ndarray  # (G, D) the single gallery: each gallery template's first still, unit norm
+
+
+def split_videos(rows: Any, frames: Frames) -> VideoSplit:
+    """Split the video set's manifest ``rows`` and their ``frames`` into probes (split ``probe``, one per template)
+    and the gallery (the other rows: all stills of a template for the booking gallery, its first still for the
+    single one); templates are numbered in template id order."""
+    probe = (rows["split"] == "probe").to_numpy()
+    p_rows, g_rows = rows[probe].reset_index(drop=True), rows[~probe].reset_index(drop=True)
+    p_tids, p_groups = np.unique(p_rows["template"].to_numpy(np.int64), return_inverse=True)
+    g_tids, first_still, g_groups = np.unique(g_rows["template"].to_numpy(np.int64), return_index=True,
+                                              return_inverse=True)  # first_still: (G,) each template's first row
+    gallery = frames.take(~probe)
+    single = gallery.feats[first_still]
+    return VideoSplit(
+        probe=frames.take(probe), probe_groups=p_groups,
+        probe_ids=p_rows.groupby("template")["identity"].first().loc[p_tids].to_numpy(),
+        gallery=gallery, gallery_groups=g_groups,
+        gallery_ids=g_rows.groupby("template")["identity"].first().loc[g_tids].to_numpy(),
+        single=single / np.linalg.norm(single, axis=1, keepdims=True),
+    )
+
+
 def zero_quality_probes(quality: np.ndarray, groups: np.ndarray, threshold: float = ZERO_QUALITY) -> int:
     """How many probes (``groups`` (N,) ∈ 0..P-1) have every frame's true ``quality`` (N,) below ``threshold``."""
     best = np.full(int(groups.max()) + 1 if groups.size else 0, -np.inf)
@@ -198,17 +231,10 @@ def evaluate_sets(cfg: Any, data: Any, paths: Paths, fr_model: Any, chunk_size: 
     known = np.isfinite(quality)
     if aligner is not None and aligner.scores and known.sum() > 1:  # does the face score rank frames by quality?
         metrics["sets/face_inputs/score_quality_spearman"] = spearman(frames_all.scores[known], quality[known])
-    probe = (rows["split"] == "probe").to_numpy()
-    p_rows, g_rows = rows[probe].reset_index(drop=True), rows[~probe].reset_index(drop=True)
-    p_frames, g_frames = frames_all.take(probe), frames_all.take(~probe)
-    p_tids, p_groups = np.unique(p_rows["template"].to_numpy(np.int64), return_inverse=True)
-    probe_ids = p_rows.groupby("template")["identity"].first().loc[p_tids].to_numpy()
-    g_feats = g_frames.feats
-    g_tids, g_groups = np.unique(g_rows["template"].to_numpy(np.int64), return_inverse=True)
-    gallery_ids = g_rows.groupby("template")["identity"].first().loc[g_tids].to_numpy()
-    first_still = ~g_rows.duplicated("template").to_numpy()
+    videos = split_videos(rows, frames_all)
+    p_frames, p_groups, probe_ids = videos.probe, videos.probe_groups, videos.probe_ids
+    g_frames, g_groups, gallery_ids, single = videos.gallery, videos.gallery_groups, videos.gallery_ids, videos.single
     galleries: dict[str, dict[str, np.ndarray]] = {}
-    single = g_feats[first_still] / np.linalg.norm(g_feats[first_still], axis=1, keepdims=True)
     hits: dict[str, np.ndarray] = {}  # per mated probe: rank-1 hit against the single gallery
     for method in methods:
         probes = _fuse(method, p_frames, p_groups, caface, data, chunk_size)
@@ -269,10 +295,12 @@ def plot_gain(gain: dict, methods: list[str], path: Path) -> None:
     plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(5.4, 3.6))
-    for method in methods:
+    for group in coinciding({m: gain[m] for m in methods}):  # identical curves: one line, named together
+        method = group[0]
         sizes = sorted(gain[method])
         look = dict(color="0.45", linestyle="--", marker="s") if method == "quality_oracle" else dict(marker="o")
-        ax.plot(sizes, [100 * gain[method][s] for s in sizes], label=LABELS[method], ms=3, **look)
+        ax.plot(sizes, [100 * gain[method][s] for s in sizes], label=" = ".join(LABELS[m] for m in group), ms=3,
+                **look)
     ax.set(xscale="log", xlabel="frames fused per probe (random subset)", ylabel="rank-1 (%)",
            title="Video identification vs probe size (booking gallery)")
     ax.grid(alpha=0.3, which="both")

@@ -12,11 +12,20 @@
    ``data/synthetic/`` with 5 landmarks per face predicted by the trained DFA aligner (``models/aligner``: the
    keypoints KP-RPE reads) and the contexts in ``contexts.npy``; a sample grid goes to
    ``plots/synthetic_samples.png`` and MLflow.
-4. **Gate.** The Great Expectations manifest suite (kind ``synthetic``) plus identity consistency: every
-   identity's mean intra-class cosine under the FR model must reach ``synthesize.min_identity_consistency``.
-   Reports: ``reports/validation_synthetic/``.
+4. **Privacy.** Every synthetic identity's centre is compared with every real training identity's centre and
+   every synthetic face with the real training faces (2,000 sampled) under the FR model; identities above
+   ``synthesize.max_real_cosine`` are dropped (fewer than ``synthesize.min_identities`` left: the stage fails);
+   the closest pairs are drawn side by side in ``plots/synthetic_privacy.png``.
+5. **Gate.** Faces, not noise, that carry their identity: the identity gap (mean intra-class − mean pairwise
+   inter-class cosine) must reach ``synthesize.min_identity_gap`` and the adjacent-pixel correlation
+   ``synthesize.min_pixel_correlation``, else the stage fails naming both values (after writing the metrics and
+   plots). Then the Great Expectations manifest suite (kind ``synthetic``) plus identity consistency: every
+   identity's mean intra-class cosine must reach ``synthesize.min_identity_consistency``. Reports:
+   ``reports/validation_synthetic/``.
 
-Metrics (``metrics/synthesize.json``): identity consistency, intra-class diversity (embedding proxy for LPIPS),
+Metrics (``metrics/synthesize.json``): identity gap, adjacent-pixel correlation, the privacy distributions
+(``synthetic/max_real_cosine``, ``synthetic/nearest_real_cosine_p99``), SSIM diversity within identity (needs no
+weights), identity consistency, intra-class diversity (embedding proxy for LPIPS),
 inter-class separation, Improved Precision/Recall (k = 10) against the real training faces, the adaptive t0
 distribution and UNet evaluations per image.
 """
@@ -54,12 +63,16 @@ class SynthesizeConfig:
     max_cosine: float = 0.4             # kept contexts are pairwise below this cosine
     allow_fewer: bool = False           # fewer identities than asked: continue (true) or stop (false)
     min_identity_consistency: float = 0.0  # gate: each identity's mean intra-class cosine must reach this
+    min_identity_gap: float = 0.2       # gate: mean intra-class − mean pairwise inter-class cosine (real faces ≈ 0.6)
+    min_pixel_correlation: float = 0.9  # gate: adjacent-pixel correlation (faces ≈ 0.95–0.99, colour noise ≲ 0.8)
+    max_real_cosine: float = 0.9        # privacy: identities whose centre is closer to a real identity's are dropped
+    min_identities: int = 2             # fewer left after the privacy check: the stage fails
     batch_size: int = 64
     sampler: SamplerConfig = field(default_factory=lambda: SamplerConfig(steps=25))
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for key in ("identities", "images_per_identity", "candidates", "batch_size"):
+        for key in ("identities", "images_per_identity", "candidates", "batch_size", "min_identities"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"synthesize.{key} = {value!r}: need a positive integer")
@@ -76,14 +89,13 @@ def load_generator_for(paths: Paths, generator_cfg: Any) -> tuple[Any, dict[str,
     """(EMA generator in eval mode, its saved ``extra``, autoencoder or None) from ``models/generator``."""
     from ml.models.generator.uiface import load_generator
     from ml.models.io import read_model_config
-    from tasks.train_generator import load_autoencoder_for
+    from tasks.train_generator import generator_autoencoder
 
     if not (paths.generator_model / "config.json").is_file():
         raise DataError(f"{paths.generator_model} holds no generator: run `dvc repro train_generator` first.")
     model, _ = load_generator(paths.generator_model)
     extra = read_model_config(paths.generator_model, what="UIFace generator").get("extra", {})
-    autoencoder = load_autoencoder_for(generator_cfg, paths) if extra.get("space", "pixel") != "pixel" else None
-    return model.eval(), extra, autoencoder
+    return model.eval(), extra, generator_autoencoder(paths, extra, generator_cfg)
 
 
 def sampler_for(cfg: SamplerConfig, extra: dict[str, Any]) -> SamplerConfig:
@@ -132,19 +144,53 @@ def generate(model: Any, contexts: Any | None, count_per_context: int, cfg: Samp
     return np.concatenate(images), np.concatenate(t0s), np.concatenate(evals)
 
 
-def sample_grid(images: np.ndarray, labels: np.ndarray, path: Path, rows: int = 8, cols: int = 8) -> None:
-    """One row per identity (its first ``cols`` faces)."""
-    from PIL import Image
-
-    size = images.shape[1]
+def sample_grid(images: np.ndarray, labels: np.ndarray, path: Path, rows: int = 8, cols: int = 8,
+                title: str = "") -> None:
+    """One row per identity (its first ``cols`` faces), each row labelled, ``title`` above."""
+    plt = pyplot()
     ids = list(dict.fromkeys(labels.tolist()))[:rows]
-    canvas = Image.new("RGB", (cols * (size + 2) + 2, len(ids) * (size + 2) + 2), (255, 255, 255))
+    fig, axes = plt.subplots(len(ids), cols, figsize=(1.1 * cols + 0.6, 1.1 * len(ids) + 0.5), squeeze=False)
     for r, identity in enumerate(ids):
-        for c, i in enumerate(np.flatnonzero(labels == identity)[:cols]):
-            canvas.paste(Image.fromarray(images[i]), (2 + c * (size + 2), 2 + r * (size + 2)))
-    scale = max(1, 128 // size)
-    with atomic_path(path) as tmp:
-        canvas.resize((canvas.width * scale, canvas.height * scale), Image.NEAREST).save(tmp, format="PNG")
+        members = np.flatnonzero(labels == identity)[:cols]
+        for c in range(cols):
+            ax = axes[r, c]
+            ax.set_xticks([])
+            ax.set_yticks([])
+            for spine in ax.spines.values():
+                spine.set_visible(False)
+            if c < len(members):
+                ax.imshow(images[members[c]])
+        axes[r, 0].set_ylabel(f"id {identity}", fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def plot_nearest_real(faces: np.ndarray, labels: np.ndarray, privacy: dict[str, np.ndarray], real_faces: np.ndarray,
+                      path: Path, pairs: int = 8) -> None:
+    """The synthetic faces closest to a real training face, each beside that face, with their FR cosine."""
+    plt = pyplot()
+    order = np.argsort(-privacy["face_max_cos"])
+    chosen, seen = [], set()
+    for i in order:  # one face per synthetic identity
+        if int(labels[i]) not in seen:
+            seen.add(int(labels[i]))
+            chosen.append(int(i))
+        if len(chosen) == pairs:
+            break
+    fig, axes = plt.subplots(2, len(chosen), figsize=(1.3 * len(chosen) + 0.4, 3.2), squeeze=False)
+    for c, i in enumerate(chosen):
+        for r, img in enumerate((faces[i], real_faces[privacy["face_nearest"][i]])):
+            axes[r, c].imshow(img)
+            axes[r, c].set_xticks([])
+            axes[r, c].set_yticks([])
+        axes[0, c].set_title(f"cos {privacy['face_max_cos'][i]:.2f}", fontsize=8)
+    axes[0, 0].set_ylabel("synthetic", fontsize=8)
+    axes[1, 0].set_ylabel("nearest real", fontsize=8)
+    fig.suptitle("Privacy: synthetic faces closest to a real training face (FR cosine)", fontsize=9)
+    fig.tight_layout()
+    save_figure(fig, path)
 
 
 def plot_t0(t0: np.ndarray, steps_t: int, path: Path) -> None:
@@ -174,7 +220,9 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
     import pandas as pd
 
     from ml.data.dataset import DatasetWriter, landmarks_array, load_images, read_manifest
-    from ml.eval.diversity import diversity_report
+    from ml.eval.diversity import (
+        adjacent_pixel_correlation, diversity_report, identity_gap, nearest_real, ssim_diversity,
+    )
     from ml.models.aligner.dfa import load_aligner
     from ml.synth.contexts import select_identity_contexts
     from tasks.train_generator import identity_embeddings, load_fr, resize_faces
@@ -202,19 +250,44 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
     labels = np.repeat(np.arange(len(keep)), cfg.images_per_identity)
     emb, landmarks = embed_faces(faces)
     faces = resize_faces(faces, data.image_size)
-    # 3. export
-    names = [f"syn_{i:05d}" for i in range(len(keep))]
+    # 3. privacy: identities too close to a real training identity are dropped
+    real_rows = read_manifest(paths.train_set / "manifest.parquet")
+    real_rows = real_rows[real_rows["split"] == "train"].reset_index(drop=True)
+    real_rows = real_rows.sample(n=min(len(real_rows), 2000), random_state=cfg.seed).reset_index(drop=True)
+    real_faces = load_images(paths.train_set, real_rows, progress=True)
+    real_emb = identity_embeddings(fr, real_faces, landmarks_array(real_rows))
+    privacy = nearest_real(emb, labels, real_emb, real_rows["label"].to_numpy())
+    too_close = np.flatnonzero(privacy["identity_max_cos"] > cfg.max_real_cosine)
+    kept_ids = np.setdiff1d(np.arange(len(keep)), too_close)
+    plot_nearest_real(faces, labels, privacy, real_faces, paths.plots / "synthetic_privacy.png")
+    if len(kept_ids) < cfg.min_identities:
+        raise DataError(
+            f"only {len(kept_ids)} of {len(keep)} synthetic identities are below synthesize.max_real_cosine = "
+            f"{cfg.max_real_cosine} to every real training identity (need synthesize.min_identities = "
+            f"{cfg.min_identities}); the generator reproduces real identities — see plots/synthetic_privacy.png; "
+            "sample more candidates, lower synthesize.max_cosine, or raise max_real_cosine knowingly")
+    rows_kept = np.isin(labels, kept_ids)
+    faces, landmarks, emb, t0, evals = (a[rows_kept] for a in (faces, landmarks, emb, t0, evals))
+    labels = np.searchsorted(kept_ids, labels[rows_kept])
+    contexts = contexts[kept_ids]
+    # 4. faces, not noise; identities, not one face: the gate's numbers
+    gap = identity_gap(emb, labels)
+    pixel_corr = adjacent_pixel_correlation(faces)
+    sample_grid(faces, labels, paths.plots / "synthetic_samples.png",
+                title=f"UIFace synthetic identities (one per row): identity gap {gap['gap']:.2f}, adjacent-pixel "
+                      f"correlation {pixel_corr:.2f}")
+    # 5. export
+    names = [f"syn_{i:05d}" for i in range(len(kept_ids))]
     with DatasetWriter(paths.synthetic_set, name="synthetic", source="synthetic", aligned=True, generator={
         "generator": str(paths.generator_model.relative_to(paths.root)), "fr_model": str(fr_dir.relative_to(paths.root)),
-        "sampler": dataclasses.asdict(sampler), "identities": len(keep), "images_per_identity": cfg.images_per_identity,
+        "sampler": dataclasses.asdict(sampler), "identities": len(kept_ids), "images_per_identity": cfg.images_per_identity,
         "candidates": cfg.candidates, "max_cosine": cfg.max_cosine, "seed": cfg.seed,
     }) as w:
         for img, lm, label in zip(faces, landmarks, labels):
             w.add(img, identity=names[label], split="train", landmarks=lm.reshape(-1))
         np.save(w.tmp_dir / "contexts.npy", contexts.astype(np.float32))
-    sample_grid(faces, labels, paths.plots / "synthetic_samples.png")
     plot_t0(t0, sampler.train_timesteps, paths.plots / "synthetic_t0.png")
-    # 4. gate
+    # 6. gate
     consistency = per_identity_consistency(emb, labels)
     manifest = read_manifest(paths.synthetic_set / "manifest.parquet")
     manifest["identity_consistency"] = manifest["label"].map(consistency).astype(float)
@@ -224,19 +297,32 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
         tmp.mkdir(parents=True)
         validate_manifests({"synthetic": ("synthetic", manifest)}, data, ValidateConfig(), tmp)
 
-    real_rows = read_manifest(paths.train_set / "manifest.parquet")
-    real_rows = real_rows[real_rows["split"] == "train"].reset_index(drop=True)
-    real_rows = real_rows.sample(n=min(len(real_rows), 2000), random_state=cfg.seed).reset_index(drop=True)
-    real_emb = identity_embeddings(fr, load_images(paths.train_set, real_rows, progress=True),
-                                   landmarks_array(real_rows))
     report = diversity_report(emb, labels, real_emb=real_emb, k=min(10, len(emb) - 1, len(real_emb) - 1))
     result = StageResult("synthesize", outputs=[paths.synthetic_set])
-    result.metrics = {**report, "synthetic/identities": float(len(keep)), "synthetic/images": float(len(faces)),
+    result.metrics = {**report, "synthetic/identities": float(len(kept_ids)), "synthetic/images": float(len(faces)),
+                      "synthetic/identity_gap": gap["gap"], "synthetic/intra_class_cos": gap["intra"],
+                      "synthetic/inter_class_pair_cos": gap["inter"],
+                      "synthetic/adjacent_pixel_correlation": pixel_corr,
+                      "synthetic/ssim_diversity": ssim_diversity(faces, labels),
+                      "synthetic/max_real_cosine": float(privacy["identity_max_cos"].max()),
+                      "synthetic/max_real_cosine_mean": float(privacy["identity_max_cos"].mean()),
+                      "synthetic/nearest_real_cosine_p99": float(np.percentile(privacy["face_max_cos"], 99)),
+                      "synthetic/dropped_too_close_to_real": float(len(too_close)),
                       "synthetic/identity_consistency_min": float(min(consistency.values())),
                       "synthetic/t0_mean": float(t0.mean()), "synthetic/t0_std": float(t0.std()),
                       "synthetic/unet_evals_per_image": float(evals.mean()),
                       "synthetic/candidates_kept_fraction": float(len(keep) / cfg.candidates)}
     write_json(paths.metrics / "synthesize.json", result.metrics)
+    failed = [f"{name} {value:.3f} < synthesize.{key} = {bound}" for name, value, key, bound in (
+        ("identity gap", gap["gap"], "min_identity_gap", cfg.min_identity_gap),
+        ("adjacent-pixel correlation", pixel_corr, "min_pixel_correlation", cfg.min_pixel_correlation))
+        if value < bound]
+    if failed:
+        raise DataError(
+            f"the synthetic set fails the gate: {'; '.join(failed)} (real faces: gap ≈ 0.6, correlation ≈ 0.95–0.99). "
+            "The generator did not learn faces that carry their identity — see plots/synthetic_samples.png and "
+            "metrics/synthesize.json; train it longer (generator.train.epochs) or in latent space "
+            "(generator.space: latent) before training an FR model on its faces")
     result.summary = (f"{len(keep)} synthetic identities × {cfg.images_per_identity} faces ({sampler.mode}"
                       f"{' + attention injection' if sampler.attention_injection else ''}, {sampler.steps} DDIM steps): "
                       f"identity consistency {report['synthetic/identity_consistency']:.3f}, diversity "
@@ -244,7 +330,7 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
     if tracker is not None:
         tracker.log_dataset(paths.synthetic_set, context="synthetic")
         tracker.log_metrics(result.metrics)
-        for plot in ("synthetic_samples.png", "synthetic_t0.png"):
+        for plot in ("synthetic_samples.png", "synthetic_t0.png", "synthetic_privacy.png"):
             tracker.log_artifact(paths.plots / plot, artifact_path="plots")
         tracker.log_artifact(report_dir, artifact_path="validation")
     return result

@@ -6,7 +6,14 @@ Each training face (``data/prepared/train``, split ``train``) is embedded by the
 with the context dropped element-wise (0.25) and replaced by the learnable empty context ``c_e`` with
 probability 0.2. The embedded default runs in pixel space at ``generator.train.model.image_size`` (faces are
 resized to it); ``generator.autoencoder`` names a local diffusers ``VQModel``/``AutoencoderKL`` directory for
-latent-space runs (faces are resized to the size whose latent matches the UNet).
+latent-space runs (faces are resized to the size whose latent matches the UNet); ``generator.space: latent``
+without one trains a small diffusers ``AutoencoderKL`` first on the same faces (ml/train/autoencoder.py: pixel
+losses plus an FR-embedding cosine term), saved with the UNet in ``models/generator/autoencoder`` and reported as
+``autoencoder/psnr`` and ``autoencoder/fr_cosine`` (plots/autoencoder_reconstructions.png).
+
+Contexts follow one convention for training and sampling: the FR embedding of a face as the generator renders it
+(pixel space: resized to the UNet's size and back; latent space: the face itself, the autoencoder's output size),
+which is how ``synthesize`` embeds generated faces.
 
 Writes ``models/generator/`` (the EMA weights + config with the noise schedule), ``metrics/train_generator.json``
 and the loss curve; registers ``faceops-generator`` with alias ``candidate``.
@@ -25,9 +32,10 @@ import numpy as np
 from ml.config import from_mapping
 from ml.errors import ConfigError, DataError
 from ml.models.generator.uiface import GeneratorModelConfig
+from ml.train.autoencoder import AutoencoderConfig
 from ml.train.generator import GeneratorConfig
 from tasks.common import (
-    Paths, StageResult, core_share_callbacks, load_params, pyplot, save_figure, section, stage_main,
+    Paths, StageResult, atomic_path, core_share_callbacks, load_params, pyplot, save_figure, section, stage_main,
     write_history_csv, write_json,
 )
 from tasks.tracking import registered_note
@@ -36,6 +44,8 @@ log = logging.getLogger(__name__)
 
 REGISTERED_MODEL = "faceops-generator"
 AUTOENCODER_KINDS = ("vq", "kl")
+SPACES = ("pixel", "latent")
+AUTOENCODER_DIR = "autoencoder"  # models/generator/autoencoder: the autoencoder trained in phase 1 (latent space)
 
 
 @dataclass(frozen=True)
@@ -44,8 +54,11 @@ class GeneratorStageConfig:
     context size ``train.model.id_dim`` is taken from the FR model, whatever is written there)."""
 
     fr_source: str = "real"            # the FR model whose embeddings are the identity contexts
-    autoencoder: str | None = None     # local diffusers VQModel/AutoencoderKL directory; none = pixel space
-    autoencoder_kind: str = "vq"       # vq | kl
+    space: str = "pixel"               # pixel | latent (the UNet denoises an autoencoder's latent)
+    autoencoder: str | None = None     # a local diffusers VQModel/AutoencoderKL directory (latent space); none with
+                                       # space latent: one is trained here first (autoencoder_train)
+    autoencoder_kind: str = "vq"       # vq | kl (of a given autoencoder; a trained one is kl)
+    autoencoder_train: AutoencoderConfig = field(default_factory=AutoencoderConfig)
     max_images: int = 0                # train on the first N training faces (0 = all)
     train: GeneratorConfig = field(default_factory=lambda: GeneratorConfig(
         model=GeneratorModelConfig(image_size=32, block_out_channels=(32, 64, 64)), epochs=8, batch_size=64))
@@ -54,6 +67,8 @@ class GeneratorStageConfig:
         if self.autoencoder_kind not in AUTOENCODER_KINDS:
             raise ConfigError(f"generator.autoencoder_kind {self.autoencoder_kind!r} is not one of "
                               f"{list(AUTOENCODER_KINDS)}")
+        if self.space not in SPACES:
+            raise ConfigError(f"generator.space {self.space!r} is not one of {list(SPACES)}")
         if isinstance(self.max_images, bool) or not isinstance(self.max_images, int) or self.max_images < 0:
             raise ConfigError(f"generator.max_images = {self.max_images!r}: need an integer ≥ 0 (0 = all)")
 
@@ -101,12 +116,59 @@ def identity_embeddings(model: Any, images: np.ndarray, landmarks: np.ndarray | 
 
 
 def load_autoencoder_for(cfg: GeneratorStageConfig, paths: Paths) -> Any:
+    """The autoencoder ``generator.autoencoder`` names (frozen), or None when the stage trains one or runs in pixels."""
     from ml.models.generator.uiface import load_autoencoder
 
     if not cfg.autoencoder:
         return None
     path = Path(cfg.autoencoder)
     return load_autoencoder(path if path.is_absolute() else paths.root / path, kind=cfg.autoencoder_kind)
+
+
+def generator_autoencoder(paths: Paths, extra: dict[str, Any], cfg: GeneratorStageConfig,
+                          model_dir: Path | None = None) -> Any:
+    """The autoencoder a saved generator (``model_dir``, default ``models/generator``) samples through: the one
+    trained with it (``<model_dir>/autoencoder``), else the one its config names (``extra["autoencoder"]``, then
+    ``generator.autoencoder``); None for a pixel-space generator."""
+    from ml.models.generator.uiface import load_autoencoder
+
+    if extra.get("space", "pixel") == "pixel":
+        return None
+    own = Path(model_dir or paths.generator_model) / AUTOENCODER_DIR
+    if (own / "config.json").is_file():
+        return load_autoencoder(own, kind="kl")
+    recorded = extra.get("autoencoder") or cfg.autoencoder
+    if not recorded:
+        raise DataError(f"{paths.generator_model} is a {extra.get('space')} generator but names no autoencoder; "
+                        "re-run `dvc repro train_generator`")
+    path = Path(recorded)
+    return load_autoencoder(path if path.is_absolute() else paths.root / path,
+                            kind=extra.get("autoencoder_kind") or cfg.autoencoder_kind)
+
+
+def reconstruction_report(autoencoder: Any, fr: Any, images: np.ndarray, contexts: np.ndarray,
+                          path: Path) -> dict[str, float]:
+    """PSNR (dB, faces in [0, 255]) and mean FR cosine between faces and their reconstructions from the posterior
+    means; a picture of faces over their reconstructions goes to ``path``."""
+    from ml.train.autoencoder import reconstruct
+
+    recon, _ = reconstruct(autoencoder, images)
+    mse = ((recon.astype(np.float64) - images.astype(np.float64)) ** 2).mean(axis=(1, 2, 3))
+    psnr = float(np.mean(10 * np.log10(255.0 ** 2 / np.maximum(mse, 1e-10))))
+    cosine = float(np.mean(np.sum(identity_embeddings(fr, recon, None) * contexts, axis=1)))
+    plt = pyplot()
+    k = min(10, len(images))
+    fig, axes = plt.subplots(2, k, figsize=(1.2 * k, 2.8), squeeze=False)
+    for i in range(k):
+        for row, img in enumerate((images[i], recon[i])):
+            axes[row, i].imshow(img)
+            axes[row, i].axis("off")
+    axes[0, 0].set_title("face", fontsize=8, loc="left")
+    axes[1, 0].set_title("reconstruction", fontsize=8, loc="left")
+    fig.suptitle(f"UIFace latent autoencoder: PSNR {psnr:.1f} dB, FR cosine {cosine:.2f}", fontsize=9)
+    fig.tight_layout()
+    save_figure(fig, path)
+    return {"autoencoder/psnr": psnr, "autoencoder/fr_cosine": cosine}
 
 
 def plot_history(history: list[dict], path: Path) -> None:
@@ -131,24 +193,56 @@ def run(cfg: GeneratorStageConfig, paths: Paths, *, tracker: Any = None) -> Stag
     if cfg.max_images:
         rows = rows.iloc[: cfg.max_images].reset_index(drop=True)
     images = load_images(paths.train_set, rows, progress=True)
-    contexts = identity_embeddings(fr, images, landmarks_array(rows))
+    landmarks = landmarks_array(rows)
+    native = identity_embeddings(fr, images, landmarks)
+    metrics: dict[str, float] = {}
     autoencoder = load_autoencoder_for(cfg, paths)
+    trained_autoencoder = cfg.space == "latent" and autoencoder is None
+    if trained_autoencoder:  # phase 1: the latent space, from the same faces
+        from ml.train.autoencoder import train_autoencoder
+
+        ae_cfg = cfg.autoencoder_train
+        autoencoder, ae_history, ae_seconds = train_autoencoder(
+            ae_cfg, resize_faces(images, images.shape[1] - images.shape[1] % ae_cfg.factor), native,
+            fr if ae_cfg.fr_weight > 0 else None, callbacks=core_share_callbacks(), progress=True)
+        metrics["autoencoder/seconds"] = float(ae_seconds)
+        write_history_csv(paths.plots / "train_autoencoder_history.csv", ae_history,
+                          ["epoch", "train/loss", "train/pixel", "train/fr_cosine"])
     size = model_cfg.image_size
     if autoencoder is not None:
         size *= 2 ** (len(autoencoder.config.block_out_channels) - 1)
-    res = train_generator(train_cfg, resize_faces(images, size), contexts, autoencoder=autoencoder, progress=True,
+    faces = resize_faces(images, size)
+    if autoencoder is not None:
+        report_rows = min(len(faces), 1024)
+        if size == images.shape[1]:
+            metrics.update(reconstruction_report(autoencoder, fr, faces[:report_rows], native[:report_rows],
+                                                 paths.plots / "autoencoder_reconstructions.png"))
+    # contexts as sampling makes them: the FR embedding of a face rendered the way the generator renders faces
+    # (at its output size, then resized to the FR model's), so training and synthesis share one convention
+    contexts = native if size == images.shape[1] else identity_embeddings(
+        fr, resize_faces(faces, images.shape[1]), landmarks)
+    res = train_generator(train_cfg, faces, contexts, autoencoder=autoencoder, progress=True,
                           callbacks=core_share_callbacks())
     info = read_dataset_info(paths.train_set)
     extra = {"registered_name": REGISTERED_MODEL, "fr_model": str(fr_dir.relative_to(paths.root)),
              "fr_data_digest": fr_config.get("extra", {}).get("training_data_digest", ""),
              "training_data_digest": info["digest"], "training_images": int(len(rows)),
-             "autoencoder": cfg.autoencoder or "", "autoencoder_kind": cfg.autoencoder_kind if cfg.autoencoder else ""}
-    res.save(paths.generator_model, extra=extra)
+             "autoencoder": cfg.autoencoder or "", "autoencoder_kind": cfg.autoencoder_kind if cfg.autoencoder else "",
+             "context_size": int(size)}
+    if trained_autoencoder:
+        extra["autoencoder"] = str((paths.generator_model / AUTOENCODER_DIR).relative_to(paths.root))
+        extra["autoencoder_kind"] = "kl"
+        extra["autoencoder_train"] = {k: (list(v) if isinstance(v, tuple) else v)
+                                      for k, v in dataclasses.asdict(cfg.autoencoder_train).items()}
+    with atomic_path(paths.generator_model) as tmp:  # the UNet and its autoencoder appear together
+        res.save(tmp, extra=extra)
+        if trained_autoencoder:
+            autoencoder.save_pretrained(str(tmp / AUTOENCODER_DIR))
 
     last = res.history[-1] if res.history else {}
     result = StageResult("train_generator", outputs=[paths.generator_model])
     result.metrics = {"train/loss": float(last.get("train/loss", float("nan"))), "train/seconds": float(res.seconds),
-                      "train/images": float(len(rows))}
+                      "train/images": float(len(rows)), **metrics}
     write_json(paths.metrics / "train_generator.json", result.metrics)
     write_history_csv(paths.plots / "train_generator_history.csv", res.history, ["epoch", "train/loss"])
     plot_history(res.history, paths.plots / "train_generator_loss.png")
@@ -160,6 +254,8 @@ def run(cfg: GeneratorStageConfig, paths: Paths, *, tracker: Any = None) -> Stag
             tracker.log_metrics({k: v for k, v in h.items() if k.startswith("train/")}, step=int(h["epoch"]))
         tracker.log_metrics(result.metrics)
         tracker.log_artifact(paths.plots / "train_generator_loss.png", artifact_path="plots")
+        if (paths.plots / "autoencoder_reconstructions.png").is_file() and "autoencoder/psnr" in metrics:
+            tracker.log_artifact(paths.plots / "autoencoder_reconstructions.png", artifact_path="plots")
         version = tracker.register_model_dir(REGISTERED_MODEL, model_dir=paths.generator_model,
                                              tags={"fr_model": extra["fr_model"], "data_digest": info["digest"]})
         result.summary += f"; {registered_note(REGISTERED_MODEL, version)}"

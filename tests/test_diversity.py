@@ -353,3 +353,54 @@ def test_lpips_incomplete_weights_name_the_missing_keys(lpips_weights, tmp_path)
 def test_lpips_image_errors(lpips_model, a, b, match):
     with pytest.raises(DataError, match=match):
         lpips_distance(a, b, model=lpips_model)
+
+
+# ---------------------------------------------------------------------------------------- identity gap, pixels
+def test_identity_gap_matches_hand_computed_pairs() -> None:
+    from ml.eval.diversity import identity_gap
+
+    e = np.array([[1, 0], [0.8, 0.6], [0, 1], [0.6, 0.8], [-1, 0]], dtype=np.float64)
+    labels = np.array([0, 0, 1, 1, 1])
+    u = e / np.linalg.norm(e, axis=1, keepdims=True)
+    intra = np.mean([u[0] @ u[1], np.mean([u[2] @ u[3], u[2] @ u[4], u[3] @ u[4]])])
+    inter = np.mean([u[i] @ u[j] for i in (0, 1) for j in (2, 3, 4)])
+    out = identity_gap(e, labels)
+    assert out["intra"] == pytest.approx(intra) and out["inter"] == pytest.approx(inter)
+    assert out["gap"] == pytest.approx(intra - inter)
+    with pytest.raises(DataError, match="one embedding"):
+        identity_gap(e[:3], labels[:3])
+
+
+def test_adjacent_pixel_correlation_tells_faces_from_noise() -> None:
+    from ml.eval.diversity import adjacent_pixel_correlation
+
+    rng = np.random.default_rng(0)
+    noise = rng.integers(0, 256, (4, 16, 16, 3)).astype(np.uint8)
+    ramp = np.broadcast_to(np.linspace(0, 255, 16)[None, None, :, None], (4, 16, 16, 3)).astype(np.uint8)
+    assert abs(adjacent_pixel_correlation(noise)) < 0.15
+    assert adjacent_pixel_correlation(ramp) > 0.99
+    assert adjacent_pixel_correlation(np.zeros((1, 4, 4, 3))) == 1.0  # flat: smooth, not undefined
+
+
+def test_nearest_real_finds_the_copied_identity_and_face() -> None:
+    from ml.eval.diversity import nearest_real
+
+    rng = np.random.default_rng(1)
+    real = rng.normal(size=(12, 8))
+    real_labels = np.repeat([10, 20, 30], 4)
+    fake = np.concatenate([real[4:8] + 1e-3, rng.normal(size=(2, 8))])  # identity 0 copies real identity 20
+    out = nearest_real(fake, np.array([0, 0, 0, 0, 1, 1]), real, real_labels)
+    assert out["identity_nearest"][0] == 20 and out["identity_max_cos"][0] > 0.999
+    assert out["identity_max_cos"][1] < 0.9
+    assert out["face_nearest"][:4].tolist() == [4, 5, 6, 7] and out["face_max_cos"][:4].min() > 0.999
+
+
+def test_ssim_diversity_zero_for_copies_positive_for_variation() -> None:
+    from ml.eval.diversity import ssim_diversity
+
+    rng = np.random.default_rng(2)
+    face = rng.integers(0, 256, (1, 16, 16, 3)).astype(np.uint8)
+    copies = np.repeat(face, 4, axis=0)
+    assert ssim_diversity(copies, np.zeros(4, int)) == pytest.approx(0.0, abs=1e-6)
+    varied = rng.integers(0, 256, (4, 16, 16, 3)).astype(np.uint8)
+    assert ssim_diversity(varied, np.zeros(4, int)) > 0.5

@@ -233,3 +233,52 @@ def test_saved_autoencoder_loads_back_and_encodes(tmp_path, kind) -> None:
         mean = loaded.encode(x).latent_dist.mean
         torch.testing.assert_close(z, mean * loaded.config.scaling_factor)
     assert decode_latents(loaded, z).shape == (2, 3, 16, 16)
+
+
+def test_time_context_makes_the_identity_reach_the_time_embedding(tmp_path) -> None:
+    """With ``time_context`` the UNet gets a projection class embedding fed the flattened context: two contexts
+    give different ε even with every cross-attention layer's output zeroed (so not through cross-attention), and
+    the model saves and loads with that route."""
+    model = _tiny(seed=3, context_tokens=2, time_context=True).eval()
+    assert model.unet.config.class_embed_type == "projection"
+    assert model.unet.config.projection_class_embeddings_input_dim == 2 * 16
+    x, t = torch.randn(2, 3, 16, 16), torch.tensor([500, 500])
+    with torch.no_grad():
+        for name, module in model.unet.named_modules():
+            if name.endswith("attn2"):
+                module.to_out[0].weight.zero_()
+                module.to_out[0].bias.zero_()
+        c1, c2 = model.encode_context(_ids(1, seed=1)), model.encode_context(_ids(1, seed=2))
+        eps1, eps2 = model(x[:1], t[:1], c1), model(x[:1], t[:1], c2)
+        assert not torch.allclose(eps1, eps2, atol=1e-6)
+        plain = _tiny(seed=3, context_tokens=2).eval()  # cross-attention only: zeroed, the context cannot matter
+        for name, module in plain.unet.named_modules():
+            if name.endswith("attn2"):
+                module.to_out[0].weight.zero_()
+                module.to_out[0].bias.zero_()
+        assert torch.allclose(plain(x[:1], t[:1], plain.encode_context(_ids(1, seed=1))),
+                              plain(x[:1], t[:1], plain.encode_context(_ids(1, seed=2))), atol=1e-6)
+        save_generator(tmp_path / "gen", model)
+        loaded, cfg = load_generator(tmp_path / "gen")
+        assert cfg.time_context and torch.equal(loaded(x[:1], t[:1], c1), eps1)
+
+
+def test_sampler_feeds_the_time_context_route() -> None:
+    """The UIFace sampler gives a ``time_context`` UNet the flattened context: samples of two identities differ
+    even when every cross-attention output is zeroed."""
+    from ml.synth.sampler import SamplerConfig, sample
+
+    model = _tiny(seed=4, context_tokens=2, time_context=True).eval()
+    with torch.no_grad():
+        for name, module in model.unet.named_modules():
+            if name.endswith("attn2"):
+                module.to_out[0].weight.zero_()
+                module.to_out[0].bias.zero_()
+        ctx = model.encode_context(_ids(2, seed=5))
+    cfg = SamplerConfig(mode="baseline", steps=5, attention_injection=False)
+    out = sample(model.unet, ctx, model.empty(1), (2, 3, 16, 16), cfg, generator=torch.Generator().manual_seed(0))
+    same = sample(model.unet, ctx[[0, 0]], model.empty(1), (2, 3, 16, 16), cfg,
+                  generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(out.x0).all()
+    assert not torch.allclose(out.x0[1], same.x0[1], atol=1e-5)  # only the context of sample 1 changed
+    assert torch.allclose(out.x0[0], same.x0[0], atol=1e-5)

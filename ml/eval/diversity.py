@@ -47,13 +47,17 @@ from ml.errors import ConfigError, DataError
 
 __all__ = [
     "LPIPS",
+    "adjacent_pixel_correlation",
     "diversity_report",
+    "identity_gap",
     "embedding_diversity",
     "identity_consistency",
     "improved_precision_recall",
     "inter_class_separation",
     "load_lpips",
     "lpips_distance",
+    "nearest_real",
+    "ssim_diversity",
 ]
 
 # Elements of one (rows, N) distance block: 2**24 float64 = 128 MiB, i.e. 838 rows at a time against
@@ -229,6 +233,103 @@ def inter_class_separation(emb, labels) -> dict[str, float]:
         upper = np.arange(c)[None, :] > (lo + rows)[:, None]  # pairs a < b only
         max_cos = max(max_cos, float(block[upper].max()))
     return {"mean_cos": float(mean_cos), "max_cos": max_cos}
+
+
+def identity_gap(emb, labels) -> dict[str, float]:
+    """Identity gap: mean intra-class cosine − mean pairwise inter-class cosine, over face pairs.
+
+    With u_i the L2-normalised embeddings, s_c = sum_{i in c} u_i, n_c the class sizes, N = sum n_c::
+
+        intra = mean_c (||s_c||² − n_c) / (n_c (n_c − 1))                        (the identity consistency)
+        inter = (||sum_c s_c||² − sum_c ||s_c||²) / (N² − sum_c n_c²)             (every pair of faces of two classes)
+        gap   = intra − inter
+
+    Unlike the centre-to-centre separation, ``inter`` is on the scale of ``intra``: faces of one identity must be
+    more alike than faces of two for the gap to be positive (real faces under a trained FR model: ≈ 0.6; faces
+    that ignore their identity context: ≈ 0). Every class needs ≥ 2 embeddings; ≥ 2 classes.
+    """
+    classes, counts, sums, _ = _grouped(emb, labels)
+    if classes.size < 2:
+        raise DataError(f"the identity gap needs at least 2 classes; labels hold only {classes.tolist()}")
+    if counts.min() < 2:
+        raise DataError(f"class {classes[np.argmin(counts)].item()!r} has one embedding; the identity gap needs "
+                        "≥ 2 per class")
+    sq = np.einsum("cd,cd->c", sums, sums)
+    intra = float(np.mean((sq - counts) / (counts * (counts - 1.0))))
+    total = sums.sum(axis=0)
+    n = counts.sum()
+    inter = float((total @ total - sq.sum()) / (n * n - np.sum(counts.astype(np.float64) ** 2)))
+    return {"intra": intra, "inter": inter, "gap": intra - inter}
+
+
+def nearest_real(emb, labels, real_emb, real_labels) -> dict[str, np.ndarray]:
+    """Privacy check: how close synthetic identities and faces come to real (training) ones under the FR model.
+
+    Returns ``identity_max_cos`` (per synthetic class, in ``np.unique(labels)`` order: the highest cosine between
+    its centre and any real class centre), ``identity_nearest`` (that real class), ``face_max_cos`` (per synthetic
+    face: its highest cosine to any real face, a memorisation check) and ``face_nearest`` (that real face's row).
+    Centres are normalised means of normalised embeddings."""
+    fake = _unit_rows(_as_embeddings(emb, "emb"), "emb")
+    real = _unit_rows(_as_embeddings(real_emb, "real_emb"), "real_emb")
+    if fake.shape[1] != real.shape[1]:
+        raise DataError(f"emb has {fake.shape[1]} dimensions but real_emb {real.shape[1]}: embed both with one model")
+    _, _, fake_sums, _ = _grouped(fake, labels)
+    real_classes, _, real_sums, _ = _grouped(real, real_labels)
+    fc = fake_sums / np.linalg.norm(fake_sums, axis=1, keepdims=True).clip(1e-12)
+    rc = real_sums / np.linalg.norm(real_sums, axis=1, keepdims=True).clip(1e-12)
+    centre_sim = fc @ rc.T  # (C_fake, C_real)
+    face_max, face_arg = np.empty(len(fake)), np.empty(len(fake), np.int64)
+    batch = max(1, _BATCH_ELEMENTS // max(1, len(real)))
+    for lo in range(0, len(fake), batch):
+        block = fake[lo : lo + batch] @ real.T
+        face_arg[lo : lo + batch] = block.argmax(axis=1)
+        face_max[lo : lo + batch] = block.max(axis=1)
+    return {"identity_max_cos": centre_sim.max(axis=1), "identity_nearest": real_classes[centre_sim.argmax(axis=1)],
+            "face_max_cos": face_max, "face_nearest": face_arg}
+
+
+def adjacent_pixel_correlation(images) -> float:
+    """Mean over images of the Pearson correlation between horizontally adjacent pixel values (all channels).
+
+    Natural faces are smooth at the pixel scale (≈ 0.95–0.99 at 64 px); colour noise is not (a generator that has
+    not learnt faces gives ≈ 0.8 and below). ``images``: uint8 or float (N, H, W, C), W ≥ 2."""
+    x = np.asarray(images, dtype=np.float64)
+    if x.ndim != 4 or x.shape[2] < 2 or len(x) == 0:
+        raise DataError(f"images must be (N, H, W, C) with N ≥ 1 and W ≥ 2, got shape {x.shape}")
+    a = x[:, :, :-1].reshape(len(x), -1)
+    b = x[:, :, 1:].reshape(len(x), -1)
+    a = a - a.mean(axis=1, keepdims=True)
+    b = b - b.mean(axis=1, keepdims=True)
+    den = np.sqrt((a * a).sum(axis=1) * (b * b).sum(axis=1))
+    flat = den <= 1e-12  # a constant image: perfectly smooth
+    corr = np.where(flat, 1.0, (a * b).sum(axis=1) / np.where(flat, 1.0, den))
+    return float(corr.mean())
+
+
+def ssim_diversity(images, labels, max_per_class: int = 8) -> float:
+    """Pixel-space diversity within identity that needs no network weights: mean over identities of the mean
+    ``1 − SSIM`` over pairs of its first ``max_per_class`` faces (grey levels, torchmetrics' Gaussian-window SSIM).
+    0 = every face of an identity identical; higher = more pose/lighting variation. A companion to the embedding
+    proxy, since LPIPS needs VGG weights."""
+    from torchmetrics.functional.image import structural_similarity_index_measure as ssim
+
+    x = np.asarray(images)
+    lab = _as_labels(labels, len(x))
+    if x.ndim != 4 or x.shape[-1] != 3:
+        raise DataError(f"images must be (N, H, W, 3) RGB, got shape {x.shape}")
+    grey = torch.from_numpy(x.astype(np.float32) @ np.array([0.299, 0.587, 0.114], np.float32))[:, None] / 255.0
+    per_class = []
+    for c in np.unique(lab):
+        rows = np.flatnonzero(lab == c)[:max_per_class]
+        if len(rows) < 2:
+            continue
+        i, j = np.triu_indices(len(rows), k=1)
+        a, b = grey[rows[i]], grey[rows[j]]
+        values = ssim(a, b, data_range=1.0, reduction="none", kernel_size=7 if x.shape[1] >= 7 else 3)
+        per_class.append(float((1.0 - values).mean()))
+    if not per_class:
+        raise DataError("SSIM diversity needs an identity with ≥ 2 faces")
+    return float(np.mean(per_class))
 
 
 # --------------------------------------------------------------------------------------------

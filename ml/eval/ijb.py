@@ -17,8 +17,8 @@ The meta files are read by ``ml.data.ijb``. Pipeline:
    (``ml.models.aligner.align``), embedded by ``ml.train.fr.embed`` (``f(x) + f(flip x)`` with flip TTA; KP-RPE
    models get the landmarks in the aligned crop). Only the features (N, D) float32 are kept: 0.96 GB for IJB-C's
    469,375 images at D = 512; decoded images never outlive their batch.
-3. ``ijb_template_features``: for template ``t`` with media ``m ∈ t`` (a still or a video), images ``i ∈ m``,
-   image features ``x_i`` and faceness scores ``s_i``::
+3. ``ijb_template_features`` (``ml.eval.metrics.template_features`` weighted by the scores): for template ``t``
+   with media ``m ∈ t`` (a still or a video), images ``i ∈ m``, image features ``x_i`` and faceness scores ``s_i``::
 
        v_m = (1/|m|) Σ_{i∈m} s_i·x_i,        f_t = normalise( (1/M_t) Σ_{m∈t} v_m )
 
@@ -63,6 +63,7 @@ from tqdm.auto import tqdm
 
 from ml.data.ijb import read_landmark_scores, read_template_pairs, read_tid_mid
 from ml.errors import DataError
+from ml.eval.metrics import template_features
 from ml.eval.sets import index_pairs, template_verification
 from ml.models.aligner.align import align_faces, transform_points
 from ml.models.backbones import input_contract
@@ -86,7 +87,6 @@ IJB_FARS = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1)  # the columns of the IJB-B/C 1:1 tabl
 SET_FOLDERS = ("IJBB", "IJBC")  # the release's folder names, looked for under a parent folder
 TID_MID, PAIRS, LANDMARKS = "_face_tid_mid.txt", "_template_pair_label.txt", "_name_5pts_score.txt"
 CROP_DIR = "loose_crop"
-_CHUNK = 1 << 16  # rows per fusion step: 65,536 × 512 float64 = 256 MiB at most
 
 
 @dataclass(frozen=True)
@@ -351,13 +351,15 @@ def ijb_template_features(
 
     ``features`` (N, D) image features (norms kept, as the reference's default), ``scores`` (N,) faceness ≥ 0,
     ``templates`` and ``media`` (N,) ids; a media id is scoped to its template. Returns (sorted template ids (T,),
-    unit template features (T, D) float32). Source: InsightFace ``ijb_11.py`` (``image2template_feature`` after
-    ``img_feats * faceness_scores``); Whitelam et al. 2017, Maze et al. 2018 (IJB-B/C 1:1 protocols).
+    unit template features (T, D) float32). The pooling is ``ml.eval.metrics.template_features`` with the scores as
+    weights; this checks the IJB inputs and names the faceness scores in its errors. Source: InsightFace
+    ``ijb_11.py`` (``image2template_feature`` after ``img_feats * faceness_scores``); Whitelam et al. 2017, Maze et
+    al. 2018 (IJB-B/C 1:1 protocols).
     """
     features = np.asarray(features)
     n = len(features)
-    if features.ndim != 2 or n == 0 or not np.issubdtype(features.dtype, np.floating):
-        raise DataError(f"features must be float (N, D) with N ≥ 1, got {features.dtype} {features.shape}")
+    if features.ndim != 2 or features.size == 0 or not np.issubdtype(features.dtype, np.floating):
+        raise DataError(f"features must be float (N, D) with N, D ≥ 1, got {features.dtype} {features.shape}")
     scores = np.asarray(scores, dtype=np.float64)
     templates, media = np.asarray(templates), np.asarray(media)
     for what, arr in (("scores", scores), ("templates", templates), ("media", media)):
@@ -370,30 +372,14 @@ def ijb_template_features(
     if bad.size:
         raise DataError(f"feature of image {int(bad[0])} is not finite ({bad.size} such images); check the model")
 
-    ids, t_idx = np.unique(templates, return_inverse=True)  # (T,), (N,)
-    order = np.lexsort((media, t_idx))  # template-major, then media
-    t_sorted, m_sorted = t_idx[order], media[order]
-    starts = np.r_[True, (t_sorted[1:] != t_sorted[:-1]) | (m_sorted[1:] != m_sorted[:-1])]
-    group = np.empty(n, dtype=np.int64)
-    group[order] = np.cumsum(starts) - 1  # (N,) media group of each image, groups in template-major order
-    n_media = int(starts.sum())
-    media_template = torch.from_numpy(t_sorted[starts].astype(np.int64))  # (M,) template row of each media group
-
-    sums = torch.zeros(n_media, features.shape[1], dtype=torch.float64)  # Σ_{i∈m} s_i x_i
-    for lo in range(0, n, _CHUNK):  # bounded temporaries: IJB-C is 469,375 × 512
-        rows = slice(lo, lo + _CHUNK)
-        weighted = torch.from_numpy(features[rows]).double() * torch.from_numpy(scores[rows]).unsqueeze(1)
-        sums.index_add_(0, torch.from_numpy(group[rows]), weighted)
-    sizes = torch.from_numpy(np.bincount(group, minlength=n_media).astype(np.float64))
-    media_mean = sums / sizes.unsqueeze(1)  # (M, D)
-    pooled = torch.zeros(len(ids), features.shape[1], dtype=torch.float64).index_add_(0, media_template, media_mean)
-    pooled /= torch.bincount(media_template, minlength=len(ids)).double().unsqueeze(1)  # (T, D) mean over media
-    norms = pooled.norm(dim=1)
-    zero = torch.nonzero(norms <= 1e-12).flatten()
-    if zero.numel():
-        raise DataError(f"template {ids[int(zero[0])]} fuses to a zero vector ({zero.numel()} such templates): all "
+    ids, pooled = template_features(features, templates, media, weights=scores, normalize_items=False,
+                                    normalize=False)  # (T,), (T, D) float64
+    norms = np.linalg.norm(pooled, axis=1)
+    zero = np.flatnonzero(norms <= 1e-12)
+    if zero.size:
+        raise DataError(f"template {ids[int(zero[0])]} fuses to a zero vector ({zero.size} such templates): all "
                         "its images have faceness score 0, or their features cancel; check its images' scores")
-    return ids, (pooled / norms.unsqueeze(1)).float().numpy()
+    return ids, (pooled / norms[:, None]).astype(np.float32)
 
 
 def ijb_verification(

@@ -13,7 +13,7 @@
 * ``identification_with_distractors`` - closed-set CMC against a gallery padded with distractor
   images, the TinyFace protocol (Cheng et al., "Low-Resolution Face Recognition", ACCV 2018).
 * ``template_features`` - IJB template pooling of InsightFace ``recognition/_evaluation_/ijb``
-  (``image2template_feature``): media-level mean, then template-level mean.
+  (``image2template_feature``): media-level mean, then template-level mean, optionally weighted.
 * ``pair_scores`` - rowwise cosine similarity.
 * ``cluster_accuracy`` - generalized category discovery accuracy, All / Known / Novel, with one
   Hungarian matching over all classes (Vaze et al., "Generalized Category Discovery", CVPR 2022,
@@ -30,9 +30,11 @@ Differences from the reference:
 * ``tar_at_far`` reads the operating point from the impostor order statistic (``np.partition``)
   instead of interpolating an ``sklearn.metrics.roc_curve``: the result is exact and the
   threshold is always an observed impostor score (see its docstring for the tie convention).
-* ``template_features`` does not weight images by detector (faceness) score and does not add
-  flipped-image features; pass features already combined that way if wanted. A media id is
-  scoped to its template, so the same media id in two templates is pooled separately.
+* ``template_features`` weights images only by the ``weights`` it is given (``ml.eval.ijb`` passes
+  the faceness scores) and does not add flipped-image features; pass features already combined
+  that way if wanted. It averages the media vectors of a template where the reference sums them
+  (the same direction). A media id is scoped to its template, so the same media id in two
+  templates is pooled separately.
 * ``identification_rank`` counts ties against the probe (a gallery identity scoring exactly the
   probe's true-identity score ranks ahead of it), so a constant embedding cannot score rank-1 = 1.
 * ``open_set_identification`` accepts a search iff its score is strictly above the threshold and
@@ -76,6 +78,8 @@ __all__ = [
 # Elements of one probe-by-gallery similarity block: 2**25 float64 = 256 MiB at most, i.e. 671
 # probes at a time against a 50k gallery.
 _BATCH_ELEMENTS = 1 << 25
+# Images per summing step of template pooling: 65,536 x 512 float64 = 256 MiB of temporaries at most.
+_POOL_ROWS = 1 << 16
 
 
 # --------------------------------------------------------------------------------------------
@@ -96,15 +100,20 @@ def _as_matrix(x: np.ndarray, name: str) -> np.ndarray:
     return x
 
 
-def _l2_normalize(x: np.ndarray, name: str) -> np.ndarray:
-    """Rows of ``x`` scaled to unit L2 norm; a zero row raises (it has no direction)."""
-    norms = np.linalg.norm(x, axis=1, keepdims=True)  # (N, 1)
-    zero = np.flatnonzero(norms[:, 0] == 0)
+def _reject_zero_rows(norms: np.ndarray, name: str) -> None:
+    """ValueError naming ``name`` when a row norm of ``norms`` (N,) is 0 (that row has no direction)."""
+    zero = np.flatnonzero(norms == 0)
     if zero.size:
         raise ValueError(
             f"{name} has {zero.size} all-zero row(s) (first at row {int(zero[0])}); "
             "a zero feature has no direction, so its cosine similarity is undefined"
         )
+
+
+def _l2_normalize(x: np.ndarray, name: str) -> np.ndarray:
+    """Rows of ``x`` scaled to unit L2 norm; a zero row raises (it has no direction)."""
+    norms = np.linalg.norm(x, axis=1, keepdims=True)  # (N, 1)
+    _reject_zero_rows(norms[:, 0], name)
     return x / norms
 
 
@@ -437,31 +446,59 @@ def identification_rank(
 
 
 def template_features(
-    features: np.ndarray, template_ids: np.ndarray, media_ids: np.ndarray | None = None
+    features: np.ndarray,
+    template_ids: np.ndarray,
+    media_ids: np.ndarray | None = None,
+    *,
+    weights: np.ndarray | None = None,
+    normalize_items: bool = True,
+    normalize: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """IJB template pooling: media means of unit features, then their mean, then L2-normalised.
+    """IJB template pooling: media means of (weighted) image features, then their mean, then L2-normalised.
 
     For template t with media m_1..m_M, each holding images i:
-        f_t = normalise( (1/M) * sum_m (1/|m|) * sum_{i in m} x_i / ||x_i|| ).
-    A video contributes as much as a single still, however many frames it has. With
-    ``media_ids=None`` each image is its own media, so f_t is the normalised mean of the unit
-    features. Media ids are scoped to their template.
+        f_t = normalise( (1/M) * sum_m (1/|m|) * sum_{i in m} w_i * u_i ),
+    with u_i = x_i / ||x_i|| (``normalize_items``, the default) or x_i (norms kept), and w_i the
+    image's weight (1 without ``weights``). A video contributes as much as a single still, however
+    many frames it has. With ``media_ids=None`` each image is its own media, so f_t is the
+    normalised (weighted) mean of the u_i. Media ids are scoped to their template. Images are summed
+    in float64, whole media groups of at most ``_POOL_ROWS`` images at a time (IJB-C holds 469,375).
 
     Source: InsightFace ``recognition/_evaluation_/ijb`` ``image2template_feature``; the IJB-B/C
-    protocol (Whitelam et al. 2017; Maze et al. 2018).
+    protocol (Whitelam et al. 2017; Maze et al. 2018). ``ml.eval.ijb`` pools with the detector's
+    faceness scores as ``weights`` and ``normalize_items=False``, the reference's default mode.
 
     Args:
         features: (N, D) image features.
         template_ids: (N,) template of each image.
         media_ids: (N,) media (still or video) of each image, or None.
+        weights: (N,) weight of each image, finite and >= 0, or None (all 1).
+        normalize_items: scale each image feature to unit norm before pooling.
+        normalize: scale each template feature to unit norm; False returns the pooled means as they
+            are (no zero check), for a caller that normalises them itself.
 
     Returns:
-        (sorted unique template ids (T,), unit template features (T, D)).
+        (sorted unique template ids (T,), template features (T, D) float64, unit norm when
+        ``normalize``).
     """
     features = _as_matrix(features, "features")
-    n = features.shape[0]
+    n, dim = features.shape
     template_ids = _as_vector(template_ids, "template_ids", n)
-    unit = _l2_normalize(features.astype(np.float64, copy=False), "features")
+    if weights is not None:
+        weights = _as_vector(weights, "weights", n).astype(np.float64)
+        bad = np.flatnonzero(~(np.isfinite(weights) & (weights >= 0)))
+        if bad.size:
+            raise ValueError(
+                f"weights must be finite and >= 0; image {int(bad[0])} has weight {weights[bad[0]]} "
+                f"({bad.size} such images)"
+            )
+    norms = None
+    if normalize_items:
+        norms = np.concatenate([  # (N,) float64, as _l2_normalize computes them
+            np.linalg.norm(features[lo : lo + _POOL_ROWS].astype(np.float64, copy=False), axis=1)
+            for lo in range(0, n, _POOL_ROWS)
+        ])
+        _reject_zero_rows(norms, "features")
 
     templates, t_idx = np.unique(template_ids, return_inverse=True)  # t_idx: (N,)
     if media_ids is None:
@@ -475,13 +512,29 @@ def template_features(
     order = np.argsort(key, kind="stable")
     key = key[order]
     media_starts = np.flatnonzero(np.r_[True, np.diff(key) != 0])
-    media_sizes = np.diff(np.r_[media_starts, n])
-    media_mean = np.add.reduceat(unit[order], media_starts, axis=0) / media_sizes[:, None]  # (M, D)
+    edges = np.r_[media_starts, n]  # (M + 1,) media group boundaries in sorted order
+    media_sizes = np.diff(edges)
+
+    sums = np.empty((media_starts.size, dim))  # (M, D) sum_{i in m} w_i u_i
+    first = 0  # a step sums whole media groups: up to _POOL_ROWS images, or one larger group
+    while first < media_starts.size:
+        stop = max(first + 1, int(np.searchsorted(edges, edges[first] + _POOL_ROWS, side="right")) - 1)
+        rows = order[edges[first] : edges[stop]]
+        x = features[rows].astype(np.float64, copy=False)  # (B, D), a copy of these rows only
+        if norms is not None:
+            x /= norms[rows, None]
+        if weights is not None:
+            x *= weights[rows, None]
+        sums[first:stop] = np.add.reduceat(x, media_starts[first:stop] - edges[first], axis=0)
+        first = stop
+    media_mean = sums / media_sizes[:, None]  # (M, D)
 
     media_template = key[media_starts] // n_media  # (M,) sorted
     template_starts = np.flatnonzero(np.r_[True, np.diff(media_template) != 0])
     template_sizes = np.diff(np.r_[template_starts, media_mean.shape[0]])
     pooled = np.add.reduceat(media_mean, template_starts, axis=0) / template_sizes[:, None]  # (T, D)
+    if not normalize:
+        return templates, pooled
 
     norms = np.linalg.norm(pooled, axis=1)
     cancelled = np.flatnonzero(norms <= 1e-12)

@@ -208,7 +208,8 @@ def sample(
 ) -> SampleResult:
     """Sample ``shape`` = (B, C, H, W) with ID contexts ``cond_context`` (B, L, D) and ``c_e`` (1 or B, L, D).
 
-    ``unet`` is a diffusers ``UNet2DConditionModel`` (put it in eval mode); its attention processors are replaced
+    ``unet`` is a diffusers ``UNet2DConditionModel`` (put it in eval mode; one built with ``class_embed_type
+    "projection"`` also gets the flattened context as ``class_labels``); its attention processors are replaced
     for the duration of the call and restored after. Raises ``TrainingError`` naming the step and timestep when
     the sample becomes non-finite.
     """
@@ -219,6 +220,7 @@ def sample(
     timesteps = scheduler.timesteps.long()
     adaptive = cfg.mode == "two_stage_adaptive"
     dist = DISTANCES[cfg.distance]
+    time_context = getattr(unet.config, "class_embed_type", None) == "projection"
 
     if generator is None:
         generator = torch.Generator().manual_seed(cfg.seed)
@@ -261,7 +263,9 @@ def sample(
                 if cfg.attention_injection and n2
                 else None
             )
-            out = unet(x_in, t.to(device), encoder_hidden_states=context, return_dict=False)[0].float()
+            labels = context.flatten(1) if time_context else None  # the context's time-embedding route
+            out = unet(x_in, t.to(device), encoder_hidden_states=context, class_labels=labels,
+                       return_dict=False)[0].float()
             eps = out[:b].clone()  # ε(c_e) for every sample
             if n2:
                 eps[rows] = (w + 1.0) * out[b:] - w * out[:b][rows]

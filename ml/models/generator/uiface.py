@@ -33,6 +33,13 @@ Differences from the reference (UIFace paper, appendix A.1; its code builds on I
   ``torch.Generator``, so a training step is a function of its seed (exact resume).
 - The context is a Linear projection of the normalised embedding into ``context_tokens`` tokens (1 by default);
   the reference's exact token layout is not given in the paper.
+- ``time_context``: the flattened context also enters through the time embedding (diffusers' ``class_embed_type
+  = "projection"``: a Linear–SiLU–Linear of it is added to the timestep embedding), so identity reaches every
+  ResNet block and not only the cross-attention levels. The reference conditions by cross-attention only; at
+  the embedded budget cross-attention over a few tokens starts nearly uniform and the generator ignored the
+  identity (faces of one context no more alike than faces of two). ``c_e`` replaces both routes, so the
+  two-stage sampler and classifier-free guidance are unchanged, and attention injection still reads the
+  cross-attention maps.
 """
 
 from __future__ import annotations
@@ -89,6 +96,7 @@ class GeneratorModelConfig:
     id_dim: int = 512
     context_dim: int = 256
     context_tokens: int = 1
+    time_context: bool = False  # also add Linear(flattened context) to the time embedding (class_embed "projection")
     element_dropout: float = 0.25
     empty_context_prob: float = 0.2
 
@@ -162,6 +170,9 @@ def _build_unet(cfg: GeneratorModelConfig) -> UNet2DConditionModel:
         cross_attention_dim=cfg.context_dim,
         attention_head_dim=cfg.attention_heads,  # diffusers' naming issue: this is the number of heads
         norm_num_groups=cfg.norm_num_groups,
+        # the flattened context, projected, is added to the time embedding and so reaches every ResNet block
+        class_embed_type="projection" if cfg.time_context else None,
+        projection_class_embeddings_input_dim=cfg.context_tokens * cfg.context_dim if cfg.time_context else None,
     )
 
 
@@ -213,8 +224,11 @@ class IDConditionedUNet(nn.Module):
         return self.empty_context.expand(batch_size, -1, -1)
 
     def forward(self, x_t: torch.Tensor, timesteps: torch.Tensor | int, context: torch.Tensor) -> torch.Tensor:
-        """ε prediction (B, C, H, W) for noisy inputs ``x_t`` (B, C, H, W) at ``timesteps`` (B,) or a scalar."""
-        return self.unet(x_t, timesteps, encoder_hidden_states=context).sample
+        """ε prediction (B, C, H, W) for noisy inputs ``x_t`` (B, C, H, W) at ``timesteps`` (B,) or a scalar; the
+        context (B, tokens, context_dim) is read by cross-attention and, with ``time_context``, flattened into the
+        time embedding too."""
+        labels = context.flatten(1) if self.config.time_context else None
+        return self.unet(x_t, timesteps, encoder_hidden_states=context, class_labels=labels).sample
 
 
 # ---------------------------------------------------------------------------------------------- autoencoders
