@@ -521,10 +521,10 @@ def _fr_trainer(paths: Paths, params: Mapping[str, Any], metric: str) -> TrialTr
         if cfg.devices * cfg.num_nodes != 1:
             raise ConfigError(f"sweep trials train on one device (fr.devices = {cfg.devices}, fr.num_nodes = "
                               f"{cfg.num_nodes}); scale a sweep out with more workers on one study instead")
-        callbacks = _fr_callbacks(trial, metric, val)
+        pruning = _fr_pruning(trial, metric)
         train(cfg, images, labels, loggers=[lightning_logger(tracker)], keypoints=keypoints, progress=False,
-              callbacks=[*callbacks, *core_share_callbacks()])
-        values = callbacks[-1].values
+              callbacks=[pruning, *core_share_callbacks()], val=val)
+        values = pruning.values
         if not values:
             raise TrainingError(f"the trial reported no {metric}: training ran no epoch")
         return values[-1]
@@ -532,37 +532,15 @@ def _fr_trainer(paths: Paths, params: Mapping[str, Any], metric: str) -> TrialTr
     return train_trial
 
 
-def _fr_callbacks(trial: Any, metric: str, val: tuple[Any, Any, Any] | None) -> list[Any]:
-    """[val/accuracy after each epoch (when there is a val split), Optuna's pruning callback on ``metric``]."""
-    import numpy as np
-    import torch
-    import torch.nn.functional as F
-    from lightning.pytorch.callbacks import Callback
+def _fr_pruning(trial: Any, metric: str) -> Any:
+    """Optuna's pruning callback on ``metric`` after every epoch; ``values`` keeps what it saw. ``val/accuracy`` is
+    the FR trainer's own (``ml.train.fr.train(..., val=...)``), measured before the callbacks run."""
+    import optuna
     from optuna_integration import PyTorchLightningPruningCallback
-
-    from ml.losses.lvface import LVFaceSchedule
-    from ml.train.fr import embed, needs_keypoints
-
-    class ValAccuracy(Callback):
-        """``val/accuracy`` after every epoch: the share of val-split images whose nearest class centre (cosine to
-        the margin head's weight rows, the identities the model is trained on) is their own identity."""
-
-        def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-            images, labels, keypoints = val
-            head = pl_module.head
-            weight = (head.head if isinstance(head, LVFaceSchedule) else head).weight  # (C, D)
-            centres = F.normalize(weight.detach().float().cpu(), dim=1)
-            backbone = pl_module.backbone
-            feats = embed(backbone, images, flip=False, keypoints=keypoints if needs_keypoints(backbone) else None)
-            nearest = (F.normalize(torch.from_numpy(feats), dim=1) @ centres.T).argmax(dim=1).numpy()
-            accuracy = float(np.mean(nearest == labels))
-            trainer.callback_metrics["val/accuracy"] = torch.tensor(accuracy)
-            for logger in trainer.loggers:
-                logger.log_metrics({"val/accuracy": accuracy}, step=trainer.global_step)
 
     class EpochPruning(PyTorchLightningPruningCallback):
         """Optuna's Lightning pruning callback, reporting ``monitor`` after every training epoch (the FR trainer
-        has no validation loop; ``ValAccuracy`` runs just before). Raises ``optuna.TrialPruned`` to stop."""
+        has no validation loop). Raises ``optuna.TrialPruned`` to stop."""
 
         def __init__(self) -> None:
             super().__init__(trial, monitor=metric)
@@ -574,9 +552,16 @@ def _fr_callbacks(trial: Any, metric: str, val: tuple[Any, Any, Any] | None) -> 
                 raise TrainingError(f"metric {self.monitor} was not reported this epoch (reported: "
                                     f"{sorted(trainer.callback_metrics)}); check sweep.train_fr.metric")
             self.values.append(float(value))
-            self.on_validation_end(trainer, pl_module)
+            try:
+                self.on_validation_end(trainer, pl_module)
+            except optuna.TrialPruned:
+                # Lightning logs an epoch's metrics after its epoch-end hooks, which this stops: log the one the
+                # trial was pruned on now
+                for logger in trainer.loggers:
+                    logger.log_metrics({self.monitor: float(value)}, step=trainer.global_step - 1)
+                raise
 
-    return ([ValAccuracy()] if val is not None else []) + [EpochPruning()]
+    return EpochPruning()
 
 
 OBJECTIVES: dict[str, SweepTarget] = {

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import subprocess
@@ -101,6 +102,11 @@ def mlflow_metric_name(name: str) -> str:
     return re.sub(r"[^\w./\- :]", "_", name.replace("@", "_at_"))
 
 
+def _same(a: float, b: float) -> bool:
+    """Equal as logged values: NaN equals NaN, and a float32 rounding (a tensor's ``.item()``) is no change."""
+    return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12)
+
+
 def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
     if isinstance(value, Mapping):
         for k, v in value.items():
@@ -126,17 +132,40 @@ class _Tracker:
 
 
 class StageTracker(_Tracker):
-    """Thin logging facade over the active MLflow run of one stage execution (in this thread)."""
+    """Thin logging facade over the active MLflow run of one stage execution (in this thread).
+
+    Metrics logged with a ``step`` are curves; one logged without is a summary, which MLflow puts at step 0. A
+    stage's summary repeats its curves' final values (the last epoch's ``train/loss``), and at step 0 these would
+    start every chart at the final value. So a summary value of a curve key is dropped when it equals the curve's
+    last point and otherwise appended one step after it, and a point equal to a curve's last one (same step, same
+    value: Lightning adds ``epoch`` to both its step and its epoch-end logs) is not logged twice. Every curve's
+    steps strictly increase; summary keys without a curve go to step 0.
+    """
 
     def __init__(self, run_id: str, root: Path):
         self.run_id = run_id
         self.root = root
+        self._curves: dict[str, tuple[int, float]] = {}  # MLflow key → (last step, last value) logged with a step
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         import mlflow
 
         clean = {mlflow_metric_name(k): float(v) for k, v in metrics.items() if v is not None}
-        mlflow.log_metrics(clean, step=step)
+        if step is not None:
+            new = {k: v for k, v in clean.items() if self._curves.get(k, (None, None))[0] != step
+                   or not _same(v, self._curves[k][1])}
+            if new:
+                mlflow.log_metrics(new, step=step)
+            self._curves.update({k: (int(step), v) for k, v in new.items()})
+            return
+        summary = {k: v for k, v in clean.items() if k not in self._curves}
+        if summary:
+            mlflow.log_metrics(summary)
+        for key, value in clean.items():
+            if key in self._curves and not _same(value, self._curves[key][1]):
+                last = self._curves[key][0] + 1
+                mlflow.log_metric(key, value, step=last)
+                self._curves[key] = (last, value)
 
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
         import mlflow
@@ -173,18 +202,22 @@ class StageTracker(_Tracker):
     def log_model_dir(
         self, model_dir: Path, registered_name: str, *, alias: str = "candidate", tags: Mapping[str, str] = {}
     ) -> str:
-        """Log a faceops model directory as an MLflow pyfunc model and register a new version.
+        """Log a faceops embedding model directory as an MLflow pyfunc model and register a new version.
 
-        The version gets ``alias`` (``candidate``) and ``tags``; returns the version number.
+        The model carries its serving contract (``tasks.pyfunc``): the signature uint8 (-1, S, S, 3) RGB images →
+        float32 (-1, D) L2-normalised embeddings and a one-image input example. The version gets ``alias``
+        (``candidate``) and ``tags``; returns the version number.
         """
         import mlflow
 
-        from tasks.pyfunc import FaceEmbedder
+        from tasks.pyfunc import FaceEmbedder, input_example, signature
 
         info = mlflow.pyfunc.log_model(
             name="model",
             python_model=FaceEmbedder(),
             artifacts={"model_dir": str(model_dir)},
+            signature=signature(model_dir),
+            input_example=input_example(model_dir),
             pip_requirements=["faceops", "torch==2.13.0", "safetensors", "numpy"],
             registered_model_name=registered_name,
             await_registration_for=60,

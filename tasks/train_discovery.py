@@ -111,8 +111,9 @@ def run(cfg: DiscoveryConfig, data: DataConfig, paths: Paths, *, tracker: Any = 
     )
     if tracker is not None:
         tracker.log_dataset(dataset, context="discovery")
-        for h in res.history:
-            tracker.log_metrics({f"train/{k}": v for k, v in h.items() if k != "epoch"}, step=int(h["epoch"]))
+        for h in res.history:  # an epoch's seconds: train/epoch_seconds (train/seconds is the whole training's)
+            tracker.log_metrics({("train/epoch_seconds" if k == "seconds" else f"train/{k}"): v
+                                 for k, v in h.items() if k != "epoch"}, step=int(h["epoch"]))
         tracker.log_metrics(result.metrics)
         tracker.log_artifact(paths.plots / "train_discovery_loss.png", artifact_path="plots")
         version = tracker.log_model_dir(

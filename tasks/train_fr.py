@@ -5,8 +5,9 @@
 (``data/synthetic``); ``mixed`` is both, the synthetic identities as extra classes after the real ones.
 Writes ``models/fr/<source>/`` (``model.safetensors`` + ``config.json``), ``metrics/train_fr_<source>.json`` and
 the loss curve (``plots/train_fr_<source>_history.csv`` for ``dvc plots``, ``plots/train_fr_<source>_loss.png``
-for people). The model is logged to MLflow and registered as a new ``faceops-fr`` version with alias
-``candidate``, tagged with its training source and data digest.
+for people). The ``val`` split of the training datasets (the real set's; the synthetic set has none) is measured
+after every epoch as ``val/accuracy``, a curve beside ``train/*``. The model is logged to MLflow and registered as a
+new ``faceops-fr`` version with alias ``candidate``, tagged with its training source and data digest.
 """
 
 from __future__ import annotations
@@ -88,6 +89,22 @@ def training_rows(paths: Paths, source: str) -> tuple[list[tuple[Path, Any]], st
     return parts, digest, "+".join(kinds)
 
 
+def validation_rows(parts: list[tuple[Path, Any]]) -> list[tuple[Path, Any]]:
+    """[(dataset dir, its ``val`` rows labelled as ``training_rows`` labelled that dataset's training rows)]; rows
+    of an identity without training images are left out."""
+    from ml.data.dataset import read_manifest
+
+    out = []
+    for d, rows in parts:
+        manifest = read_manifest(d / "manifest.parquet")
+        label_of = dict(zip(rows["identity"], rows["label"]))
+        val = manifest[(manifest["split"] == "val") & manifest["identity"].isin(label_of)].reset_index(drop=True)
+        val["label"] = val["identity"].map(label_of).astype(int)
+        if len(val):
+            out.append((d, val))
+    return out
+
+
 def plot_history(history: list[dict], path: Path) -> None:
     plt = pyplot()
 
@@ -95,8 +112,12 @@ def plot_history(history: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(1, 2, figsize=(9, 3.2))
     ax[0].plot(epochs, [h["train/loss"] for h in history], marker="o")
     ax[0].set(xlabel="epoch", ylabel="loss", title="train/loss")
-    ax[1].plot(epochs, [h["train/accuracy"] for h in history], marker="o", color="tab:green")
-    ax[1].set(xlabel="epoch", ylabel="accuracy", title="train/accuracy (closed set, cosine arg-max)", ylim=(0, 1))
+    ax[1].plot(epochs, [h["train/accuracy"] for h in history], marker="o", color="tab:green", label="train")
+    if any("val/accuracy" in h for h in history):
+        ax[1].plot(epochs, [h.get("val/accuracy", float("nan")) for h in history], marker="s", color="tab:orange",
+                   label="val (images not trained on)")
+        ax[1].legend(loc="lower right")
+    ax[1].set(xlabel="epoch", ylabel="accuracy", title="accuracy (closed set, cosine arg-max)", ylim=(0, 1))
     for a in ax:
         a.grid(alpha=0.3)
     fig.tight_layout()
@@ -114,10 +135,11 @@ def run(cfg: FRConfig, data: DataConfig, paths: Paths, *, source: str = "real", 
 
     parts, digest, data_source = training_rows(paths, source)
     model_dir = paths.fr_model(source)
-    images = np.concatenate([load_images(d, r, expected_size=(data.image_size, data.image_size), progress=True)
-                             for d, r in parts])
+    size = (data.image_size, data.image_size)
+    images = np.concatenate([load_images(d, r, expected_size=size, progress=True) for d, r in parts])
     rows = pd.concat([r for _, r in parts], ignore_index=True)
     labels = rows["label"].to_numpy()
+    val_parts = validation_rows(parts)
 
     loggers = None
     if tracker is not None:
@@ -125,8 +147,14 @@ def run(cfg: FRConfig, data: DataConfig, paths: Paths, *, source: str = "real", 
 
         loggers = [lightning_logger(tracker)]
     # KP-RPE backbones read the manifest's landmarks (ground truth for procedural data, the aligner's otherwise)
-    keypoints = landmarks_array(rows) if input_contract(cfg.backbone).get("needs_keypoints") else None
-    res = train(cfg, images, labels, loggers=loggers, keypoints=keypoints, callbacks=core_share_callbacks())
+    kprpe = bool(input_contract(cfg.backbone).get("needs_keypoints"))
+    keypoints = landmarks_array(rows) if kprpe else None
+    val = None
+    if val_parts:
+        val_rows = pd.concat([r for _, r in val_parts], ignore_index=True)
+        val = (np.concatenate([load_images(d, r, expected_size=size) for d, r in val_parts]),
+               val_rows["label"].to_numpy(), *([landmarks_array(val_rows)] if kprpe else []))
+    res = train(cfg, images, labels, loggers=loggers, keypoints=keypoints, callbacks=core_share_callbacks(), val=val)
     if res.global_rank != 0:  # DDP: every rank trains; rank 0 alone writes the model, metrics and registry entry
         return StageResult(f"train_fr@{source}", outputs=[],
                            summary=f"rank {res.global_rank} done; rank 0 saves and logs the model")
@@ -152,12 +180,17 @@ def run(cfg: FRConfig, data: DataConfig, paths: Paths, *, source: str = "real", 
         "train/seconds": float(res.seconds),
         "train/images_per_second": float(len(labels) * max(len(res.history), 1) / max(res.seconds, 1e-9)),
     }
+    if "val/accuracy" in last:
+        result.metrics.update({"val/accuracy": float(last["val/accuracy"]), "val/images": float(len(val[1]))})
     write_json(paths.metrics / f"train_fr_{source}.json", result.metrics)
-    write_history_csv(paths.plots / f"train_fr_{source}_history.csv", res.history, ["epoch", "train/loss", "train/accuracy"])
+    write_history_csv(paths.plots / f"train_fr_{source}_history.csv", res.history,
+                      ["epoch", "train/loss", "train/accuracy", *(["val/accuracy"] if "val/accuracy" in last else [])])
     plot_history(res.history, paths.plots / f"train_fr_{source}_loss.png")
     result.summary = (
         f"{res.backbone} trained on {len(labels)} images of {extra['training_identities']} identities in "
-        f"{res.seconds:.0f}s (train/accuracy {result.metrics['train/accuracy']:.3f}) → {model_dir}"
+        f"{res.seconds:.0f}s (train/accuracy {result.metrics['train/accuracy']:.3f}"
+        + (f", val/accuracy {result.metrics['val/accuracy']:.3f}" if "val/accuracy" in result.metrics else "")
+        + f") → {model_dir}"
     )
     if tracker is not None:
         for d, _ in parts:

@@ -250,6 +250,7 @@ def run(cfg: FusionStageConfig, data: DataConfig, paths: Paths, *, tracker: Any 
         tracker.log_dataset(material.dataset, context="train")
         for h in res.history:
             tracker.log_metrics({k: v for k, v in h.items() if k.startswith("train/")}, step=int(h["epoch"]))
+        tracker.log_metrics(result.metrics)  # the curves' last points are not repeated (StageTracker)
         tracker.log_artifact(paths.plots / "train_fusion_loss.png", artifact_path="plots")
         version = tracker.register_model_dir(REGISTERED_MODEL, model_dir=paths.fusion_model,
                                              tags={"fr_model": extra["fr_model"], "data_digest": info["digest"],

@@ -53,6 +53,23 @@ def copy_project(dst: Path) -> Path:
     return _copy_project(REPO, dst)
 
 
+def curve_problems(client, run_id: str) -> list[str]:
+    """What is wrong with the metric histories of an MLflow run, as the UI's "Model metrics" charts draw them: per
+    key, in the order logged, the steps must strictly increase, and no curve may start with its final value at
+    step 0 (a summary logged without a step)."""
+    problems = []
+    for key in sorted(client.get_run(run_id).data.metrics):
+        history = sorted(client.get_metric_history(run_id, key), key=lambda m: m.timestamp)  # stable: logging order
+        steps = [m.step for m in history]
+        if any(b <= a for a, b in zip(steps, steps[1:])):
+            problems.append(f"{key}: steps {steps} do not strictly increase")
+        by_step = sorted(history, key=lambda m: m.step)
+        if len(by_step) > 1 and by_step[0].step == 0 and by_step[0].value == by_step[-1].value \
+                and by_step[-1].step > 0 and any(m.value != by_step[0].value for m in by_step):
+            problems.append(f"{key}: the final value {by_step[-1].value} is also at step 0")
+    return problems
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One torch intra-op thread for a whole test module, restored after it; opt in with

@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from .conftest import copy_project
+from .conftest import copy_project, curve_problems
 from .servers import mlflow_server, prefect_server
 
 pytestmark = pytest.mark.slow
@@ -120,6 +120,24 @@ def test_every_stage_is_a_nested_mlflow_run_and_model_is_candidate(smoke_run):
     for name, stage in (("faceops-discovery", "train_discovery"), ("faceops-fusion", "train_fusion"),
                         ("faceops-aligner", "train_aligner"), ("faceops-generator", "train_generator")):
         assert client.get_model_version_by_alias(name, "candidate").run_id == by_name[stage].info.run_id, name
+
+
+def test_mlflow_curves_rise_in_steps_and_the_pipeline_times_say_what_they_are(smoke_run):
+    from mlflow import MlflowClient
+
+    _, env, _ = smoke_run
+    client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
+    runs = client.search_runs([client.get_experiment_by_name("faceops").experiment_id])
+    by_name = {r.info.run_name: r for r in runs}
+    problems = {stage: curve_problems(client, by_name[stage].info.run_id) for stage in STAGES}
+    assert not any(problems.values()), problems
+    fr = by_name["train_fr@real"].info.run_id
+    loss, val = (client.get_metric_history(fr, key) for key in ("train/loss", "val/accuracy"))
+    assert len(loss) >= 1 and [m.step for m in val] == [m.step for m in loss]  # at each epoch's last optimiser step
+    pipeline = by_name["pipeline"]
+    metrics = pipeline.data.metrics
+    assert "pipeline/seconds" not in metrics and metrics["pipeline/stage_seconds_sum"] > 0
+    assert 0 < metrics["pipeline/wall_seconds"] <= (pipeline.info.end_time - pipeline.info.start_time) / 1000
 
 
 def test_digests_in_mlflow_tags_are_the_ones_dvc_recorded(smoke_run):

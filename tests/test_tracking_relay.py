@@ -14,6 +14,8 @@ import pytest
 
 from tasks import tracking
 
+from .conftest import curve_problems
+
 REPO = Path(__file__).resolve().parents[1]
 
 STAGE = textwrap.dedent("""
@@ -34,6 +36,21 @@ STAGE = textwrap.dedent("""
         if mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
     print("mlflow imported:", "mlflow" in sys.modules)
+""")
+
+
+CURVES = textwrap.dedent("""
+    from pathlib import Path
+    from tasks.tracking import stage_run
+
+    with stage_run("toy", {}, Path.cwd()) as tracker:
+        for epoch, step in enumerate((27, 54, 81)):  # Lightning logs an epoch's metrics at its last optimiser step
+            tracker.log_metrics({"train/loss": 1.0 / (epoch + 1), "train/seconds": 10.0 + epoch, "epoch": epoch},
+                                step=step)
+            tracker.log_metrics({"train/lr": 0.1, "epoch": epoch}, step=step)  # Lightning's step log: `epoch` again
+        # the stage's summary: the last epoch's loss (float32-rounded, as a tensor's .item() gives it), the whole
+        # training's seconds (not the curve's last point), a number without a curve
+        tracker.log_metrics({"train/loss": 0.3333333432674408, "train/seconds": 33.0, "train/images": 128.0})
 """)
 
 
@@ -74,6 +91,37 @@ def test_relayed_run_is_complete_nested_and_stage_never_imports_mlflow(tmp_path,
     history = client.get_metric_history(run.info.run_id, "train/loss")
     assert [(m.step, round(m.value, 4)) for m in history] == [(0, 1.0), (1, 0.5), (2, 0.3333)]
     assert [a.path for a in client.list_artifacts(run.info.run_id, "plots")] == ["plots/curve.txt"]
+
+
+@pytest.mark.parametrize("relayed", [False, True], ids=["direct", "relayed"])
+def test_summary_values_end_curves_instead_of_restarting_them_at_step_zero(tmp_path, store, relayed):
+    client, parent = store
+    script = tmp_path / "curves.py"
+    script.write_text(CURVES)
+    env = {**os.environ, "PYTHONPATH": str(REPO), tracking.ENV_PARENT_RUN: parent}
+
+    def run(extra: dict[str, str]) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(script)], cwd=tmp_path, env={**env, **extra}, capture_output=True,
+                              text=True, timeout=120)
+
+    if relayed:
+        with tracking.StageRelay(tmp_path, parent) as relay:
+            proc = run(relay.env)
+        (run_id,) = relay.run_ids
+    else:
+        proc = run({})
+        (found,) = client.search_runs([client.get_run(parent).info.experiment_id],
+                                      filter_string=f"tags.mlflow.parentRunId = '{parent}'")
+        run_id = found.info.run_id
+    assert proc.returncode == 0, proc.stderr
+    history = {key: [(m.step, round(m.value, 4)) for m in client.get_metric_history(run_id, key)]
+               for key in ("train/loss", "train/seconds", "train/images", "epoch")}
+    assert history == {"train/loss": [(27, 1.0), (54, 0.5), (81, 0.3333)],  # the summary is the curve's last point
+                       "train/seconds": [(27, 10.0), (54, 11.0), (81, 12.0), (82, 33.0)],  # another value: after it
+                       "train/images": [(0, 128.0)],
+                       "epoch": [(27, 0.0), (54, 1.0), (81, 2.0)]}  # one point per step
+    assert client.get_run(run_id).data.metrics["train/seconds"] == 33.0  # the run's table shows the summary
+    assert curve_problems(client, run_id) == []
 
 
 def test_failed_stage_ends_failed_with_what_it_logged(tmp_path, store):

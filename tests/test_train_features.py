@@ -61,13 +61,15 @@ RESUME_OVERRIDES = {"depth": 1, "mask_ratio": 0.25}  # token masking: the model'
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
     images, labels = separable(16, 4)
+    val = (images[::4], labels[::4])  # measured after every epoch: must not change what training does
     probe = Probe()
-    full = train(RESUME_CFG, images, labels, progress=False, backbone_overrides=RESUME_OVERRIDES, callbacks=[probe])
+    full = train(RESUME_CFG, images, labels, progress=False, backbone_overrides=RESUME_OVERRIDES, callbacks=[probe],
+                 val=val)
     ckpt_dir = tmp_path_factory.mktemp("ckpt")
     first = train(RESUME_CFG, images, labels, progress=False, backbone_overrides=RESUME_OVERRIDES,
-                  checkpoint_dir=ckpt_dir, callbacks=[stop_after(2)])
+                  checkpoint_dir=ckpt_dir, callbacks=[stop_after(2)], val=val)
     second = train(RESUME_CFG, images, labels, progress=False, backbone_overrides=RESUME_OVERRIDES,
-                   checkpoint_dir=ckpt_dir, resume=True)
+                   checkpoint_dir=ckpt_dir, resume=True, val=val)
     return images, labels, full, first, second, ckpt_dir, probe
 
 
@@ -82,6 +84,7 @@ def test_resume_gives_the_weights_of_an_uninterrupted_run(resumed):
         torch.testing.assert_close(b[key], a[key], atol=1e-6, rtol=0, msg=key)
     for x, y in zip(full.history, second.history):
         assert x["train/loss"] == pytest.approx(y["train/loss"], abs=1e-6)
+        assert x["val/accuracy"] == y["val/accuracy"]
 
 
 def test_partial_fc_lvface_step_schedule_and_clipping(resumed):
@@ -200,7 +203,9 @@ def test_ddp_checkpoint_holds_every_class_and_resumes_in_one_process(tmp_path):
     images, labels = separable(16, 4)
     cfg = FRConfig(epochs=1, batch_size=8, embedding_dim=32, accelerator="cpu", devices=2, strategy="ddp_spawn",
                    sample_rate=0.5, lvface=True, lvface_switch_epoch=0)
-    train(cfg, images, labels, progress=False, backbone_overrides=TINY, checkpoint_dir=tmp_path)
+    # val/accuracy of the sharded head: each rank gathers all 16 class centres
+    train(cfg, images, labels, progress=False, backbone_overrides=TINY, checkpoint_dir=tmp_path,
+          val=(images[::4], labels[::4]))
     ckpt = torch.load(tmp_path / "last.ckpt", map_location="cpu", weights_only=True)
     state = ckpt["state_dict"]
     assert state["head.head.weight"].shape == (16, 32) and state["head.prototypes"].shape == (16, 32)
@@ -210,3 +215,4 @@ def test_ddp_checkpoint_holds_every_class_and_resumes_in_one_process(tmp_path):
                    resume=True)
     assert [r["epoch"] for r in result.history] == [0, 1]
     assert math.isfinite(result.history[-1]["train/loss"])
+    assert 0.0 <= result.history[0]["val/accuracy"] <= 1.0 and "val/accuracy" not in result.history[1]

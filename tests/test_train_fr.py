@@ -71,6 +71,32 @@ def test_metrics_reach_the_logger(runs):
     assert {"train/loss", "train/accuracy", "train/lr"} <= columns
 
 
+def test_val_accuracy_each_epoch_in_history_and_at_the_steps_of_train_metrics(tmp_path):
+    images, labels = separable(per_class=40)
+    held = np.arange(len(labels)) % 40 >= 32  # the last 8 images of each class: same identities, not trained on
+    result = train(CFG, images[~held], labels[~held], progress=False, backbone_overrides=SMALL,
+                   loggers=[CSVLogger(tmp_path, name="fr")], val=(images[held], labels[held]))
+    accuracies = [row["val/accuracy"] for row in result.history]
+    assert len(accuracies) == 5 and all(0.0 <= a <= 1.0 for a in accuracies)
+    assert accuracies[-1] > 0.5  # chance = 0.25
+    assert not result.model.training
+    (metrics,) = tmp_path.glob("fr/*/metrics.csv")
+    with metrics.open() as f:
+        rows = list(csv.DictReader(f))
+    steps = {key: [int(r["step"]) for r in rows if r.get(key)] for key in ("train/loss", "val/accuracy")}
+    assert steps["val/accuracy"] == steps["train/loss"] and len(steps["val/accuracy"]) == 5
+    logged = [float(r["val/accuracy"]) for r in rows if r.get("val/accuracy")]
+    np.testing.assert_allclose(logged, accuracies, rtol=1e-6)
+
+
+def test_val_must_hold_training_identities_at_the_training_size():
+    images, labels = separable(per_class=4)
+    with pytest.raises(DataError, match=r"validation labels must be 2 integers in \[0, 4\)"):
+        train(CFG, images, labels, progress=False, val=(images[:2], np.array([0, 9])))
+    with pytest.raises(DataError, match="validation images must be 32×32"):
+        train(CFG, images, labels, progress=False, val=(images[:2, :16, :16], labels[:2]))
+
+
 def test_embed_flip_is_sum_of_both_views_and_survives_save_load(runs, tmp_path):
     images, _, result, _, _, _ = runs
     subset = images[:10]

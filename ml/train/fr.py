@@ -103,7 +103,7 @@ class FRResult:
     model: nn.Module  # backbone in eval mode
     backbone: str
     backbone_kwargs: dict
-    history: list[dict]  # per-epoch {"epoch", "train/loss", "train/accuracy"}, resumed epochs included
+    history: list[dict]  # per epoch {"epoch", "train/loss", "train/accuracy"[, "val/accuracy"]}, resumed ones too
     seconds: float
     checkpoint: Path | None = None  # last.ckpt when train() was given a checkpoint_dir
     global_rank: int = 0  # this process's rank under DDP: only rank 0 should save the model or log results
@@ -175,6 +175,27 @@ def _check_checkpoint(path: Path, info: dict[str, Any], backbone: nn.Module) -> 
         log.warning("resuming %s with changed settings (checkpoint → now): %s", path, changed)
 
 
+def _val_tensors(val: tuple[np.ndarray, ...], size: int, num_classes: int, backbone: nn.Module, name: str
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``train``'s ``val`` checked (DataError naming what is wrong) → (uint8 (V, 3, H, W), int64 (V,), keypoints)."""
+    if not isinstance(val, tuple) or len(val) not in (2, 3):
+        raise DataError("val must be a tuple (images, labels) or, for KP-RPE backbones, (images, labels, keypoints)")
+    images, labels = val[0], np.asarray(val[1])
+    _check_images(images, "validation images")
+    if images.shape[1] != size or len(images) == 0:
+        raise DataError(f"validation images must be {size}×{size} like the training images and not empty, got "
+                        f"{images.shape}")
+    if labels.shape != (len(images),) or not np.issubdtype(labels.dtype, np.integer) \
+            or labels.min() < 0 or labels.max() >= num_classes:
+        raise DataError(f"validation labels must be {len(images)} integers in [0, {num_classes}) (the training "
+                        f"identities), got {labels.dtype} {labels.shape}")
+    keypoints = None
+    if needs_keypoints(backbone):
+        keypoints = torch.from_numpy(check_keypoints(val[2] if len(val) == 3 else None, len(images), name))
+    return (torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).contiguous(),
+            torch.from_numpy(labels.astype(np.int64)), keypoints)
+
+
 def train(
     cfg: FRConfig,
     images: np.ndarray,
@@ -187,6 +208,7 @@ def train(
     keypoints: np.ndarray | None = None,
     checkpoint_dir: Path | None = None,
     resume: bool = False,
+    val: tuple[np.ndarray, ...] | None = None,
 ) -> FRResult:
     """Fit ``cfg.backbone`` on uint8 RGB ``images`` (N, H, W, 3) with contiguous integer ``labels`` (N,).
 
@@ -194,6 +216,10 @@ def train(
 
     ``backbone_overrides`` are extra constructor arguments (e.g. ``depth``); the image size and the
     embedding dimension always come from the data and ``cfg``.
+
+    ``val = (images, labels)`` (KP-RPE: ``(images, labels, keypoints)``) are further images of the training
+    identities, same size, not trained on: each epoch's history row (and the loggers) then get ``val/accuracy``,
+    the share of them whose nearest class centre of the head is their own identity.
 
     With ``checkpoint_dir`` a ``last.ckpt`` is written there after every epoch (an existing one is an
     error unless ``resume``). ``resume=True`` continues from it, after checking that it holds the same
@@ -233,6 +259,7 @@ def train(
     }
     if ckpt_path is not None:
         _check_checkpoint(ckpt_path, info, backbone)
+    val_tensors = _val_tensors(val, size, num_classes, backbone, cfg.backbone) if val is not None else None
     # A class-sharded head is built once the process group exists; the others now, as before.
     head_factory = partial(build_head, cfg, num_classes)
     head = head_factory if cfg.sample_rate < 1.0 else head_factory()
@@ -247,7 +274,7 @@ def train(
         num_workers=cfg.num_workers,
         persistent_workers=cfg.num_workers > 0,
     )
-    module = FRModule(backbone, head, cfg, steps_per_epoch)
+    module = FRModule(backbone, head, cfg, steps_per_epoch, val=val_tensors)
     log.info(
         "training %s %s on %d images (%d identities, %d×%d), %s head: %d steps/epoch × %d epochs%s",
         cfg.backbone, kwargs, n, num_classes, size, size, info["head"], steps_per_epoch, cfg.epochs,

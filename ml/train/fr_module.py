@@ -110,7 +110,11 @@ class FRModule(lightning.LightningModule):
 
     ``head`` is the loss module (see ``build_head``) or a zero-argument callable returning it; a callable is
     called in ``configure_model``, once the process group exists, as a class-sharded PartialFC head needs.
+    ``val`` = (uint8 images (V, 3, H, W), labels (V,), float32 keypoints (V, 5, 2) or None): images of the
+    training identities that are not trained on, measured after every epoch (``epoch_summary``).
     """
+
+    VAL_BATCH = 256
 
     def __init__(
         self,
@@ -118,6 +122,7 @@ class FRModule(lightning.LightningModule):
         head: nn.Module | Callable[[], nn.Module],
         cfg: FRConfig,
         steps_per_epoch: int,
+        val: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
     ) -> None:
         super().__init__()
         self.backbone = backbone
@@ -134,6 +139,7 @@ class FRModule(lightning.LightningModule):
         self.register_buffer("mean", mean, persistent=False)
         self.register_buffer("std", std, persistent=False)
         self._augment_generator: torch.Generator | None = None  # made on first use (picklable for ddp_spawn)
+        self.val = val  # plain tensors on the CPU: neither in the checkpoint nor moved with the module
 
     def configure_model(self) -> None:
         if "head" not in self._modules:
@@ -205,6 +211,37 @@ class FRModule(lightning.LightningModule):
         self.log("train/accuracy", accuracy, on_step=False, on_epoch=True, prog_bar=True, batch_size=b)
         self.log("train/lr", self.optimizers().param_groups[0]["lr"], on_step=True, on_epoch=False, batch_size=b)
         return loss
+
+    def epoch_summary(self) -> dict[str, float]:
+        """``val/accuracy`` when the module has ``val`` data (``EpochHistory`` adds it to the epoch's row, and it is
+        logged at the step of the epoch's ``train/*``): the share of val images whose nearest class centre (cosine
+        to the head's class weights) is their own identity, the closed-set accuracy on images not trained on.
+        Without flip TTA; every rank computes it, a sharded head's classes gathered first."""
+        if self.val is None:
+            return {}
+        images, labels, keypoints = self.val
+        inner = self.head.head if isinstance(self.head, LVFaceSchedule) else self.head
+        weight = inner.weight.detach().float()
+        pfc = _partial_fc(self.head)
+        if pfc is not None and pfc.world_size > 1:
+            weight = _gather_classes(weight, pfc.num_classes, pfc.world_size)
+        centres = F.normalize(weight, dim=1)  # (C, D)
+        was_training = self.backbone.training
+        self.backbone.eval()
+        hits = 0
+        try:
+            with torch.no_grad():
+                for i in range(0, len(labels), self.VAL_BATCH):
+                    x = normalize(images[i : i + self.VAL_BATCH].to(self.device), self.mean, self.std)
+                    kp = None if keypoints is None else keypoints[i : i + self.VAL_BATCH].to(self.device)
+                    cos = F.normalize(self(x, kp).float(), dim=1) @ centres.T  # (b, C)
+                    hits += int((cos.argmax(dim=1).cpu() == labels[i : i + self.VAL_BATCH]).sum())
+        finally:
+            self.backbone.train(was_training)
+        accuracy = hits / len(labels)
+        self.log("val/accuracy", accuracy, on_step=False, on_epoch=True, prog_bar=True, batch_size=len(labels),
+                 sync_dist=True)  # the same on every rank: the mean changes nothing, and Lightning asks for it
+        return {"val/accuracy": accuracy}
 
     # Checkpoints hold every class of a sharded head (gathered on save, sliced on load) and its AdamW moments.
     def _param_groups(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
