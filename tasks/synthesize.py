@@ -236,6 +236,8 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
     def embed_faces(faces: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         faces = resize_faces(faces, data.image_size)
         landmarks, _ = aligner.predict(faces)
+        # a prediction, not ground truth: a point the aligner puts past the border of a generated face goes on it
+        landmarks = np.clip(landmarks, 0.0, float(faces.shape[1] - 1))  # pixel centres 0 … size − 1
         return identity_embeddings(fr, faces, landmarks), landmarks
 
     # 1. identity contexts among empty-context faces
@@ -276,27 +278,8 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
     sample_grid(faces, labels, paths.plots / "synthetic_samples.png",
                 title=f"UIFace synthetic identities (one per row): identity gap {gap['gap']:.2f}, adjacent-pixel "
                       f"correlation {pixel_corr:.2f}")
-    # 5. export
-    names = [f"syn_{i:05d}" for i in range(len(kept_ids))]
-    with DatasetWriter(paths.synthetic_set, name="synthetic", source="synthetic", aligned=True, generator={
-        "generator": str(paths.generator_model.relative_to(paths.root)), "fr_model": str(fr_dir.relative_to(paths.root)),
-        "sampler": dataclasses.asdict(sampler), "identities": len(kept_ids), "images_per_identity": cfg.images_per_identity,
-        "candidates": cfg.candidates, "max_cosine": cfg.max_cosine, "seed": cfg.seed,
-    }) as w:
-        for img, lm, label in zip(faces, landmarks, labels):
-            w.add(img, identity=names[label], split="train", landmarks=lm.reshape(-1))
-        np.save(w.tmp_dir / "contexts.npy", contexts.astype(np.float32))
-    plot_t0(t0, sampler.train_timesteps, paths.plots / "synthetic_t0.png")
-    # 6. gate
+    # the numbers and the gate come before the export: a set that fails leaves no dataset behind
     consistency = per_identity_consistency(emb, labels)
-    manifest = read_manifest(paths.synthetic_set / "manifest.parquet")
-    manifest["identity_consistency"] = manifest["label"].map(consistency).astype(float)
-    manifest["min_identity_consistency"] = float(cfg.min_identity_consistency)
-    report_dir = paths.root / "reports" / "validation_synthetic"
-    with atomic_path(report_dir) as tmp:
-        tmp.mkdir(parents=True)
-        validate_manifests({"synthetic": ("synthetic", manifest)}, data, ValidateConfig(), tmp)
-
     report = diversity_report(emb, labels, real_emb=real_emb, k=min(10, len(emb) - 1, len(real_emb) - 1))
     result = StageResult("synthesize", outputs=[paths.synthetic_set])
     result.metrics = {**report, "synthetic/identities": float(len(kept_ids)), "synthetic/images": float(len(faces)),
@@ -323,9 +306,29 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
             "The generator did not learn faces that carry their identity — see plots/synthetic_samples.png and "
             "metrics/synthesize.json; train it longer (generator.train.epochs) or in latent space "
             "(generator.space: latent) before training an FR model on its faces")
-    result.summary = (f"{len(keep)} synthetic identities × {cfg.images_per_identity} faces ({sampler.mode}"
+    # 5. export
+    names = [f"syn_{i:05d}" for i in range(len(kept_ids))]
+    with DatasetWriter(paths.synthetic_set, name="synthetic", source="synthetic", aligned=True, generator={
+        "generator": str(paths.generator_model.relative_to(paths.root)), "fr_model": str(fr_dir.relative_to(paths.root)),
+        "sampler": dataclasses.asdict(sampler), "identities": len(kept_ids), "images_per_identity": cfg.images_per_identity,
+        "candidates": cfg.candidates, "max_cosine": cfg.max_cosine, "seed": cfg.seed,
+    }) as w:
+        for img, lm, label in zip(faces, landmarks, labels):
+            w.add(img, identity=names[label], split="train", landmarks=lm.reshape(-1))
+        np.save(w.tmp_dir / "contexts.npy", contexts.astype(np.float32))
+    plot_t0(t0, sampler.train_timesteps, paths.plots / "synthetic_t0.png")
+    # 6. the data-quality suite
+    manifest = read_manifest(paths.synthetic_set / "manifest.parquet")
+    manifest["identity_consistency"] = manifest["label"].map(consistency).astype(float)
+    manifest["min_identity_consistency"] = float(cfg.min_identity_consistency)
+    report_dir = paths.root / "reports" / "validation_synthetic"
+    with atomic_path(report_dir) as tmp:
+        tmp.mkdir(parents=True)
+        validate_manifests({"synthetic": ("synthetic", manifest)}, data, ValidateConfig(), tmp)
+
+    result.summary = (f"{len(kept_ids)} synthetic identities × {cfg.images_per_identity} faces ({sampler.mode}"
                       f"{' + attention injection' if sampler.attention_injection else ''}, {sampler.steps} DDIM steps): "
-                      f"identity consistency {report['synthetic/identity_consistency']:.3f}, diversity "
+                      f"identity gap {gap['gap']:.3f}, identity consistency {report['synthetic/identity_consistency']:.3f}, diversity "
                       f"{report['synthetic/diversity']:.3f} → {paths.synthetic_set}")
     if tracker is not None:
         tracker.log_dataset(paths.synthetic_set, context="synthetic")

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import yaml
@@ -205,4 +207,31 @@ def test_ls_lists_stages_datasets_and_registry(smoke_run):
     for stage in STAGES:
         assert stage in out.stdout
     assert "data/prepared/train" in out.stdout and "models/fr/real" in out.stdout
-    assert "faceops-fr v1" in out.stdout and "@candidate" in out.stdout
+    assert re.search(r"faceops-fr\s+v1\b", out.stdout) and "@candidate" in out.stdout  # columns are padded
+
+
+def test_synthetic_gate_stops_a_generator_that_learned_no_identity(smoke_run):
+    """The smoke generator (one epoch on 48 faces) has learned no identity: with the gate's target values the
+    synthesize stage fails naming the identity gap and its bound, and the synthetic set already there is left as
+    it was (the gate runs before anything is exported)."""
+    root, env, _ = smoke_run
+    synth = json.loads((root / "metrics/synthesize.json").read_text())
+    for key in ("synthetic/identity_gap", "synthetic/adjacent_pixel_correlation", "synthetic/ssim_diversity",
+                "synthetic/max_real_cosine", "synthetic/nearest_real_cosine_p99"):
+        assert key in synth and np.isfinite(synth[key]), key
+    assert synth["synthetic/identity_gap"] < 0.2
+    assert (root / "plots/synthetic_privacy.png").is_file()
+    params_path = root / "params.yaml"
+    original = params_path.read_bytes()
+    before = (root / "data/synthetic/manifest.parquet").read_bytes()
+    try:
+        params = yaml.safe_load(original)
+        params["synthesize"]["min_identity_gap"] = 0.2
+        params_path.write_text(yaml.safe_dump(params, sort_keys=False))
+        out = subprocess.run([sys.executable, "-m", "tasks.synthesize"], cwd=root, env=env, capture_output=True,
+                             text=True, timeout=300)
+    finally:
+        params_path.write_bytes(original)
+    assert out.returncode != 0
+    assert re.search(r"identity gap -?\d\.\d{3} < synthesize\.min_identity_gap = 0\.2", out.stderr + out.stdout)
+    assert (root / "data/synthetic/manifest.parquet").read_bytes() == before
