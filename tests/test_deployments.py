@@ -155,9 +155,11 @@ def test_benchmark_artifact_keeps_the_models_and_verification_tables():
 def test_params_delta_from_head_rebuilds_the_working_copy_params_in_a_clone(tmp_path):
     from tasks.params import apply_delta
 
-    ws = copy_project(tmp_path)
+    ws = copy_project(tmp_path / "ws")
+    faces = tmp_path / "my faces"  # a path with a space; it must exist: apply_delta checks input paths
+    faces.mkdir()
     apply_delta(ws / "params.yaml", {"fr.lr": 0.0003, "fr.epochs": 3, "fr.augment_recipe": "kprpe",
-                                     "evaluate.fars": [0.01, 0.1], "data.ingest_folder": "/data/my faces",
+                                     "evaluate.fars": [0.01, 0.1], "data.ingest_folder": str(faces),
                                      "data.procedural.blur_prob": 0.5})
     wanted = yaml.safe_load((ws / "params.yaml").read_text())
     delta = routing.params_delta_from_head(ws)
