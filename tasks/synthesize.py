@@ -283,7 +283,7 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
     report = diversity_report(emb, labels, real_emb=real_emb, k=min(10, len(emb) - 1, len(real_emb) - 1))
     result = StageResult("synthesize", outputs=[paths.synthetic_set])
     result.metrics = {**report, "synthetic/identities": float(len(kept_ids)), "synthetic/images": float(len(faces)),
-                      "synthetic/identity_gap": gap["gap"], "synthetic/intra_class_cos": gap["intra"],
+                      "synthetic/identity_gap": gap["gap"],  # its intra term is synthetic/identity_consistency
                       "synthetic/inter_class_pair_cos": gap["inter"],
                       "synthetic/adjacent_pixel_correlation": pixel_corr,
                       "synthetic/ssim_diversity": ssim_diversity(faces, labels),

@@ -147,7 +147,7 @@ def generator_autoencoder(paths: Paths, extra: dict[str, Any], cfg: GeneratorSta
 
 
 def reconstruction_report(autoencoder: Any, fr: Any, images: np.ndarray, contexts: np.ndarray,
-                          path: Path) -> dict[str, float]:
+                          landmarks: np.ndarray | None, path: Path) -> dict[str, float]:
     """PSNR (dB, faces in [0, 255]) and mean FR cosine between faces and their reconstructions from the posterior
     means; a picture of faces over their reconstructions goes to ``path``."""
     from ml.train.autoencoder import reconstruct
@@ -155,7 +155,7 @@ def reconstruction_report(autoencoder: Any, fr: Any, images: np.ndarray, context
     recon, _ = reconstruct(autoencoder, images)
     mse = ((recon.astype(np.float64) - images.astype(np.float64)) ** 2).mean(axis=(1, 2, 3))
     psnr = float(np.mean(10 * np.log10(255.0 ** 2 / np.maximum(mse, 1e-10))))
-    cosine = float(np.mean(np.sum(identity_embeddings(fr, recon, None) * contexts, axis=1)))
+    cosine = float(np.mean(np.sum(identity_embeddings(fr, recon, landmarks) * contexts, axis=1)))
     plt = pyplot()
     k = min(10, len(images))
     fig, axes = plt.subplots(2, k, figsize=(1.2 * k, 2.8), squeeze=False)
@@ -215,8 +215,9 @@ def run(cfg: GeneratorStageConfig, paths: Paths, *, tracker: Any = None) -> Stag
     if autoencoder is not None:
         report_rows = min(len(faces), 1024)
         if size == images.shape[1]:
-            metrics.update(reconstruction_report(autoencoder, fr, faces[:report_rows], native[:report_rows],
-                                                 paths.plots / "autoencoder_reconstructions.png"))
+            metrics.update(reconstruction_report(
+                autoencoder, fr, faces[:report_rows], native[:report_rows],
+                None if landmarks is None else landmarks[:report_rows], paths.plots / "autoencoder_reconstructions.png"))
     # contexts as sampling makes them: the FR embedding of a face rendered the way the generator renders faces
     # (at its output size, then resized to the FR model's), so training and synthesis share one convention
     contexts = native if size == images.shape[1] else identity_embeddings(
@@ -254,7 +255,7 @@ def run(cfg: GeneratorStageConfig, paths: Paths, *, tracker: Any = None) -> Stag
             tracker.log_metrics({k: v for k, v in h.items() if k.startswith("train/")}, step=int(h["epoch"]))
         tracker.log_metrics(result.metrics)
         tracker.log_artifact(paths.plots / "train_generator_loss.png", artifact_path="plots")
-        if (paths.plots / "autoencoder_reconstructions.png").is_file() and "autoencoder/psnr" in metrics:
+        if "autoencoder/psnr" in metrics:  # the picture is drawn with the numbers
             tracker.log_artifact(paths.plots / "autoencoder_reconstructions.png", artifact_path="plots")
         version = tracker.register_model_dir(REGISTERED_MODEL, model_dir=paths.generator_model,
                                              tags={"fr_model": extra["fr_model"], "data_digest": info["digest"]})

@@ -46,6 +46,7 @@ from ml.errors import ConfigError, DataError
 from ml.train.callbacks import EpochHistory, check_device, check_device_keys, fit, non_finite_loss
 from ml.train.checkpoint import mix_seed, resume_path
 from ml.train.fr import EpochSampler
+from ml.train.generator import images_to_unit_range
 
 __all__ = ["AutoencoderConfig", "AutoencoderModule", "build_autoencoder", "reconstruct", "train_autoencoder"]
 
@@ -136,7 +137,7 @@ class AutoencoderModule(lightning.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, ids = batch  # uint8 (B, 3, H, W), float (B, D) unit embeddings
-        x = images.float() / 127.5 - 1.0
+        x = images_to_unit_range(images)
         generator = torch.Generator(device=self.device).manual_seed(mix_seed(self.cfg.seed, self.global_step))
         posterior = self.autoencoder.encode(x).latent_dist
         y = self.autoencoder.decode(posterior.sample(generator=generator)).sample
@@ -166,7 +167,7 @@ def reconstruct(autoencoder: AutoencoderKL, images: np.ndarray) -> tuple[np.ndar
     device = next(autoencoder.parameters()).device
     recon, means = [], []
     for i in range(0, len(images), ENCODE_BATCH):
-        x = torch.from_numpy(images[i : i + ENCODE_BATCH]).permute(0, 3, 1, 2).float().to(device) / 127.5 - 1.0
+        x = images_to_unit_range(torch.from_numpy(images[i : i + ENCODE_BATCH]).permute(0, 3, 1, 2)).to(device)
         mu = autoencoder.encode(x).latent_dist.mean
         y = autoencoder.decode(mu).sample.clamp(-1, 1)
         recon.append(((y + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy())
