@@ -27,7 +27,8 @@ app = typer.Typer(
         "`evaluate` last, over every model (`faceops ls` lists them). Every stage execution is an MLflow run (store: "
         "`mlflow.db`, or `MLFLOW_TRACKING_URI`).\n\n"
         "Typical use:\n\n"
-        "* `faceops run` — reproduce the whole pipeline as a Prefect flow (skips what DVC finds up to date)\n\n"
+        "* `faceops run` — reproduce the whole pipeline as a Prefect flow (skips what DVC finds up to date, "
+        "restores what its run-cache holds)\n\n"
         "* `faceops run --set fr.epochs=2` — the same with a params delta (like `dvc exp run -S`)\n\n"
         "* `faceops run --preset smoke` — the whole DAG at toy size in under two minutes\n\n"
         "* `faceops stage train_fr@real` — run one stage's code directly (what `dvc repro` calls)\n\n"
@@ -175,7 +176,8 @@ def run(
     typer.echo("")
     width = max((len(r["stage"]) for r in results), default=0)
     for r in results:
-        typer.echo(f"  {r['stage']:<{width}}  {'ran' if r['ran'] else 'up to date':<11} {r['seconds']:6.1f}s")
+        state = "restored" if r.get("restored") else "ran" if r["ran"] else "up to date"
+        typer.echo(f"  {r['stage']:<{width}}  {state:<11} {r['seconds']:6.1f}s")
     typer.echo("\nResults:")
     for label, path in [("benchmark report", "reports/benchmark.md"), ("metrics", "metrics/"), ("plots", "plots/"),
                         ("FR model", "models/fr/"), ("validation (Data Docs)", "reports/validation/docs/index.html")]:

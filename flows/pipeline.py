@@ -2,12 +2,17 @@
 
 There is no second DAG: ``stage_graph`` reads DVC's own stage graph, and each stage is one Prefect task that
 does what ``dvc repro --single-item <stage>`` does: DVC decides whether the stage is out of date (its status:
-deps, params, cmd, outs against ``dvc.lock``), the stage's ``cmd`` runs, and DVC commits the result (outputs
-into its cache, hashes into ``dvc.lock``). DVC stays the truth for what is up to date and what was produced.
-Unlike ``dvc repro``, DVC's repository lock is held only for the status check and the commit, not while the
-stage runs, so independent stages (``train_aligner`` beside ``train_fr@real``; discovery, fusion and the
-generator after it) run at the same time, up to ``jobs`` at once. Prefect adds the flow run, one visible task
-per stage, retries and logs; MLflow gets a parent run per flow run under which each stage's run nests.
+deps, params, cmd, outs against ``dvc.lock``); an out-of-date stage is first looked up in DVC's run-cache, as
+``dvc repro`` does (``Stage.run`` → ``repo.stage_cache.restore``): when an earlier run of the same cmd with the same
+deps and params left its outputs in DVC's cache (a param changed and changed back), they are checked out and
+recorded in ``dvc.lock`` and the cmd does not run (``restore_stage``; ``force`` skips the lookup, as
+``dvc repro --force`` does). Otherwise the stage's ``cmd`` runs and DVC commits the result (outputs into its cache,
+hashes into ``dvc.lock``, the run into the run-cache). DVC stays the truth for what is up to date and what was
+produced. Unlike ``dvc repro``, DVC's repository lock is held only for the status check, the restore and the
+commit, not while the stage runs, so independent stages (``train_aligner`` beside ``train_fr@real``; discovery,
+fusion and the generator after it) run at the same time, up to ``jobs`` at once. Prefect adds the flow run, one
+visible task per stage, retries and logs; MLflow gets a parent run per flow run under which each stage's run nests
+(a restored stage's run is tagged ``dvc.restored=true`` and carries the metrics of its restored metrics files).
 """
 
 from __future__ import annotations
@@ -221,6 +226,35 @@ def commit_stage(root: Path, stage: str) -> None:
         repo.commit(stage, force=True)
 
 
+def restore_stage(root: Path, stage: str) -> list[str] | None:
+    """What ``dvc repro`` does for an out-of-date stage before it would run its cmd (``Stage.run`` →
+    ``repo.stage_cache.restore``): when DVC's run-cache holds a run of the stage's cmd with its current deps and
+    params, and that run's outputs are in DVC's cache, check them out and record the stage in ``dvc.lock`` (as
+    ``dvc repro`` does after a restore). → the stage's metrics files (paths from ``root``) when it was restored;
+    None when there is no such run: then nothing was touched and the cmd has to run."""
+    from dvc.exceptions import ConfirmRemoveError
+    from dvc.repo import Repo, lock_repo
+    from dvc.stage.cache import RunCacheNotFoundError
+
+    with _DVC, Repo(str(root)) as repo, lock_repo(repo):
+        (target,) = repo.stage.collect(stage)
+        try:
+            repo.stage_cache.restore(target)
+        except RunCacheNotFoundError:
+            return None
+        except ConfirmRemoveError:
+            # a hit, but the workspace holds outputs DVC's cache has no copy of (a failed run's half-written files):
+            # `dvc repro` removes a stage's outputs before restoring, so do that and restore again. The first try
+            # wrote the deps' new hashes into its stage object, so the second starts from a fresh one.
+            (target,) = repo.stage.collect(stage)
+            target.remove_outs(ignore_remove=False, force=False)
+            repo.stage_cache.restore(target)
+        target.save()  # deps and outs hashed; the run-cache already holds this run
+        target.commit()
+        target.dump(update_pipeline=False)  # dvc.lock
+        return [str(out.def_path) for out in target.outs if out.is_metric]
+
+
 def dvc_lock_deps(root: Path, stage: str, kind: str = "deps") -> dict[str, str]:
     """``{path: md5}`` of ``stage``'s ``kind`` (``deps`` or ``outs``) as DVC recorded them in ``dvc.lock``."""
     import yaml
@@ -250,7 +284,9 @@ def stage_env(root: Path, invocation: str, parent_run_id: str | None) -> dict[st
 @task(retries=0, task_run_name="{stage}")
 def reproduce_stage(stage: str, root: str, parent_run_id: str | None = None, force: bool = False
                     ) -> dict[str, Any]:
-    """Reproduce one stage through DVC (see the module docstring): nothing runs when DVC finds it up to date.
+    """Reproduce one stage through DVC (see the module docstring): nothing runs when DVC finds it up to date, and
+    an out-of-date stage whose run DVC's run-cache holds is restored from it (unless ``force``). → ``{"stage",
+    "ran": its cmd ran, "restored": its outputs came from the run-cache, "seconds"}``.
 
     The stage's MLflow run is relayed through this process (``tasks.tracking.StageRelay``): the stage writes
     a journal, this task replays it into MLflow while the stage works. Stages running side by side share the
@@ -270,7 +306,21 @@ def _reproduce(stage: str, root: Path, parent_run_id: str | None, force: bool) -
     reasons, cmd = stage_status(root, stage)
     if not reasons and not force:
         logger.info("%s: up to date (stage didn't change, skipping)", stage)
-        return {"stage": stage, "ran": False, "seconds": time.perf_counter() - start}
+        return {"stage": stage, "ran": False, "restored": False, "seconds": time.perf_counter() - start}
+    if not force:
+        try:
+            metrics_files = restore_stage(root, stage)
+        except Exception as exc:  # e.g. DVC's cache lacks an object the run-cache entry names
+            raise StageFailed(f"stage '{stage}': DVC could not restore it from its run-cache ({exc}); run it with "
+                              f"--force to run its cmd instead of restoring") from exc
+        if metrics_files is not None:
+            params, metrics = restored_record(root, stage, metrics_files)
+            run_id = _retrying(log_restored_stage, root, stage, parent_run_id, params, metrics)
+            _retrying(_tag_stage_runs, root, stage, [run_id])
+            seconds = time.perf_counter() - start
+            logger.info("%s: restored from DVC's run-cache in %.1fs, its cmd did not run (%s); MLflow run %s", stage,
+                        seconds, "; ".join(reasons), run_id)
+            return {"stage": stage, "ran": False, "restored": True, "seconds": seconds}
     key = f"{stage}-{uuid.uuid4().hex[:8]}"
     threads, share_file = _CORES.enter(key)
     try:
@@ -296,7 +346,7 @@ def _reproduce(stage: str, root: Path, parent_run_id: str | None, force: bool) -
         _retrying(_tag_stage_runs, root, stage, relay.run_ids)
     seconds = time.perf_counter() - start
     logger.info("%s: ran in %.1fs", stage, seconds)
-    return {"stage": stage, "ran": True, "seconds": seconds}
+    return {"stage": stage, "ran": True, "restored": False, "seconds": seconds}
 
 
 def run_relayed(
@@ -361,6 +411,87 @@ def _tag_stage_runs(root: Path, stage: str, run_ids: list[str]) -> None:
                     client.set_model_version_tag(version.name, version.version, key, md5)
 
 
+def restored_record(root: Path, stage: str, metrics_files: list[str]) -> tuple[dict[str, str], dict[str, float]]:
+    """(params, metrics) for the MLflow run of a restored stage: its params as ``dvc.lock`` records them, flattened
+    as a stage's own run logs its params section (``fr.lr``), and the numbers in its restored ``metrics_files``
+    (``metrics/train_fr_real.json``; a file holding a ``metrics`` mapping beside its settings contributes that
+    mapping), nested keys joined with ``/``."""
+    import yaml
+
+    with _DVC:
+        lock = root / "dvc.lock"
+        entry = ((yaml.safe_load(lock.read_text()) or {}) if lock.is_file() else {}).get("stages", {}).get(stage, {})
+    params: dict[str, str] = {}
+    for values in (entry.get("params") or {}).values():  # {params.yaml: {section or dotted key: value}}
+        _flat_items(values, ".", params)
+    metrics: dict[str, float] = {}
+    for rel in metrics_files:
+        path = root / rel
+        try:
+            doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError) as exc:
+            raise StageFailed(f"stage '{stage}' was restored from DVC's run-cache but its metrics file {path} cannot "
+                              f"be read ({exc}); run the stage with --force to write it again") from exc
+        if isinstance(doc, dict) and isinstance(doc.get("metrics"), dict):
+            doc = doc["metrics"]
+        flat: dict[str, Any] = {}
+        _flat_items(doc if isinstance(doc, dict) else {}, "/", flat)
+        metrics.update({tracking.mlflow_metric_name(k): float(v) for k, v in flat.items()
+                        if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    return {k: str(v)[:500] for k, v in params.items()}, metrics
+
+
+def _flat_items(value: dict[str, Any], sep: str, out: dict[str, Any], prefix: str = "") -> None:
+    for key, item in value.items():
+        name = f"{prefix}{sep}{key}" if prefix else str(key)
+        if isinstance(item, dict):
+            _flat_items(item, sep, out, name)
+        else:
+            out[name] = item
+
+
+def log_restored_stage(root: Path, stage: str, parent_run_id: str | None, params: dict[str, str],
+                       metrics: dict[str, float]) -> str:
+    """The MLflow run of a stage restored from DVC's run-cache (its cmd did not run, so no stage process opened
+    one): named, nested and tagged like a stage's own run, plus ``dvc.restored=true`` and, when this store holds
+    it, ``dvc.restored_from``: the run that produced the restored outputs (the earliest run of the stage tagged
+    with the same output hash). → the run id. ``_tag_stage_runs`` adds DVC's hashes afterwards."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric, Param
+
+    commit = tracking.git_commit(root)
+    tags = {"dvc.stage": stage, "faceops.stage": stage, "git.commit": commit,
+            "mlflow.source.git.commit": commit.removesuffix("-dirty"), "dvc.restored": "true"}
+    if parent_run_id:
+        tags["mlflow.parentRunId"] = parent_run_id
+    if flow_run.id:
+        tags["prefect.flow_run_id"] = str(flow_run.id)
+    outs = dvc_lock_deps(root, stage, "outs")
+    with tracking.MLFLOW_LOCK:
+        client = MlflowClient(tracking_uri=tracking.tracking_uri(root))
+        experiment_id = (client.get_run(parent_run_id).info.experiment_id if parent_run_id else
+                         tracking.configure(root))
+        source = _producing_run(client, experiment_id, stage, outs)
+        if source:
+            tags["dvc.restored_from"] = source
+        run = client.create_run(experiment_id, run_name=stage, tags=tags)
+        now = int(time.time() * 1000)
+        client.log_batch(run.info.run_id, metrics=[Metric(k, v, now, 0) for k, v in metrics.items()],
+                         params=[Param(k, v) for k, v in params.items()])
+        client.set_terminated(run.info.run_id, "FINISHED")
+    return run.info.run_id
+
+
+def _producing_run(client: Any, experiment_id: str, stage: str, outs: dict[str, str]) -> str | None:
+    """The earliest run of ``stage`` not itself a restore whose ``dvc.out.*`` tag holds the first output's hash."""
+    path, md5 = next(iter(outs.items()), (None, None))
+    if not path or not md5:
+        return None
+    runs = client.search_runs([experiment_id], order_by=["attributes.start_time ASC"], max_results=50,
+                              filter_string=f"tags.`dvc.stage` = '{stage}' AND tags.`dvc.out.{path}` = '{md5}'")
+    return next((r.info.run_id for r in runs if r.data.tags.get("dvc.restored") != "true"), None)
+
+
 def _retrying(fn: Callable[..., Any], *args: Any, delays: tuple[float, ...] = (2.0, 8.0, 30.0)) -> Any:
     """``fn(*args)``, tried again after each of ``delays`` seconds while it raises. For MLflow writes inside a
     stage's task: a Prefect task with retries would add a task run per stage to the flow run."""
@@ -411,9 +542,19 @@ def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = Fal
              params_delta: dict[str, str] | None = None, preset: str | None = None) -> list[dict[str, Any]]:
     """Reproduce the DVC pipeline (all stages, or ``stages`` and what they need); a stage starts as soon as the
     stages it depends on have finished, up to ``jobs`` at once (the critical path first when more are ready),
-    sharing the cores. ``preset`` then ``params_delta`` (e.g. ``{"fr.epochs": "2"}``) are written into params.yaml
-    first (``apply_params``). GPU stages run on the GPU work pool when ``FACEOPS_GPU_DEPLOYMENT`` is set. The run
-    ends with a ``benchmark`` artifact."""
+    sharing the cores; an out-of-date stage whose run DVC's run-cache holds is restored from it unless ``force``.
+    ``preset`` then ``params_delta`` (e.g. ``{"fr.epochs": "2"}``) are written into params.yaml first
+    (``apply_params``). GPU stages run on the GPU work pool when ``FACEOPS_GPU_DEPLOYMENT`` is set. The run ends with
+    a ``benchmark`` artifact.
+
+    Args:
+        root: the repository root.
+        stages: only these dvc.yaml stages and what they need, e.g. ["evaluate"]; empty: all of them.
+        force: rerun the stages even when DVC finds them up to date (no run-cache restore either).
+        jobs: how many independent stages run at once.
+        params_delta: dotted params key → YAML value, as `faceops run --set` takes them, e.g. {"fr.epochs": "20"}.
+        preset: a named delta from presets.yaml applied before params_delta, e.g. smoke.
+    """
     import mlflow
 
     logger = get_run_logger()
@@ -453,8 +594,13 @@ def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = Fal
                 failure = futures[stage]
         if failure is not None:
             failure.result()  # raises the stage's StageFailed
+        restored = [r["stage"] for r in results if r.get("restored")]
+        logger.info("%d stage(s) ran, %d restored from DVC's run-cache%s, %d up to date",
+                    sum(r["ran"] for r in results), len(restored), f" ({', '.join(restored)})" if restored else "",
+                    sum(not r["ran"] and not r.get("restored") for r in results))
         mlflow.log_metrics({
             "pipeline/stages_ran": float(sum(r["ran"] for r in results)),
+            "pipeline/stages_restored": float(len(restored)),
             # stages run side by side (`jobs` > 1): their times add up to more than the run's wall time
             "pipeline/stage_seconds_sum": float(sum(r["seconds"] for r in results)),
             "pipeline/wall_seconds": time.perf_counter() - started,
