@@ -7,6 +7,15 @@ predicted landmarks in the aligned crop — the keypoints KP-RPE reads; ``qualit
 score head is not trained on the embedded data, which has no non-face crops).
 Metrics: how far the *ground-truth* landmarks land from the template after alignment with the predicted ones
 (pixels, and normalised by the template's inter-pupil distance), which is the error alignment leaves behind.
+
+With real faces ingested (their manifests carry no landmarks: ingest has none to give) the aligner also predicts the
+5 landmarks of every real face of ``data/prepared/{train,heldout,discovery}`` and of ``verification/real.bin``, and
+writes them beside the aligned set: ``data/aligned/predicted_landmarks.parquet`` + ``.json`` (``ml.data.landmarks``:
+keyed by dataset and path, tied to each dataset's digest) and ``data/aligned/verification/real.landmarks.npy`` (in the
+``.bin``'s image order). These are the keypoints a KP-RPE model trains and is scored on for real faces
+(``tasks/train_fr.py`` records ``keypoints_source: aligner``). The faces are already aligned crops, so the
+predictions should lie near the ArcFace template: ``align/real/template_nme`` (mean distance to the template over
+the inter-pupil distance) says how far they stray, ``align/real/score_mean`` the mean DFA face score.
 ``plots/aligned_samples.png`` shows unaligned inputs above their aligned crops, each row labelled.
 """
 
@@ -67,6 +76,57 @@ def sample_grid(unaligned: np.ndarray, aligned: np.ndarray, path: Path, n: int =
         canvas.resize((canvas.width * 2, canvas.height * 2), Image.NEAREST).save(tmp, format="PNG")
 
 
+REAL_DATASETS = ("train", "heldout", "discovery")  # the prepared datasets ingest fills with the user's real faces
+PREDICT_CHUNK = 2048  # real faces decoded and predicted per chunk: memory holds one chunk, not the whole set
+
+
+def predict_real_landmarks(model: Any, paths: Paths, out: Path, image_size: int) -> dict[str, float]:
+    """Predict the landmarks of every real face without them (the ingested datasets and ``real.bin``) into
+    ``out`` (the aligned set's folder, before it is moved into place); returns ``align/real/*`` metrics, empty
+    when nothing is real."""
+    from ml.data.dataset import landmarks_array, load_images, read_dataset_info, read_manifest
+    from ml.data.formats import read_verification_bin
+    from ml.data.landmarks import write_predicted
+    from ml.models.aligner.align import template_for
+
+    predictions, digests = {}, {}
+    for name in REAL_DATASETS:
+        d = paths.prepared / name
+        if not (d / "dataset.json").is_file() or read_dataset_info(d)["source"] != "real":
+            continue
+        manifest = read_manifest(d / "manifest.parquet")
+        rows = manifest[~np.isfinite(landmarks_array(manifest)).all(axis=(1, 2))].reset_index(drop=True)
+        if not len(rows):
+            continue
+        lms, scores = [], []
+        for start in range(0, len(rows), PREDICT_CHUNK):
+            images = load_images(d, rows.iloc[start:start + PREDICT_CHUNK])
+            p, s = model.predict(images)
+            lms.append(p)
+            scores.append(s)
+        predictions[name] = (rows, np.concatenate(lms), np.concatenate(scores))
+        digests[name] = read_dataset_info(d)["digest"]
+    if not predictions:
+        return {}
+    write_predicted(out, predictions, digests, aligner=str(paths.aligner_model.relative_to(paths.root)))
+    metrics = {"align/real/faces": float(sum(len(r) for r, _, _ in predictions.values()))}
+    real_bin = paths.verification_dir / "real.bin"
+    if real_bin.is_file():
+        images, _ = read_verification_bin(real_bin)
+        bin_lms, _ = model.predict(images)
+        (out / "verification").mkdir(exist_ok=True)
+        np.save(out / "verification" / "real.landmarks.npy", bin_lms.astype(np.float32))
+        metrics["align/real/bin_images"] = float(len(images))
+    template = template_for(image_size).numpy()
+    pupil = float(np.linalg.norm(template[1] - template[0]))
+    every = np.concatenate([p for _, p, _ in predictions.values()])
+    dist = np.linalg.norm(every - template, axis=2).mean(axis=1) / pupil  # (N,) per face, in inter-pupil units
+    metrics.update({"align/real/template_nme": float(dist.mean()),
+                    "align/real/template_failure@0.1": float((dist > 0.1).mean()),
+                    "align/real/score_mean": float(np.concatenate([s for _, _, s in predictions.values()]).mean())})
+    return metrics
+
+
 def run(data: DataConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
     import torch
 
@@ -83,6 +143,7 @@ def run(data: DataConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
                        generator={"aligner": str(paths.aligner_model.relative_to(paths.root))}) as w:
         for img, lm, identity in zip(aligned, landmarks, rows["identity"]):
             w.add(img, identity=identity, split="aligned", landmarks=lm.reshape(-1))
+        real = predict_real_landmarks(model, paths, w.tmp_dir, data.image_size)  # moved into place with the set
     gt = transform_points(torch.from_numpy(landmarks_array(rows)), torch.from_numpy(mats)).numpy()
     template = template_for(data.image_size).numpy()
     residual = np.linalg.norm(gt - template, axis=2).mean(axis=1)  # (N,) px
@@ -91,10 +152,13 @@ def run(data: DataConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
     result = StageResult("align", outputs=[paths.aligned_set, paths.plots / "aligned_samples.png"])
     result.metrics = {"align/faces": float(len(rows)), "align/residual_px": float(residual.mean()),
                       "align/residual_nme": float(residual.mean() / pupil),
-                      "align/residual_failure@0.1": float((residual / pupil > 0.1).mean())}
+                      "align/residual_failure@0.1": float((residual / pupil > 0.1).mean()), **real}
     write_json(paths.metrics / "align.json", result.metrics)
     result.summary = (f"{len(rows)} faces aligned to {data.image_size}px; ground-truth landmarks land "
                       f"{residual.mean():.2f}px from the template on average → {paths.aligned_set}")
+    if real:
+        result.summary += (f"; landmarks predicted for {real['align/real/faces']:.0f} real faces (mean distance to "
+                           f"the template {real['align/real/template_nme']:.3f} inter-pupil)")
     if tracker is not None:
         tracker.log_dataset(paths.aligned_set, context="aligned")
         tracker.log_metrics(result.metrics)

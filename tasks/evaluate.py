@@ -8,8 +8,8 @@
 - reference baselines on the same pairs: raw-pixel cosine and a linear probe on raw pixels (trained on the
   training identities), to show the benchmark is not solvable by pixel matching
 
-- generalized face discovery on the GFD split (``tasks/discovery_eval.py``): FaceGCD and FR features with
-  semi-supervised k-means, and unsupervised clustering baselines; All / Known / Novel accuracy
+- generalized face discovery on the GFD split (``tasks/discovery_eval.py``): FaceGCD, its GCD control (no
+  prefixes) and FR features with semi-supervised k-means, and unsupervised clustering baselines; All / Known / Novel
 
 Writes ``metrics/evaluate.json``, ``plots/roc.png``, ``plots/roc_templates.csv`` and ``reports/benchmark.md``
 (plus ``metrics/discovery.json``, ``plots/discovery_embedding.png``, ``reports/discovery_predictions.csv``,
@@ -96,14 +96,19 @@ def verification_bins(paths: Paths, bin_dir: str = "") -> list[Path]:
     return bins
 
 
-def _verification_sets(bins: list[Path]) -> list[tuple[str, np.ndarray, np.ndarray, np.ndarray | None]]:
-    """(name, images, issame, landmarks or None) for every ``.bin`` of ``bins`` (:func:`verification_bins`)."""
+def _verification_sets(bins: list[Path], aligned_dir: Path | None = None
+                       ) -> list[tuple[str, np.ndarray, np.ndarray, np.ndarray | None]]:
+    """(name, images, issame, landmarks or None) for every ``.bin`` of ``bins`` (:func:`verification_bins`). The
+    landmarks are the ``<stem>.landmarks.npy`` beside the bin, else the align stage's predictions for it
+    (``<aligned_dir>/verification/<stem>.landmarks.npy``: the ingested real faces)."""
     from ml.data.formats import read_verification_bin
 
     sets = []
     for bin_path in bins:
         images, issame = read_verification_bin(bin_path)
         sidecar = bin_path.with_suffix(".landmarks.npy")
+        if not sidecar.is_file() and aligned_dir is not None:
+            sidecar = aligned_dir / "verification" / sidecar.name
         landmarks = _landmarks_sidecar(sidecar, len(images)) if sidecar.is_file() else None
         sets.append((bin_path.stem, images, issame, landmarks))
     return sets
@@ -213,6 +218,7 @@ def evaluate_baselines(cfg: EvaluateConfig, paths: Paths, data: DataConfig, sets
 def evaluate_model(model: Any, tag: str, cfg: EvaluateConfig, paths: Paths, sets: list) -> tuple[dict, dict]:
     """All benchmark numbers of one model, keyed ``<tag>/...``; returns (metrics, ROC curves)."""
     from ml.data.dataset import landmarks_array, load_images, read_manifest
+    from ml.data.landmarks import manifest_keypoints
     from ml.eval.metrics import (
         identification_rank, identification_with_distractors, open_set_identification, pair_scores, roc_curve,
         tar_at_far, template_features,
@@ -253,7 +259,9 @@ def evaluate_model(model: Any, tag: str, cfg: EvaluateConfig, paths: Paths, sets
     # closed-set identification on held-out identities (gallery vs probe split)
     hdir = paths.heldout_set
     manifest = read_manifest(hdir / "manifest.parquet")
-    feats = emb(load_images(hdir, manifest), landmarks_array(manifest))
+    # ingested real faces carry no landmarks: a KP-RPE model gets the align stage's predictions for them
+    keypoints = manifest_keypoints(hdir, manifest, paths.aligned_set)[0] if needs_keypoints(model) else None
+    feats = emb(load_images(hdir, manifest), keypoints)
     gallery = (manifest["split"] == "gallery").to_numpy()
     label = manifest["label"].to_numpy()
     for r, v in identification_rank(feats[~gallery], label[~gallery], feats[gallery], label[gallery], ranks=cfg.ranks).items():
@@ -496,7 +504,7 @@ def run(cfg: EvaluateConfig, data: DataConfig, paths: Paths, *, tracker: Any = N
 
     bins = verification_bins(paths, cfg.bin_dir)
     ijb = ijb_sets(cfg)  # read before any model runs: a broken folder fails in seconds, not after the models
-    sets = _verification_sets(bins)
+    sets = _verification_sets(bins, paths.aligned_set)
     metrics: dict[str, float] = {}
     curves: dict[str, tuple] = {}
     models: dict[str, dict] = {}

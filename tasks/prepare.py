@@ -23,7 +23,9 @@ trains on faces reads them: ``train/`` holds the real training identities, ``hel
 the held-out ones (never trained on), and with ``data.gfd_dataset`` ``auto`` or ``real``, ``discovery/`` the real
 discovery identities that the GFD split covers (``fusion/`` is not written: CAFace then trains on degraded copies of
 the real training faces, see tasks/train_fusion.py). ``verification/procedural.bin`` stays as a procedural reference; the
-template, video and unaligned sets stay procedural (real folders have no sequences and no exact landmarks).
+template, video and unaligned sets stay procedural (real folders have no sequences and no exact landmarks). A
+RecordIO's faces are also recorded by key (``records.parquet`` in each real dataset, ``ml.data.records``), so that
+``train_fr`` can read them from the RecordIO in place (``data.train_reader``).
 
 The whole directory is written to a temporary sibling and renamed on success. Its parts are independent and are
 written by as many processes as the stage has cores (same bytes whatever the count).
@@ -52,6 +54,7 @@ from tasks.common import Paths, StageResult, atomic_path, load_params, section, 
 log = logging.getLogger(__name__)
 
 
+TRAIN_READERS = ("auto", "png", "recordio")  # data.train_reader: where train_fr reads ingested faces from
 GFD_DATASETS = ("auto", "discovery", "real")  # what the generalized-face-discovery split covers (auto: real if ingested)
 
 
@@ -79,6 +82,9 @@ class DataConfig:
     ingest_max_corrupt_fraction: float = 0.01  # undecodable images skipped (logged) up to this share, then refused
     real_heldout_fraction: float = 0.2  # share of the real identities held out: verification, identification only
     real_discovery_fraction: float = 0.2  # share drawn for the GFD set when data.gfd_dataset resolves to real
+    # how train_fr reads ingested training faces: recordio (the RecordIO's JPEGs in place, decoded in DataLoader
+    # workers), png (the prepared PNG copies), auto (recordio when the faces came from a RecordIO)
+    train_reader: str = "auto"
     # generalized face discovery (FaceGCD): identities disjoint from train and held-out, and the GFD split
     discovery_identities: int = 100
     discovery_images_per_identity: int = 20
@@ -163,6 +169,9 @@ class DataConfig:
             if not ok:
                 raise ConfigError(f"params key 'data.{key}' = {getattr(self, key)!r} is out of range.")
         self.surveillance_config()  # a bad key or range fails here, naming it
+        if self.train_reader not in TRAIN_READERS:
+            raise ConfigError(f"params key 'data.train_reader' = {self.train_reader!r}: use one of "
+                              f"{', '.join(TRAIN_READERS)}.")
         if self.gfd_dataset not in GFD_DATASETS:
             raise ConfigError(f"params key 'data.gfd_dataset' = {self.gfd_dataset!r}: use one of {', '.join(GFD_DATASETS)}.")
 
@@ -298,12 +307,24 @@ def _ingest_real(out: Path, cfg: DataConfig, progress: bool = True) -> dict[str,
         opened = {g: stack.enter_context(DatasetWriter(out / d, name=name, source="real", aligned=True, generator=meta))
                   for g, (d, name) in groups.items()}
 
+        records: dict[str, tuple[list[str], list[int]]] = {g: ([], []) for g in opened}
+
         def writer(group: str):
-            return lambda img, identity, i, n: opened[group].add(img, identity=identity, split=split_of[group](i, n))
+            def add(img, identity, i, n, ref):
+                rel = opened[group].add(img, identity=identity, split=split_of[group](i, n))
+                if spec.recordio:  # which record each face came from: training can read it there, not the PNG
+                    records[group][0].append(rel)
+                    records[group][1].append(int(ref))
+            return add
 
         stats = ingest_split(spec, {g: writer(g) for g in opened}, seed=cfg.seed,
                              heldout_fraction=cfg.real_heldout_fraction,
                              discovery_fraction=cfg.real_discovery_fraction, progress=progress)
+        if spec.recordio:
+            from ml.data.records import write_records
+
+            for g, (rels, keys) in records.items():  # into each dataset before it is moved into place
+                write_records(opened[g].tmp_dir, rels, keys, spec.recordio)
     stats["data/real_verification_pairs"] = _real_pairs_bin(out, cfg)
     return stats
 

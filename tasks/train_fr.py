@@ -8,6 +8,12 @@ the loss curve (``plots/train_fr_<source>_history.csv`` for ``dvc plots``, ``plo
 for people). The ``val`` split of the training datasets (the real set's; the synthetic set has none) is measured
 after every epoch as ``val/accuracy``, a curve beside ``train/*``. The model is logged to MLflow and registered as a
 new ``faceops-fr`` version with alias ``candidate``, tagged with its training source and data digest.
+
+Faces ingested from a RecordIO are read from it in place (``data.train_reader``: ``auto``, the default, does so
+whenever ``prepare`` recorded the records; ``png`` reads the prepared PNG copies), decoded in DataLoader workers.
+A KP-RPE backbone reads each face's landmarks from the manifest, or for real faces (ingested without landmarks)
+the ones the ``align`` stage predicted with the DFA aligner; ``config.json`` records which (``keypoints_source``)
+and ``train/keypoints_from_aligner`` the share of training images whose keypoints were predicted.
 """
 
 from __future__ import annotations
@@ -105,6 +111,48 @@ def validation_rows(parts: list[tuple[Path, Any]]) -> list[tuple[Path, Any]]:
     return out
 
 
+READER_MIN_IMAGES = 2048  # below this many faces DataLoader workers cost more to start than they save
+
+
+def load_rows(dataset_dir: Path, rows: Any, data: DataConfig, *, progress: bool = False) -> Any:
+    """uint8 (N, S, S, 3) faces of ``rows``: from the RecordIO they were ingested from when ``data.train_reader``
+    says so (``auto``: whenever the dataset records one), decoded by as many DataLoader workers as the stage has
+    cores; otherwise from the dataset's PNG files. Both give the same pixels."""
+    from ml.data.dataset import load_images
+    from ml.data.records import decode_all, has_records, recordio_dataset
+    from tasks.common import stage_cores
+
+    reader = data.train_reader
+    if reader == "auto":
+        reader = "recordio" if has_records(dataset_dir) else "png"
+    if reader == "png":
+        return load_images(dataset_dir, rows, expected_size=(data.image_size, data.image_size), progress=progress)
+    if not has_records(dataset_dir):
+        raise DataError(f"data.train_reader is 'recordio' but {dataset_dir} was not ingested from a RecordIO "
+                        "(no records.parquet); use data.train_reader: auto or png")
+    dataset = recordio_dataset(dataset_dir, rows, image_size=data.image_size)
+    workers = stage_cores() if len(rows) >= READER_MIN_IMAGES else 0
+    log.info("reading %d faces of %s in place from %s (%d workers)", len(rows), dataset_dir.name, dataset.rec_path,
+             workers)
+    images, _ = decode_all(dataset, num_workers=workers)
+    return images
+
+
+def training_keypoints(paths: Paths, parts: list[tuple[Path, Any]]) -> tuple[Any, dict[Path, str]]:
+    """float32 (N, 5, 2) keypoints of the concatenated ``parts`` and, per dataset, where they came from:
+    ``manifest`` or ``aligner`` (real faces: the align stage's predictions in ``data/aligned``, see
+    ``ml.data.landmarks``)."""
+    import numpy as np
+
+    from ml.data.landmarks import manifest_keypoints
+
+    out, sources = [], {}
+    for d, rows in parts:
+        keypoints, sources[d] = manifest_keypoints(d, rows, paths.aligned_set)
+        out.append(keypoints)
+    return np.concatenate(out), sources
+
+
 def plot_history(history: list[dict], path: Path) -> None:
     plt = pyplot()
 
@@ -125,7 +173,6 @@ def plot_history(history: list[dict], path: Path) -> None:
 
 
 def run(cfg: FRConfig, data: DataConfig, paths: Paths, *, source: str = "real", tracker: Any = None) -> StageResult:
-    from ml.data.dataset import landmarks_array, load_images
     from ml.models.backbones import input_contract
     from ml.models.io import save_model
     from ml.train.fr import train
@@ -135,8 +182,7 @@ def run(cfg: FRConfig, data: DataConfig, paths: Paths, *, source: str = "real", 
 
     parts, digest, data_source = training_rows(paths, source)
     model_dir = paths.fr_model(source)
-    size = (data.image_size, data.image_size)
-    images = np.concatenate([load_images(d, r, expected_size=size, progress=True) for d, r in parts])
+    images = np.concatenate([load_rows(d, r, data, progress=True) for d, r in parts])
     rows = pd.concat([r for _, r in parts], ignore_index=True)
     labels = rows["label"].to_numpy()
     val_parts = validation_rows(parts)
@@ -146,14 +192,15 @@ def run(cfg: FRConfig, data: DataConfig, paths: Paths, *, source: str = "real", 
         from tasks.tracking import lightning_logger
 
         loggers = [lightning_logger(tracker)]
-    # KP-RPE backbones read the manifest's landmarks (ground truth for procedural data, the aligner's otherwise)
+    # KP-RPE backbones read the manifest's landmarks (ground truth for procedural data, the DFA aligner's for the
+    # synthetic set) or, for real faces ingested without landmarks, those the align stage predicted
     kprpe = bool(input_contract(cfg.backbone).get("needs_keypoints"))
-    keypoints = landmarks_array(rows) if kprpe else None
+    keypoints, keypoint_sources = training_keypoints(paths, parts) if kprpe else (None, {})
     val = None
     if val_parts:
         val_rows = pd.concat([r for _, r in val_parts], ignore_index=True)
-        val = (np.concatenate([load_images(d, r, expected_size=size) for d, r in val_parts]),
-               val_rows["label"].to_numpy(), *([landmarks_array(val_rows)] if kprpe else []))
+        val = (np.concatenate([load_rows(d, r, data) for d, r in val_parts]),
+               val_rows["label"].to_numpy(), *([training_keypoints(paths, val_parts)[0]] if kprpe else []))
     res = train(cfg, images, labels, loggers=loggers, keypoints=keypoints, callbacks=core_share_callbacks(), val=val)
     if res.global_rank != 0:  # DDP: every rank trains; rank 0 alone writes the model, metrics and registry entry
         return StageResult(f"train_fr@{source}", outputs=[],
@@ -170,6 +217,8 @@ def run(cfg: FRConfig, data: DataConfig, paths: Paths, *, source: str = "real", 
         "training_data_path": next((p for p in ingested if p), None),
         "training_identities": int(labels.max()) + 1,
         "training_images": int(len(labels)),
+        # KP-RPE: where each training dataset's keypoints came from (manifest | aligner); empty for other backbones
+        "keypoints_source": {d.relative_to(paths.root).as_posix(): src for d, src in keypoint_sources.items()},
     }
     save_model(model_dir, res.model, backbone=res.backbone, kwargs=res.backbone_kwargs, extra=extra)
     last = res.history[-1] if res.history else {}
@@ -180,6 +229,9 @@ def run(cfg: FRConfig, data: DataConfig, paths: Paths, *, source: str = "real", 
         "train/seconds": float(res.seconds),
         "train/images_per_second": float(len(labels) * max(len(res.history), 1) / max(res.seconds, 1e-9)),
     }
+    if keypoint_sources:  # share of the training images whose keypoints the align stage predicted
+        predicted = sum(len(r) for d, r in parts if keypoint_sources[d] == "aligner")
+        result.metrics["train/keypoints_from_aligner"] = float(predicted / len(labels))
     if "val/accuracy" in last:
         result.metrics.update({"val/accuracy": float(last["val/accuracy"]), "val/images": float(len(val[1]))})
     write_json(paths.metrics / f"train_fr_{source}.json", result.metrics)
@@ -192,6 +244,8 @@ def run(cfg: FRConfig, data: DataConfig, paths: Paths, *, source: str = "real", 
         + (f", val/accuracy {result.metrics['val/accuracy']:.3f}" if "val/accuracy" in result.metrics else "")
         + f") → {model_dir}"
     )
+    if keypoint_sources:
+        result.summary += "; keypoints: " + ", ".join(f"{d.name} from the {src}" for d, src in keypoint_sources.items())
     if tracker is not None:
         for d, _ in parts:
             tracker.log_dataset(d, context="train" if len(parts) == 1 else f"train-{d.name}")

@@ -8,7 +8,8 @@ import pytest
 from ml.errors import DataError
 from ml.data.procedural import ARCFACE_TEMPLATE_112
 from ml.eval.alignment import (
-    FACE_BOX_112, auc_at, ced_curve, face_box_size, failure_rate, inter_pupil, nme, nme_box, plot_ced, template_scale,
+    FACE_BOX_112, auc_at, ced_curve, face_box_size, failure_rate, inter_pupil, nme, nme_box, plot_ced, score_auc,
+    spearman, template_scale,
 )
 
 
@@ -97,6 +98,27 @@ def test_auc_agrees_with_a_fine_riemann_sum_of_the_ced():
     e = np.random.default_rng(1).gamma(2.0, 0.03, 500)
     t, f = ced_curve(e, max_error=0.15, steps=150001)
     assert auc_at(e, 0.15) == pytest.approx(np.trapezoid(f, t) / 0.15, abs=1e-4)
+
+
+def test_score_auc_hand_computed():
+    # pairs (s⁺, s⁻) of [3, 2, 1] × [2, 0]: 3>2, 3>0, 2=2 (½), 2>0, 1<2, 1>0 → 4.5 / 6
+    assert score_auc(np.array([3.0, 2.0, 1.0]), np.array([2.0, 0.0])) == pytest.approx(0.75)
+    assert score_auc(np.array([5.0, 4.0]), np.array([1.0, 2.0, 3.0])) == 1.0
+    assert score_auc(np.array([1.0, 2.0]), np.array([3.0])) == 0.0
+    assert score_auc(np.full(3, 0.5), np.full(4, 0.5)) == 0.5  # every pair tied
+
+
+def test_spearman_hand_computed():
+    # no ties: ρ = 1 − 6 Σd² / (n(n² − 1)) = 1 − 6·2 / 60
+    assert spearman(np.array([1.0, 2.0, 3.0, 4.0]), np.array([1.0, 3.0, 2.0, 4.0])) == pytest.approx(0.8)
+    # a tie: ranks [1, 2.5, 2.5, 4] vs [1, 2, 3, 4]: Pearson = 4.5 / √(4.5 · 5) = √0.9
+    assert spearman(np.array([1.0, 2.0, 2.0, 3.0]), np.array([10.0, 20.0, 30.0, 40.0])) == pytest.approx(0.9 ** 0.5)
+    assert spearman(np.array([1.0, 2.0, 3.0]), np.array([9.0, 4.0, 1.0])) == pytest.approx(-1.0)
+    assert np.isnan(spearman(np.ones(4), np.arange(4.0)))  # a constant ranks nothing
+    with pytest.raises(DataError, match="same length"):
+        spearman(np.arange(3.0), np.arange(4.0))
+    with pytest.raises(DataError, match="finite"):
+        score_auc(np.array([np.nan]), np.array([0.0]))
 
 
 def test_bad_inputs_raise():

@@ -110,7 +110,7 @@ def test_recordio_ingest_streams_and_checks_the_header_ranges(tmp_path):
     items = list_items(spec)
     assert len(items) == 40 and len({it.identity for it in items}) == 8
     got: dict[str, list] = {"train": [], "heldout": [], "discovery": []}
-    stats = ingest_split(spec, {g: (lambda g: lambda img, ident, i, n: got[g].append((ident, i, n)))(g) for g in got},
+    stats = ingest_split(spec, {g: (lambda g: lambda img, ident, i, n, ref: got[g].append((ident, i, n)))(g) for g in got},
                          seed=0, heldout_fraction=0.25, discovery_fraction=0.25, progress=False)
     assert stats["data/real_images"] == 40 and stats["data/real_heldout_identities"] == 2
     assert {len({ident for ident, _, _ in v}) for v in got.values()} == {2, 4}

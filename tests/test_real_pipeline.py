@@ -92,3 +92,26 @@ def test_bin_dir_adds_the_users_verification_sets(tmp_path):
     write_verification_bin(user / "procedural.bin", images, np.array([True, False]))
     with pytest.raises(DataError, match="procedural.bin: its name 'procedural' is also"):
         verification_bins(paths, str(user))
+
+
+def test_a_bin_without_landmarks_takes_the_align_stages_predictions(tmp_path):
+    """Real faces carry no landmarks: a KP-RPE model is scored on ``real.bin`` with the landmarks the align stage
+    predicted for it (``data/aligned/verification/real.landmarks.npy``); a sidecar beside the bin comes first."""
+    from ml.data.formats import write_verification_bin
+    from tasks.evaluate import _verification_sets
+
+    paths = Paths(tmp_path / "ws")
+    paths.verification_dir.mkdir(parents=True)
+    (paths.aligned_set / "verification").mkdir(parents=True)
+    images = np.zeros((4, 64, 64, 3), dtype=np.uint8)
+    for name in ("real", "procedural"):
+        write_verification_bin(paths.verification_dir / f"{name}.bin", images, np.array([True, False]))
+    predicted = np.full((4, 5, 2), 30.0, np.float32)
+    np.save(paths.aligned_set / "verification" / "real.landmarks.npy", predicted)
+    beside = np.full((4, 5, 2), 20.0, np.float32)
+    np.save(paths.verification_dir / "procedural.landmarks.npy", beside)
+    bins = [paths.verification_dir / "real.bin", paths.verification_dir / "procedural.bin"]
+    sets = {name: landmarks for name, _, _, landmarks in _verification_sets(bins, paths.aligned_set)}
+    np.testing.assert_array_equal(sets["real"], predicted)
+    np.testing.assert_array_equal(sets["procedural"], beside)
+    assert {name: lm for name, _, _, lm in _verification_sets(bins)}["real"] is None

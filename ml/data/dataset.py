@@ -5,6 +5,8 @@ A dataset directory holds::
     images/<identity>/<n>.png   RGB uint8 PNGs, n counts from 0 within each identity
     manifest.parquet            one row per image, columns MANIFEST_COLUMNS
     dataset.json                name, source, image size, counts, generator, content digest
+    records.parquet             only for faces ingested from a RecordIO: the record each image came from
+                                (``ml.data.records``; not part of the digest)
 
 Manifest columns and their parquet types: ``path`` (string, relative to the dataset directory),
 ``identity`` (string), ``label`` (int64, 0..K-1 by sorted identity), ``split`` (string), ``source``
@@ -154,8 +156,12 @@ def write_manifest(df: pd.DataFrame, path: str | os.PathLike) -> None:
         except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
             raise DataError(f"{path}: extra column '{extra}' cannot be stored in parquet ({exc})") from exc
         names.append(str(extra))
-    table = pa.Table.from_arrays(arrays, names=names)
     path.parent.mkdir(parents=True, exist_ok=True)
+    write_parquet(pa.Table.from_arrays(arrays, names=names), path)
+
+
+def write_parquet(table: pa.Table, path: Path) -> None:
+    """``table`` to ``path`` atomically: written to a temporary sibling, renamed on success, removed on failure."""
     remove_dead_temporaries(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:

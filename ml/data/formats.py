@@ -94,7 +94,8 @@ def decode_image(data: bytes | bytearray | memoryview, *, source: str, rgb_only:
             im.load()
             if rgb_only:
                 _check_rgb(im, source)
-            rgb = im.convert("RGB")
+            # an RGB image (every JPEG face) is read out as it is: convert() would copy it once more
+            rgb = np.array(im if im.mode == "RGB" else im.convert("RGB"), dtype=np.uint8)
     except DataError:
         raise
     except UnidentifiedImageError as exc:
@@ -106,7 +107,7 @@ def decode_image(data: bytes | bytearray | memoryview, *, source: str, rgb_only:
             f"{source}: cannot decode image ({type(exc).__name__}: {detail}); "
             "the bytes are not a complete JPEG/PNG/BMP, re-export or remove this image"
         ) from exc
-    return np.array(rgb, dtype=np.uint8)
+    return rgb
 
 
 def _check_rgb(im: Image.Image, source: str) -> None:

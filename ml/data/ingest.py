@@ -122,18 +122,23 @@ def split_identities(identities: list[str], *, seed: int, heldout_fraction: floa
 
 
 def _resized(img: np.ndarray, spec: IngestSpec, where: str) -> np.ndarray:
+    return resize_face(img, spec.image_size, spec.resize, where)
+
+
+def resize_face(img: np.ndarray, size: int, resize: bool, where: str) -> np.ndarray:
+    """A square face at ``size``² (bicubic when it is another size and ``resize`` allows it); DataError naming
+    ``where`` for a non-square face, or one of another size when ``resize`` is false."""
     from PIL import Image
 
-    size = spec.image_size
     if img.shape[0] != img.shape[1]:  # aligned faces are square crops: resizing would distort the face
         raise DataError(f"{where}: image is {img.shape[0]}x{img.shape[1]} (HxW), not square; real faces are "
                         "ingested as aligned square crops (e.g. 112x112), re-align or crop it")
     if img.shape[:2] == (size, size):
         return img
-    if not spec.resize:
+    if not resize:
         raise DataError(f"{where}: image is {img.shape[0]}x{img.shape[1]}, not data.image_size {size}x{size}; "
                         "set data.ingest_resize: true to resize it, or data.image_size to the faces' size")
-    return np.asarray(Image.fromarray(img).resize((size, size), Image.BICUBIC))
+    return np.array(Image.fromarray(img).resize((size, size), Image.BICUBIC))  # writable (asarray is not)
 
 
 def decoded(spec: IngestSpec, items: list[Item], skipped: list[str], *,
@@ -169,10 +174,11 @@ def decoded(spec: IngestSpec, items: list[Item], skipped: list[str], *,
 
 
 def ingest_split(
-    spec: IngestSpec, writers: dict[str, Callable[[np.ndarray, str, int, int], None]], *, seed: int,
+    spec: IngestSpec, writers: dict[str, Callable[[np.ndarray, str, int, int, Path | int], None]], *, seed: int,
     heldout_fraction: float, discovery_fraction: float, progress: bool = True,
 ) -> dict[str, float]:
-    """Stream the source's faces to ``writers[group](image, identity, index within identity, images of identity)``;
+    """Stream the source's faces to ``writers[group](image, identity, index within identity, images of identity,
+    item ref)`` (the ref: the image file, or the RecordIO key the face was read from);
     a group without a writer (``discovery`` when no GFD set is drawn from the real faces) takes no identities.
     Returns counts: images per group, identities, single-image identities, corrupt images skipped."""
     items = list_items(spec)
@@ -184,7 +190,7 @@ def ingest_split(
     skipped: list[str] = []
     for item, image in decoded(spec, items, skipped, progress=progress):
         group = groups[item.identity]
-        writers[group](image, item.identity, seen[item.identity], per_identity[item.identity])
+        writers[group](image, item.identity, seen[item.identity], per_identity[item.identity], item.ref)
         seen[item.identity] += 1
         written[group] += 1
     stats: dict[str, float] = {f"data/real_{g}_images": float(written[g]) for g in GROUPS if g in writers}

@@ -409,19 +409,22 @@ def randaug_geometry(ops: torch.Tensor, signs: torch.Tensor, magnitude: int) -> 
     return linear, shift
 
 
-def randaug_photometric(x: torch.Tensor, ops: torch.Tensor, signs: torch.Tensor, magnitude: int) -> torch.Tensor:
+def randaug_photometric(
+    x: torch.Tensor, ops: torch.Tensor, signs: torch.Tensor, magnitude: int, *, inplace: bool = False
+) -> torch.Tensor:
     """The photometric RandAug ops of each sample (slot by slot) on images in [0, 1]; other ops leave it alone.
 
     AutoContrast, Equalize, Posterize (``posterize_bits(M)``) and Solarize (``solarize_threshold(M)``) as their
     functions here; with ``f = 1 ± 0.9·M/30``, each through ``enhance`` (clamped): Brightness ``x·f``,
     Color ``g + f·(x − g)`` (``g`` each pixel's grey), Contrast ``ḡ + f·(x − ḡ)`` (``ḡ`` the image's mean
-    grey), Sharpness ``s + f·(x − s)`` (``s = smooth(x)``).
+    grey), Sharpness ``s + f·(x − s)`` (``s = smooth(x)``). ``inplace`` writes into ``x`` instead of a copy.
     """
     level = magnitude / RANDAUG_LEVELS
     codes = torch.tensor([RANDAUG_OPS.index(name) for name in _PHOTOMETRIC_OPS], device=ops.device)
     if not torch.isin(ops, codes).any():
         return x
-    x = x.clone()  # one copy, then in place: an out-of-place index_copy per op would copy the batch each time
+    if not inplace:
+        x = x.clone()  # one copy, then in place: an out-of-place index_copy per op would copy the batch each time
     for k in range(ops.shape[1]):
         for name, apply in _PHOTOMETRIC_OPS.items():
             rows = _rows(ops[:, k] == RANDAUG_OPS.index(name))
@@ -435,6 +438,34 @@ def randaug_photometric(x: torch.Tensor, ops: torch.Tensor, signs: torch.Tensor,
 def _rows(mask: torch.Tensor) -> torch.Tensor | None:
     idx = mask.nonzero().squeeze(1)
     return idx if idx.numel() else None
+
+
+class _Batch:
+    """The batch being augmented, written in place row by row once it is our own copy.
+
+    ``take(rows)`` gives the rows an op reads, ``put(rows, part)`` writes its result back. The caller's
+    tensor is copied once, on the first write (instead of one ``index_copy`` of the whole batch per op), and a
+    selection of every row is the batch itself, not a gathered copy; the values are those of gathering and
+    ``index_copy``-ing, since every op works on each image alone.
+    """
+
+    def __init__(self, x: torch.Tensor):
+        self.x, self._owned = x, False
+
+    def take(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.x if rows.numel() == self.x.shape[0] else self.x[rows]
+
+    def own(self) -> None:
+        """Make ``x`` ours to write into (a copy of the caller's tensor, made once)."""
+        if not self._owned:
+            self.x, self._owned = self.x.clone(), True
+
+    def put(self, rows: torch.Tensor, part: torch.Tensor) -> None:
+        if rows.numel() == self.x.shape[0]:
+            self.x, self._owned = part, True  # a fresh result of an out-of-place op: ours
+            return
+        self.own()
+        self.x[rows] = part
 
 
 def augment_kprpe(
@@ -451,7 +482,10 @@ def augment_kprpe(
     """
     gen_device = generator.device if generator is not None else torch.device("cpu")
     u = torch.rand(x.shape[0], DRAW_SIZE, generator=generator, device=gen_device)  # (B, 30) in [0, 1)
-    return augment_with(x, keypoints, cfg, u)
+    # pixel maths in the images' own dtype: under a mixed-precision trainer autocast would turn the blur's and the
+    # resample's outputs to 16 bits, which cannot be written back into the float32 batch
+    with torch.autocast(x.device.type, enabled=False):
+        return augment_with(x, keypoints, cfg, u)
 
 
 def augment_with(
@@ -467,7 +501,7 @@ def augment_with(
         raise ValueError(f"augment_with needs uniforms of shape {(x.shape[0], DRAW_SIZE)}, got {tuple(u.shape)}")
     size = x.shape[-1]
     u = u.to(x.device, torch.float32)
-    out = x
+    batch = _Batch(x)  # the caller's x is never written
     kp = keypoints
     ops, signs = randaug_choices(u, cfg)  # (B, N) each; Identity where RandAug is not drawn
     magnitude = cfg.randaug_magnitude
@@ -488,15 +522,16 @@ def augment_with(
         linear = step @ base_linear(flip[rows], scale[rows], angle[rows])
         offset = (step @ shift[rows].unsqueeze(-1)).squeeze(-1) + step_shift
         part, part_kp = affine_map(
-            out[rows], None if kp is None else kp[rows], linear, offset, flip[rows], cfg.padding_mode
+            batch.take(rows), None if kp is None else kp[rows], linear, offset, flip[rows], cfg.padding_mode
         )
-        out = out.index_copy(0, rows, part)
+        batch.put(rows, part)
         if kp is not None:
             kp = kp.index_copy(0, rows, part_kp)
 
     # 2. RandAug's photometric ops, slot by slot
     if cfg.randaug_prob > 0 and cfg.randaug_ops > 0:
-        out = randaug_photometric(out, ops, signs, magnitude)
+        batch.own()
+        batch.x = randaug_photometric(batch.x, ops, signs, magnitude, inplace=True)
 
     # 3. photometric jitter
     on_b, on_c, on_s = u[:, 8] < cfg.brightness_prob, u[:, 10] < cfg.contrast_prob, u[:, 12] < cfg.saturation_prob
@@ -505,13 +540,13 @@ def augment_with(
         bright = torch.where(on_b, _between(u[:, 9], cfg.brightness_range), 1.0)
         contrast = torch.where(on_c, _between(u[:, 11], cfg.contrast_range), 1.0)
         sat = torch.where(on_s, _between(u[:, 13], cfg.saturation_range), 1.0)
-        out = out.index_copy(0, rows, photometric(out[rows], bright[rows], contrast[rows], sat[rows]))
+        batch.put(rows, photometric(batch.take(rows), bright[rows], contrast[rows], sat[rows]))
 
     # 4. blur, σ scaled from 112 px to this size; clamped because the rounded kernel sum can overshoot 1 by an ulp
     rows = _rows(u[:, 14] < cfg.blur_prob)
     if rows is not None:
         sigma = _between(u[:, 15], cfg.blur_sigma) * (size / 112.0)
-        out = out.index_copy(0, rows, gaussian_blur(out[rows], sigma[rows]).clamp(0.0, 1.0))
+        batch.put(rows, gaussian_blur(batch.take(rows), sigma[rows]).clamp_(0.0, 1.0))
 
     # 5. cutout: area a·S², height/width ratio r → h = S·√(a·r), w = S·√(a/r), centre anywhere in the image
     rows = _rows(u[:, 16] < cfg.cutout_prob)
@@ -524,5 +559,5 @@ def augment_with(
         cy = u[:, 19] * size
         cx = u[:, 20] * size
         boxes = torch.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], dim=1)
-        out = out.index_copy(0, rows, cutout(out[rows], boxes[rows], cfg.cutout_fill))
-    return out, kp
+        batch.put(rows, cutout(batch.take(rows), boxes[rows], cfg.cutout_fill))
+    return batch.x, kp

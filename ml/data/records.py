@@ -1,0 +1,172 @@
+"""Faces as torch Datasets, decoded in DataLoader workers: a prepared dataset's image files, or the records of the
+InsightFace RecordIO its faces were ingested from, read in place.
+
+When ``prepare`` ingests a RecordIO it writes, beside each real dataset's manifest, ``records.parquet``: the
+manifest ``path`` of every face and the ``record`` key it was read from, with the RecordIO's path and size in the
+file's metadata. :func:`recordio_dataset` turns manifest rows into a :class:`RecordIODataset` over those keys, so a
+training stage can read the JPEG payloads where they lie instead of the PNG copies (measured in
+``benchmarks/bench_decode.py``: JPEG decodes about twice as fast as the PNG copy, from a file about a fifth of the
+size). The faces are the ones ingest wrote: the same decoder, and the same bicubic resize when the RecordIO's faces
+are of another size, so the pixels equal the PNG copy's (PNG is lossless).
+
+Both datasets give ``(uint8 tensor (H, W, 3), label)``: the decoded array itself (a batch's ``permute(0, 3, 1, 2)``
+makes the (B, 3, H, W) view a model reads). :class:`RecordIODataset` opens the ``.rec`` lazily, once
+per process (a worker forked or spawned from a pickled copy opens its own handle; nothing open is pickled), and
+reads each record by its ``.idx`` offset. A record that no longer decodes was decodable at ingest, so the RecordIO
+changed since: the error names the file and record and says to run ``prepare`` again.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from ml.data.dataset import write_parquet
+from ml.data.formats import RecordIOReader, decode_image, unpack_irheader
+from ml.errors import DataError
+
+__all__ = ["RECORDS_FILE", "FolderDataset", "RecordIODataset", "decode_all", "has_records", "recordio_dataset",
+           "write_records"]
+
+RECORDS_FILE = "records.parquet"
+_META_REC, _META_SIZE = b"faceops.recordio", b"faceops.recordio_size"
+
+
+def _to_tensor(image: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(image)  # (H, W, 3) as decoded, no copy: the collate stacks (B, H, W, 3) contiguously
+
+
+class RecordIODataset(Dataset):
+    """Faces of a RecordIO by key: ``keys`` (N,) record keys, ``labels`` (N,); each face at ``image_size``²
+    (resized as ingest resized it; None keeps the stored size)."""
+
+    def __init__(self, rec_path: str | os.PathLike, keys: Any, labels: Any, *, image_size: int | None = None):
+        self.rec_path = Path(rec_path)
+        self.keys = np.asarray(keys, dtype=np.int64)
+        self.labels = np.asarray(labels, dtype=np.int64)
+        if self.keys.shape != self.labels.shape or self.keys.ndim != 1:
+            raise DataError(f"{self.rec_path}: {self.keys.shape} record keys for {self.labels.shape} labels")
+        self.image_size = image_size
+        self._reader: RecordIOReader | None = None
+        self._pid = -1
+
+    def _open(self) -> RecordIOReader:
+        if self._reader is None or self._pid != os.getpid():
+            self._reader = RecordIOReader(self.rec_path, rgb_only=True)  # reads the .idx: once per process
+            self._pid = os.getpid()
+        return self._reader
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_reader"], state["_pid"] = None, -1
+        return state
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        from ml.data.ingest import resize_face
+
+        key = int(self.keys[index])
+        where = f"{self.rec_path}: record {key}"
+        try:
+            _, payload = unpack_irheader(self._open().read_raw(key), source=where)
+            image = decode_image(payload, source=where, rgb_only=True)
+            if self.image_size is not None:
+                image = resize_face(image, self.image_size, True, where)
+        except DataError as exc:
+            raise DataError(f"{exc} (this face was read at ingest: the RecordIO changed since; run `dvc repro "
+                            "prepare` to ingest it again)") from exc
+        return _to_tensor(image), int(self.labels[index])
+
+
+class FolderDataset(Dataset):
+    """Faces of a prepared dataset directory, one image file per manifest row (``path``, ``label``)."""
+
+    def __init__(self, dataset_dir: str | os.PathLike, rows: pd.DataFrame):
+        self.root = Path(dataset_dir)
+        self.paths = [str(p) for p in rows["path"]]
+        self.labels = rows["label"].to_numpy(dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        file = self.root / self.paths[index]
+        try:
+            data = file.read_bytes()
+        except OSError as exc:
+            raise DataError(f"{file}: cannot read image ({exc}); restore it or rebuild the dataset") from exc
+        return _to_tensor(decode_image(data, source=str(file))), int(self.labels[index])
+
+
+def decode_all(dataset: Dataset, *, num_workers: int = 0, batch_size: int = 256) -> tuple[np.ndarray, np.ndarray]:
+    """Every face of ``dataset`` decoded by ``num_workers`` DataLoader workers (0: this process), in order:
+    (uint8 (N, H, W, 3), int64 labels (N,)). Workers start from a fresh forkserver, not a fork of this process: a
+    process that has run Prefect or MLflow in-process carries their service threads and fork handlers, and a plain
+    fork of it exits at once (code 1, no traceback)."""
+    context = "forkserver" if num_workers > 0 else None
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers,
+                        multiprocessing_context=context)
+    images, labels = [], []
+    for x, y in loader:
+        images.append(x.numpy())
+        labels.append(y.numpy())
+    if not images:
+        return np.empty((0, 0, 0, 3), np.uint8), np.empty(0, np.int64)
+    return np.concatenate(images), np.concatenate(labels)
+
+
+# --------------------------------------------------------------------------------------------------
+# records.parquet: which RecordIO record each face of an ingested dataset came from
+# --------------------------------------------------------------------------------------------------
+
+
+def write_records(dataset_dir: str | os.PathLike, paths: list[str], keys: list[int], rec_path: str | os.PathLike
+                  ) -> None:
+    """Write ``records.parquet`` into ``dataset_dir`` (atomically): manifest path → record key of ``rec_path``."""
+    rec_path = Path(rec_path).resolve()
+    table = pa.table({"path": pa.array(paths, pa.string()), "record": pa.array(keys, pa.int64())})
+    table = table.replace_schema_metadata({_META_REC: str(rec_path).encode(),
+                                           _META_SIZE: str(rec_path.stat().st_size).encode()})
+    write_parquet(table, Path(dataset_dir) / RECORDS_FILE)
+
+
+def has_records(dataset_dir: str | os.PathLike) -> bool:
+    """Whether the dataset was ingested from a RecordIO (and can be read in place)."""
+    return (Path(dataset_dir) / RECORDS_FILE).is_file()
+
+
+def recordio_dataset(dataset_dir: str | os.PathLike, rows: pd.DataFrame, *, image_size: int) -> RecordIODataset:
+    """A :class:`RecordIODataset` of ``rows`` of the ingested dataset at ``dataset_dir`` (their ``label``s), read
+    from the RecordIO they were ingested from; DataError when that file is gone or changed size, or a row has no
+    record."""
+    file = Path(dataset_dir) / RECORDS_FILE
+    try:
+        table = pq.read_table(file)
+    except (OSError, pa.ArrowException) as exc:
+        raise DataError(f"{file}: cannot read ({exc}); run `dvc repro prepare` to ingest again") from exc
+    meta = table.schema.metadata or {}
+    if _META_REC not in meta or _META_SIZE not in meta:
+        raise DataError(f"{file}: does not name the RecordIO its faces came from; run `dvc repro prepare`")
+    rec, size = Path(meta[_META_REC].decode()), int(meta[_META_SIZE].decode())
+    if not rec.is_file():
+        raise DataError(f"{rec}: the RecordIO {Path(dataset_dir).name!r} was ingested from is gone; put it back, or "
+                        "read the prepared PNG copies (data.train_reader: png)")
+    if rec.stat().st_size != size:
+        raise DataError(f"{rec}: {rec.stat().st_size} bytes, but {size} when it was ingested; the RecordIO changed: "
+                        "run `dvc repro prepare` to ingest it again, or read the PNG copies (data.train_reader: png)")
+    key_of = dict(zip(table.column("path").to_pylist(), table.column("record").to_pylist()))
+    try:
+        keys = [key_of[str(p)] for p in rows["path"]]
+    except KeyError as exc:
+        raise DataError(f"{file}: no record for {exc.args[0]}; run `dvc repro prepare` to ingest again") from None
+    return RecordIODataset(rec, keys, rows["label"].to_numpy(), image_size=image_size)
