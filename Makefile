@@ -36,7 +36,17 @@ run: setup
 smoke: setup
 	$(BIN)/faceops run --preset smoke
 
+# the browser tests (tests/browser) drive the system's Chromium: where it is missing and apt-get exists, Debian's
+# package is installed (as root, or through a password-less sudo); if that fails they are skipped, saying why
 test: setup
+	@if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then \
+	  sudo=""; [ "$$(id -u)" = 0 ] || sudo="sudo -n"; \
+	  apt="$$sudo env DEBIAN_FRONTEND=noninteractive apt-get -q=2"; \
+	  echo "installing chromium with apt-get for the browser tests"; \
+	  $$apt install -y chromium >/dev/null \
+	    || { $$apt update >/dev/null && $$apt install -y chromium >/dev/null; } \
+	    || echo "chromium could not be installed: the browser tests will be skipped"; \
+	fi
 	$(BIN)/python -m pytest
 
 bench: setup

@@ -1,12 +1,27 @@
-"""``faceops stack``: the Prefect server, the MLflow server and, with ``--s3``, moto's S3 on a laptop, no Docker.
+"""``faceops stack``: the Prefect server, the MLflow server and, with ``--s3``, moto's S3 on a laptop, no Docker;
+with ``--workers``, also the work pools, the deployments of prefect.yaml, a worker per pool and a local DVC remote.
 
 Each server is a detached background process in its own session, so ``down`` stops it together with any
-workers it forked (one process group), and a closed terminal does not take it down. Everything binds to
+children it forked (one process group), and a closed terminal does not take it down. Everything binds to
 127.0.0.1. What runs is recorded in ``.faceops/stack/stack.json`` (name, pid, port, url, cmd, start time),
 replaced atomically, so ``status`` and ``down`` work from any later shell. Beside it live each server's log
-(``<name>.log``) and its store: Prefect's SQLite database under ``prefect/``, MLflow's in ``mlflow.db`` with
-artifacts in ``mlartifacts/`` or, with ``--s3``, in ``s3://<bucket>/<storage.prefix>/mlflow`` on the moto server
-(the layout of ``faceops data``; moto keeps objects in memory: they are gone after ``down``).
+(``<name>.log``) and Prefect's SQLite database (``prefect/``).
+
+**One MLflow store.** The MLflow server serves the repository's own store, the one ``make run`` / ``faceops run``
+log to without a server: ``mlflow.db`` with artifacts in ``mlruns/`` (``tasks.tracking.default_store``). Runs
+logged either way are in the same store, whether or not the stack runs; experiments created through the server
+keep their artifacts in ``mlruns/`` too (``--default-artifact-root``), so they stay readable without it. SQLite
+takes one writer at a time: MLflow waits up to 20 s for a lock (its ``busy_timeout``), the pipeline retries its
+MLflow calls, and ``up`` holds ``mlflow.db.lock`` (the lock ``tasks.tracking`` takes to create the store) while the
+server creates or migrates it. With ``--s3`` MLflow's artifacts go to ``s3://<bucket>/<storage.prefix>/mlflow`` on
+the moto server, which keeps them in memory (gone after ``down``): runs logged there would point at vanished
+files, so that stack keeps its own store, ``.faceops/stack/mlflow-s3.db``.
+
+**Workers** (``--workers``): work pools ``cpu`` and ``gpu`` (type process), ``prefect deploy --all`` with the
+schedules paused (Quick run from the UI; nothing starts at 02:00 on a laptop), one ``prefect worker`` per pool, and
+a DVC remote in ``.faceops/stack/dvc-remote`` that the workers see as their default (a DVC global config in
+``.faceops/stack/dvc/``, ``DVC_GLOBAL_CONFIG_DIR``) unless the repository commits its own. The workers clone
+``FACEOPS_GIT_URL`` (default: this repository, its committed ``HEAD``) and log to the stack's MLflow server.
 
 The same helpers (free port, health wait, stop by PID) serve the integration tests' servers
 (``tests/servers.py``). A team deployment (PostgreSQL, MinIO, GPU workers) is ``infra/``; see ``infra/README.md``.
@@ -237,10 +252,20 @@ def prefect_command(port: int) -> list[str]:
     return [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port)]
 
 
-def mlflow_command(port: int, backend_store_uri: str, artifacts_destination: str) -> list[str]:
-    """``mlflow server`` on 127.0.0.1:``port``, proxying artifacts to ``artifacts_destination`` (a path or s3://)."""
-    return [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", backend_store_uri,
+def mlflow_command(port: int, backend_store_uri: str, artifacts_destination: str,
+                   default_artifact_root: str | None = None) -> list[str]:
+    """``mlflow server`` on 127.0.0.1:``port``, proxying artifacts to ``artifacts_destination`` (a path or s3://);
+    with ``default_artifact_root``, experiments it creates keep their artifacts there instead (a path that clients
+    without the server can read too)."""
+    root = ["--default-artifact-root", default_artifact_root] if default_artifact_root else []
+    return [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", backend_store_uri, *root,
             "--artifacts-destination", artifacts_destination, "--host", HOST, "--port", str(port), "--workers", "1"]
+
+
+def worker_command(pool: str) -> list[str]:
+    """``prefect worker start`` for the ``process`` work pool ``pool``."""
+    return [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process",
+            "--name", f"faceops-{pool}"]
 
 
 def moto_command(port: int) -> list[str]:
@@ -326,25 +351,98 @@ def mlflow_artifacts_on(root: Path, bucket: str) -> str:
     return mlflow_artifacts(StorageConfig(bucket=bucket, prefix=prefix))[0]
 
 
-def plans(root: Path, *, s3: bool, prefect_port: int, mlflow_port: int, s3_port: int, bucket: str) -> list[Plan]:
-    """What ``up`` starts, in order: S3 first (MLflow writes to it), then Prefect and MLflow."""
+POOLS = ("cpu", "gpu")  # the work pools of prefect.yaml
+
+
+def plans(root: Path, *, s3: bool, prefect_port: int, mlflow_port: int, s3_port: int, bucket: str,
+          workers: bool = False, git_url: str | None = None) -> list[Plan]:
+    """What ``up`` starts, in order: S3 first (MLflow writes to it), then Prefect and MLflow, then (``workers``)
+    one worker per work pool, which need both servers."""
+    from tasks.tracking import default_artifact_root, default_store
+
     home = stack_dir(root)
     out = []
     # no background job runner (eight huey processes for GenAI evaluation jobs faceops does not use) on a laptop
     mlflow_env: dict[str, str] = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    artifacts = str(home / "mlartifacts")
     if s3:
         endpoint = f"http://{HOST}:{s3_port}"
         out.append(Plan("s3", "S3 (moto)", s3_port, "--s3-port", moto_command(s3_port), {}, "/",
-                        {"bucket": f"s3://{bucket}", "note": "objects live in memory until `faceops stack down`"}))
+                        {"bucket": f"s3://{bucket}", "note": "objects live in memory until `faceops stack down`, so "
+                         "MLflow uses its own store here, .faceops/stack/mlflow-s3.db, not the repository's mlflow.db"}))
         artifacts = mlflow_artifacts_on(root, bucket)
         mlflow_env.update({"MLFLOW_S3_ENDPOINT_URL": endpoint, **S3_DUMMY_CREDENTIALS})
+        store, cmd = home / "mlflow-s3.db", mlflow_command(mlflow_port, f"sqlite:///{home / 'mlflow-s3.db'}", artifacts)
+    else:  # the repository's own store: what `make run` logs to
+        artifacts = str(default_artifact_root(root))
+        store = Path(default_store(root).removeprefix("sqlite:///"))
+        cmd = mlflow_command(mlflow_port, default_store(root), artifacts, default_artifact_root=artifacts)
     out.append(Plan("prefect", "Prefect UI", prefect_port, "--prefect-port", prefect_command(prefect_port),
                     {"PREFECT_HOME": str(home / "prefect")}, "/api/health"))
-    out.append(Plan("mlflow", "MLflow UI", mlflow_port, "--mlflow-port",
-                    mlflow_command(mlflow_port, f"sqlite:///{home / 'mlflow.db'}", artifacts), mlflow_env, "/health",
-                    {"artifacts": artifacts}))
+    info = {"store": str(store), "artifacts": artifacts}
+    if not s3 and (home / "mlflow.db").is_file():  # an earlier stack's own store: say where its runs are
+        info["note"] = (f"runs logged through an earlier stack stay in {home / 'mlflow.db'}: browse them with "
+                        f"`mlflow ui --backend-store-uri sqlite:///{home / 'mlflow.db'} --port 5001`")
+    out.append(Plan("mlflow", "MLflow UI", mlflow_port, "--mlflow-port", cmd, mlflow_env, "/health", info))
+    if workers:
+        env = worker_env(root, prefect_port, mlflow_port, git_url)
+        for pool in POOLS:
+            out.append(Plan(f"worker-{pool}", f"worker {pool}", 0, "", worker_command(pool), env, "",
+                            {"pool": pool, "clones": env["FACEOPS_GIT_URL"]}))
     return out
+
+
+def worker_env(root: Path, prefect_port: int, mlflow_port: int, git_url: str | None) -> dict[str, str]:
+    """A worker's environment additions: the stack's servers, the repository to clone, the local DVC remote."""
+    return {"PREFECT_API_URL": f"http://{HOST}:{prefect_port}/api", "MLFLOW_TRACKING_URI": f"http://{HOST}:{mlflow_port}",
+            "FACEOPS_GIT_URL": git_url or os.environ.get("FACEOPS_GIT_URL") or str(root),
+            "DVC_GLOBAL_CONFIG_DIR": str(stack_dir(root) / "dvc")}
+
+
+def write_dvc_remote(root: Path) -> Path:
+    """The workers' DVC global config: a default remote ``stack`` in ``.faceops/stack/dvc-remote`` (a repository
+    that commits its own default remote keeps it: repository settings win over global ones); → the remote."""
+    home = stack_dir(root)
+    remote = home / "dvc-remote"
+    remote.mkdir(parents=True, exist_ok=True)
+    (home / "dvc").mkdir(parents=True, exist_ok=True)
+    (home / "dvc" / "config").write_text(f"[core]\n    remote = stack\n['remote \"stack\"']\n    url = {remote.resolve()}\n")
+    return remote
+
+
+def _git_head(url: str) -> None:
+    """Refuse a local ``FACEOPS_GIT_URL`` that is not a git repository with a commit (the workers clone it)."""
+    path = Path(url)
+    if not path.is_dir():
+        return  # a remote URL: the worker's clone says what is wrong with it
+    done = subprocess.run(["git", "rev-parse", "--verify", "HEAD"], cwd=path, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise StackError(f"--workers: the workers clone FACEOPS_GIT_URL={url}, which is not a git repository with a "
+                         "commit; commit your work (the workers run the committed HEAD) or pass --git-url")
+
+
+def setup_deployments(root: Path, api_url: str, env: Mapping[str, str], log: Path) -> None:
+    """Create the work pools (type process; kept if they exist), ``prefect deploy --all`` from ``root``, then pause
+    the deployments' schedules: on a laptop a flow run starts when someone asks (Quick run), not at 02:00."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.workers.process import ProcessWorker
+
+    with temporary_settings(updates={PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+        template = ProcessWorker.get_default_base_job_template()
+        for pool in POOLS:
+            with contextlib.suppress(ObjectAlreadyExists):
+                client.create_work_pool(WorkPoolCreate(name=pool, type="process", base_job_template=template))
+        with open(log, "ab") as out:
+            done = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all"], cwd=root,
+                                  env=server_env({**env, "PREFECT_API_URL": api_url}), stdout=out,
+                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=600)
+        if done.returncode != 0:
+            raise ServerFailed(f"`prefect deploy --all` failed (exit {done.returncode}); see {log}")
+        for deployment in client.read_deployments():
+            if any(s.active for s in deployment.schedules or []):
+                client.pause_deployment(deployment.id)
 
 
 def client_env(services: Sequence[Service]) -> dict[str, str]:
@@ -418,6 +516,8 @@ class Health:
     def state(self) -> str:
         if not self.alive:
             return "stopped (pid gone)"
+        if not self.service.health:
+            return "running"
         return "healthy" if self.healthy else f"running, not answering at {self.service.health}"
 
 
@@ -426,12 +526,13 @@ def status(root: Path) -> list[Health]:
     out = []
     for s in load_state(root):
         alive = pid_alive(s.pid, s.proc_start)
-        out.append(Health(s, alive, alive and http_ok(s.health)))
+        out.append(Health(s, alive, alive and (not s.health or http_ok(s.health))))
     return out
 
 
 def _busy_ports(todo: Sequence[Plan]) -> None:
     seen: dict[int, str] = {}
+    todo = [p for p in todo if p.port]  # workers listen on no port
     for p in todo:
         if p.port in seen:
             raise StackError(f"{p.option} {p.port} is also the {seen[p.port]} port; give each server its own port")
@@ -453,12 +554,14 @@ def _log_tail(path: Path, lines: int = 15) -> str:
 
 
 def up(root: Path, *, s3: bool = False, prefect_port: int = 4200, mlflow_port: int = 5000, s3_port: int = 5055,
-       bucket: str = "faceops", timeout: float = HEALTH_TIMEOUT) -> tuple[list[Service], bool]:
+       bucket: str = "faceops", timeout: float = HEALTH_TIMEOUT, workers: bool = False, git_url: str | None = None
+       ) -> tuple[list[Service], bool]:
     """Start the stack and wait until every server answers its health check; returns (services, already_running).
 
     A stack already running with the same servers and ports is reported, not restarted; with other options it
     is an error (``down`` first). A record whose processes are all gone is cleaned. Busy ports are refused before
-    anything starts. If a server fails, the ones started are stopped and the error quotes its log.
+    anything starts. If a server fails, the ones started are stopped and the error quotes its log. With
+    ``workers``, the pools, deployments, workers and the local DVC remote follow once the servers answer.
     """
     if s3:
         if not _BUCKET.match(bucket):
@@ -467,7 +570,10 @@ def up(root: Path, *, s3: bool = False, prefect_port: int = 4200, mlflow_port: i
         if importlib.util.find_spec("moto") is None:
             raise StackError("--s3 needs moto's server, which is not installed: pip install 'moto[server]' "
                              "(or `pip install -e '.[test]'`)")
-    todo = plans(root, s3=s3, prefect_port=prefect_port, mlflow_port=mlflow_port, s3_port=s3_port, bucket=bucket)
+    todo = plans(root, s3=s3, prefect_port=prefect_port, mlflow_port=mlflow_port, s3_port=s3_port, bucket=bucket,
+                 workers=workers, git_url=git_url)
+    if workers:
+        _git_head(next(p for p in todo if p.name.startswith("worker-")).env["FACEOPS_GIT_URL"])
     with _locked(root):
         running = _running_or_clean(root, todo)
         if running is not None:
@@ -495,29 +601,63 @@ def _running_or_clean(root: Path, todo: Sequence[Plan]) -> list[Service] | None:
                      "run `faceops stack down` first, then `faceops stack up` with the options you want")
 
 
+@contextlib.contextmanager
+def _store_lock(todo: Sequence[Plan]) -> Iterator[None]:
+    """Hold ``<store>.lock`` (``tasks.tracking.store_creation_lock``, the lock ``faceops run`` takes to create an
+    SQLite store) while the MLflow server creates or migrates its SQLite store, so a ``faceops run`` starting
+    meanwhile waits for it."""
+    from tasks.tracking import store_creation_lock
+
+    store = next((p.info.get("store") for p in todo if p.name == "mlflow"), None)
+    if not store:
+        yield
+        return
+    with store_creation_lock(f"sqlite:///{store}"):
+        yield
+
+
 def _start(root: Path, todo: Sequence[Plan], bucket: str, timeout: float) -> list[Service]:
     home = stack_dir(root)
     home.mkdir(parents=True, exist_ok=True)
     started: list[tuple[Plan, subprocess.Popen, Service]] = []
+
+    def spawn_plan(p: Plan) -> tuple[subprocess.Popen, Service]:
+        log = home / f"{p.name}.log"
+        proc = spawn(p.cmd, env=server_env(p.env), log=log, cwd=root)
+        health = p.url + p.health_path if p.health_path else ""
+        service = Service(p.name, p.label, proc.pid, p.port, p.url if p.port else "", health, p.cmd, str(log),
+                          _now(), proc_start(proc.pid), p.info)
+        started.append((p, proc, service))
+        save_state(root, [s for _, _, s in started])  # recorded at once: `down` can stop a half-started stack
+        return proc, service
+
+    servers = [p for p in todo if p.port]
+    workers = [p for p in todo if not p.port]
     try:
-        for p in todo:
-            log = home / f"{p.name}.log"
-            proc = spawn(p.cmd, env=server_env(p.env), log=log, cwd=root)
-            service = Service(p.name, p.label, proc.pid, p.port, p.url, p.url + p.health_path, p.cmd,
-                              str(log), _now(), proc_start(proc.pid), p.info)
-            started.append((p, proc, service))
-            save_state(root, [s for _, _, s in started])  # recorded at once: `down` can stop a half-started stack
-        for p, proc, service in started:
-            try:
-                wait_healthy(service.health, proc, timeout)
-            except StackError as exc:
-                tail = _log_tail(Path(service.log))
-                raise ServerFailed(f"{p.name} did not start: {exc}; its log is {service.log}"
-                                 + (f", ending:\n{tail}" if tail else "")) from None
-            if p.name == "s3":
-                create_bucket(p.url, bucket)
-            if p.name == "prefect":
-                install_crash_detection(f"{p.url}/api", home / f"{p.name}.log")
+        with _store_lock(todo):
+            for p in servers:
+                spawn_plan(p)
+            for p, proc, service in list(started):
+                try:
+                    wait_healthy(service.health, proc, timeout)
+                except StackError as exc:
+                    tail = _log_tail(Path(service.log))
+                    raise ServerFailed(f"{p.name} did not start: {exc}; its log is {service.log}"
+                                       + (f", ending:\n{tail}" if tail else "")) from None
+                if p.name == "s3":
+                    create_bucket(p.url, bucket)
+                if p.name == "prefect":
+                    install_crash_detection(f"{p.url}/api", home / f"{p.name}.log")
+        if workers:
+            write_dvc_remote(root)
+            setup_deployments(root, workers[0].env["PREFECT_API_URL"], workers[0].env, home / "deploy.log")
+            procs = [(p, *spawn_plan(p)) for p in workers]
+            time.sleep(3.0)  # a worker with a bad setting exits at once: say so now, not at the first flow run
+            for p, proc, service in procs:
+                if proc.poll() is not None:
+                    tail = _log_tail(Path(service.log))
+                    raise ServerFailed(f"{p.name} exited with code {proc.returncode}; its log is {service.log}"
+                                       + (f", ending:\n{tail}" if tail else ""))
     except BaseException:
         _stop([_Target(proc) for _, proc, _ in started], STOP_TIMEOUT)
         save_state(root, [])
@@ -550,11 +690,14 @@ def down(root: Path, timeout: float = STOP_TIMEOUT) -> list[str]:
         for s in reversed(recorded):  # MLflow and Prefect before the S3 they write to
             if pid_alive(s.pid, s.proc_start):
                 targets.append(_Target(s.pid, s.proc_start))
-                notes.append(f"stopped {s.name} (pid {s.pid}, {s.url})")
+                notes.append(f"stopped {s.name} (pid {s.pid}" + (f", {s.url})" if s.url else ")"))
             else:
                 reused = " (another program has that PID now; left alone)" if pid_alive(s.pid) else ""
                 notes.append(f"{s.name}: pid {s.pid} was already gone{reused}; record cleaned")
-        _stop(targets, timeout)
+        # workers first, while the servers they report to still answer; then MLflow, Prefect and S3
+        workers = {s.pid for s in recorded if s.name.startswith("worker-")}
+        _stop([t for t in targets if t.pid in workers], timeout)
+        _stop([t for t in targets if t.pid not in workers], timeout)
         still = [t.pid for t in targets if t.alive()]
         if still:
             raise ServerFailed(f"pids {still} did not exit after SIGKILL; check them with `ps -o pid,stat,cmd -p "
@@ -576,8 +719,11 @@ stack_app = typer.Typer(
     rich_markup_mode="markdown",
     help=(
         "The local stack: a Prefect server and an MLflow server (and, with `--s3`, moto's S3) as background "
-        "processes on 127.0.0.1, so both UIs run on a laptop without Docker.\n\n"
+        "processes on 127.0.0.1, so both UIs run on a laptop without Docker. MLflow serves the repository's own "
+        "store (`mlflow.db`, `mlruns/`): what `make run` logged is there.\n\n"
         "* `faceops stack up` — start them, wait until they answer, print the UI URLs and the variables to export\n\n"
+        "* `faceops stack up --workers` — also work pools, deployments (schedules paused), a worker per pool and "
+        "a local DVC remote: a deployment's Quick run runs on this machine\n\n"
         "* `eval \"$(faceops stack env)\"` — point this shell (and so `faceops run`) at them\n\n"
         "* `faceops stack status` — is each one running and answering\n\n"
         "* `faceops stack down` — stop them\n\n"
@@ -614,7 +760,8 @@ def _echo_env(services: Sequence[Service]) -> None:
 def _echo_services(root: Path, services: Sequence[Service]) -> None:
     for s in services:
         extra = "  ".join(f"{k} {_rel(root, v)}" for k, v in s.info.items() if k != "note")
-        typer.echo(f"  {s.label:<11} {s.url:<24} pid {s.pid:<7} log {_rel(root, s.log)}" + (f"  {extra}" if extra else ""))
+        typer.echo(f"  {s.label:<11} {s.url or '-':<24} pid {s.pid:<7} log {_rel(root, s.log)}"
+                   + (f"  {extra}" if extra else ""))
 
 
 @stack_app.command("up")
@@ -625,14 +772,26 @@ def up_cmd(
     s3_port: Annotated[int, typer.Option(min=1, max=65535, help="moto S3 port (with `--s3`)")] = 5055,
     bucket: Annotated[str, typer.Option(help="bucket created on moto for MLflow's artifacts (with `--s3`)")] = "faceops",
     timeout: Annotated[float, typer.Option(min=1, help="seconds to wait for each server's health check")] = HEALTH_TIMEOUT,
+    workers: Annotated[bool, typer.Option("--workers", help="also create the work pools `cpu` and `gpu`, deploy "
+                                          "prefect.yaml (schedules paused), start a worker per pool and give them "
+                                          "a local DVC remote: a deployment's Quick run then runs on this machine")] = False,
+    git_url: Annotated[str, typer.Option(help="the repository the workers clone (with `--workers`); default "
+                                         "FACEOPS_GIT_URL, else this repository (its committed HEAD)")] = "",
 ) -> None:
     """Start the Prefect and MLflow servers in the background on 127.0.0.1 and wait until both answer.
 
+    MLflow serves the repository's own store (`mlflow.db`, artifacts in `mlruns/`): the runs and models of
+    `make run` / `faceops run` are in its UI, and what is logged through it stays there after `down`.
+
     Examples:
 
-    * `faceops stack up` — Prefect on :4200, MLflow on :5000, artifacts in `.faceops/stack/mlartifacts`
+    * `faceops stack up` — Prefect on :4200, MLflow on :5000 serving `mlflow.db`
 
-    * `faceops stack up --s3` — plus moto's S3 on :5055; MLflow's artifacts go to `s3://faceops/mlflow`
+    * `faceops stack up --workers` — plus pools, deployments and workers: Quick run `pipeline-nightly` with
+      `preset: smoke` in the Prefect UI runs the whole DAG on this machine
+
+    * `faceops stack up --s3` — plus moto's S3 on :5055; MLflow's artifacts go to `s3://faceops/faceops/mlflow`
+      (in memory, so this stack keeps its own MLflow store, `.faceops/stack/mlflow-s3.db`)
 
     * `faceops stack up --prefect-port 4300 --mlflow-port 5100` — other ports (a busy port is refused)
 
@@ -641,7 +800,7 @@ def up_cmd(
     root = _root()
     try:
         services, already = up(root, s3=s3, prefect_port=prefect_port, mlflow_port=mlflow_port, s3_port=s3_port,
-                               bucket=bucket, timeout=timeout)
+                               bucket=bucket, timeout=timeout, workers=workers, git_url=git_url or None)
     except StackError as exc:
         _fail(str(exc), code=1 if isinstance(exc, ServerFailed) else 2)
     typer.echo(("the local stack is already running" if already else "started the local stack")
@@ -650,6 +809,11 @@ def up_cmd(
     for s in services:
         if "note" in s.info:
             typer.echo(f"  note: {s.label}: {s.info['note']}")
+    if any(s.name.startswith("worker-") for s in services):
+        prefect = next(s.url for s in services if s.name == "prefect")
+        typer.echo(f"\nDeployments: {prefect}/deployments (schedules paused). Quick run `pipeline-nightly` "
+                   "with preset `smoke` runs the whole DAG on these workers, from the committed HEAD of the "
+                   "repository they clone; their DVC remote is .faceops/stack/dvc-remote.")
     typer.echo("\nTo use it from this shell (`faceops run` reads these), run `eval \"$(faceops stack env)\"` or:")
     _echo_env(services)
     typer.echo("\nStop it with `faceops stack down`.")
@@ -688,7 +852,7 @@ def status_cmd() -> None:
         raise typer.Exit(3)
     for h in found:
         s = h.service
-        typer.echo(f"  {s.name:<8} {h.state:<20} pid {s.pid:<7} {s.url:<24} since {s.started}")
+        typer.echo(f"  {s.name:<10} {h.state:<20} pid {s.pid:<7} {s.url or '-':<24} since {s.started}")
     if all(h.healthy for h in found):
         typer.echo("the local stack is running")
         return

@@ -4,7 +4,8 @@ a person fills in from the Prefect UI (prefect.yaml deploys each one).
 - ``synthesize``: train the UIFace generator and synthesize the face set (``train_generator``, ``synthesize``);
 - ``train``: the training stages (``train_fr@*``, ``train_aligner``, ``train_discovery``, ``train_fusion``,
   ``train_generator``), or some of them;
-- ``evaluate``: the benchmark (``evaluate``), optionally on your own faces (``ingest_folder`` / ``ingest_recordio``).
+- ``evaluate``: the benchmark (``evaluate``), optionally on your own faces (``ingest_folder`` / ``ingest_recordio``);
+- ``pipeline``: the whole DAG (or ``stages`` and what they need): the ``pipeline-nightly`` deployment.
 
 Each flow first writes ``preset`` then ``params_delta`` into params.yaml (``flows.pipeline.apply_params``): an
 unknown params key fails the flow run at once, naming the key, before any stage runs. That edit is to the working
@@ -12,6 +13,13 @@ copy the flow runs in — on a worker, the fresh clone the deployment's pull ste
 your checkout (``git checkout params.yaml`` undoes it). Then the area's stages run as a ``faceops-pipeline``
 subflow run: DVC skips what is up to date, GPU stages go to the GPU work pool when ``FACEOPS_GPU_DEPLOYMENT`` is
 set (``flows.routing``), and the subflow run ends with the ``benchmark`` artifact.
+
+``register_candidates`` decides whether the models trained become ``@candidate`` (``candidate-<source>``) in the
+registry, which the ``promote`` deployment judges: by default yes, except with ``preset: smoke``, whose toy models
+are registered as versions tagged ``faceops.alias_withheld`` and leave the aliases where they were.
+
+Parameter descriptions: the ``Args:`` section of each flow's docstring is what the Prefect UI shows beside each
+field of a deployment's run form.
 """
 
 from __future__ import annotations
@@ -23,8 +31,10 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from flows.pipeline import apply_params, pipeline, stage_order
-from flows.routing import yaml_value
+from flows.routing import moving_aliases, yaml_value
 from ml.errors import ConfigError
+
+TOY_PRESETS = frozenset({"smoke"})  # presets whose models must not become @candidate unless asked
 
 # area → the dvc.yaml stages it runs, by base name (``train_fr`` covers every ``train_fr@<source>``)
 AREAS: dict[str, tuple[str, ...]] = {
@@ -42,21 +52,49 @@ def area_stages(area: str, all_stages: Iterable[str], only: list[str] | None = N
     foreign = [s for s in only if s not in members]
     if foreign:
         raise ConfigError(f"stage(s) {', '.join(foreign)} not in the '{area}' flow; its stages: {', '.join(members)} "
-                          f"(the whole DAG: the faceops-pipeline deployment).")
+                          f"(the whole DAG: the pipeline-nightly deployment).")
     return [s for s in members if s in only]
 
 
-def _run_area(area: str, root: str, only: list[str] | None, params_delta: dict[str, str] | None,
-              preset: str | None, force: bool, jobs: int) -> list[dict[str, Any]]:
+def _run_area(area: str | None, root: str, only: list[str] | None, params_delta: dict[str, str] | None,
+              preset: str | None, force: bool, jobs: int, register_candidates: bool | None = None
+              ) -> list[dict[str, Any]]:
+    logger = get_run_logger()
     root_path = Path(root).resolve()
-    apply_params(root_path, preset, params_delta, get_run_logger())
-    stages = area_stages(area, stage_order(root_path), only)
-    return pipeline(root=str(root_path), stages=stages, force=force, jobs=jobs)
+    apply_params(root_path, preset, params_delta, logger)
+    stages = area_stages(area, stage_order(root_path), only) if area else only
+    move = register_candidates if register_candidates is not None else preset not in TOY_PRESETS
+    with moving_aliases(move):
+        if not move:
+            logger.info("new model versions are registered without @candidate (preset %s; set "
+                        "register_candidates to true to move the aliases)", preset)
+        return pipeline(root=str(root_path), stages=stages, force=force, jobs=jobs)
+
+
+@flow(name="pipeline")
+def whole_pipeline(params_delta: dict[str, str] | None = None, preset: str | None = None,
+                   stages: list[str] | None = None, force: bool = False, jobs: int = 2,
+                   register_candidates: bool | None = None, root: str = ".") -> list[dict[str, Any]]:
+    """The whole DAG (or some stages and what they need); DVC skips the stages whose inputs did not change.
+
+    Args:
+        params_delta: dotted params key → YAML value, as `faceops run --set` takes them, e.g.
+            {"fr.epochs": "20"}; an unknown key fails the run at once, naming it.
+        preset: a named delta from presets.yaml applied before params_delta, e.g. smoke (the whole DAG at toy
+            size in a few minutes).
+        stages: only these dvc.yaml stages and what they need, e.g. ["evaluate"]; empty: all of them.
+        force: rerun the stages even when DVC finds them up to date.
+        jobs: how many independent stages run at once.
+        register_candidates: make the models trained `@candidate` in the MLflow registry (what the promote
+            deployment judges); empty: yes, except with preset smoke (toy models).
+        root: the repository root (on a worker: the clone its pull steps made).
+    """
+    return _run_area(None, root, stages, params_delta, preset, force, jobs, register_candidates)
 
 
 @flow(name="synthesize")
 def synthesize(params_delta: dict[str, str] | None = None, preset: str | None = None, force: bool = False,
-               jobs: int = 2, root: str = ".") -> list[dict[str, Any]]:
+               jobs: int = 2, register_candidates: bool | None = None, root: str = ".") -> list[dict[str, Any]]:
     """Train the UIFace generator and synthesize a face set (and whatever they need that is out of date).
 
     Args:
@@ -65,14 +103,17 @@ def synthesize(params_delta: dict[str, str] | None = None, preset: str | None = 
         preset: a named delta from presets.yaml applied before params_delta, e.g. smoke.
         force: rerun the stages even when DVC finds them up to date.
         jobs: how many independent stages run at once.
+        register_candidates: make the models trained `@candidate` in the MLflow registry (what the promote
+            deployment judges); empty: yes, except with preset smoke (toy models).
         root: the repository root (on a worker: the clone its pull steps made).
     """
-    return _run_area("synthesize", root, None, params_delta, preset, force, jobs)
+    return _run_area("synthesize", root, None, params_delta, preset, force, jobs, register_candidates)
 
 
 @flow(name="train")
 def train(stages: list[str] | None = None, params_delta: dict[str, str] | None = None, preset: str | None = None,
-          force: bool = False, jobs: int = 2, root: str = ".") -> list[dict[str, Any]]:
+          force: bool = False, jobs: int = 2, register_candidates: bool | None = None, root: str = "."
+          ) -> list[dict[str, Any]]:
     """Train the models: every training stage, or some of them, and whatever they need that is out of date.
 
     Args:
@@ -82,14 +123,17 @@ def train(stages: list[str] | None = None, params_delta: dict[str, str] | None =
         preset: a named delta from presets.yaml applied before params_delta, e.g. smoke.
         force: rerun the stages even when DVC finds them up to date.
         jobs: how many independent stages run at once.
+        register_candidates: make the models trained `@candidate` in the MLflow registry (what the promote
+            deployment judges); empty: yes, except with preset smoke (toy models).
         root: the repository root (on a worker: the clone its pull steps made).
     """
-    return _run_area("train", root, stages, params_delta, preset, force, jobs)
+    return _run_area("train", root, stages, params_delta, preset, force, jobs, register_candidates)
 
 
 @flow(name="evaluate")
 def evaluate(ingest_folder: str = "", ingest_recordio: str = "", params_delta: dict[str, str] | None = None,
-             preset: str | None = None, force: bool = False, jobs: int = 2, root: str = ".") -> list[dict[str, Any]]:
+             preset: str | None = None, force: bool = False, jobs: int = 2, register_candidates: bool | None = None,
+             root: str = ".") -> list[dict[str, Any]]:
     """Benchmark every model (FR, fusion, discovery, the synthetic set), training whatever is out of date.
 
     Args:
@@ -101,8 +145,11 @@ def evaluate(ingest_folder: str = "", ingest_recordio: str = "", params_delta: d
         preset: a named delta from presets.yaml applied before params_delta, e.g. smoke.
         force: rerun the stages even when DVC finds them up to date.
         jobs: how many independent stages run at once.
+        register_candidates: make the models trained `@candidate` in the MLflow registry (what the promote
+            deployment judges); empty: yes, except with preset smoke (toy models).
         root: the repository root (on a worker: the clone its pull steps made).
     """
     datasets = {key: yaml_value(value) for key, value in
                 (("data.ingest_folder", ingest_folder), ("data.ingest_recordio", ingest_recordio)) if value}
-    return _run_area("evaluate", root, None, {**(params_delta or {}), **datasets}, preset, force, jobs)
+    return _run_area("evaluate", root, None, {**(params_delta or {}), **datasets}, preset, force, jobs,
+                     register_candidates)

@@ -26,6 +26,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NONE
 from prefect.runtime import flow_run
+from prefect.tasks import exponential_backoff
 
 from tasks import promote as p
 
@@ -40,14 +41,15 @@ def _transient(task: Any, task_run: Any, state: Any) -> bool:
 
 
 def _io(cfg: p.PromoteConfig) -> dict[str, Any]:
-    """Task options for MLflow I/O: ``retries`` with exponential backoff, only on connection errors."""
-    delays = [cfg.retry_delay_s * 2 ** i for i in range(cfg.retries)]
-    return {"retries": cfg.retries, "retry_delay_seconds": delays or 0, "retry_condition_fn": _transient}
+    """Task options for MLflow I/O: ``retries`` with exponential backoff (``retry_delay_s``, then doubling: 2, 4,
+    8 s by default), only on connection errors."""
+    return {"retries": cfg.retries, "retry_delay_seconds": exponential_backoff(backoff_factor=cfg.retry_delay_s),
+            "retry_condition_fn": _transient}
 
 
 @task(cache_policy=NONE)
 def connect(root: str) -> str:
-    """The tracking server answers; → its URI (without credentials)."""
+    """The tracking server answers; → its URI (password masked)."""
     return p.connect(Path(root))
 
 
@@ -94,7 +96,16 @@ def promote_flow(model: str = "faceops-fr", rollback: bool = False, root: str = 
                  dry_run: bool = False) -> dict[str, Any]:
     """Promote ``model``'s ``@candidate`` (or another alias, e.g. ``candidate-synthetic``) when its gate passes, or
     with ``rollback`` restore ``@previous``. ``dry_run`` evaluates and reports without writing anything. Returns
-    the decision's summary (``decision``: promoted | rejected | unchanged | rolled_back) with its ``markdown``."""
+    the decision's summary (``decision``: promoted | rejected | unchanged | rolled_back) with its ``markdown``.
+
+    Args:
+        model: the registered model, e.g. faceops-fr, faceops-generator, faceops-aligner, faceops-fusion,
+            faceops-discovery (or its short name: fr, generator, …).
+        rollback: move @champion back to @previous instead of judging a candidate.
+        root: the repository root (on a worker: the clone its pull steps made).
+        candidate: the alias of the version to judge, e.g. candidate or candidate-synthetic.
+        dry_run: evaluate and report the decision without moving any alias.
+    """
     logger = get_run_logger()
     root = str(Path(root).resolve())
     key = p.model_key(model)

@@ -33,11 +33,12 @@ run's data and models; metrics, plots and reports are in the stages' MLflow runs
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -49,6 +50,7 @@ from prefect.runtime import flow_run
 from ml.errors import ConfigError
 
 ENV_GPU_DEPLOYMENT = "FACEOPS_GPU_DEPLOYMENT"
+ENV_GIT_URL = "FACEOPS_GIT_URL"  # the repository the deployments' pull step clones (prefect.yaml)
 GPU_STAGES = frozenset({"train_aligner", "train_generator", "train_fr", "synthesize", "train_fusion", "train_discovery"})
 STAGE_FLOW = "stage"
 RESULT_KEY = "stage-result"
@@ -90,6 +92,39 @@ def dispatch_target(stage: str) -> str | None:
         return None
     name = gpu_deployment()
     return None if name is None or flow_run.flow_name == STAGE_FLOW else name
+
+
+@contextlib.contextmanager
+def moving_aliases(move: bool) -> Iterator[None]:
+    """``FACEOPS_MOVE_ALIASES`` for what runs inside (the stages, the flow's tracking relay, the stages dispatched to
+    the GPU pool), restored after: False registers new model versions without moving ``@candidate``."""
+    from tasks.tracking import ENV_MOVE_ALIASES
+
+    before = os.environ.get(ENV_MOVE_ALIASES)
+    os.environ[ENV_MOVE_ALIASES] = "1" if move else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENV_MOVE_ALIASES, None)
+        else:
+            os.environ[ENV_MOVE_ALIASES] = before
+
+
+def check_git_url() -> dict[str, str]:
+    """A ``prefect deploy`` build step (prefect.yaml): say when ``FACEOPS_GIT_URL`` is unset, since every flow run
+    of these deployments starts by cloning it; → ``{"git_url": value}`` for later steps."""
+    import sys
+
+    url = os.environ.get(ENV_GIT_URL, "").strip()
+    if not url:
+        sys.stderr.write(
+            f"warning: {ENV_GIT_URL} is not set: every run of these deployments starts with `git clone "
+            f"${ENV_GIT_URL}` on its worker, so each worker must have {ENV_GIT_URL} in its environment, or the run "
+            f"fails before any stage. Set it to the repository the workers clone (a URL, or this checkout's path "
+            f"for workers on this machine: `export {ENV_GIT_URL}=$PWD`); `faceops stack up --workers` sets it for "
+            f"its workers.\n")
+    return {"git_url": url}
 
 
 # ── links to a stage's records ──
@@ -246,16 +281,30 @@ def stage_outputs(root: Path, stage: str) -> tuple[list[str], list[str]]:
         return [str(o.def_path) for o in outs if o.use_cache], [str(o.def_path) for o in outs if not o.use_cache]
 
 
+def remote_needed_because() -> str:
+    """Why this process needs a default DVC remote, naming the setting that asks for it (for the error message)."""
+    if flow_run.flow_name == STAGE_FLOW:
+        return (f"this is a stage dispatched from a pipeline on another worker ({ENV_GPU_DEPLOYMENT}): its inputs "
+                f"and outputs travel through the default DVC remote")
+    if publish_requested():
+        return (f"{ENV_PUBLISH}=1 (prefect.yaml sets it for the deployments on work pool `cpu`): this run is in a "
+                f"throw-away clone, so its datasets and models are pushed to the default DVC remote before the "
+                f"clone is removed")
+    return (f"{ENV_GPU_DEPLOYMENT} is set: a stage on another worker exchanges its data through the default DVC "
+            f"remote; unset {ENV_GPU_DEPLOYMENT} to run GPU stages in-process")
+
+
 def require_remote(root: Path) -> None:
+    """Raise ConfigError, saying which setting needs it and how to add one, when ``root`` has no default DVC remote."""
     from dvc.repo import Repo
 
     from flows import pipeline as pl
 
     with pl._DVC, Repo(str(root)) as repo:
         if not repo.config["core"].get("remote"):
-            raise ConfigError(f"no default DVC remote in {root}/.dvc/config: a stage on another machine exchanges "
-                              f"its data through it. Add one (`dvc remote add -d storage s3://bucket/dvc`) and "
-                              f"commit .dvc/config, or unset {ENV_GPU_DEPLOYMENT} to run GPU stages in-process.")
+            raise ConfigError(f"no default DVC remote in {root}/.dvc/config: {remote_needed_because()}. Add one "
+                              f"(`dvc remote add -d storage s3://bucket/dvc`) and commit .dvc/config; on a laptop "
+                              f"`faceops stack up --workers` gives its workers a local one.")
 
 
 @task(retries=len(IO_RETRY_DELAYS), retry_delay_seconds=IO_RETRY_DELAYS, task_run_name="dvc push")
@@ -372,6 +421,7 @@ def dispatch_stage(stage: str, root: Path, deployment: str, parent_run_id: str |
     from prefect.exceptions import ObjectNotFound
 
     from flows import pipeline as pl
+    from tasks import tracking
 
     logger = get_run_logger()
     start = time.perf_counter()
@@ -390,7 +440,8 @@ def dispatch_stage(stage: str, root: Path, deployment: str, parent_run_id: str |
     if inputs:
         dvc_push(str(root), inputs)
     parameters = {"stage": stage, "commit": code_commit(root, logger), "params_delta": params_delta_from_head(root),
-                  "lock": {u: lock[u] for u in upstream}, "parent_run_id": parent_run_id, "force": force}
+                  "lock": {u: lock[u] for u in upstream}, "parent_run_id": parent_run_id, "force": force,
+                  "move_aliases": tracking.aliases_moved()}
     logger.info("%s: running on deployment %s (%s)", stage, deployment, "; ".join(reasons) or "--force")
     try:
         remote = run_deployment(deployment, parameters=parameters, timeout=None, poll_interval=2)
@@ -431,10 +482,22 @@ def _reachable_parent(root: Path, parent_run_id: str | None, logger: Any) -> str
 @flow(name=STAGE_FLOW, flow_run_name="{stage}")
 def run_stage_remote(stage: str, root: str = ".", params_delta: dict[str, str] | None = None,
                      lock: dict[str, Any] | None = None, commit: str | None = None,
-                     parent_run_id: str | None = None, force: bool = False) -> dict[str, Any]:
+                     parent_run_id: str | None = None, force: bool = False, move_aliases: bool = True
+                     ) -> dict[str, Any]:
     """Reproduce one pipeline stage on this worker (step 2 of the module docstring): check out ``commit``, apply
     ``params_delta``, pull the outputs the ``lock`` entries of the upstream stages record, reproduce the stage,
-    push its outputs, publish its result as the ``stage-result`` artifact and return it."""
+    push its outputs, publish its result as the ``stage-result`` artifact and return it.
+
+    Args:
+        stage: the dvc.yaml stage, e.g. train_fr@real.
+        root: the repository root (the clone the deployment's pull steps made).
+        params_delta: dotted params key → YAML value that turns the commit's params.yaml into the pipeline's.
+        lock: dvc.lock entries of the stage's upstream stages (their outputs are pulled from the DVC remote).
+        commit: the git commit the pipeline runs.
+        parent_run_id: the pipeline's MLflow run, under which the stage's run nests.
+        force: rerun the stage even when DVC finds it up to date.
+        move_aliases: false registers the stage's model without moving `@candidate` (a smoke run's toy model).
+    """
     from flows import pipeline as pl
 
     logger = get_run_logger()
@@ -447,7 +510,8 @@ def run_stage_remote(stage: str, root: str = ".", params_delta: dict[str, str] |
     inputs = [p for outs in upstream_outputs(path, stage).values() for p in outs]
     if inputs:
         dvc_pull(str(path), inputs)
-    outcome = pl.reproduce_stage(stage, str(path), _reachable_parent(path, parent_run_id, logger), force)
+    with moving_aliases(move_aliases):
+        outcome = pl.reproduce_stage(stage, str(path), _reachable_parent(path, parent_run_id, logger), force)
     cached, uncached = stage_outputs(path, stage)
     if cached:
         dvc_push(str(path), cached)

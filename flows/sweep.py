@@ -88,7 +88,20 @@ def apply_best(plan: sw.SweepPlan) -> dict[str, Any]:
 def sweep_flow(stage: str = "train_fr", trials: int | None = None, storage: str | None = None,
                study: str | None = None, apply: bool = False, root: str = ".", workers: int = 1) -> dict[str, Any]:
     """Run ``trials`` trials of an Optuna study over ``stage``'s params (``params.yaml``: ``sweep.<stage>``), in
-    ``workers`` processes; summarise the study; with ``apply`` write its best params into ``params.yaml``."""
+    ``workers`` processes; summarise the study; with ``apply`` write its best params into ``params.yaml``.
+
+    Args:
+        stage: the stage whose params are searched: train_fr, train_fusion, train_discovery or train_aligner
+            (the search space is params.yaml's sweep.<stage>).
+        trials: trials this run adds to the study; empty: sweep.<stage>.trials in params.yaml.
+        storage: the Optuna storage shared by the workers (postgresql://user@host/db, sqlite:///optuna.db,
+            journal:<file>); empty: sweep.storage.
+        study: the study name; trials of earlier runs under the same name are kept; empty: one named after the
+            stage.
+        apply: write the best trial's params into params.yaml when the study ends.
+        root: the repository root (on a worker: the clone its pull steps made).
+        workers: trial processes run at once on this worker.
+    """
     logger = get_run_logger()
     root = str(Path(root).resolve())
     plan = open_study(stage, trials, storage, study, root)

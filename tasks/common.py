@@ -194,6 +194,23 @@ def section(params: Mapping[str, Any], name: str) -> Mapping[str, Any]:
     return value
 
 
+# AWS credentials a boto3 or DVC error could echo back; no message of ours is built from them
+CREDENTIAL_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID")
+_URL_PASSWORD = re.compile(r"(\b[\w+.-]+://[^/\s:@]*):[^@/\s]*@")  # scheme://user: … @ (user may be empty)
+
+
+def redact(text: str) -> str:
+    """``text`` fit for a message or log: the password of every ``scheme://user:password@`` URL in it becomes
+    ``***`` (``postgresql://user:***@host/db``), and so does any value (4 characters or more) of the
+    ``CREDENTIAL_ENV`` variables set in the environment."""
+    text = _URL_PASSWORD.sub(r"\1:***@", text)
+    for env in CREDENTIAL_ENV:
+        value = os.environ.get(env, "")
+        if len(value) >= 4:
+            text = text.replace(value, "***")
+    return text
+
+
 @contextlib.contextmanager
 def atomic_path(target: Path | str) -> Iterator[Path]:
     """Yield a temporary sibling path; on success move it onto ``target``, on error delete it.

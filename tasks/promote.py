@@ -45,7 +45,6 @@ import datetime as _dt
 import json
 import logging
 import math
-import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,7 +52,7 @@ from typing import Any
 
 from ml.config import from_mapping
 from ml.errors import ConfigError, DataError, FaceopsError
-from tasks.common import Paths, load_params, section
+from tasks.common import Paths, load_params, redact, section
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +75,7 @@ class PromotionError(FaceopsError):
 
 
 class RegistryUnreachable(FaceopsError):
-    """The MLflow tracking server did not answer; the message names the endpoint (without credentials)."""
+    """The MLflow tracking server did not answer; the message names the endpoint (password masked)."""
 
 
 # ───────────────────────────────────────────────────────────────────────────── benchmarks
@@ -623,16 +622,6 @@ def unchanged(key: str, state: "RegistryState") -> Decision:
 # ───────────────────────────────────────────────────────────────────────────── registry
 
 
-def redact(uri: str) -> str:
-    """``uri`` without user:password (for messages and logs)."""
-    parts = urllib.parse.urlsplit(uri)
-    if parts.username or parts.password:
-        host = parts.hostname or ""
-        netloc = f"{host}:{parts.port}" if parts.port else host
-        return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
-    return uri
-
-
 def check_tracking(uri: str, timeout_s: float = 5.0) -> None:
     """For an HTTP(S) tracking URI: the server must answer at all (any HTTP status; ``/health`` is asked), or
     RegistryUnreachable naming the endpoint. MLflow's own client would retry a refused connection for minutes
@@ -668,7 +657,7 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def connect(root: Path) -> str:
-    """Check the tracking server answers, point MLflow at it; → its URI (without credentials)."""
+    """Check the tracking server answers, point MLflow at it; → its URI (password masked)."""
     from tasks.tracking import configure, tracking_uri
 
     uri = tracking_uri(Path(root))

@@ -44,7 +44,7 @@ from urllib.parse import urlsplit
 
 from ml.config import from_mapping
 from ml.errors import ConfigError, DataError, FaceopsError
-from tasks.common import Paths, section
+from tasks.common import Paths, redact, section
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,6 @@ INDEX_NAME = "faceops-index.json"
 INDEX_FORMAT = "faceops-index/1"
 LATEST_NAME = "LATEST"
 SHA256_META = "sha256"             # stored as x-amz-meta-sha256
-CREDENTIAL_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID")
 _CREDENTIAL_KEY = re.compile(r"secret|passw|token|credential|access_?key|api_?key|private_?key", re.IGNORECASE)
 _THROTTLING = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException"}
 _DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"}
@@ -140,16 +139,6 @@ def resolve_endpoint(cfg: StorageConfig) -> str | None:
             _check_endpoint(os.environ[env], env)
             return os.environ[env]
     return None
-
-
-def redact(text: str) -> str:
-    """``text`` with the values of the AWS credential variables replaced by ``***`` (defence in depth: no message
-    of ours is built from them)."""
-    for env in CREDENTIAL_ENV:
-        value = os.environ.get(env, "")
-        if len(value) >= 4:
-            text = text.replace(value, "***")
-    return text
 
 
 def file_sha256(path: Path) -> str:

@@ -61,6 +61,7 @@ from typing import Any
 from ml.config import _check_type, from_mapping, to_flat_dict
 from ml.errors import ConfigError, DataError, FaceopsError, TrainingError
 from tasks.common import Paths, load_params, section, stage_main, write_json
+from tasks.common import redact as mask_url  # user:***@ in storage and tracking URLs (faceops.cli imports it)
 
 log = logging.getLogger(__name__)
 
@@ -297,11 +298,6 @@ def build_config(target: "SweepTarget", base: Mapping[str, Any], delta: Mapping[
 
 
 # ── storage ───────────────────────────────────────────────────────────────────────────────────────────────────
-
-
-def mask_url(text: str) -> str:
-    """``postgresql://user:secret@host/db`` → ``postgresql://user:***@host/db`` (anywhere in ``text``)."""
-    return re.sub(r"(\b[\w+.-]+://[^/\s:@]*):[^@/\s]*@", r"\1:***@", text)
 
 
 def check_storage_text(value: str, where: str, *, allow_password: bool) -> None:

@@ -37,6 +37,10 @@ ENV_PARENT_RUN = "FACEOPS_PARENT_RUN_ID"
 ENV_FLOW_RUN = "FACEOPS_PREFECT_FLOW_RUN_ID"
 ENV_INVOCATION = "FACEOPS_INVOCATION_ID"
 ENV_JOURNAL = "FACEOPS_TRACKING_JOURNAL"
+# "0": register new model versions without moving an alias (`@candidate`), e.g. a smoke run's toy models
+ENV_MOVE_ALIASES = "FACEOPS_MOVE_ALIASES"
+STORE_FILE = "mlflow.db"  # the repository's default MLflow store (SQLite) ...
+ARTIFACT_DIR = "mlruns"  # ... and its artifact root, both in the repository root
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +48,26 @@ log = logging.getLogger(__name__)
 MLFLOW_LOCK = threading.RLock()
 
 
+def default_store(root: Path) -> str:
+    """The repository's own MLflow store: ``sqlite:///<root>/mlflow.db`` (what ``make run`` logs to, and what
+    ``faceops stack up`` serves)."""
+    return f"sqlite:///{(root / STORE_FILE).resolve()}"
+
+
+def default_artifact_root(root: Path) -> Path:
+    """Where runs in the default store keep their artifacts: ``<root>/mlruns`` (MLflow's ``./mlruns`` from the
+    repository root, where ``faceops run`` starts)."""
+    return (root / ARTIFACT_DIR).resolve()
+
+
 def tracking_uri(root: Path) -> str:
     """``MLFLOW_TRACKING_URI`` if set, else the SQLite store ``mlflow.db`` in the repository root."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(root / 'mlflow.db').resolve()}"
+    return os.environ.get("MLFLOW_TRACKING_URI") or default_store(root)
+
+
+def aliases_moved() -> bool:
+    """False when ``FACEOPS_MOVE_ALIASES=0``: new model versions are registered but keep no alias."""
+    return os.environ.get(ENV_MOVE_ALIASES, "1").strip().lower() not in ("0", "false", "no")
 
 
 def configure(root: Path) -> str:
@@ -58,13 +79,13 @@ def configure(root: Path) -> str:
     if urlsplit(uri).password:  # MLflow prints "View run ... at: <tracking URI>", password included, at every run end
         os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
     mlflow.set_tracking_uri(uri)
-    with _store_creation_lock(uri):
+    with store_creation_lock(uri):
         experiment = mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", EXPERIMENT))
     return experiment.experiment_id
 
 
 @contextlib.contextmanager
-def _store_creation_lock(uri: str) -> Iterator[None]:
+def store_creation_lock(uri: str) -> Iterator[None]:
     """For an SQLite store, hold ``<db>.lock`` while MLflow opens it: the first process to open a new file creates
     and migrates its tables, and two doing that at once (two sweeps, two pipelines) leave it half-migrated
     ("table _alembic_tmp_... already exists"). Other stores: nothing to hold."""
@@ -75,6 +96,7 @@ def _store_creation_lock(uri: str) -> Iterator[None]:
 
     db = Path(uri[len("sqlite:///"):])
     lock = db.with_name(db.name + ".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
     with open(lock, "a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
@@ -254,7 +276,11 @@ class StageTracker(_Tracker):
         from mlflow import MlflowClient
 
         client = MlflowClient()
-        client.set_registered_model_alias(name, alias, version)
+        if aliases_moved():
+            client.set_registered_model_alias(name, alias, version)
+        else:  # a toy model (a smoke run) must not become what promotion judges in a shared registry
+            tags = {**tags, "faceops.alias_withheld": alias}
+            log.info("%s v%s registered without @%s (%s=0)", name, version, alias, ENV_MOVE_ALIASES)
         for k, v in {**tags, "run_id": self.run_id}.items():
             client.set_model_version_tag(name, version, k, str(v))
 
@@ -306,6 +332,8 @@ class JournalTracker(_Tracker):
 
 def registered_note(name: str, version: str | None, alias: str = "candidate") -> str:
     """``registered faceops-fr v3 @candidate``; with a relayed run the relay logs the version."""
+    if not aliases_moved():
+        alias = f"{alias} withheld ({ENV_MOVE_ALIASES}=0)"
     return f"registered {name} v{version} @{alias}" if version else f"registering {name} @{alias} (version in the flow log)"
 
 

@@ -3,9 +3,14 @@
 One suite per manifest kind (``train``, ``heldout``, ``templates``, ``discovery``, ``videos``, ``unaligned``, and
 ``fusion`` unless real faces are ingested; the first two and ``discovery`` hold the user's real faces when they are ingested, with counts that are theirs, not
 params') plus one for the generalized-face-discovery split (``gfd_split``); each expectation carries the
-risk it guards against in ``meta.risk``. Results land in ``reports/validation/<dataset>.json`` and as Data Docs
-HTML in ``reports/validation/docs/index.html``. A failed expectation stops the pipeline with one message
-naming the dataset, the expectation, the column and the offending rows.
+risk it guards against in ``meta.risk``. Results land in ``reports/validation/<dataset>.json``, as Data Docs
+HTML in ``reports/validation/docs/index.html`` and as ``reports/validation/summary.html``. A failed expectation
+stops the pipeline with one message naming the dataset, the expectation, the column and the offending rows.
+
+Data Docs load bootstrap, jquery, bootstrap-table and vega from CDNs (GX ships only its own CSS, fonts and images):
+without a network their index lists no validation results and renders unstyled. ``summary.html`` is the offline
+view: one self-contained file (inline CSS, no script, no external URL) listing every suite and every expectation
+with its status, arguments, observed value and risk; the Data Docs index links to it.
 
 GX validates flat columns, so the manifest is viewed with derived columns: ``lm_x0..lm_y4`` (landmarks),
 ``row`` (manifest row number), ``label_matches_identity`` (label = rank of the identity among sorted
@@ -14,6 +19,8 @@ identities, i.e. contiguous 0..K-1), ``is_val`` (for split proportions).
 
 from __future__ import annotations
 
+import html
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +31,7 @@ import pandas as pd
 
 from ml.config import from_mapping
 from ml.errors import DataError
-from tasks.common import Paths, StageResult, atomic_path, load_params, section, stage_main, write_json
+from tasks.common import Paths, StageResult, atomic_path, load_params, section, stage_main, write_json, write_text
 from tasks.prepare import DataConfig
 
 log = logging.getLogger(__name__)
@@ -226,6 +233,147 @@ def _describe_failure(dataset: str, res: Any) -> str:
     )
 
 
+SUMMARY_NAME = "summary.html"
+# inline, so the page renders the same with no network; the status colours carry the verdict
+_SUMMARY_CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 2rem; color: #1f2328;
+       background: #ffffff; line-height: 1.4; }
+h1 { font-size: 1.6rem; margin-bottom: 0.2rem; }
+h2 { font-size: 1.2rem; margin-top: 2rem; border-bottom: 1px solid #d0d7de; padding-bottom: 0.3rem; }
+p.meta { color: #57606a; margin-top: 0; }
+table { border-collapse: collapse; width: 100%; font-size: 0.9rem; margin-top: 0.5rem; }
+th, td { border: 1px solid #d0d7de; padding: 0.3rem 0.5rem; text-align: left; vertical-align: top; }
+th { background: #f6f8fa; }
+tr.fail td { background: #ffebe9; }
+code { font-family: ui-monospace, "SFMono-Regular", Menlo, monospace; font-size: 0.85rem; word-break: break-word; }
+.status { display: inline-block; min-width: 4.5em; text-align: center; border-radius: 0.8em; padding: 0.05rem 0.6rem;
+          font-weight: 600; color: #ffffff; }
+.status.pass { background: #1a7f37; }
+.status.fail { background: #cf222e; }
+td.risk { color: #57606a; }
+"""
+
+
+def _rounded(value: Any) -> Any:
+    """Floats to 6 significant digits (a tolerance bound prints 0.116667, not 0.11666666666666665)."""
+    if isinstance(value, float):
+        return float(f"{value:.6g}")
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_rounded(v) for v in value]
+    return value
+
+
+def _short(value: Any, limit: int = 160) -> str:
+    text = value if isinstance(value, str) else json.dumps(_rounded(value), sort_keys=True, default=str)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _observed(result: dict[str, Any]) -> str:
+    """What the data showed: an aggregate's observed value, or a per-row expectation's unexpected rows."""
+    if "observed_value" in result:
+        return _short(result["observed_value"])
+    if "unexpected_count" in result:
+        count, total = result.get("unexpected_count") or 0, result.get("element_count")
+        text = f"{count} unexpected of {total}" if total is not None else f"{count} unexpected"
+        rows = [r for r in result.get("unexpected_index_list") or [] if isinstance(r, dict)]
+        if rows:
+            shown = ", ".join(f"row {r.get('row')} ({r.get('path')})" for r in rows[:5])
+            text += f": {shown}" + (f" and {len(rows) - 5} more" if len(rows) > 5 else "")
+        return _short(text, 400)
+    return ""
+
+
+def _status(success: bool) -> str:
+    word = "pass" if success else "fail"
+    return f'<span class="status {word}">{"passed" if success else "failed"}</span>'
+
+
+def summary_html(results: dict[str, dict[str, Any]], docs_pages: dict[str, str] | None = None) -> str:
+    """A self-contained HTML page of ``{dataset: validation result JSON}``: an overview table of the suites, then
+    every expectation of each with its status, arguments, observed value and risk. No script, no external URL.
+
+    ``docs_pages`` maps a dataset to its Data Docs page, relative to the summary (linked, never loaded).
+    """
+    esc = html.escape
+    docs_pages = docs_pages or {}
+    n_exp = sum(p["statistics"]["evaluated_expectations"] for p in results.values())
+    n_bad = sum(p["statistics"]["unsuccessful_expectations"] for p in results.values())
+    run_times = sorted(str(p.get("meta", {}).get("run_id", {}).get("run_time") or "") for p in results.values())
+    version = next((p.get("meta", {}).get("great_expectations_version") for p in results.values()), None)
+    overview = []
+    for name, payload in results.items():
+        stats = payload["statistics"]
+        overview.append(
+            f'<tr class="{"pass" if payload["success"] else "fail"}"><td><a href="#suite-{esc(name)}">{esc(name)}</a></td>'
+            f"<td><code>{esc(payload.get('suite_name', ''))}</code></td><td>{_status(payload['success'])}</td>"
+            f"<td>{stats['successful_expectations']} / {stats['evaluated_expectations']}</td>"
+            f"<td>{(stats['success_percent'] or 0.0):.1f}%</td></tr>")
+    sections = []
+    for name, payload in results.items():
+        rows = []
+        for res in payload["results"]:
+            cfg = res["expectation_config"]
+            kwargs = {k: v for k, v in cfg["kwargs"].items() if k not in ("batch_id", "column")}
+            args = ", ".join(f"{k}={_short(v, 80)}" for k, v in kwargs.items())
+            column = cfg["kwargs"].get("column", "")
+            if res.get("exception_info", {}).get("raised_exception"):
+                observed = "error: " + _short(res["exception_info"].get("exception_message") or "", 300)
+            else:
+                observed = _observed(res.get("result") or {})
+            rows.append(
+                f'<tr class="{"pass" if res["success"] else "fail"}"><td>{_status(res["success"])}</td>'
+                f"<td><code>{esc(cfg['type'])}</code></td><td><code>{esc(str(column))}</code></td>"
+                f"<td><code>{esc(args)}</code></td><td>{esc(observed)}</td>"
+                f'<td class="risk">{esc((cfg.get("meta") or {}).get("risk", ""))}</td></tr>')
+        link = (f' · <a href="{esc(docs_pages[name])}">Data Docs page</a> (needs network for its styles)'
+                if name in docs_pages else "")
+        stats = payload["statistics"]
+        sections.append(
+            f'<section id="suite-{esc(name)}" class="suite"><h2>{esc(name)} {_status(payload["success"])}</h2>'
+            f'<p class="meta">suite <code>{esc(payload.get("suite_name", ""))}</code> · '
+            f"{stats['successful_expectations']} of {stats['evaluated_expectations']} expectations met{link}</p>"
+            "<table><thead><tr><th>Status</th><th>Expectation</th><th>Column</th><th>Arguments</th>"
+            "<th>Observed</th><th>Risk</th></tr></thead><tbody>" + "".join(rows) + "</tbody></table></section>")
+    verdict = "every expectation met" if n_bad == 0 else f"{n_bad} expectation(s) failed"
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        "<title>faceops validation summary</title>"
+        f"<style>{_SUMMARY_CSS}</style></head><body>"
+        f"<h1>Validation summary {_status(n_bad == 0)}</h1>"
+        f'<p class="meta">{len(results)} suite(s), {n_exp} expectations: {verdict}. '
+        f"Run {esc(run_times[0] if run_times else '?')}"
+        f"{' – ' + esc(run_times[-1]) if len(run_times) > 1 else ''}; Great Expectations {esc(str(version))}. "
+        'Full Data Docs: <a href="docs/index.html">docs/index.html</a> (loads its scripts and styles from CDNs).</p>'
+        '<table class="overview"><thead><tr><th>Dataset</th><th>Suite</th><th>Status</th><th>Met</th><th>Success</th>'
+        "</tr></thead><tbody>" + "".join(overview) + "</tbody></table>" + "".join(sections) + "</body></html>\n")
+
+
+def _docs_pages(docs_dir: Path, results: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """Each dataset's Data Docs validation page, relative to the report directory (the newest, if several)."""
+    pages = {}
+    for name, payload in results.items():
+        found = sorted((docs_dir / "validations" / str(payload.get("suite_name", ""))).glob("**/*.html"))
+        if found:
+            pages[name] = found[-1].relative_to(docs_dir.parent).as_posix()
+    return pages
+
+
+def _link_summary_from_docs(index: Path) -> None:
+    """Put a plain link to the offline summary at the top of the Data Docs index (its own table needs CDNs)."""
+    if not index.is_file():
+        return
+    text = index.read_text()
+    at = text.find("<body")
+    end = text.find(">", at)
+    if at < 0 or end < 0 or f"../{SUMMARY_NAME}" in text:
+        return
+    note = (f'\n<p id="faceops-offline-summary" style="margin:0.5rem 1rem">Offline or unstyled? Every validation '
+            f'result is also in <a href="../{SUMMARY_NAME}">{SUMMARY_NAME}</a> (self-contained).</p>')
+    write_text(index, text[: end + 1] + note + text[end + 1:])
+
+
 def validate_manifests(
     datasets: dict[str, tuple[str, pd.DataFrame]], data: DataConfig, cfg: ValidateConfig, report_dir: Path
 ) -> dict[str, Any]:
@@ -273,6 +421,8 @@ def validate_manifests(
             failures += [_describe_failure(vd.name, r) for r in vr.results if not r.success]
     for name, payload in results.items():
         write_json(report_dir / f"{name}.json", payload)
+    write_text(report_dir / SUMMARY_NAME, summary_html(results, docs_pages=_docs_pages(docs_dir, results)))
+    _link_summary_from_docs(docs_dir / "index.html")
     if failures:
         extra = f" ({len(failures) - 1} more failure(s) in {report_dir})" if len(failures) > 1 else ""
         raise DataError(failures[0] + extra)
@@ -309,7 +459,8 @@ def run(data: DataConfig, cfg: ValidateConfig, paths: Paths, *, tracker: Any = N
         result.metrics[f"validate/{name}/expectations"] = stats["evaluated_expectations"]
         result.metrics[f"validate/{name}/success_percent"] = stats["success_percent"] or 0.0
     result.outputs.append(paths.validation_reports)
-    result.summary = f"{len(results)} manifests passed the gate; Data Docs: {paths.validation_reports / 'docs' / 'index.html'}"
+    result.summary = (f"{len(results)} manifests passed the gate; summary (offline): "
+                      f"{paths.validation_reports / SUMMARY_NAME}; Data Docs: {paths.validation_reports / 'docs' / 'index.html'}")
     return result
 
 

@@ -171,6 +171,87 @@ def test_params_delta_from_head_rebuilds_the_working_copy_params_in_a_clone(tmp_
     assert yaml.safe_load((ws / "params.yaml").read_text()) == wanted
 
 
+# the flows of these deployments are owned elsewhere and have no `Args:` section in their docstrings yet
+@pytest.mark.parametrize("name", list(DEPLOYMENTS))
+def test_every_parameter_of_the_run_form_has_a_description(name):
+    """Prefect shows a flow's docstring `Args:` beside each field of a deployment's run form."""
+    from prefect.utilities.callables import parameter_schema
+    from prefect.utilities.importtools import import_object
+
+    flow = import_object(DEPLOYMENTS[name]["entrypoint"])
+    properties = parameter_schema(flow.fn).model_dump()["properties"]
+    undescribed = [key for key, field in properties.items() if not (field.get("description") or "").strip()]
+    assert not undescribed, f"{name}: no description for {undescribed}"
+
+
+def _no_dvc_remote_anywhere(tmp_path: Path, monkeypatch) -> Path:
+    for key in ("DVC_GLOBAL_CONFIG_DIR", "DVC_SYSTEM_CONFIG_DIR"):  # no default remote from this machine's config
+        monkeypatch.setenv(key, str(tmp_path / key))
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    subprocess.run([sys.executable, "-m", "dvc", "init", "--no-scm", "-q"], cwd=repo, check=True)
+    return repo
+
+
+def test_a_missing_dvc_remote_names_the_setting_that_needs_it(tmp_path, monkeypatch):
+    """A run on pool cpu needs the remote because of FACEOPS_PUBLISH_OUTPUTS=1 (which the pool sets), so the hint
+    must not send the user to unset FACEOPS_GPU_DEPLOYMENT, which would not help."""
+    repo = _no_dvc_remote_anywhere(tmp_path, monkeypatch)
+    monkeypatch.setenv(routing.ENV_GPU_DEPLOYMENT, "stage/stage-gpu")
+    monkeypatch.setenv(routing.ENV_PUBLISH, "1")
+    with pytest.raises(ConfigError) as publishing:
+        routing.require_remote(repo)
+    message = str(publishing.value)
+    assert "FACEOPS_PUBLISH_OUTPUTS=1" in message and "work pool `cpu`" in message
+    assert "unset FACEOPS_GPU_DEPLOYMENT" not in message
+    assert "dvc remote add -d" in message and "faceops stack up --workers" in message
+    monkeypatch.delenv(routing.ENV_PUBLISH)
+    with pytest.raises(ConfigError, match="FACEOPS_GPU_DEPLOYMENT is set.*unset FACEOPS_GPU_DEPLOYMENT"):
+        routing.require_remote(repo)
+
+
+def test_deploying_without_faceops_git_url_says_so(monkeypatch, capsys):
+    """The build step of prefect.yaml runs at `prefect deploy` time."""
+    assert {"flows.routing.check_git_url": {}} in PREFECT_YAML["build"]
+    monkeypatch.delenv(routing.ENV_GIT_URL, raising=False)
+    assert routing.check_git_url() == {"git_url": ""}
+    said = capsys.readouterr().err
+    assert "FACEOPS_GIT_URL is not set" in said and "each worker must have FACEOPS_GIT_URL" in said
+    monkeypatch.setenv(routing.ENV_GIT_URL, "https://git.example.org/faceops.git")
+    assert routing.check_git_url() == {"git_url": "https://git.example.org/faceops.git"}
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(("register", "preset", "moved"), [(None, "smoke", False), (None, None, True),
+                                                            (True, "smoke", True)])
+def test_a_smoke_run_registers_its_models_without_candidate_unless_asked(tmp_path, monkeypatch, register, preset,
+                                                                         moved):
+    """The real registration path (StageTracker, a SQLite store) under the flows' switch: a toy model becomes a
+    version tagged `faceops.alias_withheld`, and `@candidate` stays on the version it was on."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    from flows.areas import TOY_PRESETS
+    from tasks import tracking
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.chdir(tmp_path)
+    tracking.configure(tmp_path)
+    with mlflow.start_run() as run:
+        (tmp_path / "model").mkdir()
+        (tmp_path / "model" / "config.json").write_text("{}")
+        tracker = tracking.StageTracker(run.info.run_id, tmp_path)
+        first = tracker.register_model_dir("faceops-fusion", model_dir=tmp_path / "model")  # a real candidate
+        move = register if register is not None else preset not in TOY_PRESETS
+        with routing.moving_aliases(move):
+            second = tracker.register_model_dir("faceops-fusion", model_dir=tmp_path / "model")
+    assert tracking.ENV_MOVE_ALIASES not in os.environ  # restored
+    client = MlflowClient()
+    assert str(client.get_model_version_by_alias("faceops-fusion", "candidate").version) == (second if moved else first)
+    tags = client.get_model_version("faceops-fusion", second).tags
+    assert ("faceops.alias_withheld" in tags) is not moved
+
+
 # ── against a real Prefect server, with a worker per work pool ──
 
 

@@ -236,6 +236,22 @@ def test_tar_at_far_matches_brute_force_on_heavy_ties(seed):
         assert out[far] == pytest.approx(_brute_force_tar(gen, imp, far)), far
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tar_at_far_is_the_exact_roc_read_at_the_last_point_within_k_false_accepts(seed):
+    # the order statistic and the full curve agree, ties included (the curve is slower, not different)
+    rng = np.random.default_rng(seed)
+    scores = rng.integers(0, 30, size=1_500).astype(np.float64)
+    labels = (rng.random(1_500) < 0.3).astype(int)
+    fars = (0.0, 1e-3, 0.01, 0.05, 0.2, 0.5, 0.99, 1.0)
+    out = tar_at_far(scores, labels, fars=fars)
+    fpr, tpr, _ = roc_curve(scores, labels, max_points=10_000)
+    n_imp = int((labels == 0).sum())
+    false_accepts = np.rint(fpr * n_imp)
+    for far in fars:
+        k = math.floor(Fraction(str(far)) * n_imp)
+        assert out[far] == tpr[np.searchsorted(false_accepts, k, side="right") - 1], far
+
+
 def test_tar_at_far_matches_brute_force_on_continuous_scores():
     rng = np.random.default_rng(3)
     imp = rng.normal(0.0, 0.1, size=20_000)

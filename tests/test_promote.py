@@ -166,6 +166,16 @@ def test_rollback_plan_drops_candidate_aliases_of_the_demoted_version():
 # ───────────────────────────────────────────────────────────────────────── config and benchmarks
 
 
+def test_registry_io_waits_the_first_delay_then_doubles():
+    from flows.promote import _io, connect
+
+    io = connect.with_options(**_io(p.PromoteConfig(retries=3, retry_delay_s=2.0)))
+    assert io.retries == 3 and io.retry_delay_seconds == [2.0, 4.0, 8.0]
+    io = connect.with_options(**_io(p.PromoteConfig(retries=2, retry_delay_s=0.5)))
+    assert io.retries == 2 and io.retry_delay_seconds == [0.5, 1.0]
+    assert connect.with_options(**_io(p.PromoteConfig(retries=0))).retries == 0
+
+
 def test_config_rejects_bad_gates():
     from ml.config import from_mapping
 

@@ -7,6 +7,7 @@ so the repository's own `.faceops/` is never touched. Whatever a test started is
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -54,13 +55,13 @@ def _record(root: Path) -> dict[str, dict]:
 
 def _running(pid: int) -> bool:
     """Alive and not a zombie, judged without the module under test."""
+    import psutil
+
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.NoSuchProcess:
         return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
-    except OSError:
+    except psutil.AccessDenied:
         return True
 
 
@@ -131,18 +132,26 @@ def test_record_names_each_live_server(stack):
         assert dt.datetime.fromisoformat(service["started"]).tzinfo is not None
         assert Path(service["log"]).is_file() and Path(service["log"]).parent == root / ".faceops" / "stack"
     mlflow_cmd = record["mlflow"]["cmd"]
+    assert mlflow_cmd[mlflow_cmd.index("--backend-store-uri") + 1].endswith("/.faceops/stack/mlflow-s3.db")
     # the layout of `faceops data`: s3://<bucket>/<storage.prefix>/mlflow
     assert mlflow_cmd[mlflow_cmd.index("--artifacts-destination") + 1] == f"s3://{BUCKET}/faceops/mlflow"
 
 
-def test_default_stack_keeps_artifacts_in_the_project(tmp_path):
-    """Without --s3: Prefect and MLflow only, artifacts under .faceops/stack/, no S3 settings for MLflow."""
+def test_default_stack_serves_the_repositorys_own_store(tmp_path):
+    """Without --s3: Prefect and MLflow only; MLflow serves mlflow.db and mlruns/ in the repository root, the store
+    `make run` logs to, and creates experiments there too; no S3 settings."""
     todo = plans(tmp_path, s3=False, prefect_port=4200, mlflow_port=5000, s3_port=5055, bucket="faceops")
     assert [p.name for p in todo] == ["prefect", "mlflow"]
     mlflow = todo[1]
-    assert mlflow.cmd[mlflow.cmd.index("--artifacts-destination") + 1] == str(tmp_path / ".faceops/stack/mlartifacts")
+    cmd = mlflow.cmd
+    assert cmd[cmd.index("--backend-store-uri") + 1] == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
+    assert cmd[cmd.index("--default-artifact-root") + 1] == str(tmp_path.resolve() / "mlruns")
+    assert cmd[cmd.index("--artifacts-destination") + 1] == str(tmp_path.resolve() / "mlruns")
     assert not any(k.startswith(("AWS_", "MLFLOW_S3")) for k in mlflow.env)
     assert all(p.cmd[p.cmd.index("--host") + 1] == "127.0.0.1" for p in todo)
+    s3 = plans(tmp_path, s3=True, prefect_port=4200, mlflow_port=5000, s3_port=5055, bucket="faceops")[2]
+    # moto's objects are in memory: runs whose artifacts vanish at `down` stay out of the repository's store
+    assert s3.cmd[s3.cmd.index("--backend-store-uri") + 1] == f"sqlite:///{tmp_path / '.faceops/stack/mlflow-s3.db'}"
 
 
 def test_prefect_and_mlflow_answer(stack):
@@ -288,3 +297,110 @@ def test_down_cleans_a_stale_record_and_spares_a_reused_pid(tmp_path):
 def test_stack_outside_a_project_says_where_to_run_it(tmp_path):
     out = _stack(["status"], tmp_path)
     assert out.returncode == 2 and "no dvc.yaml" in out.stderr and "repository root" in out.stderr
+
+
+# ── one MLflow store: what `make run` logged is in the stack's UI, and `faceops promote` sees it ──
+
+LOG_LIKE_MAKE_RUN = """
+from pathlib import Path
+import mlflow
+from mlflow import MlflowClient
+from tasks import tracking
+
+root = Path.cwd()
+tracking.configure(root)  # what `faceops run` does: no MLFLOW_TRACKING_URI, the repository's mlflow.db
+with mlflow.start_run(run_name="pipeline") as parent:
+    mlflow.log_metric("pipeline/wall_seconds", 470.0)
+    with mlflow.start_run(run_name="train_fr@real", nested=True) as stage:
+        mlflow.log_metric("train/accuracy", 0.77, step=27)
+        mlflow.log_text("from make run", "notes/hello.txt")
+client = MlflowClient()
+client.create_registered_model("faceops-fr")
+for alias in ("previous", "champion"):
+    version = client.create_model_version("faceops-fr", f"runs:/{stage.info.run_id}/notes", run_id=stage.info.run_id)
+    client.set_registered_model_alias("faceops-fr", alias, version.version)
+print(parent.info.run_id, stage.info.run_id)
+"""
+
+
+@contextlib.contextmanager
+def stack_over_logged_runs(root):
+    """In project ``root``: runs, an artifact and registered versions logged into its mlflow.db as `make run` logs
+    them (the repository's store, no server), then `faceops stack up` (no --s3) there; stopped on exit.
+    → (MLflow URL, the pipeline run's id, the stage run's id, what `up` printed)."""
+    logged = subprocess.run([sys.executable, "-c", LOG_LIKE_MAKE_RUN], cwd=root, env=ENV, capture_output=True,
+                            text=True, timeout=300)
+    assert logged.returncode == 0, logged.stderr[-3000:]
+    parent_id, stage_id = logged.stdout.split()[-2:]
+    prefect_port, mlflow_port = _ports(2)
+    out = _stack(["up", "--prefect-port", str(prefect_port), "--mlflow-port", str(mlflow_port)], root)
+    record = root / ".faceops/stack/stack.json"
+    pids = [s["pid"] for s in _record(root).values()] if record.is_file() else []
+    try:
+        assert out.returncode == 0, out.stdout + out.stderr
+        yield f"http://127.0.0.1:{mlflow_port}", parent_id, stage_id, out.stdout
+    finally:
+        _stack(["down"], root)
+        _kill_left_over(pids)
+
+
+@pytest.fixture(scope="module")
+def project_with_runs(tmp_path_factory):
+    """``stack_over_logged_runs`` in a copy of the project → (root, URL, pipeline run id, stage run id, output)."""
+    from .conftest import copy_project
+
+    root = copy_project(tmp_path_factory.mktemp("one-store"))
+    with stack_over_logged_runs(root) as (url, parent_id, stage_id, stdout):
+        yield root, url, parent_id, stage_id, stdout
+
+
+def test_the_stacks_mlflow_shows_the_runs_make_run_logged(project_with_runs):
+    from mlflow import MlflowClient
+
+    root, url, parent_id, stage_id, stdout = project_with_runs
+    assert f"store {root / 'mlflow.db'}" in stdout or "store mlflow.db" in stdout
+    client = MlflowClient(tracking_uri=url)
+    experiment = client.get_experiment_by_name("faceops")
+    runs = {r.info.run_id: r for r in client.search_runs([experiment.experiment_id])}
+    assert {parent_id, stage_id} <= set(runs)
+    assert runs[stage_id].data.tags["mlflow.parentRunId"] == parent_id
+    assert [m.value for m in client.get_metric_history(stage_id, "train/accuracy")] == [0.77]
+    # the artifact as the UI fetches it: through the server, from the file store `make run` wrote
+    assert _get(f"{url}/get-artifact?path=notes/hello.txt&run_uuid={stage_id}") == (200, "from make run")
+    assert {m.name for m in client.search_registered_models()} == {"faceops-fr"}
+
+
+def test_runs_logged_through_the_stack_land_in_the_repositorys_store(project_with_runs):
+    """A new experiment made through the server keeps its artifacts in mlruns/, so the run stays whole and
+    readable without the server."""
+    from mlflow import MlflowClient
+
+    root, url, _, _, _ = project_with_runs
+    client_env = {**ENV, "MLFLOW_TRACKING_URI": url}
+    logged = subprocess.run(
+        [sys.executable, "-c", "import mlflow\nmlflow.set_experiment('through-the-stack')\n"
+         "with mlflow.start_run() as run:\n    mlflow.log_text('via the server', 'notes/via.txt')\n"
+         "print(run.info.run_id)"], env=client_env, capture_output=True, text=True, timeout=180)
+    assert logged.returncode == 0, logged.stderr[-3000:]
+    run_id = logged.stdout.split()[-1]
+    direct = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")  # no server: what `make run` sees
+    run = direct.get_run(run_id)
+    assert Path(run.info.artifact_uri.removeprefix("file://")).is_relative_to(root / "mlruns")
+    assert (Path(run.info.artifact_uri.removeprefix("file://")) / "notes/via.txt").read_text() == "via the server"
+
+
+def test_promote_with_the_stacks_env_acts_on_the_same_registry(project_with_runs):
+    root, url, _, _, _ = project_with_runs
+    exported = subprocess.run(FACEOPS[:-1] + ["stack", "env"], cwd=root, env=ENV, capture_output=True, text=True)
+    assert exported.returncode == 0, exported.stderr
+    env = dict(ENV)
+    for line in exported.stdout.splitlines():
+        key, _, value = line.removeprefix("export ").partition("=")
+        env[key] = value.split("   #")[0]
+    assert env["MLFLOW_TRACKING_URI"] == url
+    out = subprocess.run(FACEOPS[:-1] + ["promote", "fr", "--rollback", "--dry-run"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=300)
+    said = out.stdout + out.stderr
+    # v2 is @champion and v1 @previous in the store `make run` wrote: the plan names them, not an empty registry
+    assert out.returncode == 0, said[-3000:]
+    assert "not in the MLflow registry" not in said and "v1" in said and "v2" in said, said[-3000:]

@@ -4,32 +4,23 @@ with a message naming the dataset, the expectation and the offending rows, and n
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 
 import numpy as np
 import pytest
 
-from ml.config import from_mapping
 from ml.data.dataset import read_manifest
 from ml.errors import DataError
-from tasks import prepare, validate
+from tasks import validate
 from tasks.common import Paths
-from tasks.params import load_preset
 
-from .conftest import REPO
+from .conftest import prepare_smoke
 
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    import yaml
-
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
-    for key, value in load_preset("smoke", REPO).items():
-        section, name = key.split(".", 1)
-        params[section][name] = value
-    data = from_mapping(prepare.DataConfig, params["data"], "data")
-    paths = Paths(tmp_path_factory.mktemp("ws"))
-    prepare.run(data, paths)
-    return data, paths
+    return prepare_smoke(tmp_path_factory.mktemp("ws"))
 
 
 def _datasets(paths, **overrides):
@@ -46,6 +37,8 @@ def test_clean_data_passes_and_writes_reports(prepared, tmp_path):
     assert (paths.validation_reports / "train.json").is_file()
     assert result.metrics["validate/fusion/success_percent"] == 100.0  # CAFace's procedural training sets
     assert (paths.validation_reports / "docs" / "index.html").is_file()
+    summary = (paths.validation_reports / validate.SUMMARY_NAME).read_text()
+    assert 'class="status fail"' not in summary and "every expectation met" in summary
 
 
 def _corrupt(paths, kind, fn):
@@ -78,6 +71,27 @@ def test_broken_manifest_is_rejected_naming_dataset_expectation_rows(prepared, t
         validate.validate_manifests(_datasets(paths, **{kind: broken}), data, validate.ValidateConfig(), tmp_path)
     message = str(err.value)
     assert f"dataset '{kind}'" in message and expectation in message and row in message, message
+
+
+def test_summary_is_self_contained_and_lists_every_expectation(prepared, tmp_path):
+    data, paths = prepared
+    broken = _corrupt(paths, "train", lambda df: df.__setitem__("width", df["width"].where(df.index != 0, 32)))
+    with pytest.raises(DataError):
+        validate.validate_manifests(_datasets(paths, train=broken), data, validate.ValidateConfig(), tmp_path)
+    text = (tmp_path / validate.SUMMARY_NAME).read_text()
+    # offline: nothing to fetch, no script to run
+    assert re.search(r"https?://|src=|url\(|@import|<link|<script", text, re.IGNORECASE) is None
+    assert "<style>" in text
+    for name in ("train", "heldout", "templates"):
+        payload = json.loads((tmp_path / f"{name}.json").read_text())
+        section = text.split(f'<section id="suite-{name}"', 1)[1].split("</section>", 1)[0]
+        types = re.findall(r'<tr class="(pass|fail)"><td>.*?</td><td><code>([a-z_]+)</code>', section)
+        assert types == [("pass" if r["success"] else "fail", r["expectation_config"]["type"])
+                         for r in payload["results"]]
+    failed = text.split('<section id="suite-train"', 1)[1].split('<tr class="fail">', 1)[1].split("</tr>", 1)[0]
+    assert "width" in failed and "value_set=[64]" in failed and "1 unexpected of" in failed and "row 0 (" in failed
+    docs = (tmp_path / "docs" / "index.html").read_text()
+    assert docs.count(f'href="../{validate.SUMMARY_NAME}"') == 1
 
 
 def test_failed_gate_leaves_no_half_written_reports(prepared, tmp_path, monkeypatch):

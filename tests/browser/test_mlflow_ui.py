@@ -1,0 +1,83 @@
+"""The MLflow UI as a researcher reads it: a stage's run page, its "Model metrics" tab and the curve behind a
+chart, on a real MLflow server on loopback with a run logged through ``tasks.tracking.stage_run``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+
+from ..servers import mlflow_server
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+STEPS = (27, 54, 81, 108)  # the optimiser step at each epoch's end, as the FR trainer logs its epochs
+ACCURACY = (0.52, 0.61, 0.68, 0.74)
+
+# a stage as the trainers log it: per-epoch points, then the stage's summary (no step) equal to the last point
+STAGE = textwrap.dedent(f"""
+    from pathlib import Path
+    from tasks.tracking import stage_run
+
+    with stage_run("train_fr", {{"fr": {{"epochs": {len(STEPS)}}}}}, Path.cwd()) as tracker:
+        for epoch, (step, acc) in enumerate(zip({STEPS!r}, {ACCURACY!r})):
+            tracker.log_metrics({{"val/accuracy": acc, "train/loss": 2.0 / (epoch + 1), "epoch": epoch}}, step=step)
+        tracker.log_metrics({{"val/accuracy": {ACCURACY[-1]!r}, "train/loss": 0.5}})
+""")
+
+
+@pytest.fixture(scope="module")
+def logged_run(tmp_path_factory):
+    """A server with one finished ``train_fr`` run; yields (server URL, experiment id, run id)."""
+    from mlflow import MlflowClient
+
+    work = tmp_path_factory.mktemp("mlflow_ui")
+    (work / "stage.py").write_text(STAGE)
+    with mlflow_server(work) as env:
+        proc = subprocess.run([sys.executable, "stage.py"], cwd=work, capture_output=True, text=True, timeout=180,
+                              env={**os.environ, **env, "PYTHONPATH": str(REPO)})
+        assert proc.returncode == 0, proc.stderr
+        client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+        experiment = client.get_experiment_by_name("faceops")
+        (run,) = client.search_runs([experiment.experiment_id])
+        yield env["MLFLOW_TRACKING_URI"], experiment.experiment_id, run.info.run_id
+
+
+def _is_history_of(response, key: str) -> bool:
+    """The UI's own call for a metric's history (``get-history`` or ``get-history-bulk-interval``)."""
+    url = urlsplit(response.url)
+    return "/ajax-api/2.0/mlflow/metrics/get-history" in url.path and parse_qs(url.query).get("metric_key") == [key]
+
+
+def test_run_page_shows_the_metric_curve_with_every_logged_step(page, logged_run):
+    base, experiment_id, run_id = logged_run
+    page.goto(f"{base}/#/experiments/{experiment_id}/runs/{run_id}")
+    # the overview's metrics table: the run's value is the curve's final value
+    page.get_by_text("val/accuracy", exact=True).first.wait_for()
+    row = page.get_by_role("row").filter(has_text="val/accuracy").first
+    assert str(ACCURACY[-1]) in row.inner_text()
+
+    with page.expect_response(lambda r: _is_history_of(r, "val/accuracy"), timeout=60_000) as answer:
+        page.get_by_role("tab", name="Model metrics").click()
+    response = answer.value
+    assert response.ok, response.status
+    points = [(m["step"], m["value"]) for m in json.loads(response.text())["metrics"] if m["key"] == "val/accuracy"]
+    steps = [int(step) for step, _ in points]
+    assert steps == list(STEPS), points  # no summary point at step 0 before or after the curve
+    assert all(b > a for a, b in zip(steps, steps[1:]))
+    assert [round(v, 6) for _, v in points] == list(ACCURACY)
+    assert points[-1][1] == pytest.approx(ACCURACY[-1])
+
+    # the chart itself: an "accuracy" chart in the "val" section, its legend naming the run and the metric
+    legend = page.get_by_text("train_fr (val/accuracy)", exact=True).first
+    legend.wait_for(state="attached")
+    legend.scroll_into_view_if_needed()
+    assert legend.is_visible()
+    assert page.get_by_text("accuracy", exact=True).first.is_visible()
