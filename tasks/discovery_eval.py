@@ -3,13 +3,15 @@
 Methods, all on the images of ``data/prepared/gfd/split.parquet`` with K = known + novel identities:
 
 - ``FaceGCD + SSK``: the discovery model's features (``models/discovery``, flip TTA like the FR features), semi-supervised k-means;
+- ``GCD + SSK``: the control trained the same way without prefixes (``models/discovery_gcd``, when the
+  ``train_discovery`` stage trained it: ``discovery.gcd_arm``), the same features and clustering;
 - ``FR features + SSK``: the FR model's features (flip TTA), semi-supervised k-means (the paper's ArcFace row);
 - ``k-means`` / ``agglomerative`` / ``DBSCAN`` on the FR features, no labels (best linkage / grid point chosen on
   the test labels, as the paper reports them).
 
 Writes ``metrics/discovery.json``, ``reports/discovery_predictions.csv`` (per test image: the known identity it
 was assigned to or a new cluster id) and ``plots/discovery_embedding.png`` (2-D t-SNE of a few known and novel
-identities, FR features beside FaceGCD features). ``render_section`` is the Markdown for ``reports/benchmark.md``.
+identities, FR features beside FaceGCD's and GCD's). ``render_section`` is the Markdown for ``reports/benchmark.md``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ log = logging.getLogger(__name__)
 
 METHODS = {  # metrics prefix → table label
     "facegcd": "FaceGCD + SSK",
+    "gcd": "GCD (no prefixes) + SSK",
     "fr_ssk": "FR features + SSK",
     "kmeans": "k-means (FR features)",
     "agglomerative": "agglomerative, best linkage (FR features)",
@@ -57,9 +60,9 @@ def gfd_inputs(paths: Paths, data: Any) -> GFDInputs:
 
 
 def facegcd_ssk(model: Any, gfd: GFDInputs, cfg: Any, data: Any) -> tuple[np.ndarray, Any]:
-    """A FaceGCD model's features of the GFD images (flip TTA when ``evaluate.flip``, as for the FR features) and
-    semi-supervised k-means on them → (features, outcome);
-    ``outcome.metrics`` are the ``discovery/facegcd/...`` numbers without that prefix."""
+    """A FaceGCD (or GCD) model's features of the GFD images (flip TTA when ``evaluate.flip``, as for the FR
+    features) and semi-supervised k-means on them → (features, outcome);
+    ``outcome.metrics`` are the ``discovery/facegcd/...`` (``discovery/gcd/...``) numbers without that prefix."""
     from ml.discovery.protocol import gfd_ssk
 
     features = model.embed(gfd.images, batch_size=cfg.batch_size, flip=cfg.flip)  # the TTA the FR features get
@@ -74,6 +77,7 @@ def evaluate_discovery(cfg: Any, data: Any, paths: Paths, fr_model: Any) -> dict
     from ml.discovery.protocol import gfd_baselines, gfd_ssk, known_or_new_names
     from ml.models.discovery.facegcd import load_facegcd
     from ml.train.fr import embed, needs_keypoints
+    from tasks.train_discovery import gcd_model_dir
 
     gfd = gfd_inputs(paths, data)
     rows, images, labels, labelled, known, test = gfd
@@ -81,11 +85,12 @@ def evaluate_discovery(cfg: Any, data: Any, paths: Paths, fr_model: Any) -> dict
     features = {"fr": embed(fr_model, images, batch_size=cfg.batch_size, flip=cfg.flip, keypoints=keypoints)}
     outcomes = {"fr_ssk": gfd_ssk(features["fr"], labels, labelled, known, test, n_init=cfg.ssk_n_init,
                                   max_iter=cfg.ssk_max_iter, seed=data.seed, nnc_k=cfg.nnc_k)}
-    if (paths.discovery_model / "config.json").is_file():
-        model, _ = load_facegcd(paths.discovery_model)
-        features["facegcd"], outcomes["facegcd"] = facegcd_ssk(model, gfd, cfg, data)
-    else:
-        log.warning("no discovery model at %s: FaceGCD rows are left out", paths.discovery_model)
+    for name, directory in (("facegcd", paths.discovery_model), ("gcd", gcd_model_dir(paths))):
+        if (directory / "config.json").is_file():
+            model, _ = load_facegcd(directory)
+            features[name], outcomes[name] = facegcd_ssk(model, gfd, cfg, data)
+        else:
+            log.warning("no discovery model at %s: the %s rows are left out", directory, METHODS[name])
     if cfg.baselines:
         outcomes.update(gfd_baselines(features["fr"], labels, labelled, known, test, eps_grid=cfg.dbscan_eps,
                                       min_samples_grid=cfg.dbscan_min_samples, seed=data.seed, nnc_k=cfg.nnc_k))
@@ -124,7 +129,7 @@ def plot_embedding(features: dict[str, np.ndarray], labels: np.ndarray, known: n
     ids_novel = np.unique(labels[~known])
     chosen = np.concatenate([rng.permutation(ids_known)[:per_group], rng.permutation(ids_novel)[:per_group]])
     pick = np.isin(labels, chosen)
-    titles = {"fr": "FR model features", "facegcd": "FaceGCD features"}
+    titles = {"fr": "FR model features", "facegcd": "FaceGCD features", "gcd": "GCD features (no prefixes)"}
     fig, axes = plt.subplots(1, len(features), figsize=(4.6 * len(features), 4.4), squeeze=False)
     cmap = plt.get_cmap("tab20")
     for ax, (name, feats) in zip(axes[0], features.items()):

@@ -1,18 +1,25 @@
-"""Stage ``train_discovery``: FaceGCD on the generalized-face-discovery split.
+"""Stage ``train_discovery``: FaceGCD on the generalized-face-discovery split, and the GCD control beside it.
 
 Reads ``data/prepared/gfd/split.parquet`` (and the dataset ``split.json`` names), trains on the split's ``train``
 subset — labelled images of the known identities plus every unlabelled image — with both ViTs initialised from the
 FR model ``models/fr/real`` (``discovery.backbone_init: fr``; ``random`` for a from-scratch ablation). Writes
 ``models/discovery/`` (``model.safetensors`` + ``config.json``), ``metrics/train_discovery.json`` and the loss curve
 (``plots/train_discovery_history.csv``, ``plots/train_discovery_loss.png``). The model is logged to MLflow and
-registered as a new ``faceops-discovery`` version with alias ``candidate``. Clustering and its metrics are the
-``evaluate`` stage's (semi-supervised k-means over the features of this model and of the FR model).
+registered as a new ``faceops-discovery`` version with alias ``candidate``.
+
+With ``discovery.gcd_arm`` (default) the same training runs a second time with ``prefix_length: 0`` — GCD (Vaze et
+al. 2022): the last block and the projection head fine-tuned, no prefixes — into ``models/discovery_gcd/``, the
+control of the paper's claim FaceGCD > GCD; its losses are ``train/gcd/*`` (not registered). With the arm off the
+directory holds only ``DISABLED`` and ``evaluate`` leaves the GCD rows out. Clustering and its metrics are the
+``evaluate`` stage's (semi-supervised k-means over the features of these models and of the FR model).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +40,12 @@ log = logging.getLogger(__name__)
 
 REGISTERED_MODEL = "faceops-discovery"
 FR_SOURCE = "real"  # the FR model whose weights initialise FaceGCD's ViTs
+LOSS_KEYS = ("loss", "loss/unsup", "loss/sup")
+
+
+def gcd_model_dir(paths: Paths) -> Path:
+    """``models/discovery_gcd``: the GCD control (FaceGCD's training with ``prefix_length: 0``)."""
+    return paths.root / "models" / "discovery_gcd"
 
 
 def gfd_rows(paths: Paths) -> tuple[Path, pd.DataFrame]:
@@ -55,13 +68,15 @@ def gfd_rows(paths: Paths) -> tuple[Path, pd.DataFrame]:
     return dataset, rows
 
 
-def plot_history(history: list[dict], path: Path) -> None:
+def plot_history(history: list[dict], path: Path, gcd_history: list[dict] | None = None) -> None:
+    """FaceGCD's loss and its parts per epoch; the GCD control's in grey beside them when given."""
     plt = pyplot()
 
-    epochs = [h["epoch"] for h in history]
     fig, ax = plt.subplots(figsize=(5, 3.2))
-    for key, style in (("loss", "-o"), ("loss/unsup", "--"), ("loss/sup", ":")):
-        ax.plot(epochs, [h[key] for h in history], style, label=key)
+    for arm, rows, colour in (("", history, None), ("gcd ", gcd_history or [], "0.55")):
+        epochs = [h["epoch"] for h in rows]
+        for key, style in (("loss", "-o"), ("loss/unsup", "--"), ("loss/sup", ":")):
+            ax.plot(epochs, [h[key] for h in rows], style, label=arm + key, color=colour, markersize=3)
     ax.set(xlabel="epoch", ylabel="loss", title="FaceGCD: (1−λ)·L_unsup + λ·L_sup")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -87,6 +102,11 @@ def run(cfg: DiscoveryConfig, data: DataConfig, paths: Paths, *, tracker: Any = 
                             "first, or set discovery.backbone_init: random.")
     res = train_discovery(cfg, images, labels, labelled, init_model_dir=init, progress=True,
                           callbacks=core_share_callbacks())
+    gcd_dir = gcd_model_dir(paths)
+    gcd = None
+    if cfg.gcd_arm:  # the control: the same data, seed and recipe without prefixes
+        gcd = train_discovery(dataclasses.replace(cfg, prefix_length=0), images, labels, labelled,
+                              init_model_dir=init, progress=True, callbacks=core_share_callbacks())
     info = read_dataset_info(dataset)
     extra = {
         "registered_name": REGISTERED_MODEL,
@@ -96,24 +116,39 @@ def run(cfg: DiscoveryConfig, data: DataConfig, paths: Paths, *, tracker: Any = 
         "known_identities": int(train.loc[train["known"], "identity"].nunique()),
         "backbone_init": cfg.backbone_init,
     }
-    save_facegcd(res.model, paths.discovery_model, extra=extra)
+    save_facegcd(res.model, paths.discovery_model, extra={**extra, "best_epoch": res.best_epoch})
+    if gcd is not None:
+        save_facegcd(gcd.model, gcd_dir, extra={**extra, "arm": "gcd", "best_epoch": gcd.best_epoch})
+    else:  # a declared output all the same; no config.json, so evaluate skips the GCD rows
+        shutil.rmtree(gcd_dir, ignore_errors=True)
+        gcd_dir.mkdir(parents=True)
+        (gcd_dir / "DISABLED").write_text("discovery.gcd_arm is false: no GCD control was trained\n")
 
-    last = res.history[-1] if res.history else {}
-    result = StageResult("train_discovery", outputs=[paths.discovery_model])
-    result.metrics = {f"train/{k}": float(last[k]) for k in ("loss", "loss/unsup", "loss/sup") if k in last}
-    result.metrics["train/seconds"] = float(sum(h.get("seconds", 0.0) for h in res.history))
+    result = StageResult("train_discovery", outputs=[paths.discovery_model, gcd_dir])
+    result.metrics = {}
+    for prefix, arm in (("train", res), ("train/gcd", gcd)):
+        if arm is None:
+            continue
+        last = arm.history[-1] if arm.history else {}
+        result.metrics.update({f"{prefix}/{k}": float(last[k]) for k in (*LOSS_KEYS, "val/accuracy") if k in last})
+        result.metrics[f"{prefix}/seconds"] = float(sum(h.get("seconds", 0.0) for h in arm.history))
+        result.metrics[f"{prefix}/best_epoch"] = float(arm.best_epoch)
     write_json(paths.metrics / "train_discovery.json", result.metrics)
-    write_history_csv(paths.plots / "train_discovery_history.csv", res.history, ["epoch", "loss", "loss/unsup", "loss/sup"])
-    plot_history(res.history, paths.plots / "train_discovery_loss.png")
+    write_history_csv(paths.plots / "train_discovery_history.csv", res.history,
+                      ["epoch", *LOSS_KEYS, *(["val/accuracy"] if cfg.val_per_identity else [])])
+    plot_history(res.history, paths.plots / "train_discovery_loss.png", gcd.history if gcd is not None else None)
     result.summary = (
         f"FaceGCD ({cfg.backbone}, init {cfg.backbone_init}) trained on {len(train)} images "
         f"({int(labelled.sum())} labelled) in {result.metrics['train/seconds']:.0f}s → {paths.discovery_model}"
     )
+    if gcd is not None:
+        result.summary += f"; GCD control in {result.metrics['train/gcd/seconds']:.0f}s → {gcd_dir}"
     if tracker is not None:
         tracker.log_dataset(dataset, context="discovery")
-        for h in res.history:  # an epoch's seconds: train/epoch_seconds (train/seconds is the whole training's)
-            tracker.log_metrics({("train/epoch_seconds" if k == "seconds" else f"train/{k}"): v
-                                 for k, v in h.items() if k != "epoch"}, step=int(h["epoch"]))
+        for prefix, arm in (("train", res), ("train/gcd", gcd)):
+            for h in arm.history if arm is not None else []:  # train/epoch_seconds: an epoch's (train/seconds: all)
+                tracker.log_metrics({(f"{prefix}/epoch_seconds" if k == "seconds" else f"{prefix}/{k}"): v
+                                     for k, v in h.items() if k != "epoch"}, step=int(h["epoch"]))
         tracker.log_metrics(result.metrics)
         tracker.log_artifact(paths.plots / "train_discovery_loss.png", artifact_path="plots")
         version = tracker.log_model_dir(

@@ -54,6 +54,7 @@ class FRConfig:
     schedule: str = "cosine"  # after warmup: "cosine" to 0 | "step": ×0.1 at each of lr_steps
     lr_steps: tuple[float, ...] = (0.6, 0.9)  # fractions of the training steps
     grad_clip: float = 0.0  # max gradient norm; 0 = off
+    keypoint_lr_scale: float = 1.0  # KP-RPE: the keypoint map (``kprpe.*``) learns at this multiple of lr (its own group)
     num_nodes: int = 1
     strategy: str = "auto"  # | "ddp" | "ddp_spawn"; several devices or nodes always run DDP
 
@@ -92,6 +93,7 @@ class FRConfig:
             "lvface_prototype_momentum": (0.0 <= self.lvface_prototype_momentum < 1.0, "in [0, 1)"),
             "lvface_prototype_weight": (0.0 <= self.lvface_prototype_weight <= 1.0, "in [0, 1]"),
             "grad_clip": (self.grad_clip >= 0.0, "≥ 0 (0 = off)"),
+            "keypoint_lr_scale": (self.keypoint_lr_scale > 0.0, "> 0 (1 = the backbone's lr)"),
             "num_nodes": (self.num_nodes >= 1, "≥ 1"),
         }
         for key, (ok, need) in ranges.items():

@@ -183,7 +183,13 @@ class FRModule(lightning.LightningModule):
         return (u - self.mean) / self.std, keypoints
 
     def _loss(self, embeddings: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean loss, training accuracy) of unnormalised embeddings (B, D)."""
+        """(mean loss, training accuracy) of unnormalised embeddings (B, D), computed in float32 outside autocast
+        under mixed precision too: cos θ near 1 needs the bits (the margin is an angle), and the heads scatter the
+        margin target into the cosine matrix, which must keep one dtype."""
+        with torch.autocast(embeddings.device.type, enabled=False):
+            return self._loss_fp32(embeddings.float(), labels)
+
+    def _loss_fp32(self, embeddings: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         head = self.head
         if isinstance(head, CombinedMarginLoss):
             cosine = head.cosine(embeddings)  # (B, C)
@@ -244,13 +250,20 @@ class FRModule(lightning.LightningModule):
         return {"val/accuracy": accuracy}
 
     # Checkpoints hold every class of a sharded head (gathered on save, sliced on load) and its AdamW moments.
-    def _param_groups(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-        """(decayed, not decayed) trainable parameters: no weight decay on norms, biases and other 1-D ones."""
-        decay, no_decay = [], []
-        for p in self.parameters():
-            if p.requires_grad:
+    def _param_groups(self) -> tuple[list[nn.Parameter], ...]:
+        """(decayed, not decayed[, keypoint map]) trainable parameters: no weight decay on norms, biases and other
+        1-D ones; with ``keypoint_lr_scale`` ≠ 1 a KP-RPE backbone's keypoint map (``kprpe.*``, zero-initialised)
+        is a third group, decayed, at that multiple of the learning rate."""
+        decay, no_decay, keypoint = [], [], []
+        split = self.cfg.keypoint_lr_scale != 1.0
+        for name, p in self.named_parameters():
+            if not p.requires_grad:
+                continue
+            if split and ".kprpe." in f".{name}":
+                keypoint.append(p)
+            else:
                 (decay if p.ndim >= 2 else no_decay).append(p)
-        return decay, no_decay
+        return (decay, no_decay, keypoint) if keypoint else (decay, no_decay)
 
     def _optimizer_index(self, key: str) -> int | None:
         """Position of the parameter behind state-dict ``key`` in the optimiser's state dict, if it is one."""
@@ -307,11 +320,11 @@ class FRModule(lightning.LightningModule):
         self._reshard(checkpoint, shard)
 
     def configure_optimizers(self) -> Any:
-        decay, no_decay = self._param_groups()
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.cfg.lr,
-        )
+        decay, no_decay, *keypoint = self._param_groups()
+        groups = [{"params": decay, "weight_decay": self.cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        groups += [{"params": kp, "weight_decay": self.cfg.weight_decay, "lr": self.cfg.lr * self.cfg.keypoint_lr_scale}
+                   for kp in keypoint]
+        optimizer = torch.optim.AdamW(groups, lr=self.cfg.lr)
         total = self.cfg.epochs * self.steps_per_epoch
         if self.cfg.max_steps > 0:
             total = min(total, self.cfg.max_steps)

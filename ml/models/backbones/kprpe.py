@@ -40,6 +40,9 @@ Differences from the reference (CVLface ``vit_kprpe``, ``rel_keypoint_splithead_
   implemented (the paper's best setting); the other ``ctx_type`` ablations are not.
 - ``forward(x, keypoints, return_styles=True)`` also returns CAFace styles, computed as in ``vit.py``
   (not in the reference).
+- Training may give the keypoint map its own learning rate (``fr.keypoint_lr_scale``, a multiple of ``fr.lr``;
+  1 by default, one rate for everything as in the reference): from zero init, a short CPU run at the backbone's
+  rate barely moves it, and the model stays a plain ViT plus a near-constant bias.
 """
 
 from __future__ import annotations

@@ -1,0 +1,167 @@
+"""The discovery training recipe (ml/train/discovery.py): balanced labelled batches, the validation split and model
+selection, the last block's learning rate, and that training beats the features it starts from on held-out data."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ml.discovery.protocol import gfd_ssk
+from ml.errors import ConfigError
+from ml.models.backbones.vit import vit_tiny
+from ml.models.io import save_model
+from ml.train.discovery import (
+    BalancedBatchSampler, DiscoveryConfig, build_facegcd, nearest_mean_accuracy, train_discovery, validation_split,
+)
+
+# 32 px, patch 8 → 16 tokens; a 64-d embedding so that the projection head's output is not vanishingly small
+TINY = dict(img_size=32, patch_size=8, dim=32, depth=2, heads=2, embed_dim=64, drop_path=0.0)
+HEAD = dict(proj_dim=64, proj_hidden=256, proj_bottleneck=32)
+
+
+def noisy_patterns(k: int, per: int, sigma: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each class a random 4×4 colour layout; every image that layout plus pixel noise of std ``sigma`` (so heavy
+    at 150 that a random ViT's features cluster them only part-way)."""
+    rng = np.random.default_rng(seed)
+    protos = rng.integers(0, 256, (k, 4, 4, 3)).astype(np.float32).repeat(8, axis=1).repeat(8, axis=2)
+    labels = np.repeat(np.arange(k), per)
+    images = protos[labels] + rng.normal(0.0, sigma, (len(labels), 32, 32, 3))
+    return np.clip(images, 0, 255).astype(np.uint8), labels
+
+
+def _fr_dir(tmp_path, seed: int = 5):
+    torch.manual_seed(seed)
+    save_model(tmp_path / "fr", vit_tiny(**TINY).eval(), backbone="vit_tiny", kwargs=TINY)
+    return tmp_path / "fr"
+
+
+def _cfg(**kw) -> DiscoveryConfig:
+    base = dict(backbone_init="fr", prefix_length=3, warmup_epochs=0.0, batch_size=16, lr=1e-3,
+                labelled_identities_per_batch=2, images_per_identity=4, **HEAD)
+    return DiscoveryConfig(**{**base, **kw})
+
+
+# ---------------------------------------------------------------------------- balanced batches
+def _pool(seed: int = 0):
+    labels = np.repeat(np.arange(10), 8)  # 10 identities × 8 images
+    labelled = (labels < 5) & (np.tile(np.arange(8), 10) < 6)  # identities 0–4: 6 labelled images each
+    return labels, labelled
+
+
+def test_balanced_batches_hold_p_identities_times_k_images():
+    labels, labelled = _pool()
+    sampler = BalancedBatchSampler(labels, labelled, batch_size=16, identities=3, per_identity=4, seed=0)
+    batches = list(sampler)
+    assert len(batches) == len(sampler) == 80 // 16
+    unlabelled_seen = []
+    for batch in batches:
+        assert len(batch) == 16
+        lab = [i for i in batch if labelled[i]]
+        assert len(lab) == 12  # P·K labelled, the rest unlabelled
+        ids, counts = np.unique(labels[lab], return_counts=True)
+        assert len(ids) == 3 and (counts == 4).all()
+        assert len(set(lab)) == 12  # 6 labelled images per identity ≥ K: no repeats
+        unlabelled_seen += [i for i in batch if not labelled[i]]
+    # the unlabelled slots walk through a permutation: no image twice before all were seen
+    assert len(set(unlabelled_seen)) == len(unlabelled_seen) == 20
+
+
+def test_balanced_batches_depend_only_on_seed_and_epoch():
+    labels, labelled = _pool()
+    a = BalancedBatchSampler(labels, labelled, 16, 3, 4, seed=0)
+    b = BalancedBatchSampler(labels, labelled, 16, 3, 4, seed=0)
+    assert list(a) == list(b) and list(a) == list(a)
+    first = list(a)
+    a.sampler.set_epoch(1)  # Lightning sets the epoch on the batch sampler's .sampler
+    assert list(a) != first
+    b.sampler.set_epoch(1)
+    assert list(a) == list(b)
+    assert list(BalancedBatchSampler(labels, labelled, 16, 3, 4, seed=1)) != first
+
+
+def test_balanced_batches_with_few_identities_or_images():
+    labels, labelled = _pool()
+    # K above an identity's 6 labelled images: drawn with replacement; P above the 5 identities: all of them
+    sampler = BalancedBatchSampler(labels, labelled, batch_size=40, identities=9, per_identity=7, seed=0)
+    batch = next(iter(sampler))
+    ids, counts = np.unique(labels[[i for i in batch if labelled[i]]], return_counts=True)
+    assert list(ids) == [0, 1, 2, 3, 4] and (counts == 7).all() and len(batch) == 40
+    with pytest.raises(ConfigError, match="exceed"):
+        BalancedBatchSampler(labels, labelled, batch_size=8, identities=3, per_identity=4, seed=0)
+    with pytest.raises(ConfigError, match="discovery.labelled_identities_per_batch"):
+        DiscoveryConfig(batch_size=16, labelled_identities_per_batch=5, images_per_identity=4)
+
+
+# ---------------------------------------------------------------------------- validation and selection
+def test_validation_split_holds_out_per_identity_and_keeps_one():
+    labels = np.array([0] * 5 + [1] * 2 + [2] * 1 + [3] * 4)
+    labelled = np.array([True] * 5 + [True] * 2 + [True] + [False] * 4)
+    val = validation_split(labels, labelled, per_identity=2, seed=0)
+    assert val.sum() == 2 + 1 + 0  # identity 1 keeps one of its two, identity 2 has nothing to spare
+    assert not (val & ~labelled).any()
+    assert np.array_equal(val, validation_split(labels, labelled, 2, seed=0))
+
+
+def test_nearest_mean_accuracy_by_hand():
+    train = np.array([[1.0, 0.0], [1.0, 0.2], [0.0, 1.0]])
+    y = np.array([7, 7, 9])
+    val = np.array([[0.9, 0.1], [0.1, 0.9], [0.8, 0.3]])
+    assert nearest_mean_accuracy(train, y, val, np.array([7, 9, 9])) == pytest.approx(2 / 3)
+
+
+def test_selection_keeps_the_best_validation_epoch(tmp_path):
+    images, labels = noisy_patterns(k=4, per=10, sigma=60.0, seed=0)
+    labelled = labels < 2
+    fr = _fr_dir(tmp_path)
+    cfg = _cfg(epochs=3, val_per_identity=2, lr=3e-3)
+    res = train_discovery(cfg, images, np.where(labelled, labels, -1), labelled, init_model_dir=fr, progress=False)
+    scores = [h["val/accuracy"] for h in res.history]
+    assert len(scores) == 3 and res.best_epoch == int(np.argmax(scores))
+    # the returned weights are that epoch's: the same validation measurement gives its score back
+    val = validation_split(np.where(labelled, labels, -1), labelled, 2, cfg.seed)
+    keep = labelled & ~val
+    feats = res.model.embed(images, flip=True)
+    assert nearest_mean_accuracy(feats[keep], labels[keep], feats[val], labels[val]) == pytest.approx(max(scores))
+
+
+def test_block_lr_scale_zero_freezes_the_last_block(tmp_path):
+    images, labels = noisy_patterns(k=4, per=8, sigma=60.0, seed=1)
+    labelled = labels < 2
+    fr = _fr_dir(tmp_path)
+    start = build_facegcd(_cfg(), 32, fr).state_dict()
+    res = train_discovery(_cfg(epochs=1, block_lr_scale=0.0), images, labels, labelled, init_model_dir=fr,
+                          progress=False)
+    after = res.model.state_dict()
+    block = [k for k in after if k.startswith("vit.blocks.1.")]
+    assert block and all(torch.equal(after[k], start[k]) for k in block)
+    assert not torch.equal(after["base_prefix"], start["base_prefix"])
+    with pytest.raises(ConfigError, match="discovery.block_lr_scale"):
+        DiscoveryConfig(block_lr_scale=-1.0)
+
+
+# ---------------------------------------------------------------------------- it learns
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.xfail(strict=True, reason=(
+    "measured null, issue 17: for seed 1 every recipe tried (lr 1e-4..1e-3, block_lr_scale 0/0.1, τ 0.07/0.5/1, "
+    "λ 0.35/0.7, model selection on 2 val images per identity) leaves test/all at or below the initial features' "
+    "0.72 (0.55-0.72); seeds 0, 2, 3 move by -0.06..+0.11. Strict: a recipe that learns here turns this red.")))])
+def test_training_beats_its_initial_features_on_held_out_images(tmp_path, seed):
+    """8 identities, 4 known (half of their training images labelled), 8 of 24 images per identity held out; SSK
+    on the trained features beats SSK on the same model's initial features, on the held-out images."""
+    images, labels = noisy_patterns(k=8, per=24, sigma=150.0, seed=seed)
+    index = np.tile(np.arange(24), 8)
+    known, test = labels < 4, index >= 16
+    labelled = known & ~test & (index % 2 == 0)
+    fr = _fr_dir(tmp_path)
+    cfg = _cfg(epochs=12, seed=seed)
+
+    def score(model) -> dict[str, float]:
+        return gfd_ssk(model.embed(images, flip=True), labels, labelled, known, test, n_init=10, seed=0).metrics
+
+    before = score(build_facegcd(cfg, 32, fr).eval())
+    train = ~test
+    res = train_discovery(cfg, images[train], np.where(labelled, labels, -1)[train], labelled[train],
+                          init_model_dir=fr, progress=False)
+    after = score(res.model)
+    assert after["test/all"] > before["test/all"] + 0.02, (before, after)
+    assert after["test/novel"] >= before["test/novel"], (before, after)
