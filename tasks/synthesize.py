@@ -205,14 +205,10 @@ def plot_t0(t0: np.ndarray, steps_t: int, path: Path) -> None:
 
 
 def per_identity_consistency(emb: np.ndarray, labels: np.ndarray) -> dict[int, float]:
-    """Mean pairwise cosine within each identity (embeddings L2-normalised)."""
-    out = {}
-    for label in np.unique(labels):
-        e = emb[labels == label]
-        n = len(e)
-        s = e.sum(axis=0)
-        out[int(label)] = float((s @ s - n) / (n * (n - 1)))
-    return out
+    """Mean pairwise cosine within each identity (``ml.eval.diversity.per_class_consistency``)."""
+    from ml.eval.diversity import per_class_consistency
+
+    return per_class_consistency(emb, labels)
 
 
 def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Paths, *, tracker: Any = None

@@ -202,9 +202,11 @@ def run(cfg: GeneratorStageConfig, paths: Paths, *, tracker: Any = None) -> Stag
         from ml.train.autoencoder import train_autoencoder
 
         ae_cfg = cfg.autoencoder_train
+        ae_size = images.shape[1] - images.shape[1] % ae_cfg.factor
         autoencoder, ae_history, ae_seconds = train_autoencoder(
-            ae_cfg, resize_faces(images, images.shape[1] - images.shape[1] % ae_cfg.factor), native,
-            fr if ae_cfg.fr_weight > 0 else None, callbacks=core_share_callbacks(), progress=True)
+            ae_cfg, resize_faces(images, ae_size), native, fr if ae_cfg.fr_weight > 0 else None,
+            None if landmarks is None else landmarks * (ae_size / images.shape[1]),
+            callbacks=core_share_callbacks(), progress=True)
         metrics["autoencoder/seconds"] = float(ae_seconds)
         write_history_csv(paths.plots / "train_autoencoder_history.csv", ae_history,
                           ["epoch", "train/loss", "train/pixel", "train/fr_cosine"])

@@ -106,6 +106,17 @@ def test_ema_differs_from_raw_weights_and_is_what_gets_saved(runs, tmp_path) -> 
     assert extra["image_size"] == 16
 
 
+def test_first_ema_update_keeps_a_tenth_of_the_initial_weights() -> None:
+    # update n = 0 decays by min(ema_decay, (1 + 0)/(10 + 0)) = 0.1: θ_ema = 0.1·θ_init + 0.9·θ_1
+    one = train_generator(dataclasses.replace(CFG, max_steps=1), *faces(), progress=False)
+    lightning.seed_everything(CFG.seed, verbose=False)
+    init = IDConditionedUNet(CFG.model).state_dict()
+    raw = one.raw_model.state_dict()
+    assert max(float((raw[k] - init[k]).abs().max()) for k in raw) > 1e-4  # the step moved the weights
+    for key, value in one.model.state_dict().items():
+        torch.testing.assert_close(value, 0.1 * init[key] + 0.9 * raw[key], atol=1e-7, rtol=1e-6, msg=key)
+
+
 def test_resume_after_an_epoch_equals_an_uninterrupted_run(runs) -> None:
     *_, full, first, second, ckpt_dir, steps = runs
     assert [r["epoch"] for r in first.history] == [0]
@@ -238,3 +249,21 @@ def test_autoencoder_identity_term_needs_the_fr_model() -> None:
         train_autoencoder(AutoencoderConfig(block_out_channels=(8, 16), norm_num_groups=4), images, progress=False)
     with pytest.raises(ConfigError, match="norm_num_groups"):
         AutoencoderConfig(block_out_channels=(8, 12), norm_num_groups=8)
+
+
+def test_autoencoder_identity_term_gives_a_kprpe_fr_model_its_landmarks() -> None:
+    """With a KP-RPE FR model as the identity teacher, the autoencoder's FR term calls it with each face's
+    landmarks (it cannot embed a face without them) and refuses to start when none are given."""
+    from ml.models.backbones import build_backbone
+    from ml.train.autoencoder import AutoencoderConfig, train_autoencoder
+
+    images, _ = separable(2, 4, size=64)
+    fr = build_backbone("vit_tiny_kprpe", depth=1).eval()
+    ids = np.random.default_rng(0).normal(size=(len(images), 128)).astype(np.float32)
+    landmarks = np.tile(np.array([[22, 26], [42, 26], [32, 36], [24, 46], [40, 46]], np.float32), (len(images), 1, 1))
+    cfg = AutoencoderConfig(block_out_channels=(8, 16), norm_num_groups=4, fr_batch=4, epochs=1, batch_size=4,
+                            accelerator="cpu")
+    with pytest.raises(DataError, match="landmarks"):
+        train_autoencoder(cfg, images, ids, fr, progress=False)
+    _, history, _ = train_autoencoder(cfg, images, ids, fr, landmarks, progress=False)
+    assert np.isfinite(history[-1]["train/fr_cosine"])

@@ -57,6 +57,7 @@ __all__ = [
     "load_lpips",
     "lpips_distance",
     "nearest_real",
+    "per_class_consistency",
     "ssim_diversity",
 ]
 
@@ -148,6 +149,12 @@ def _per_class_mean_cos(emb, labels) -> np.ndarray:
 # --------------------------------------------------------------------------------------------
 # identity consistency and diversity
 # --------------------------------------------------------------------------------------------
+
+
+def per_class_consistency(emb, labels) -> dict[int, float]:
+    """{class: mean pairwise cosine within it} (embeddings L2-normalised here); every class needs ≥ 2 rows."""
+    classes = np.unique(_as_labels(labels, _as_embeddings(emb, "emb").shape[0]))
+    return {int(c): float(v) for c, v in zip(classes, _per_class_mean_cos(emb, labels))}
 
 
 def identity_consistency(emb, labels) -> float:

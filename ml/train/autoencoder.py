@@ -46,6 +46,7 @@ from ml.errors import ConfigError, DataError
 from ml.train.callbacks import EpochHistory, check_device, check_device_keys, fit, non_finite_loss
 from ml.train.checkpoint import mix_seed, resume_path
 from ml.train.fr import EpochSampler
+from ml.train.fr_data import check_keypoints, needs_keypoints
 from ml.train.generator import images_to_unit_range
 
 __all__ = ["AutoencoderConfig", "AutoencoderModule", "build_autoencoder", "reconstruct", "train_autoencoder"]
@@ -135,8 +136,8 @@ class AutoencoderModule(lightning.LightningModule):
         for fr in self._fr:
             fr.to(self.device).eval().requires_grad_(False)
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        images, ids = batch  # uint8 (B, 3, H, W), float (B, D) unit embeddings
+    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
+        images, ids, keypoints = batch  # uint8 (B, 3, H, W), float (B, D) unit embeddings, float (B, 5, 2) pixels
         x = images_to_unit_range(images)
         generator = torch.Generator(device=self.device).manual_seed(mix_seed(self.cfg.seed, self.global_step))
         posterior = self.autoencoder.encode(x).latent_dist
@@ -147,7 +148,9 @@ class AutoencoderModule(lightning.LightningModule):
         b = images.shape[0]
         if self._fr and self.cfg.fr_weight > 0:
             k = min(self.cfg.fr_batch, b)
-            cos = (F.normalize(self._fr[0](y[:k]).float(), dim=-1) * ids[:k]).sum(-1).mean()
+            fr = self._fr[0]
+            feats = fr(y[:k], keypoints[:k]) if needs_keypoints(fr) else fr(y[:k])  # KP-RPE takes the landmarks
+            cos = (F.normalize(feats.float(), dim=-1) * ids[:k]).sum(-1).mean()
             loss = loss + self.cfg.fr_weight * (1.0 - cos)
             self.log("train/fr_cosine", cos.detach(), on_step=False, on_epoch=True, batch_size=k)
         if not bool(torch.isfinite(loss)):
@@ -180,6 +183,7 @@ def train_autoencoder(
     images: np.ndarray,
     id_embeddings: np.ndarray | None = None,
     fr_model: nn.Module | None = None,
+    landmarks: np.ndarray | None = None,
     *,
     checkpoint_dir: Path | str | None = None,
     resume: bool = False,
@@ -187,7 +191,8 @@ def train_autoencoder(
     progress: bool = True,
 ) -> tuple[AutoencoderKL, list[dict], float]:
     """Fit an ``AutoencoderKL`` on uint8 RGB ``images`` (N, H, W, 3); with ``cfg.fr_weight`` > 0, ``fr_model`` and
-    the faces' ``id_embeddings`` (N, D) give the identity term. Returns (the autoencoder in eval mode with its
+    the faces' ``id_embeddings`` (N, D) give the identity term (a KP-RPE FR model also needs the faces' pixel
+    ``landmarks`` (N, 5, 2), the ones their embeddings were computed with). Returns (the autoencoder in eval mode with its
     ``scaling_factor`` set to 1/std of the latent means, per-epoch history, seconds)."""
     start = time.perf_counter()
     if not isinstance(images, np.ndarray) or images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
@@ -200,6 +205,10 @@ def train_autoencoder(
     if len(ids) != n:
         raise DataError(f"{n} images but {len(ids)} id_embeddings; one embedding per image, in the same order")
     ids = ids / np.linalg.norm(ids, axis=1, keepdims=True).clip(1e-12)
+    if cfg.fr_weight > 0 and needs_keypoints(fr_model):
+        keypoints = check_keypoints(landmarks, n, type(fr_model).__name__)
+    else:
+        keypoints = np.zeros((n, 5, 2), np.float32)
     check_device("generator.autoencoder_train", cfg.accelerator, cfg.precision)
     ckpt_path = resume_path(checkpoint_dir, resume, LAST_CHECKPOINT, "train_generator")
     lightning.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -207,8 +216,8 @@ def train_autoencoder(
     batch_size = min(cfg.batch_size, n)
     steps_per_epoch = math.ceil(n / batch_size)
     data = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).contiguous()
-    loader = DataLoader(TensorDataset(data, torch.from_numpy(ids)), batch_size=batch_size,
-                        sampler=EpochSampler(n, cfg.seed))
+    tensors = TensorDataset(data, torch.from_numpy(ids), torch.from_numpy(np.asarray(keypoints, np.float32)))
+    loader = DataLoader(tensors, batch_size=batch_size, sampler=EpochSampler(n, cfg.seed))
     module = AutoencoderModule(autoencoder, cfg, fr_model if cfg.fr_weight > 0 else None)
     info = {"config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()},
             "data": [n, size]}

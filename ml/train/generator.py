@@ -152,7 +152,11 @@ def make_noise_scheduler(schedule: dict[str, Any]) -> DDPMScheduler:
 
 
 def ema_decay_at(updates: int, ema_decay: float) -> float:
-    """EMA decay of update number ``updates`` (0-based): ``min(ema_decay, (1 + n)/(10 + n))``."""
+    """EMA decay of update number ``updates`` (0-based): ``min(ema_decay, (1 + n)/(10 + n))``.
+
+    diffusers' ``EMAModel`` (``use_ema_warmup=False``) agrees from update 1 on but cannot give update 0 its 1/10:
+    its first decay is 0 (a plain copy), or 2/11 with ``update_after_step=-1``. It is no ``nn.Module`` either, so
+    Lightning would neither move nor checkpoint it; hence this schedule and the ``self.ema`` copy of the UNet."""
     return min(ema_decay, (1.0 + updates) / (10.0 + updates))
 
 
