@@ -83,10 +83,44 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
         "seconds and peak RSS at 10k and 100k images",
         "peak RSS flat from 10k to 100k",
     ),
+    "decode_augment_112": (
+        "benchmarks.bench_decode:bench_decode_augment_112",
+        "112×112 faces per core (one thread): Pillow JPEG/PNG decode, RecordIO record read + decode, FR augmentation "
+        "(basic, kprpe, kprpe + RandAug) of batches of 128, and decode + augmentation together",
+        "≥ 1,000 images/s per core for JPEG at 112 px",
+    ),
+    "recordio_vs_folder": (
+        "benchmarks.bench_decode:bench_recordio_vs_folder",
+        "3,000 112×112 JPEG faces: re-encoding a RecordIO as a PNG folder (seconds, MB) vs reading it in place; "
+        "DataLoader read images/s of each with 0 and 2 workers",
+        "report: in place faster or smaller",
+    ),
     "smoke_and_noop": (
         "benchmarks.bench_pipeline:bench_smoke_and_noop",
         "`faceops run --preset smoke` from nothing, then `dvc repro` with nothing changed",
         "smoke ≤ 120 s; no-op ≤ 10 s, every stage skipped",
+    ),
+    "runcache_restore": (
+        "benchmarks.bench_runcache:bench_runcache_restore",
+        "param changed and changed back: faceops run restores from the run-cache (stage `train_fr@real`, smoke preset: "
+        "`fr.seed` 0 → 1 → 0; seconds of the stage's task when its cmd runs vs when it is restored)",
+        "restored, cmd not run, outputs byte-identical; restore in seconds",
+    ),
+    "gpu_trainers": (
+        "benchmarks.bench_gpu:bench_gpu_trainers",
+        "each trainer (FR vit_tiny 64 px and the real-112 ViT, DFA aligner, CAFace, FaceGCD, UIFace generator) fitted "
+        "on the accelerator with mixed precision: images (or sets) per second after warm-up, peak GPU memory",
+        "report; every trainer runs on the GPU in 16-mixed/bf16-mixed",
+    ),
+    "gpu_trainers_fp16": (
+        "benchmarks.bench_gpu:bench_gpu_trainers_fp16",
+        "`gpu_trainers` in 16-mixed (float16 autocast, loss scaling)",
+        "report; every trainer runs on the GPU",
+    ),
+    "gpu_trainers_fp32": (
+        "benchmarks.bench_gpu:bench_gpu_trainers_fp32",
+        "`gpu_trainers` in 32-true on the same device: the baseline of the mixed-precision rows",
+        "report",
     ),
 }
 
@@ -112,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
         values = _load(spec)()
         results[name] = {"values": values, "wall_s": round(time.perf_counter() - start, 2),
                          "when": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                         "machine": f"{platform.machine()} {os.cpu_count()} cores"}
+                         "machine": f"{platform.machine()} {os.cpu_count()} cores"
+                                    + (f", {values['device']}" if values.get("device", "cpu") != "cpu" else "")}
         print(f"{name}: {values}")
     args.out.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
     (HERE / "results.md").write_text(render(results))

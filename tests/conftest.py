@@ -70,6 +70,18 @@ def curve_problems(client, run_id: str) -> list[str]:
     return problems
 
 
+@pytest.fixture(autouse=True)
+def _restore_sys_path():
+    """Put ``sys.path`` back after each test. Loading a flow from its entrypoint (a deployment run in-process)
+    puts the entrypoint's folder first, so ``flows/experiments.py`` would shadow the ``experiments`` package in
+    every process spawned later (DataLoader workers, process pools re-import by module name)."""
+    import sys
+
+    before = list(sys.path)
+    yield
+    sys.path[:] = before
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One torch intra-op thread for a whole test module, restored after it; opt in with
@@ -169,3 +181,22 @@ def stop_after(epochs: int):
                 trainer.should_stop = True
 
     return StopAfter()
+
+
+def prepare_smoke(root: Path):
+    """``prepare`` run at the smoke preset's size into ``root`` → (DataConfig, Paths)."""
+    import yaml
+
+    from ml.config import from_mapping
+    from tasks import prepare
+    from tasks.common import Paths
+    from tasks.params import load_preset
+
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    for key, value in load_preset("smoke", REPO).items():
+        section, name = key.split(".", 1)
+        params[section][name] = value
+    data = from_mapping(prepare.DataConfig, params["data"], "data")
+    paths = Paths(root)
+    prepare.run(data, paths)
+    return data, paths

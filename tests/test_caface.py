@@ -317,7 +317,9 @@ def test_landmark_score_fusion_by_hand() -> None:
 # ---------------------------------------------------------------------------------------------- training
 # Sets of 4 (min_len = max_len, so that every epoch's loss is on sets of one size and comparable); 12 steps of 4
 # identities per epoch (the 48 identities of caface_toy once over, on average).
-TOY_CFG = dict(feature_dim=32, style_dim=8, epochs=4, steps_per_epoch=12, lr=3e-3, per_identity=8, group=4, min_len=4,
+# lr 1e-3: at 3e-3 seed 0 diverged on one thread of some CPUs (training Lt 2.05× averaging's; the float summation
+# order decides), while 1e-3 learns for seeds 0-5 on every thread count tried (held-out Lt 0.43-0.55× averaging's)
+TOY_CFG = dict(feature_dim=32, style_dim=8, epochs=4, steps_per_epoch=12, lr=1e-3, per_identity=8, group=4, min_len=4,
                max_len=4, batch_size=4, lr_steps=(3,), accelerator="cpu")
 
 
@@ -379,7 +381,7 @@ def test_resume_equals_uninterrupted(tmp_path) -> None:
     assert first.checkpoint == tmp_path / "last.ckpt" and first.checkpoint.is_file()
     with pytest.raises(ConfigError, match="resume=True"):
         train_fusion(cfg, feats, styles, labels, checkpoint_dir=tmp_path, progress=False)
-    with pytest.raises(ConfigError, match="lr: 0.003 → 0.0001"):
+    with pytest.raises(ConfigError, match="lr: 0.001 → 0.0001"):
         train_fusion(FusionConfig(**{**small, "epochs": 3, "lr": 1e-4}), feats, styles, labels,
                      checkpoint_dir=tmp_path, resume=True, progress=False)
     with pytest.raises(ConfigError, match="steps_per_epoch"):
@@ -389,7 +391,7 @@ def test_resume_equals_uninterrupted(tmp_path) -> None:
         train_fusion(cfg, feats * 2, styles, labels, checkpoint_dir=tmp_path, resume=True, progress=False)
     resumed = train_fusion(cfg, feats, styles, labels, checkpoint_dir=tmp_path, resume=True, progress=False)
     assert resumed.history == full.history and [row["epoch"] for row in full.history] == [0, 1, 2]
-    assert [row["lr"] for row in full.history] == pytest.approx([3e-3, 3e-4, 3e-5])  # the step at epochs 1 and 2
+    assert [row["lr"] for row in full.history] == pytest.approx([1e-3, 1e-4, 1e-5])  # the step at epochs 1 and 2
     assert resumed.steps == full.steps == 12
     assert not resumed.model.training and next(resumed.model.parameters()).device.type == "cpu"
     state = full.model.state_dict()

@@ -150,6 +150,31 @@ def test_precision_needs_a_gpu_for_fp16_but_bf16_runs_on_cpu():
     assert math.isfinite(result.history[-1]["train/loss"])
 
 
+@pytest.mark.parametrize("margin", ["arcface", "adaface"])
+def test_bf16_mixed_trains_the_kprpe_recipe_with_every_op_drawn(margin):
+    """Under autocast the blur's and the resample's outputs and the head's cos θ came out in bfloat16 and could not be
+    written into the float32 batch / cosine matrix (the real-112 preset failed at its first step on a GPU). Every
+    photometric op on, so the failure cannot hide behind a draw; and the head's cosines stay float32."""
+    from ml.train.augment import AugmentConfig
+
+    images, labels = separable(4, 8)
+    every = AugmentConfig(blur_prob=1.0, cutout_prob=1.0, brightness_prob=1.0, contrast_prob=1.0,
+                          saturation_prob=1.0, randaug_prob=1.0)
+    cfg = FRConfig(epochs=1, batch_size=16, embedding_dim=32, accelerator="cpu", precision="bf16-mixed", max_steps=2,
+                   augment_recipe="kprpe", augmentation=every, margin=margin)
+    seen = []
+
+    class HeadDtype(lightning.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            x = torch.randn(4, 32)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                seen.append(module._loss(x, torch.arange(4) % 4)[0].dtype)
+
+    result = train(cfg, images, labels, progress=False, backbone_overrides=TINY, callbacks=[HeadDtype()])
+    assert math.isfinite(result.history[-1]["train/loss"])
+    assert seen and all(d == torch.float32 for d in seen)
+
+
 def test_config_rejects_inconsistent_options():
     for bad, match in [
         (dict(sample_rate=0.0), "sample_rate"),

@@ -78,7 +78,8 @@ def caface_diagnostics(model: CAFace, features: np.ndarray, styles: np.ndarray, 
         rows = np.flatnonzero(groups == g)
         w, q = weights[rows], quality[rows]
         cvs.append(float(w.std() / w.mean()) if w.mean() > 0 else 0.0)
-        if np.ptp(q) > 0 and np.ptp(w) > 0:
+        # ρ is undefined for equal weights (averaging); float noise of ~1e-17 between equal weights is no ranking
+        if np.ptp(q) > 0 and np.ptp(w) > 1e-9 * np.abs(w).max():
             rhos.append(float(spearmanr(w, q).statistic))
         good = q >= usable
         if good.any() and not good.all():

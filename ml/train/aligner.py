@@ -496,18 +496,21 @@ class AlignerModule(lightning.LightningModule):
         x = images.float() / 255.0
         if cfg.augment:  # draws from a CPU generator seeded by (seed, global step); float32 under any precision
             gen = torch.Generator().manual_seed(mix_seed(cfg.seed, self.global_step, 0))
-            with torch.autocast(self.device.type, enabled=False):
-                x, kp = augment_kprpe(x, to_pixels(y, size, size), self.augmentation, gen)
+            x, kp = augment_kprpe(x, to_pixels(y, size, size), self.augmentation, gen)
             y = to_normalised(kp, size, size)
         x = normalise(x * 255.0).contiguous(memory_format=torch.channels_last)
         out = {k: v.float() for k, v in self.model(x).items()}
         face_out = {k: v[:b] for k, v in out.items()}
-        loss = _loss(face_out, y[:b], self.model.priors, cfg)
-        if len(x) > b:  # non-face crops: the score losses, logged unweighted
-            face = torch.arange(len(x), device=x.device) < b
-            anchor_ce, pooled_bce = score_losses(out, y, face, self.model.priors, cfg.anchor_radius, cfg.negative_ratio)
-            loss = loss + cfg.score_loss_weight * anchor_ce + cfg.pooled_score_loss_weight * pooled_bce
-            self.log("train/score_loss", (anchor_ce + pooled_bce).detach(), on_step=False, on_epoch=True, batch_size=b)
+        # the losses in float32 outside autocast: CUDA autocast refuses binary_cross_entropy whatever its inputs
+        with torch.autocast(self.device.type, enabled=False):
+            loss = _loss(face_out, y[:b], self.model.priors, cfg)
+            if len(x) > b:  # non-face crops: the score losses, logged unweighted
+                face = torch.arange(len(x), device=x.device) < b
+                anchor_ce, pooled_bce = score_losses(out, y, face, self.model.priors, cfg.anchor_radius,
+                                                     cfg.negative_ratio)
+                loss = loss + cfg.score_loss_weight * anchor_ce + cfg.pooled_score_loss_weight * pooled_bce
+                self.log("train/score_loss", (anchor_ce + pooled_bce).detach(), on_step=False, on_epoch=True,
+                         batch_size=b)
         if not bool(torch.isfinite(loss)):
             raise non_finite_loss(self, float(loss.detach()), batch_idx, what="aligner loss", entry="train_aligner",
                                   advice="Lower aligner.lr, set aligner.grad_clip > 0 or check the data.")
