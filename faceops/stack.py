@@ -262,6 +262,14 @@ def mlflow_command(port: int, backend_store_uri: str, artifacts_destination: str
             "--artifacts-destination", artifacts_destination, "--host", HOST, "--port", str(port), "--workers", "1"]
 
 
+def prefect_server_env(port: int, home: Path) -> dict[str, str]:
+    """The Prefect server's environment: its own ``PREFECT_HOME``, and the API URL its UI calls. Without
+    ``PREFECT_UI_API_URL`` the UI calls :4200 whatever ``--port`` says, and on another port every page of it shows
+    "Can't connect to Server API"; no Prefect Cloud banners on a lab's server."""
+    return {"PREFECT_HOME": str(home), "PREFECT_UI_API_URL": f"http://{HOST}:{port}/api",
+            "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false"}
+
+
 def worker_command(pool: str) -> list[str]:
     """``prefect worker start`` for the ``process`` work pool ``pool``."""
     return [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process",
@@ -377,7 +385,7 @@ def plans(root: Path, *, s3: bool, prefect_port: int, mlflow_port: int, s3_port:
         store = Path(default_store(root).removeprefix("sqlite:///"))
         cmd = mlflow_command(mlflow_port, default_store(root), artifacts, default_artifact_root=artifacts)
     out.append(Plan("prefect", "Prefect UI", prefect_port, "--prefect-port", prefect_command(prefect_port),
-                    {"PREFECT_HOME": str(home / "prefect")}, "/api/health"))
+                    prefect_server_env(prefect_port, home / "prefect"), "/api/health"))
     info = {"store": str(store), "artifacts": artifacts}
     if not s3 and (home / "mlflow.db").is_file():  # an earlier stack's own store: say where its runs are
         info["note"] = (f"runs logged through an earlier stack stay in {home / 'mlflow.db'}: browse them with "

@@ -15,7 +15,7 @@ import pytest
 # free_port, wait_healthy and stop are the ones `faceops stack` uses (stop: SIGTERM to the process group,
 # then SIGKILL after 20 s); re-exported here for the tests
 from faceops.stack import QUIET_ENV as QUIET
-from faceops.stack import free_port, mlflow_command, prefect_command, spawn, stop, wait_healthy
+from faceops.stack import free_port, mlflow_command, prefect_command, prefect_server_env, spawn, stop, wait_healthy
 
 BIN = Path(sys.executable).parent
 
@@ -23,8 +23,8 @@ BIN = Path(sys.executable).parent
 @contextlib.contextmanager
 def prefect_server(home: Path) -> Iterator[dict[str, str]]:
     """A Prefect server with its own ``PREFECT_HOME``; yields the client environment (``PREFECT_API_URL``, ...)."""
-    env = {**os.environ, **QUIET, "PREFECT_HOME": str(home)}
     port = free_port()
+    env = {**os.environ, **QUIET, **prefect_server_env(port, home)}
     proc = spawn(prefect_command(port), env=env)
     try:
         wait_healthy(f"http://127.0.0.1:{port}/api/health", proc)
