@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -43,3 +44,18 @@ def remove_dead_temporaries(path: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             tmp.unlink(missing_ok=True)
+
+
+def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
+    """``write(tmp)`` to a hidden sibling of ``path`` (``.<name>.<pid>.tmp``), renamed onto ``path`` on success and
+    removed on failure; a dead writer's leftover is cleaned first."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_dead_temporaries(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

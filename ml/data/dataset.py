@@ -43,7 +43,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ml.atomic import remove_dead_temporaries
+from ml.atomic import atomic_write, remove_dead_temporaries
 from ml.data.formats import decode_image, encode_image
 from ml.errors import DataError
 
@@ -161,15 +161,8 @@ def write_manifest(df: pd.DataFrame, path: str | os.PathLike) -> None:
 
 
 def write_parquet(table: pa.Table, path: Path) -> None:
-    """``table`` to ``path`` atomically: written to a temporary sibling, renamed on success, removed on failure."""
-    remove_dead_temporaries(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        pq.write_table(table, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """``table`` to ``path`` atomically (``ml.atomic.atomic_write``)."""
+    atomic_write(path, lambda tmp: pq.write_table(table, tmp))
 
 
 def read_manifest(path: str | os.PathLike) -> pd.DataFrame:

@@ -26,7 +26,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ml.atomic import remove_dead_temporaries
+from ml.atomic import atomic_write
 from ml.errors import DataError
 
 __all__ = ["PREDICTED_INFO", "PREDICTED_TABLE", "manifest_keypoints", "read_predicted", "write_predicted"]
@@ -37,18 +37,6 @@ KEYPOINT_SOURCES = ("manifest", "aligner")  # where a row's keypoints came from
 
 _SCHEMA = pa.schema([("dataset", pa.string()), ("path", pa.string()), ("landmarks", pa.list_(pa.float32())),
                      ("score", pa.float32())])
-
-
-def _atomic_write(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_dead_temporaries(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def write_predicted(folder: str | os.PathLike, predictions: dict[str, tuple[pd.DataFrame, np.ndarray, np.ndarray]],
@@ -69,11 +57,11 @@ def write_predicted(folder: str | os.PathLike, predictions: dict[str, tuple[pd.D
     table = pa.Table.from_arrays([pa.array(names, pa.string()), pa.array(paths, pa.string()),
                                   pa.array(values, pa.list_(pa.float32())), pa.array(scores, pa.float32())],
                                  schema=_SCHEMA)
-    _atomic_write(folder / PREDICTED_TABLE, lambda tmp: pq.write_table(table, tmp))
+    atomic_write(folder / PREDICTED_TABLE, lambda tmp: pq.write_table(table, tmp))
     info = {"aligner": aligner,
             "datasets": {name: {"digest": digests[name], "images": len(rows)}
                          for name, (rows, _, _) in predictions.items()}}
-    _atomic_write(folder / PREDICTED_INFO,
+    atomic_write(folder / PREDICTED_INFO,
                   lambda tmp: tmp.write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8"))
 
 

@@ -68,16 +68,21 @@ def deployed(tmp_path_factory):
         yield server["PREFECT_API_URL"].removesuffix("/api"), deployment_id, work, server
 
 
+def _shows(page, text: str, failure: str) -> None:
+    """Wait up to a minute (the UI's first load) for ``text`` on ``page``; else fail with what the page shows."""
+    try:
+        page.get_by_text(text).first.wait_for(timeout=60_000)
+    except Exception:
+        pytest.fail(f"{failure}:\n" + page.inner_text("body")[:3000])
+
+
 def test_quick_run_from_the_deployment_page_completes_on_a_local_worker(page, deployed):
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     ui, deployment_id, work, server = deployed
     page.goto(f"{ui}/deployments/deployment/{deployment_id}")
-    try:
-        page.get_by_text("laptop").first.wait_for(timeout=60_000)
-    except Exception:
-        pytest.fail("the deployment page did not show the deployment:\n" + page.inner_text("body")[:3000])
+    _shows(page, "laptop", "the deployment page did not show the deployment")
     page.get_by_role("button", name="Run", exact=True).click()
     page.get_by_text("Quick run").first.click()
     with temporary_settings({PREFECT_API_URL: server["PREFECT_API_URL"]}), get_client(sync_client=True) as client:
@@ -100,8 +105,6 @@ def test_quick_run_from_the_deployment_page_completes_on_a_local_worker(page, de
 def test_the_custom_run_form_shows_each_parameters_description(page, deployed):
     ui, deployment_id, _, _ = deployed
     page.goto(f"{ui}/deployments/deployment/{deployment_id}/run")
-    try:
-        page.get_by_text("the file the run writes, relative to the worker's folder.").first.wait_for(timeout=60_000)
-    except Exception:
-        pytest.fail("the run form shows no parameter description:\n" + page.inner_text("body")[:3000])
+    _shows(page, "the file the run writes, relative to the worker's folder.",
+           "the run form shows no parameter description")
     page.get_by_text("what it writes there.").first.wait_for()
