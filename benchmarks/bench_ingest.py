@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 from ml.data.formats import encode_image, write_recordio
 from ml.data.procedural import ProceduralConfig, ProceduralFaces
-from tasks.prepare import DataConfig, _ingest_real
+from tasks.prepare import DataConfig
+from tasks.prepare_sets import ingest_real
 
 n, root = int(sys.argv[1]), Path(sys.argv[2])
 gen = ProceduralFaces(ProceduralConfig(image_size=112), seed=0)
@@ -32,7 +33,7 @@ cfg = DataConfig(ingest_recordio=str(root / "train.rec"), verification_pairs=300
 out = root / "prepared"
 out.mkdir()
 start = time.perf_counter()
-stats = _ingest_real(out, cfg, progress=False)
+stats = ingest_real(out, cfg, progress=False)
 seconds = time.perf_counter() - start
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print(json.dumps({"images": int(stats["data/real_images"]), "seconds": seconds, "images_per_s": n / seconds,

@@ -31,7 +31,7 @@ def bench_pipeline_overhead(rounds: int = 2) -> dict:
     """
     from prefect import flow, get_run_logger, task
 
-    from flows.pipeline import run_relayed
+    from flows.stages import run_relayed
 
     with tempfile.TemporaryDirectory() as tmp:
         root = _workspace(Path(tmp))

@@ -14,6 +14,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from faceops.console import fail, quiet_env, repo_root
+
 app = typer.Typer(
     name="faceops",
     no_args_is_help=True,
@@ -36,11 +38,6 @@ app = typer.Typer(
         "* `faceops export models/fr/real fr.onnx` — ONNX export with a parity check"
     ),
 )
-
-
-def _fail(message: str, code: int = 2) -> None:
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(code)
 
 
 def _unknown_stage(name: str, names: list[str], option: str = "") -> str:
@@ -96,24 +93,6 @@ def _undo_on_failure(undo: Any) -> Callable[..., bool]:
     return exit_
 
 
-def _quiet_env() -> None:
-    for key, value in {
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
-        "GX_ANALYTICS_ENABLED": "false", "DVC_NO_ANALYTICS": "1", "HF_HUB_OFFLINE": "1",
-        "DO_NOT_TRACK": "1",
-        # without PREFECT_API_URL a flow starts a temporary local Prefect server: give it time on a busy machine
-        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
-    }.items():
-        os.environ.setdefault(key, value)
-
-
-def _root() -> Path:
-    root = Path.cwd()
-    if not (root / "dvc.yaml").is_file():
-        _fail(f"no dvc.yaml in {root}: run faceops from the repository root.")
-    return root
-
-
 @app.command()
 def run(
     set_: Annotated[list[str], typer.Option("--set", "-S", help="params delta SECTION.KEY=VALUE (repeatable), e.g. `fr.epochs=2`")] = [],
@@ -137,14 +116,14 @@ def run(
     from tasks.common import load_params
     from tasks.params import ParamsUndo, apply_delta, check_input_paths, check_params, load_preset, parse_assignments
 
-    root = _root()
-    _quiet_env()
+    root = repo_root()
+    quiet_env()
     params_path = root / "params.yaml"
     with contextlib.ExitStack() as held:
         try:
             held.enter_context(run_lock(root))  # before the delta: a refused run leaves params.yaml alone
         except RunLocked as exc:
-            _fail(str(exc), code=3)
+            fail(str(exc), code=3)
         undo = ParamsUndo(params_path)
         held.push(_undo_on_failure(undo))  # runs before the lock is released
         try:
@@ -158,21 +137,22 @@ def run(
                 params = load_params(params_path)
                 check_params(params)
                 check_input_paths(params, root)
-            from flows.pipeline import stage_graph
+            from flows.stages import stage_graph
 
             graph = stage_graph(root)  # dvc.yaml: readable, every stage with its cmd and deps
             for name in stage:
                 if name not in graph:
                     raise ConfigError(_unknown_stage(name, list(graph), "--stage"))
         except FaceopsError as exc:
-            _fail(str(exc))
-        from flows.pipeline import StageFailed, run_pipeline
+            fail(str(exc))
+        from flows.pipeline import run_pipeline
+        from flows.stages import StageFailed
 
         _quiet_prefect_console()
         try:
             results = run_pipeline(root=str(root), stages=stage or None, force=force, jobs=jobs)
         except StageFailed as exc:
-            _fail(str(exc), code=1)
+            fail(str(exc), code=1)
     typer.echo("")
     width = max((len(r["stage"]) for r in results), default=0)
     for r in results:
@@ -183,9 +163,9 @@ def run(
                         ("FR model", "models/fr/"), ("validation (Data Docs)", "reports/validation/docs/index.html")]:
         if (root / path).exists():
             typer.echo(f"  {label:<24} {root / path}")
-    from tasks.sweep import mask_url  # a tracking URI may carry user:password@
+    from tasks.common import redact  # a tracking URI may carry user:password@
 
-    typer.echo(f"  {'MLflow runs':<24} {mask_url(os.environ.get('MLFLOW_TRACKING_URI') or 'sqlite:///' + str(root / 'mlflow.db'))}")
+    typer.echo(f"  {'MLflow runs':<24} {redact(os.environ.get('MLFLOW_TRACKING_URI') or 'sqlite:///' + str(root / 'mlflow.db'))}")
 
 
 @app.command("stage")
@@ -197,14 +177,14 @@ def stage_cmd(name: Annotated[str, typer.Argument(help="stage name from dvc.yaml
     from tasks import STAGES
     from tasks.common import stage_main
 
-    root = _root()
+    root = repo_root()
     names = _stage_names(root)
     base, _, item = name.partition("@")  # foreach stages: train_fr@real → tasks.train_fr.main("real")
     if names is not None and name not in names:
-        _fail(_unknown_stage(name, names))
+        fail(_unknown_stage(name, names))
     if base not in STAGES:
-        _fail(f"unknown stage '{name}'. Stages: {', '.join(STAGES)} (foreach stages as NAME@ITEM, e.g. train_fr@real).")
-    _quiet_env()
+        fail(f"unknown stage '{name}'. Stages: {', '.join(STAGES)} (foreach stages as NAME@ITEM, e.g. train_fr@real).")
+    quiet_env()
     main = importlib.import_module(STAGES[base]).main
     stage_main((lambda: main(item)) if item else main)
 
@@ -231,9 +211,9 @@ def export_cmd(
             cosine = onnx_parity(load_model(model_dir)[0], path)
             typer.echo(f"onnxruntime vs PyTorch: min cosine {cosine:.6f}")
             if cosine < 0.9999:
-                _fail(f"parity check failed: min cosine {cosine:.6f} < 0.9999", code=1)
+                fail(f"parity check failed: min cosine {cosine:.6f} < 0.9999", code=1)
     except FaceopsError as exc:
-        _fail(str(exc))
+        fail(str(exc))
 
 
 # config.json "extra" keys shown by `faceops ls` (label, key), when the model has them: what it was trained on
@@ -281,15 +261,15 @@ def ls() -> None:
     """List stages (with DVC status), datasets, models and their MLflow registry versions."""
     import subprocess
 
-    root = _root()
-    _quiet_env()
-    from flows.pipeline import stage_order
+    root = repo_root()
+    quiet_env()
+    from flows.stages import stage_order
     from ml.errors import FaceopsError
 
     try:
         order = stage_order(root)
     except FaceopsError as exc:  # e.g. a dvc.yaml DVC cannot read, or a stage without deps
-        _fail(str(exc))
+        fail(str(exc))
     status = subprocess.run([sys.executable, "-m", "dvc", "status", "--json"], cwd=root, capture_output=True, text=True)
     changed = json.loads(status.stdout or "{}") if status.returncode == 0 else {}
     typer.secho("Stages", bold=True)
@@ -320,14 +300,14 @@ def ls() -> None:
 def _registry_rows(root: Path) -> list[tuple[str, ...]]:
     """(name, version, @aliases, facts, run) per registered model version; none when the repository's own
     SQLite store does not exist yet (listing does not create it)."""
-    from tasks.tracking import tracking_uri
+    from ops.tracking import tracking_uri
 
     uri = tracking_uri(root)
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
         return []
     from mlflow import MlflowClient
 
-    from tasks.tracking import configure
+    from ops.tracking import configure
 
     configure(root)
     client = MlflowClient()
@@ -351,7 +331,7 @@ from faceops.promote import promote_cmd  # noqa: E402
 
 app.command("promote")(promote_cmd)
 
-from faceops.stack import stack_app  # noqa: E402
+from faceops.stack_cli import stack_app  # noqa: E402
 
 app.add_typer(stack_app, name="stack")
 

@@ -10,6 +10,8 @@ from typing import Annotated
 
 import typer
 
+from faceops.console import fail, quiet_env, repo_root
+
 
 def promote_cmd(
     model: Annotated[str, typer.Argument(
@@ -47,11 +49,10 @@ def promote_cmd(
     rule failed; **2** on an error (a gate naming a metric its benchmarks do not produce, an unreachable tracking
     server, nothing to promote or roll back), with nothing half-written in the registry.
     """
-    from faceops.cli import _fail, _quiet_env, _root
     from ml.errors import FaceopsError
 
-    root = _root()
-    _quiet_env()
+    root = repo_root()
+    quiet_env()
     from mlflow.exceptions import MlflowException
 
     from flows.promote import promote_flow
@@ -59,7 +60,7 @@ def promote_cmd(
     try:
         result = promote_flow(model=model, rollback=rollback, root=str(root), candidate=candidate, dry_run=dry_run)
     except (FaceopsError, MlflowException) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     typer.echo("")
     typer.echo(result["markdown"])
     colour = {"promoted": typer.colors.GREEN, "rolled_back": typer.colors.GREEN, "rejected": typer.colors.YELLOW}

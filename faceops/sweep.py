@@ -6,10 +6,11 @@ Registered in ``faceops/cli.py``; heavy libraries are imported inside the comman
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+
+from faceops.console import fail, quiet_env, repo_root
 
 
 def sweep_command(
@@ -52,25 +53,23 @@ def sweep_command(
       trials: write the study's best params into params.yaml and print the diff; review with `git diff params.yaml`
     """
     from ml.errors import FaceopsError
-    from tasks import sweep as sw
+    from ops import sweep as sw
 
-    root = Path.cwd()
-    if not (root / "dvc.yaml").is_file():
-        _fail(f"no dvc.yaml in {root}: run faceops from the repository root.")
-    _quiet_env()
+    root = repo_root()
+    quiet_env()
     if storage:  # through the environment, so the URL (and any password) is not recorded as a flow parameter
         os.environ[sw.ENV_STORAGE] = storage
     try:
         sw.check_request(stage, trials=trials, storage=storage, root=root, workers=workers)
     except FaceopsError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     from flows.sweep import sweep_flow
 
     try:
         summary = sweep_flow(stage=stage, trials=trials, storage=None, study=study, apply=apply, root=str(root),
                              workers=workers)
     except FaceopsError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     _print_summary(summary)
 
 
@@ -98,14 +97,3 @@ def _print_summary(summary: dict[str, Any]) -> None:
             typer.echo("\nreview and commit: git diff params.yaml")
         else:
             typer.echo("\nparams.yaml already holds the best trial's params: nothing changed")
-
-
-def _fail(message: str, code: int = 2) -> None:
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(code)
-
-
-def _quiet_env() -> None:
-    for key, value in {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
-                       "DVC_NO_ANALYTICS": "1", "HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1"}.items():
-        os.environ.setdefault(key, value)

@@ -7,7 +7,7 @@ a person fills in from the Prefect UI (prefect.yaml deploys each one).
 - ``evaluate``: the benchmark (``evaluate``), optionally on your own faces (``ingest_folder`` / ``ingest_recordio``);
 - ``pipeline``: the whole DAG (or ``stages`` and what they need): the ``pipeline-nightly`` deployment.
 
-Each flow first writes ``preset`` then ``params_delta`` into params.yaml (``flows.pipeline.apply_params``): an
+Each flow first writes ``preset`` then ``params_delta`` into params.yaml (``flows.routing.apply_params``): an
 unknown params key fails the flow run at once, naming the key, before any stage runs. That edit is to the working
 copy the flow runs in — on a worker, the fresh clone the deployment's pull steps made for this run; run locally,
 your checkout (``git checkout params.yaml`` undoes it). Then the area's stages run as a ``faceops-pipeline``
@@ -30,8 +30,9 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows.pipeline import apply_params, pipeline, stage_order
-from flows.routing import moving_aliases, yaml_value
+from flows.pipeline import pipeline
+from flows.routing import apply_params, moving_aliases, yaml_value
+from flows.stages import stage_order
 from ml.errors import ConfigError
 
 TOY_PRESETS = frozenset({"smoke"})  # presets whose models must not become @candidate unless asked

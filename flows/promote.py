@@ -1,6 +1,6 @@
 """The promotion flow: judge a registered model's ``@candidate`` against ``@champion`` and move the aliases.
 
-Reads like the steps it takes (the work is in ``tasks/promote.py``):
+Reads like the steps it takes (the work is in ``ops/promote.py``):
 
 1. read the ``promote`` params section and check the model's whole gate against what its benchmarks produce —
    before anything is downloaded or written;
@@ -28,11 +28,11 @@ from prefect.cache_policies import NONE
 from prefect.runtime import flow_run
 from prefect.tasks import exponential_backoff
 
-from tasks import promote as p
+from ops import promote as p
 
 
 def _transient(task: Any, task_run: Any, state: Any) -> bool:
-    """Retry only when the failure is a connection problem (``tasks.promote.is_transient``)."""
+    """Retry only when the failure is a connection problem (``ops.promote.is_transient``)."""
     try:
         exc = state.result(raise_on_failure=False)
     except Exception:

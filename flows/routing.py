@@ -14,7 +14,7 @@ experiment, and every params.yaml key is a DVC dependency (changing one would re
    entries of the upstream stages and the pipeline's MLflow run id, then waits for it (``run_deployment``);
 2. on a worker (a fresh clone made by the deployment's pull steps) the ``stage`` flow checks out that commit,
    writes the delta into params.yaml and the lock entries into dvc.lock, pulls the upstream outputs, reproduces
-   the stage exactly as the pipeline does (``flows.pipeline.reproduce_stage``: DVC status, the stage's cmd with
+   the stage exactly as the pipeline does (``reproduce_stage`` below, in-process: DVC status, the stage's cmd with
    its MLflow run nested under the pipeline's, ``dvc commit``), pushes the stage's outputs, and publishes a
    ``stage-result`` markdown artifact: the stage's new dvc.lock entry and its uncached outputs (metrics and plot
    data, which DVC does not push);
@@ -41,13 +41,14 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 from prefect import flow, get_run_logger, task
 from prefect.runtime import flow_run
 
+from flows.stages import DVC_LOCK, StageFailed, flat_items, read_lock, reproduce_here, stage_status
 from ml.errors import ConfigError
+from ops import tracking
 
 ENV_GPU_DEPLOYMENT = "FACEOPS_GPU_DEPLOYMENT"
 ENV_GIT_URL = "FACEOPS_GIT_URL"  # the repository the deployments' pull step clones (prefect.yaml)
@@ -98,17 +99,15 @@ def dispatch_target(stage: str) -> str | None:
 def moving_aliases(move: bool) -> Iterator[None]:
     """``FACEOPS_MOVE_ALIASES`` for what runs inside (the stages, the flow's tracking relay, the stages dispatched to
     the GPU pool), restored after: False registers new model versions without moving ``@candidate``."""
-    from tasks.tracking import ENV_MOVE_ALIASES
-
-    before = os.environ.get(ENV_MOVE_ALIASES)
-    os.environ[ENV_MOVE_ALIASES] = "1" if move else "0"
+    before = os.environ.get(tracking.ENV_MOVE_ALIASES)
+    os.environ[tracking.ENV_MOVE_ALIASES] = "1" if move else "0"
     try:
         yield
     finally:
         if before is None:
-            os.environ.pop(ENV_MOVE_ALIASES, None)
+            os.environ.pop(tracking.ENV_MOVE_ALIASES, None)
         else:
-            os.environ[ENV_MOVE_ALIASES] = before
+            os.environ[tracking.ENV_MOVE_ALIASES] = before
 
 
 def check_git_url() -> dict[str, str]:
@@ -127,45 +126,6 @@ def check_git_url() -> dict[str, str]:
     return {"git_url": url}
 
 
-# ── links to a stage's records ──
-
-
-def _without_credentials(uri: str) -> str:
-    """``uri`` with any ``user:password@`` removed: links end up in logs and in the Prefect UI."""
-    parts = urlsplit(uri)
-    if not (parts.username or parts.password):
-        return uri
-    host = parts.hostname or ""
-    netloc = f"{host}:{parts.port}" if parts.port else host
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
-def mlflow_run_link(tracking_uri: str, run_id: str) -> str:
-    """Where to open an MLflow run: a UI link for a tracking server (MLflow's ``#/runs/<id>`` page, which opens
-    the run in its experiment), the ``mlflow ui`` command for a local store."""
-    uri = _without_credentials(tracking_uri).rstrip("/")
-    scheme = urlsplit(uri).scheme
-    if scheme in ("http", "https"):
-        return f"{uri}/#/runs/{run_id}"
-    if scheme == "sqlite" or scheme == "" or scheme == "file":
-        return (f"run {run_id} (`mlflow ui --backend-store-uri {uri}`, then "
-                f"http://127.0.0.1:5000/#/runs/{run_id})")
-    return f"run {run_id} in {uri}"
-
-
-def mlflow_note(root: Path, run_ids: list[str]) -> str:
-    """``"; MLflow: <link>"`` for the stage's last MLflow run, or nothing when it opened none."""
-    from tasks import tracking
-
-    return f"; MLflow: {mlflow_run_link(tracking.tracking_uri(root), run_ids[-1])}" if run_ids else ""
-
-
-def flow_run_url(flow_run_id: Any) -> str:
-    from prefect.utilities.urls import url_for
-
-    return url_for("flow-run", obj_id=str(flow_run_id)) or f"flow run {flow_run_id}"
-
-
 # ── params, commits and dvc.lock between two working copies ──
 
 
@@ -175,14 +135,17 @@ def yaml_value(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=1 << 30).removesuffix("...\n").strip()
 
 
-def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """Dotted key → value of every leaf of a params tree (lists are leaves; empty sections have none)."""
-    if not isinstance(tree, Mapping):
-        return {prefix: tree}
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        out.update(_leaves(value, f"{prefix}.{key}" if prefix else str(key)))
-    return out
+def apply_params(root: Path, preset: str | None, params_delta: dict[str, str] | None, logger: Any) -> None:
+    """Write ``preset`` then ``params_delta`` (dotted key → YAML value, as `faceops run --set` takes them) into
+    ``root``'s params.yaml, as the CLI does; an unknown section or key raises ConfigError naming it before anything
+    is written. It edits the working copy the flow runs in: a deployment's run starts from a fresh clone."""
+    from tasks.params import apply_delta, load_preset, parse_assignments
+
+    delta = load_preset(preset, root) if preset else {}
+    delta.update(parse_assignments([f"{key}={value}" for key, value in (params_delta or {}).items()]))
+    if delta:
+        for key, (old, new) in apply_delta(root / "params.yaml", delta).items():
+            logger.info("params.yaml: %s: %r → %r", key, old, new)
 
 
 def _git(root: Path, *args: str) -> str:
@@ -193,11 +156,11 @@ def params_delta_from_head(root: Path) -> dict[str, str]:
     """The params delta that turns the committed params.yaml into this working copy's: what a fresh clone of the
     same commit needs (dotted key → YAML value)."""
     try:
-        committed = _leaves(yaml.safe_load(_git(root, "show", "HEAD:params.yaml")) or {})
+        committed = flat_items(yaml.safe_load(_git(root, "show", "HEAD:params.yaml")) or {})
     except (OSError, subprocess.CalledProcessError) as exc:
         raise ConfigError(f"{root} is not a git clone with a committed params.yaml ({exc}): a stage dispatched to "
                           f"a worker is reproduced from a commit; commit params.yaml or unset {ENV_GPU_DEPLOYMENT}.")
-    current = _leaves(yaml.safe_load((root / "params.yaml").read_text()) or {})
+    current = flat_items(yaml.safe_load((root / "params.yaml").read_text()) or {})
     removed = sorted(set(committed) - set(current))
     if removed:
         raise ConfigError(f"params.yaml lacks {', '.join(removed)}, which the commit has: a params delta cannot "
@@ -230,21 +193,14 @@ def checkout_commit(root: Path, commit: str) -> None:
                           f"workers clone (FACEOPS_GIT_URL).") from exc
 
 
-def read_lock(root: Path) -> dict[str, Any]:
-    """The ``stages`` of ``root``'s dvc.lock (empty without one)."""
-    path = root / "dvc.lock"
-    return ((yaml.safe_load(path.read_text()) or {}).get("stages") or {}) if path.is_file() else {}
-
-
 def write_lock_entries(root: Path, entries: Mapping[str, Any]) -> None:
     """Set these stages' entries in ``root``'s dvc.lock (DVC's own format; other entries kept)."""
-    from flows import pipeline as pl  # flows.pipeline imports this module
     from tasks.common import atomic_path
 
     if not entries:
         return
     path = root / "dvc.lock"
-    with pl._DVC:
+    with DVC_LOCK:
         doc = (yaml.safe_load(path.read_text()) if path.is_file() else None) or {"schema": "2.0"}
         doc.setdefault("stages", {}).update(entries)
         with atomic_path(path) as tmp:
@@ -262,9 +218,7 @@ def upstream_outputs(root: Path, stage: str) -> dict[str, list[str]]:
     """``{upstream stage: [its cached outputs]}`` for the stages ``stage`` directly depends on."""
     from dvc.repo import Repo
 
-    from flows import pipeline as pl
-
-    with pl._DVC, Repo(str(root)) as repo:
+    with DVC_LOCK, Repo(str(root)) as repo:
         graph = repo.index.graph  # edge A → B: A depends on B
         return {up.addressing: [str(o.def_path) for o in up.outs if o.use_cache]
                 for up in graph.successors(_stage_node(repo, stage)) if not up.addressing.endswith(".dvc")}
@@ -274,9 +228,7 @@ def stage_outputs(root: Path, stage: str) -> tuple[list[str], list[str]]:
     """(cached outputs, uncached outputs) of ``stage`` as dvc.yaml declares them."""
     from dvc.repo import Repo
 
-    from flows import pipeline as pl
-
-    with pl._DVC, Repo(str(root)) as repo:
+    with DVC_LOCK, Repo(str(root)) as repo:
         outs = _stage_node(repo, stage).outs
         return [str(o.def_path) for o in outs if o.use_cache], [str(o.def_path) for o in outs if not o.use_cache]
 
@@ -298,9 +250,7 @@ def require_remote(root: Path) -> None:
     """Raise ConfigError, saying which setting needs it and how to add one, when ``root`` has no default DVC remote."""
     from dvc.repo import Repo
 
-    from flows import pipeline as pl
-
-    with pl._DVC, Repo(str(root)) as repo:
+    with DVC_LOCK, Repo(str(root)) as repo:
         if not repo.config["core"].get("remote"):
             raise ConfigError(f"no default DVC remote in {root}/.dvc/config: {remote_needed_because()}. Add one "
                               f"(`dvc remote add -d storage s3://bucket/dvc`) and commit .dvc/config; on a laptop "
@@ -312,9 +262,7 @@ def dvc_push(root: str, targets: list[str]) -> int:
     """Push ``targets`` (DVC-tracked outputs) to the default remote; → how many files were uploaded."""
     from dvc.repo import Repo
 
-    from flows import pipeline as pl
-
-    with pl._DVC, Repo(root) as repo:
+    with DVC_LOCK, Repo(root) as repo:
         return repo.push(targets=targets)
 
 
@@ -323,9 +271,7 @@ def dvc_pull(root: str, targets: list[str]) -> None:
     """Fetch ``targets`` from the default remote as dvc.lock records them and check them out (overwriting)."""
     from dvc.repo import Repo
 
-    from flows import pipeline as pl
-
-    with pl._DVC, Repo(root) as repo:
+    with DVC_LOCK, Repo(root) as repo:
         repo.pull(targets=targets, force=True)
 
 
@@ -363,6 +309,12 @@ def publish_stage_result(stage: str, result: Mapping[str, Any]) -> None:
         markdown=(f"### Stage `{stage}`\n\nIts dvc.lock entry and its uncached outputs; the cached outputs are in "
                   f"the DVC remote under the hashes below.\n\n```json\n{json.dumps(result, indent=1)}\n```\n"),
     )
+
+
+def flow_run_url(flow_run_id: Any) -> str:
+    from prefect.utilities.urls import url_for
+
+    return url_for("flow-run", obj_id=str(flow_run_id)) or f"flow run {flow_run_id}"
 
 
 def read_stage_result(flow_run_id: Any) -> dict[str, Any]:
@@ -413,6 +365,20 @@ def adopt_result(root: Path, stage: str, result: Mapping[str, Any]) -> None:
 # ── the two sides ──
 
 
+@task(retries=0, task_run_name="{stage}")
+def reproduce_stage(stage: str, root: str, parent_run_id: str | None = None, force: bool = False
+                    ) -> dict[str, Any]:
+    """Reproduce one stage through DVC: on the GPU work pool when it is a GPU stage and one is configured
+    (``dispatch_stage``), else in this process (``flows.stages.reproduce_here``: nothing runs when DVC finds it up to
+    date, an out-of-date stage whose run DVC's run-cache holds is restored from it unless ``force``, and its MLflow
+    run is relayed through this process by ``ops.tracking.StageRelay``). → ``{"stage", "ran": its cmd ran,
+    "restored": its outputs came from the run-cache, "seconds"}``. A dispatched stage takes no local slot."""
+    deployment = dispatch_target(stage)
+    if deployment is not None:
+        return dispatch_stage(stage, Path(root), deployment, parent_run_id, force)
+    return reproduce_here(stage, Path(root), parent_run_id, force)
+
+
 def dispatch_stage(stage: str, root: Path, deployment: str, parent_run_id: str | None, force: bool
                    ) -> dict[str, Any]:
     """Reproduce ``stage`` through ``deployment`` (steps 1 and 3 of the module docstring) and wait for it;
@@ -420,12 +386,9 @@ def dispatch_stage(stage: str, root: Path, deployment: str, parent_run_id: str |
     from prefect.deployments import run_deployment
     from prefect.exceptions import ObjectNotFound
 
-    from flows import pipeline as pl
-    from tasks import tracking
-
     logger = get_run_logger()
     start = time.perf_counter()
-    reasons, _ = pl.stage_status(root, stage)
+    reasons, _ = stage_status(root, stage)
     if not reasons and not force:
         logger.info("%s: up to date (stage didn't change, skipping)", stage)
         return {"stage": stage, "ran": False, "seconds": time.perf_counter() - start}
@@ -434,8 +397,8 @@ def dispatch_stage(stage: str, root: Path, deployment: str, parent_run_id: str |
     lock = read_lock(root)
     missing = [u for u in upstream if u not in lock]
     if missing:
-        raise pl.StageFailed(f"stage '{stage}': dvc.lock has no entry for {', '.join(missing)}, so a worker could "
-                             f"not pull their outputs; reproduce them first (`faceops run --stage {missing[0]}`).")
+        raise StageFailed(f"stage '{stage}': dvc.lock has no entry for {', '.join(missing)}, so a worker could "
+                          f"not pull their outputs; reproduce them first (`faceops run --stage {missing[0]}`).")
     inputs = [path for outs in upstream.values() for path in outs]
     if inputs:
         dvc_push(str(root), inputs)
@@ -446,14 +409,14 @@ def dispatch_stage(stage: str, root: Path, deployment: str, parent_run_id: str |
     try:
         remote = run_deployment(deployment, parameters=parameters, timeout=None, poll_interval=2)
     except ObjectNotFound as exc:
-        raise pl.StageFailed(f"stage '{stage}': there is no deployment '{deployment}' ({ENV_GPU_DEPLOYMENT}) on the "
-                             f"Prefect server: deploy it (`prefect deploy --name stage-gpu`) or unset "
-                             f"{ENV_GPU_DEPLOYMENT} to run GPU stages in-process.") from exc
+        raise StageFailed(f"stage '{stage}': there is no deployment '{deployment}' ({ENV_GPU_DEPLOYMENT}) on the "
+                          f"Prefect server: deploy it (`prefect deploy --name stage-gpu`) or unset "
+                          f"{ENV_GPU_DEPLOYMENT} to run GPU stages in-process.") from exc
     url = flow_run_url(remote.id)
     if remote.state is None or not remote.state.is_completed():
         state = remote.state.name if remote.state else "no state"
         message = (remote.state.message if remote.state else None) or "no message"
-        raise pl.StageFailed(f"stage '{stage}' failed on {deployment} ({state}): {message}; Prefect flow run: {url}")
+        raise StageFailed(f"stage '{stage}' failed on {deployment} ({state}): {message}; Prefect flow run: {url}")
     result = read_stage_result(remote.id)
     adopt_result(root, stage, result)
     seconds = time.perf_counter() - start
@@ -467,8 +430,6 @@ def _reachable_parent(root: Path, parent_run_id: str | None, logger: Any) -> str
     if not parent_run_id:
         return None
     from mlflow import MlflowClient
-
-    from tasks import tracking
 
     try:
         MlflowClient(tracking_uri=tracking.tracking_uri(root)).get_run(parent_run_id)
@@ -498,20 +459,18 @@ def run_stage_remote(stage: str, root: str = ".", params_delta: dict[str, str] |
         force: rerun the stage even when DVC finds it up to date.
         move_aliases: false registers the stage's model without moving `@candidate` (a smoke run's toy model).
     """
-    from flows import pipeline as pl
-
     logger = get_run_logger()
     path = Path(root).resolve()
     if commit:
         checkout_commit(path, commit)
-    pl.apply_params(path, None, params_delta, logger)
+    apply_params(path, None, params_delta, logger)
     require_remote(path)
     write_lock_entries(path, lock or {})
     inputs = [p for outs in upstream_outputs(path, stage).values() for p in outs]
     if inputs:
         dvc_pull(str(path), inputs)
     with moving_aliases(move_aliases):
-        outcome = pl.reproduce_stage(stage, str(path), _reachable_parent(path, parent_run_id, logger), force)
+        outcome = reproduce_stage(stage, str(path), _reachable_parent(path, parent_run_id, logger), force)
     cached, uncached = stage_outputs(path, stage)
     if cached:
         dvc_push(str(path), cached)

@@ -1,9 +1,9 @@
 """The ``sweep`` flow: an Optuna study over one stage's params, its trials nested under one MLflow run.
 
 Steps, one Prefect task each: open (check the request, create or join the study and its MLflow parent run) →
-trials (this process's share; with ``workers > 1`` the others run at the same time as ``python -m tasks.sweep``
+trials (this process's share; with ``workers > 1`` the others run at the same time as ``python -m ops.sweep``
 processes on the same study) → report (history and importance plots, best params) → apply (optional: the best
-params into ``params.yaml``, as a reviewable diff). The work itself is in ``tasks.sweep``.
+params into ``params.yaml``, as a reviewable diff). The work itself is in ``ops.sweep``.
 
 Several flow runs with the same storage and study name (two terminals, or many cluster workers) cooperate on one
 study. A storage URL with a password is best passed in ``$FACEOPS_SWEEP_STORAGE`` (the CLI does that with
@@ -21,7 +21,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from tasks import sweep as sw
+from ops import sweep as sw
 from tasks.common import stage_cores
 
 
@@ -65,7 +65,7 @@ def split_trials(trials: int, workers: int) -> list[int]:
 
 
 def start_workers(plan: sw.SweepPlan, shares: list[int], threads: int) -> list[subprocess.Popen]:
-    """One ``python -m tasks.sweep`` process per share, each with its own sampler seed and its share of the cores."""
+    """One ``python -m ops.sweep`` process per share, each with its own sampler seed and its share of the cores."""
     env = {**os.environ, sw.ENV_STORAGE: plan.storage.text, "OMP_NUM_THREADS": str(threads),
            "MKL_NUM_THREADS": str(threads)}
     return [subprocess.Popen(sw.worker_command(plan, n, plan.seed + i), cwd=plan.root, env=env)

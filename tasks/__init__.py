@@ -1,7 +1,9 @@
-"""One module per pipeline stage: ``run(cfg, paths) -> StageResult`` plus a tiny ``main()``.
+"""One module per pipeline stage: ``run(cfg, paths) -> StageResult`` plus a tiny ``main()``; beside them only what
+stages share (``common``, ``params``, the evaluations ``evaluate`` draws on). The operations services around the
+pipeline (promotion, sweeps, the tracking relay, storage) live in ``ops/``.
 
 ``STAGES`` maps each DVC stage to its module; ``PARAM_SECTIONS`` maps each ``params.yaml`` section to the
-frozen dataclass that reads it (``module:Class``), so a params delta is checked before anything runs.
+frozen dataclass that reads it (``module:Class``, ``ops`` included), so a params delta is checked before anything runs.
 """
 
 STAGES: dict[str, str] = {
@@ -28,7 +30,7 @@ PARAM_SECTIONS: dict[str, str] = {
     "synthesize": "tasks.synthesize:SynthesizeConfig",
     "pipeline": "tasks.train_fr:PipelineConfig",
     "evaluate": "tasks.evaluate:EvaluateConfig",
-    "sweep": "tasks.sweep:SweepConfig",
-    "promote": "tasks.promote:PromoteConfig",
-    "storage": "tasks.storage:StorageConfig",
+    "sweep": "ops.sweep:SweepConfig",
+    "promote": "ops.promote:PromoteConfig",
+    "storage": "ops.storage:StorageConfig",
 }

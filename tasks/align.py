@@ -167,7 +167,7 @@ def run(data: DataConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
 
 
 def main() -> None:
-    from tasks.tracking import stage_run
+    from ops.tracking import stage_run
 
     paths = Paths()
     params = load_params(paths.params)

@@ -251,7 +251,7 @@ def stage_cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
 
 
-# the file holding this stage's current share of the cores, written by flows.pipeline while stages run side by side
+# the file holding this stage's current share of the cores, written by flows.stages while stages run side by side
 ENV_CORE_SHARE = "FACEOPS_CORE_SHARE_FILE"
 
 

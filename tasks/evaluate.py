@@ -568,7 +568,7 @@ def run(cfg: EvaluateConfig, data: DataConfig, paths: Paths, *, tracker: Any = N
 
 
 def main() -> None:
-    from tasks.tracking import stage_run
+    from ops.tracking import stage_run
 
     paths = Paths()
     params = load_params(paths.params)

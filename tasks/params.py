@@ -81,7 +81,7 @@ def check_input_paths(params: Mapping[str, Any], root: Path) -> None:
     stages run), or ConfigError naming each key, its path and what to do."""
     problems = []
     for key, (kind, what, off) in INPUT_PATHS.items():
-        value = _get(params, key.split("."))
+        value = lookup(params, key.split("."))
         if not value or not isinstance(value, str):  # off, or a wrong type that check_params reports
             continue
         path = Path(value)
@@ -104,14 +104,14 @@ def apply_delta(params_path: Path, delta: Mapping[str, Any]) -> dict[str, tuple[
     changes: dict[str, tuple[Any, Any]] = {}
     try:
         for key, value in delta.items():
-            changes[key] = (_get(load_yaml(text) or {}, key.split(".")), value)
+            changes[key] = (lookup(load_yaml(text) or {}, key.split(".")), value)
             text = set_key(text, key, value)
         params = load_yaml(text) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{params_path}: not valid YAML ({yaml_error(exc)}). Fix the file or "
                           f"`git checkout {params_path.name}`.") from exc
     for key, value in delta.items():  # what was written reads back as the value (NaN included: compared as YAML)
-        assert _flow(_get(params, key.split("."))) == _flow(value), key
+        assert _flow(lookup(params, key.split("."))) == _flow(value), key
     check_params(params)
     check_input_paths(params, params_path.parent)
     write_params(params_path, text.encode("utf-8"))
@@ -176,7 +176,7 @@ def set_key(text: str, key: str, value: Any) -> str:
         if isinstance(value_node, yaml.MappingNode) and not value_node.flow_style:
             node = value_node
             continue
-        current = _get(load_yaml(text), parts[: depth + 1])
+        current = lookup(load_yaml(text), parts[: depth + 1])
         if current is None:
             current = {}
         if not isinstance(current, dict):
@@ -240,7 +240,8 @@ def _flow(value: Any) -> str:
     return text
 
 
-def _get(params: Any, parts: list[str]) -> Any:
+def lookup(params: Any, parts: list[str]) -> Any:
+    """The value at the dotted key split into ``parts`` (``["fr", "lr"]``), or None where the key is missing."""
     for part in parts:
         if not isinstance(params, Mapping):
             return None

@@ -216,9 +216,8 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
     import pandas as pd
 
     from ml.data.dataset import DatasetWriter, landmarks_array, load_images, read_manifest
-    from ml.eval.diversity import (
-        adjacent_pixel_correlation, diversity_report, identity_gap, nearest_real, ssim_diversity,
-    )
+    from ml.eval.diversity import diversity_report, identity_gap, nearest_real
+    from ml.eval.image_diversity import adjacent_pixel_correlation, ssim_diversity
     from ml.models.aligner.dfa import load_aligner
     from ml.synth.contexts import select_identity_contexts
     from tasks.train_generator import identity_embeddings, load_fr, resize_faces
@@ -336,7 +335,7 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
 
 
 def main() -> None:
-    from tasks.tracking import stage_run
+    from ops.tracking import stage_run
     from tasks.train_generator import GeneratorStageConfig
 
     paths = Paths()

@@ -40,10 +40,10 @@ import numpy as np
 from ml.config import from_mapping
 from ml.errors import ConfigError
 from ml.train.aligner import AlignerConfig
+from ops.tracking import registered_note
 from tasks.common import (
     Paths, StageResult, core_share_callbacks, load_params, section, stage_main, write_json, write_history_csv,
 )
-from tasks.tracking import registered_note
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,9 @@ def run(cfg: AlignerStageConfig, paths: Paths, *, tracker: Any = None) -> StageR
     from ml.data.dataset import landmarks_array, load_images, read_dataset_info, read_manifest
     from ml.eval.alignment import auc_at, failure_rate, nme, nme_box, plot_ced
     from ml.models.aligner.dfa import save_aligner
-    from ml.train.aligner import HELDOUT_NONFACE_START, evaluate_aligner, nonface_crops, train_aligner
+    from ml.train.aligner import train_aligner
+    from ml.train.aligner_data import HELDOUT_NONFACE_START, nonface_crops
+    from ml.train.aligner_eval import evaluate_aligner
 
     manifest = read_manifest(paths.unaligned_set / "manifest.parquet")
     train_rows = manifest[manifest["split"] == "train"].reset_index(drop=True)
@@ -181,7 +183,7 @@ def run(cfg: AlignerStageConfig, paths: Paths, *, tracker: Any = None) -> StageR
 
 
 def main() -> None:
-    from tasks.tracking import stage_run
+    from ops.tracking import stage_run
 
     paths = Paths()
     params = load_params(paths.params)

@@ -29,12 +29,12 @@ import pandas as pd
 from ml.config import from_mapping
 from ml.errors import DataError
 from ml.train.discovery import DiscoveryConfig
+from ops.tracking import registered_note
 from tasks.common import (
     Paths, StageResult, core_share_callbacks, load_params, section, stage_main, write_json, pyplot, save_figure,
     write_history_csv,
 )
 from tasks.prepare import DataConfig
-from tasks.tracking import registered_note
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ def run(cfg: DiscoveryConfig, data: DataConfig, paths: Paths, *, tracker: Any = 
 
 
 def main() -> None:
-    from tasks.tracking import stage_run
+    from ops.tracking import stage_run
 
     paths = Paths()
     params = load_params(paths.params)

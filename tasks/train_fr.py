@@ -26,12 +26,12 @@ from typing import Any
 from ml.config import from_mapping
 from ml.errors import ConfigError, DataError
 from ml.train.fr import FRConfig
+from ops.tracking import registered_note
 from tasks.common import (
     Paths, StageResult, core_share_callbacks, launch_rank, load_params, pyplot, save_figure, section, stage_main,
     write_history_csv, write_json,
 )
 from tasks.prepare import DataConfig
-from tasks.tracking import registered_note
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ def run(cfg: FRConfig, data: DataConfig, paths: Paths, *, source: str = "real", 
 
     loggers = None
     if tracker is not None:
-        from tasks.tracking import lightning_logger
+        from ops.tracking import lightning_logger
 
         loggers = [lightning_logger(tracker)]
     # KP-RPE backbones read the manifest's landmarks (ground truth for procedural data, the DFA aligner's for the
@@ -265,7 +265,7 @@ def run(cfg: FRConfig, data: DataConfig, paths: Paths, *, source: str = "real", 
 
 
 def main(source: str = "real") -> None:
-    from tasks.tracking import stage_run
+    from ops.tracking import stage_run
 
     paths = Paths()
     params = load_params(paths.params)

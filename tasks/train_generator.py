@@ -34,11 +34,11 @@ from ml.errors import ConfigError, DataError
 from ml.models.generator.uiface import GeneratorModelConfig
 from ml.train.autoencoder import AutoencoderConfig
 from ml.train.generator import GeneratorConfig
+from ops.tracking import registered_note
 from tasks.common import (
     Paths, StageResult, atomic_path, core_share_callbacks, load_params, pyplot, save_figure, section, stage_main,
     write_history_csv, write_json,
 )
-from tasks.tracking import registered_note
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +266,7 @@ def run(cfg: GeneratorStageConfig, paths: Paths, *, tracker: Any = None) -> Stag
 
 
 def main() -> None:
-    from tasks.tracking import stage_run
+    from ops.tracking import stage_run
 
     paths = Paths()
     params = load_params(paths.params)

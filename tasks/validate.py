@@ -474,7 +474,7 @@ def _publish_failed(tmp: Path, target: Path) -> None:
 
 
 def main() -> None:
-    from tasks.tracking import stage_run
+    from ops.tracking import stage_run
 
     paths = Paths()
     params = load_params(paths.params)

@@ -16,16 +16,10 @@ from ml.data.unaligned import unaligned_faces
 from ml.errors import ConfigError, DataError
 from ml.eval.alignment import score_auc, spearman
 from ml.models.aligner.dfa import build_aligner, save_aligner
-from ml.train.aligner import (
-    HELDOUT_NONFACE_START,
-    LAST_CHECKPOINT,
-    AlignerConfig,
-    evaluate_aligner,
-    hard_negatives,
-    nonface_crops,
-    score_losses,
-    train_aligner,
-)
+from ml.train.aligner import LAST_CHECKPOINT, AlignerConfig, train_aligner
+from ml.train.aligner_data import HELDOUT_NONFACE_START, nonface_crops
+from ml.train.aligner_eval import evaluate_aligner
+from ml.train.aligner_losses import hard_negatives, score_losses
 
 # Tiny but complete: 64-px input (168 anchors), narrow FPN, one mixer block (as in test_dfa.py).
 TINY = dict(input_size=64, fpn_channels=16, mixer_depth=1, mixer_dim=8, mixer_token_hidden=8,
@@ -57,17 +51,17 @@ def test_nonface_renders_are_deterministic_uint8_and_cover_every_kind():
 
 def test_off_frame_nonfaces_keep_every_landmark_outside_the_crop(monkeypatch):
     """Spy on the renderer: for ``off_frame`` crops the face's 5 landmarks are ≥ 3 % of the side outside."""
-    import ml.data.procedural as procedural
+    from ml.data.procedural import geometry
 
     seen: list[list[tuple[float, float]]] = []
-    real = procedural._View.points
+    real = geometry._View.points
 
     def spy(self, pts):
         out = real(self, pts)
         seen.append(out)
         return out
 
-    monkeypatch.setattr(procedural._View, "points", spy)
+    monkeypatch.setattr(geometry._View, "points", spy)
     off = [i for i in range(40) if nonface_kind(3, i) == "off_frame"][:5]
     assert off
     for index in off:

@@ -135,7 +135,7 @@ def _invoke_run(workspace, monkeypatch, args, outcome):
 
 
 def _stage_failed():
-    from flows.pipeline import StageFailed
+    from flows.stages import StageFailed
 
     raise StageFailed("stage 'prepare' failed (exit 2): error: boom")
 
@@ -181,7 +181,7 @@ def test_undo_leaves_a_file_edited_since_alone(tmp_path):
 
 def test_prefect_console_does_not_repeat_a_stage_failure():
     from faceops.cli import _StageFailureEcho
-    from flows.pipeline import StageFailed
+    from flows.stages import StageFailed
 
     echo = _StageFailureEcho()
 

@@ -1,4 +1,4 @@
-"""cluster_accuracy / nearest_neighbor_consistency (ml/eval/metrics.py) against hand-computed values,
+"""cluster_accuracy / nearest_neighbor_consistency (ml/eval/metrics/clustering.py) against hand-computed values,
 and the clustering baselines (ml/discovery/baselines.py) that they score."""
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ import pytest
 
 from ml.discovery.baselines import agglomerative_baseline, best_of, dbscan_baseline, kmeans_baseline
 from ml.errors import ConfigError, DataError
-from ml.eval import metrics
-from ml.eval.metrics import cluster_accuracy, nearest_neighbor_consistency
+from ml.eval.metrics import cluster_accuracy, clustering, nearest_neighbor_consistency
 
 
 # ------------------------------------------------------------------------------------------
@@ -133,7 +132,7 @@ def test_nnc_batched_equals_one_block(monkeypatch):
     emb = rng.normal(size=(50, 8))
     labels = rng.integers(0, 3, 50)
     whole = nearest_neighbor_consistency(emb, labels, k=5)
-    monkeypatch.setattr(metrics, "_BATCH_ELEMENTS", 50 * 3)  # 3 rows per block
+    monkeypatch.setattr(clustering, "_BATCH_ELEMENTS", 50 * 3)  # 3 rows per block
     assert nearest_neighbor_consistency(emb, labels, k=5) == whole
     # brute force
     unit = emb / np.linalg.norm(emb, axis=1, keepdims=True)

@@ -113,6 +113,17 @@ def test_digest_stable_and_sensitive(tmp_path):
     assert dataset_digest(tmp_path / "b") != a
 
 
+def test_writer_digest_sorts_like_the_paths(tmp_path):
+    """The writer digests its rows in path order without building the paths: identities that prefix one another
+    ("a", "a.b", "a b", "ab") and file numbers past 9 ("10.png" < "2.png") must sort as the strings do."""
+    identities = ["ab", "a", "a.b", "a b", "é", "A", "a-"]
+    with DatasetWriter(tmp_path / "ds", name="order", source="real", aligned=False) as w:
+        for i in range(12 * len(identities)):
+            w.add(_img(i), identity=identities[(i * 3) % len(identities)], split=("train", "val")[i % 2],
+                  landmarks=LANDMARKS + i if i % 3 else None, template=i if i % 4 else None)
+    assert read_dataset_info(tmp_path / "ds")["digest"] == dataset_digest(tmp_path / "ds")
+
+
 def test_exception_inside_with_leaves_nothing(tmp_path):
     out = tmp_path / "ds"
     with pytest.raises(RuntimeError, match="boom"):

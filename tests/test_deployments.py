@@ -22,7 +22,9 @@ import pytest
 import yaml
 
 from flows import routing
-from flows.pipeline import apply_params, benchmark_markdown
+from flows.pipeline import benchmark_markdown
+from flows.routing import apply_params
+from flows.stages import mlflow_run_link
 from ml.errors import ConfigError
 
 from .conftest import copy_project
@@ -132,8 +134,8 @@ def test_area_flows_run_their_stages_and_refuse_stages_of_another_area():
 
 
 def test_mlflow_links_name_the_run_and_never_a_password():
-    assert routing.mlflow_run_link("http://alice:s3cret@127.0.0.1:5000/", "0a1b") == "http://127.0.0.1:5000/#/runs/0a1b"
-    note = routing.mlflow_run_link("sqlite:////data/faceops/mlflow.db", "0a1b")
+    assert mlflow_run_link("http://alice:s3cret@127.0.0.1:5000/", "0a1b") == "http://127.0.0.1:5000/#/runs/0a1b"
+    note = mlflow_run_link("sqlite:////data/faceops/mlflow.db", "0a1b")
     assert "mlflow ui --backend-store-uri sqlite:////data/faceops/mlflow.db" in note and "#/runs/0a1b" in note
 
 
@@ -232,7 +234,7 @@ def test_a_smoke_run_registers_its_models_without_candidate_unless_asked(tmp_pat
     from mlflow import MlflowClient
 
     from flows.areas import TOY_PRESETS
-    from tasks import tracking
+    from ops import tracking
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.chdir(tmp_path)

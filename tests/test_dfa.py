@@ -26,7 +26,8 @@ from ml.models.aligner.dfa import (
     to_normalised,
     to_pixels,
 )
-from ml.train.aligner import LAST_CHECKPOINT, AlignerConfig, evaluate_aligner, train_aligner
+from ml.train.aligner import LAST_CHECKPOINT, AlignerConfig, train_aligner
+from ml.train.aligner_eval import evaluate_aligner
 
 # Tiny but complete: 64-px input (168 anchors), narrow FPN, one mixer block.
 TINY = dict(input_size=64, fpn_channels=16, mixer_depth=1, mixer_dim=8, mixer_token_hidden=8,
@@ -374,7 +375,7 @@ def test_unaligned_faces_rejects_impossible_requests():
 
 
 def test_near_anchors_select_the_face_region():
-    from ml.train.aligner import near_anchors
+    from ml.train.aligner_losses import near_anchors
 
     priors = prior_boxes(160)
     target = torch.tensor([[[0.4, 0.4], [0.6, 0.4], [0.5, 0.5], [0.42, 0.6], [0.58, 0.6]]])

@@ -1,5 +1,5 @@
-"""ml/eval/diversity.py: identity consistency, diversity, class separation, improved precision / recall
-and LPIPS, against hand-computed values and brute-force references."""
+"""ml/eval/diversity.py and ml/eval/image_diversity.py: identity consistency, diversity, class separation,
+improved precision / recall and LPIPS, against hand-computed values and brute-force references."""
 
 from __future__ import annotations
 
@@ -13,15 +13,13 @@ import torch.nn.functional as F
 from ml.errors import ConfigError, DataError
 from ml.eval import diversity
 from ml.eval.diversity import (
-    LPIPS,
     diversity_report,
     embedding_diversity,
     identity_consistency,
     improved_precision_recall,
     inter_class_separation,
-    load_lpips,
-    lpips_distance,
 )
+from ml.eval.image_diversity import LPIPS, load_lpips, lpips_distance
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -372,7 +370,7 @@ def test_identity_gap_matches_hand_computed_pairs() -> None:
 
 
 def test_adjacent_pixel_correlation_tells_faces_from_noise() -> None:
-    from ml.eval.diversity import adjacent_pixel_correlation
+    from ml.eval.image_diversity import adjacent_pixel_correlation
 
     rng = np.random.default_rng(0)
     noise = rng.integers(0, 256, (4, 16, 16, 3)).astype(np.uint8)
@@ -396,7 +394,7 @@ def test_nearest_real_finds_the_copied_identity_and_face() -> None:
 
 
 def test_ssim_diversity_zero_for_copies_positive_for_variation() -> None:
-    from ml.eval.diversity import ssim_diversity
+    from ml.eval.image_diversity import ssim_diversity
 
     rng = np.random.default_rng(2)
     face = rng.integers(0, 256, (1, 16, 16, 3)).astype(np.uint8)

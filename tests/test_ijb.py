@@ -81,14 +81,15 @@ def test_reads_the_ijb_release_layout(tmp_path):
 
 
 def test_reads_what_tasks_prepare_writes(tmp_path):
-    """The template set of tasks/prepare.py (its exact writer, on a tiny config) reads back consistently."""
+    """The template set of tasks/prepare_sets.py (its exact writer, on a tiny config) reads back consistently."""
     from ml.data.dataset import read_manifest
     from ml.data.procedural import ProceduralFaces
-    from tasks.prepare import DataConfig, _template_set
+    from tasks.prepare import DataConfig
+    from tasks.prepare_sets import template_set
 
     cfg = DataConfig(template_identities=2, templates_per_identity=2, frames_per_template=2, heldout_identities=2)
     gen = ProceduralFaces(cfg.procedural_config(), seed=0)
-    n_pairs = _template_set(tmp_path / "templates", gen, cfg, 0)
+    n_pairs = template_set(tmp_path / "templates", gen, cfg, 0)
     meta = tmp_path / "templates" / "meta"
     table = read_tid_mid(meta / "face_tid_mid.txt")
     manifest = read_manifest(tmp_path / "templates" / "manifest.parquet")

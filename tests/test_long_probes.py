@@ -1,4 +1,4 @@
-"""experiments/long_probes.py and ``ml.eval.sets.FusionStream``: streamed fusion equals all-at-once fusion, the
+"""experiments/long_probes*.py and ``ml.eval.sets.FusionStream``: streamed fusion equals all-at-once fusion, the
 streamed frames equal ``surveillance_sequence`` and ``ProceduralFaces.sequence``, the experiment runs end to end at
 toy size (one process and two) on surveillance probes with the true-quality oracle, and bad arguments give one clear
 error."""
@@ -14,19 +14,19 @@ import numpy as np
 import pytest
 import torch
 
-from experiments.long_probes import (
+from experiments.long_probes import parse_args, run_experiment
+from experiments.long_probes_setup import (
     LABELS,
+    METHODS,
     LongProbesConfig,
     ProbeSpec,
     first_free_identity,
     load_models,
-    parse_args,
     probe_lengths,
     procedural_config,
-    run_experiment,
-    stream_sequence,
     surveillance_config,
 )
+from experiments.long_probes_stream import stream_sequence
 from ml.data.procedural import ProceduralConfig, ProceduralFaces
 from ml.data.surveillance import (
     SurveillanceConfig,
@@ -192,7 +192,6 @@ def test_probe_lengths_are_stratified_log_uniform_and_seeded():
 
 
 def test_the_experiment_knows_every_streamed_fusion_method():
-    from experiments.long_probes import METHODS
     from ml.eval.sets import STREAM_METHODS  # the experiment streams every probe, the quality oracle included
 
     assert METHODS == STREAM_METHODS and set(LABELS) == set(STREAM_METHODS)

@@ -1,4 +1,4 @@
-"""Unit tests for ml/eval/metrics.py against hand-computed values and brute-force references."""
+"""Unit tests for ml/eval/metrics/ against hand-computed values and brute-force references."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from ml.eval import metrics
 from ml.eval.metrics import (
+    identification,
     identification_rank,
     pair_scores,
     roc_curve,
@@ -400,7 +400,7 @@ def test_identification_rank_batched_matches_reference(monkeypatch):
     assert 0.2 < expected[1] < 1.0
 
     full = identification_rank(probe, probe_labels, gallery, gallery_labels, ranks=(1, 2, 5, 10))
-    monkeypatch.setattr(metrics, "_BATCH_ELEMENTS", 7 * 120)  # 7 probes per block
+    monkeypatch.setattr(identification, "_BATCH_ELEMENTS", 7 * 120)  # 7 probes per block
     batched = identification_rank(probe, probe_labels, gallery, gallery_labels, ranks=(1, 2, 5, 10))
     assert full == pytest.approx(expected)
     assert batched == full

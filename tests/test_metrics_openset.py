@@ -1,4 +1,4 @@
-"""Unit tests for open-set identification and distractor CMC in ml/eval/metrics.py.
+"""Unit tests for open-set identification and distractor CMC in ml/eval/metrics/identification.py.
 
 Hand-worked cases use 2-D unit vectors at given angles (cosine = cos of the angular gap) or
 vectors whose normalised entries are dyadic (0, +-1/2, +-1/4), so that tied scores are exactly
@@ -13,8 +13,8 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from ml.eval import metrics
 from ml.eval.metrics import (
+    identification,
     identification_rank,
     identification_with_distractors,
     open_set_identification,
@@ -205,7 +205,7 @@ def test_open_set_matches_brute_force_on_tied_scores(seed, monkeypatch):
     assert 0.0 < out["tpir@fpir=0.1/rank1"] < out["tpir@fpir=1.0/rank5"] <= 1.0  # not trivial
     assert out["n_mated"] == int(mated.sum())
 
-    monkeypatch.setattr(metrics, "_BATCH_ELEMENTS", 7 * n_ids)  # 7 probes per block
+    monkeypatch.setattr(identification, "_BATCH_ELEMENTS", 7 * n_ids)  # 7 probes per block
     batched = open_set_identification(probe, probe_labels, gallery, gallery_labels, fpirs, ranks)
     assert batched == out
 
@@ -321,7 +321,7 @@ def test_distractors_match_reference_batched_with_colliding_looking_labels(monke
     args = (probe, probe_labels, gallery, gallery_labels, distractors, ranks)
     full = identification_with_distractors(*args)
     assert full == pytest.approx(expected)
-    monkeypatch.setattr(metrics, "_BATCH_ELEMENTS", 9 * 270)  # 9 probes per block
+    monkeypatch.setattr(identification, "_BATCH_ELEMENTS", 9 * 270)  # 9 probes per block
     batched = identification_with_distractors(*args)
     assert batched == full
     # string labels give the same answer

@@ -22,7 +22,8 @@ import torch
 import yaml
 
 from ml.errors import ConfigError, DataError
-from tasks import promote as p
+from ops import promote as p
+from ops import promote_registry
 from tasks.common import Paths
 
 from .servers import closed_port_url, mlflow_model_server, prefect_server
@@ -64,7 +65,7 @@ def save_fr(model_dir: Path, seed: int) -> Path:
 
 def register(root: Path, model_dir: Path, name: str = "faceops-fr", stage: str = "train_fr@real") -> str:
     """Register a model the way the stages do: FR as a pyfunc embedder, the others as a run artifact."""
-    from tasks.tracking import stage_run
+    from ops.tracking import stage_run
 
     with stage_run(stage, {}, root) as tracker:
         if name == "faceops-fr":
@@ -390,13 +391,13 @@ def test_unreachable_tracking_server_retries_then_names_the_endpoint(lifecycle, 
     url = closed_port_url()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
     probes: list[str] = []
-    real_check = p.check_tracking
+    real_check = promote_registry.check_tracking
 
     def counted(uri: str, *args, **kwargs) -> None:
         probes.append(uri)
         real_check(uri, *args, **kwargs)
 
-    monkeypatch.setattr(p, "check_tracking", counted)
+    monkeypatch.setattr(promote_registry, "check_tracking", counted)  # what p.connect calls
     with pytest.raises(p.RegistryUnreachable, match=rf"{url} is unreachable.*after 2 attempts"):
         flow(ws)
     # Prefect really ran the connect task twice (promote.retries: 1), each time probing the endpoint

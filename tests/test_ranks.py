@@ -70,7 +70,7 @@ def test_the_stage_command_opens_no_tracking_run_on_another_rank(tmp_path, monke
     def no_run(*args, **kwargs):
         raise AssertionError("an extra rank opened a tracking run")
 
-    monkeypatch.setattr("tasks.tracking.stage_run", no_run)
+    monkeypatch.setattr("ops.tracking.stage_run", no_run)
     monkeypatch.setattr(train_fr, "run", lambda cfg, data, paths, source, tracker=None: calls.append(tracker)
                         or train_fr.StageResult("train_fr@real", summary="rank 1"))
     train_fr.main()

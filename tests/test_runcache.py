@@ -1,7 +1,7 @@
 """`faceops run` restores a stage from DVC's run-cache, as `dvc repro` does.
 
 A one-stage DVC repository whose cmd writes random bytes (so a second run never reproduces the first's outputs), a
-metrics file, an MLflow run through ``tasks.tracking.stage_run``, and one line per execution into ``runs.log``
+metrics file, an MLflow run through ``ops.tracking.stage_run``, and one line per execution into ``runs.log``
 (outside DVC's outputs: the count of times the cmd really ran). Changing its param and changing it back must
 bring the first run's outputs back without running the cmd, record the same ``dvc.lock`` entry, and say so in the
 task's result, the flow log and MLflow; ``force`` must run the cmd anyway; half-written outputs DVC has no copy of
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import yaml
 
-from tasks.tracking import stage_run
+from ops.tracking import stage_run
 
 params = yaml.safe_load(Path("params.yaml").read_text())["count"]
 with open("runs.log", "a") as fh:
@@ -135,7 +135,7 @@ def history(tmp_path_factory):
 
 
 def test_param_changed_and_changed_back_is_restored_without_running_the_cmd(history):
-    from flows.pipeline import stage_status
+    from flows.stages import stage_status
 
     root, (first, second, third), (s1, s2, s3) = history["root"], history["results"], history["states"]
     assert first["ran"] and not first["restored"] and second["ran"] and not second["restored"]

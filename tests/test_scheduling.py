@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from flows.pipeline import _chain_lengths, _CoreShare, _Slots
+from flows.stages import _chain_lengths, _CoreShare, _Slots
 from ml.train.callbacks import FollowCoreShare
 from tasks.common import core_share_callbacks, ENV_CORE_SHARE, stage_cores
 

@@ -35,7 +35,7 @@ def store(tmp_path_factory):
     from ml.models.backbones.vit import vit_tiny
     from ml.models.discovery import FaceGCD, save_facegcd
     from ml.models.io import save_model
-    from tasks.tracking import stage_run
+    from ops.tracking import stage_run
 
     tmp = tmp_path_factory.mktemp("serving")
     torch.manual_seed(0)

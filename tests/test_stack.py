@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from faceops.stack import free_port, plans
+from faceops.processes import free_port
+from faceops.stack import plans
 
 pytestmark = pytest.mark.slow
 BUCKET = "stack-test"
@@ -305,7 +306,7 @@ LOG_LIKE_MAKE_RUN = """
 from pathlib import Path
 import mlflow
 from mlflow import MlflowClient
-from tasks import tracking
+from ops import tracking
 
 root = Path.cwd()
 tracking.configure(root)  # what `faceops run` does: no MLFLOW_TRACKING_URI, the repository's mlflow.db

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from faceops.stack import free_port, pid_alive
+from faceops.processes import free_port, pid_alive
 
 from .conftest import copy_project
 

@@ -17,7 +17,7 @@ import yaml
 from ml.config import from_mapping
 from ml.errors import ConfigError
 from tasks.common import Paths, load_params, section
-from tasks.sweep import OBJECTIVES, SweepConfig, SweepError, apply_best, prepare_sweep, run_sweep
+from ops.sweep import OBJECTIVES, SweepConfig, SweepError, apply_best, prepare_sweep, run_sweep
 
 from .conftest import REPO
 from .servers import free_port, prefect_server
@@ -139,9 +139,8 @@ def test_unknown_stage_and_a_password_in_params_are_refused():
 
 
 def test_messages_mask_url_passwords_and_aws_credentials_everywhere(monkeypatch):
-    from tasks import promote, storage
+    from ops import storage
     from tasks.common import redact
-    from tasks.sweep import mask_url
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wJalrXUtnFEMIK7MDENG")
     monkeypatch.setenv("AWS_SESSION_TOKEN", "abc")  # under 4 characters: too likely to be ordinary text
@@ -152,7 +151,7 @@ def test_messages_mask_url_passwords_and_aws_credentials_everywhere(monkeypatch)
     expected = ("tracking http://alice:***@mlflow:5000/ storage postgresql+psycopg://optuna:***@db:5432/optuna "
                 "empty user https://:***@host/x, no password postgresql://bob@db/x sqlite:////tmp/a.db "
                 "S3 said key=*** abc")
-    for mask in (redact, mask_url, storage.redact, promote.redact):  # the old names still import and agree
+    for mask in (redact, storage.redact):  # the storage module masks its messages with the same function
         assert mask(text) == expected
 
 
@@ -290,7 +289,7 @@ def test_pruned_trials_stop_early_and_are_recorded(workspace):
 def test_two_commands_share_one_study_without_losing_or_repeating_trials(workspace, tmp_path):
     """Two `faceops sweep` commands started at once on one journal file; the first runs its trials in two worker
     processes (--workers 2), the second applies the best params at its end."""
-    from tasks.sweep import ensure_tracking
+    from ops.sweep import ensure_tracking
 
     ensure_tracking(workspace)  # the MLflow experiment exists before workers start, as on a cluster
     k, journal = 2, tmp_path / "j.log"
@@ -334,7 +333,7 @@ def test_a_killed_workers_trial_is_failed_by_its_silent_heartbeat_and_run_again(
 
     import optuna
 
-    from tasks.sweep import StorageSpec, open_storage
+    from ops.sweep import StorageSpec, open_storage
 
     spec = StorageSpec("rdb", f"sqlite:///{tmp_path / 'optuna.db'}")
     storage = open_storage(spec, heartbeat_s=1)

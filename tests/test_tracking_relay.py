@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks import tracking
+from ops import tracking
 
 from .conftest import curve_problems
 
@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 STAGE = textwrap.dedent("""
     import os, signal, sys
     from pathlib import Path
-    from tasks.tracking import stage_run
+    from ops.tracking import stage_run
 
     mode = sys.argv[1]
     plot = Path(sys.argv[2])
@@ -41,7 +41,7 @@ STAGE = textwrap.dedent("""
 
 CURVES = textwrap.dedent("""
     from pathlib import Path
-    from tasks.tracking import stage_run
+    from ops.tracking import stage_run
 
     with stage_run("toy", {}, Path.cwd()) as tracker:
         for epoch, step in enumerate((27, 54, 81)):  # Lightning logs an epoch's metrics at its last optimiser step

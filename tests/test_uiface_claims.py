@@ -1,13 +1,13 @@
-"""experiments/uiface_claims.py: aggregation, verdict and report on fabricated per-seed numbers (no training)."""
+"""experiments/uiface_summary.py (aggregation, verdict, report) on fabricated per-seed numbers, and the sampler rows
+and the time estimate of experiments/uiface_claims.py (no training)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from experiments.uiface_claims import (
-    CLAIM_MODE, MODES, QUICK, Scale, compare, effective_threshold, estimate_seconds, render, sampler_configs, summarize,
-)
+from experiments.uiface_claims import estimate_seconds, sampler_configs
+from experiments.uiface_summary import CLAIM_MODE, MODES, QUICK, Scale, compare, effective_threshold, render, summarize
 
 SEEDS = ["0", "1", "2"]
 

@@ -10,15 +10,15 @@ with AdamW (no decay on norms and biases), a linear warmup then cosine decay per
 
 where ``L̂`` are the mixer-pooled landmarks, ``l̂_a`` anchor ``a``'s decoded landmarks and ``N_b`` the
 anchors centred inside face ``b``'s landmark bounding box grown by ``cfg.anchor_radius`` of its size
-(:func:`near_anchors`, all anchors when negative); ``λ = cfg.anchor_loss_weight`` (0 = the paper's loss
-on the pooled output only).
+(:func:`ml.train.aligner_losses.near_anchors`, all anchors when negative); ``λ = cfg.anchor_loss_weight`` (0 = the
+paper's loss on the pooled output only).
 
 Face score. Each batch of ``batch_size`` crops holds ``round(nonface_fraction · batch_size)`` non-face
 crops after the faces (:func:`ml.data.procedural.render_nonface`: background clutter, faces pushed out of
 the frame, faces under an opaque cover), and one epoch still passes over every face once (so
 ``⌊N / faces per batch⌋`` steps). The landmark loss sees the faces only; the score gets
 
-    L_score = λ_a · L_anchor + λ_p · L_pool       (:func:`score_losses`)
+    L_score = λ_a · L_anchor + λ_p · L_pool       (:func:`ml.train.aligner_losses.score_losses`)
 
 with ``L_anchor`` RetinaFace's classification loss — cross-entropy on the per-anchor logits, positives the
 anchors over a face, negatives the hardest ``negative_ratio``× as many background anchors per crop (all
@@ -44,6 +44,10 @@ any epoch and resumed from it ends with the same weights as an uninterrupted one
 Metrics. :func:`evaluate_aligner` reports the NME in both conventions: inter-pupil (``nme``) and face box
 (``nme_box``, the paper's and RetinaFace's, ≈ 2.3× smaller; ``ml.eval.alignment``), and with ``top_anchor`` the
 same model read the RetinaFace way, the best-scoring anchor's landmarks instead of the mixer-pooled ones.
+
+Modules: this one holds the settings, the LightningModule and :func:`train_aligner`; ``ml.train.aligner_losses``
+the losses, ``ml.train.aligner_data`` the input checks, batches and non-face crops, ``ml.train.aligner_eval``
+:func:`evaluate_aligner`.
 
 Differences from the reference
 ------------------------------
@@ -104,15 +108,14 @@ from typing import Any
 import lightning
 import numpy as np
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
-from torch.utils.data import DataLoader, Dataset
-from tqdm.auto import tqdm
+from torch.utils.data import DataLoader
 
-from ml.data.procedural import render_nonfaces
 from ml.errors import ConfigError, DataError
-from ml.eval.alignment import auc_at, failure_rate, nme, nme_box, score_auc, spearman
-from ml.models.aligner.dfa import DFA, DFAConfig, normalise, resize_images, to_normalised, to_pixels
+from ml.models.aligner.dfa import DFA, DFAConfig, normalise, to_normalised, to_pixels
+from ml.train.aligner_data import AlignerBatches, check_images, check_landmarks, nonface_crops, prepare_crops
+from ml.train.aligner_eval import evaluate_aligner
+from ml.train.aligner_losses import landmark_loss, score_losses
 from ml.train.augment import AugmentConfig, augment_kprpe
 from ml.train.callbacks import (
     EpochBatches, EpochHistory, OnEpochEnd, check_device, check_device_keys, fit, non_finite_loss,
@@ -120,15 +123,12 @@ from ml.train.callbacks import (
 from ml.train.checkpoint import mix_seed, read_checkpoint, resume_path
 from ml.train.schedules import lambda_schedule, warmup_cosine
 
-__all__ = ["AlignerConfig", "AlignerModule", "AlignerResult", "HELDOUT_NONFACE_START", "LAST_CHECKPOINT",
-           "evaluate_aligner", "hard_negatives", "near_anchors", "nonface_crops", "score_losses", "train_aligner"]
+__all__ = ["AlignerConfig", "AlignerModule", "AlignerResult", "LAST_CHECKPOINT", "evaluate_aligner", "train_aligner"]
 
 log = logging.getLogger(__name__)
 
 LAST_CHECKPOINT = "last.ckpt"
 CHECKPOINT_KIND = "faceops_aligner"  # run description in every checkpoint, checked before resuming
-HELDOUT_NONFACE_START = 1 << 32  # non-face indices from here on are never used for training
-FAR_PAD = 0.5  # face crops: anchors centred outside the landmark box grown by this (per side) are background
 _ARCH_KEYS = ("input_size", "width", "fpn_channels", "context", "mixer_dim", "mixer_depth",
               "mixer_token_hidden", "mixer_channel_hidden")
 
@@ -229,82 +229,6 @@ class AlignerResult:
     checkpoint: Path | None = None  # last.ckpt when a checkpoint_dir was given
 
 
-# --------------------------------------------------------------------------------------------------
-# Inputs, batches, the pre-resume check
-
-
-def _check_images(images: np.ndarray, what: str) -> None:
-    if not isinstance(images, np.ndarray) or images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
-        desc = f"{type(images).__name__} {getattr(images, 'dtype', '')} {getattr(images, 'shape', '')}"
-        raise DataError(f"{what} must be a uint8 numpy array (N, H, W, 3) RGB, got {desc}")
-    if min(images.shape[1:3]) < 8:
-        raise DataError(f"{what} are {images.shape[1]}×{images.shape[2]} pixels; need face crops of at least 8×8")
-
-
-def _check_landmarks(landmarks: np.ndarray, images: np.ndarray, what: str) -> np.ndarray:
-    """Pixel landmarks (N, 5, 2) inside the images; returns float32. Raises DataError naming the rows."""
-    n, h, w = images.shape[:3]
-    landmarks = np.asarray(landmarks, dtype=np.float32)
-    if landmarks.shape != (n, 5, 2):
-        raise DataError(f"{what} must have shape ({n}, 5, 2) (pixel x, y per image, ArcFace order), got "
-                        f"{landmarks.shape}")
-    bad = np.flatnonzero(~np.isfinite(landmarks).all(axis=(1, 2)))
-    if bad.size:
-        raise DataError(f"{what}: {bad.size} of {n} faces have NaN/inf landmarks (e.g. rows {bad[:5].tolist()}); "
-                        "drop those faces before training")
-    if n and max(h, w) >= 16 and np.abs(landmarks).max() <= 1.5:
-        raise DataError(f"{what} all lie within 1.5 px of the origin of {h}×{w} images: they look normalised to "
-                        "[0, 1]; pass pixel coordinates (x = u·W − 0.5)")
-    x, y = landmarks[..., 0], landmarks[..., 1]
-    outside = np.flatnonzero(((x < -0.5) | (x > w - 0.5) | (y < -0.5) | (y > h - 0.5)).any(axis=1))
-    if outside.size:
-        raise DataError(f"{what}: {outside.size} of {n} faces have landmarks outside the {h}×{w} image (e.g. "
-                        f"rows {outside[:5].tolist()}); crop the faces with padding so all 5 points are inside, or "
-                        "drop them")
-    return landmarks
-
-
-def _prepare(images: np.ndarray, landmarks: np.ndarray, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint8 (N, size, size, 3)-resized tensor (N, 3, S, S) and normalised landmarks (N, 5, 2)."""
-    h, w = images.shape[1:3]
-    chunks = []
-    for i in range(0, len(images), 256):
-        x = torch.from_numpy(np.ascontiguousarray(images[i : i + 256])).permute(0, 3, 1, 2)
-        chunks.append(resize_images(x, size).round().clamp(0, 255).to(torch.uint8))
-    x = torch.cat(chunks) if chunks else torch.zeros((0, 3, size, size), dtype=torch.uint8)
-    return x.contiguous(), torch.from_numpy(to_normalised(landmarks, w, h))
-
-
-class _Batches(Dataset):
-    """Whole training batches keyed by ``(epoch, step)``: ``faces_per_batch`` faces in the (seed, epoch) order,
-    then ``nonfaces_per_batch`` non-face crops in the (seed, 11, epoch) order → (uint8 crops (B, 3, S, S),
-    normalised landmarks (B, 5, 2); the non-faces get a placeholder that is never a target)."""
-
-    def __init__(self, faces: torch.Tensor, landmarks: torch.Tensor, negatives: torch.Tensor, faces_per_batch: int,
-                 nonfaces_per_batch: int, seed: int) -> None:
-        self.faces, self.landmarks, self.negatives = faces, landmarks, negatives
-        self.per_batch, self.n_neg, self.seed = faces_per_batch, nonfaces_per_batch, seed
-        self.placeholder = torch.full((nonfaces_per_batch, 5, 2), 0.5)
-        self._orders: tuple[int, torch.Tensor, torch.Tensor] | None = None
-
-    def orders(self, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._orders is None or self._orders[0] != epoch:
-            faces = np.random.default_rng([self.seed, epoch]).permutation(len(self.faces))
-            negatives = np.random.default_rng([self.seed, 11, epoch]).permutation(len(self.negatives))
-            self._orders = (epoch, torch.from_numpy(faces), torch.from_numpy(negatives))
-        return self._orders[1], self._orders[2]
-
-    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        epoch, i = key
-        order, neg_order = self.orders(epoch)
-        idx = order[i * self.per_batch : (i + 1) * self.per_batch]
-        x, y = self.faces[idx], self.landmarks[idx]
-        if self.n_neg:
-            x = torch.cat([x, self.negatives[neg_order[i * self.n_neg : (i + 1) * self.n_neg]]])
-            y = torch.cat([y, self.placeholder])
-        return x, y
-
-
 def _check_checkpoint(path: Path, info: dict[str, Any]) -> None:
     """Before fitting: the checkpoint must hold this architecture, trained on as many images; other changed
     settings are logged."""
@@ -320,159 +244,6 @@ def _check_checkpoint(path: Path, info: dict[str, Any]) -> None:
     changed = {k: (v, now.get(k)) for k, v in saved.items() if now.get(k) != v}
     if changed:
         log.warning("resuming %s with changed settings (checkpoint → now): %s", path, changed)
-
-
-# --------------------------------------------------------------------------------------------------
-# Evaluation and training
-
-
-def evaluate_aligner(
-    model: DFA,
-    images: np.ndarray,
-    landmarks_px: np.ndarray,
-    batch_size: int = 128,
-    *,
-    nonfaces: np.ndarray | None = None,
-    qualities: np.ndarray | None = None,
-    top_anchor: bool = False,
-) -> dict[str, Any]:
-    """NME and face-score summary of ``model`` on uint8 crops (N, H, W, 3) with pixel ground truth (N, 5, 2).
-
-    Returns ``{"nme": mean, "failure@0.1": rate, "auc@0.1": area}`` in the inter-pupil convention, the same in
-    the face-box convention (``ml.eval.alignment.nme_box``, box estimated from the ground truth): ``"nme_box"``,
-    ``"failure_box@0.05"``, ``"failure_box@0.07"``, ``"auc_box@0.07"``; ``"face_score_mean"`` (mean pooled
-    score) and the per-face arrays ``"nmes"``, ``"nmes_box"``. With ``top_anchor`` also the single-detection
-    read-out of the same model (``DFA.top_anchor``): ``"nme_top_anchor"``, ``"nme_box_top_anchor"``,
-    ``"failure_box@0.05_top_anchor"`` and ``"nmes_box_top_anchor"``. With uint8 non-face crops ``nonfaces``
-    (M, H', W', 3) also ``"face_auc"`` (ROC AUC of the pooled score, faces positive), ``"face_accuracy@0.5"``
-    (share of the N + M crops on the right side of 0.5) and ``"nonface_score_mean"``; with per-face
-    ``qualities`` (N,) ``"score_quality_spearman"`` (Spearman's ρ between score and quality; NaN if either is
-    constant).
-    """
-    _check_images(images, "evaluation images")
-    gt = _check_landmarks(landmarks_px, images, "evaluation landmarks")
-    pred, scores = model.predict(images, batch_size=batch_size)
-    errors, box_errors = nme(pred, gt), nme_box(pred, gt)
-    out: dict[str, Any] = {"nme": float(errors.mean()), "failure@0.1": failure_rate(errors, 0.1),
-                           "auc@0.1": auc_at(errors, 0.1), "nme_box": float(box_errors.mean()),
-                           "failure_box@0.05": failure_rate(box_errors, 0.05),
-                           "failure_box@0.07": failure_rate(box_errors, 0.07), "auc_box@0.07": auc_at(box_errors, 0.07),
-                           "face_score_mean": float(scores.mean())}
-    if top_anchor:
-        top, _ = model.predict(images, batch_size=batch_size, readout="top_anchor")
-        top_box = nme_box(top, gt)
-        out.update({"nme_top_anchor": float(nme(top, gt).mean()), "nme_box_top_anchor": float(top_box.mean()),
-                    "failure_box@0.05_top_anchor": failure_rate(top_box, 0.05), "nmes_box_top_anchor": top_box})
-    if nonfaces is not None:
-        _check_images(nonfaces, "non-face images")
-        _, neg = model.predict(nonfaces, batch_size=batch_size)
-        out.update({
-            "face_auc": score_auc(scores, neg),
-            "face_accuracy@0.5": float(((scores >= 0.5).sum() + (neg < 0.5).sum()) / (len(scores) + len(neg))),
-            "nonface_score_mean": float(neg.mean()),
-        })
-    if qualities is not None:
-        qualities = np.asarray(qualities, dtype=np.float64)
-        if qualities.shape != scores.shape:
-            raise DataError(f"qualities must have one value per evaluation image, shape {scores.shape}, got "
-                            f"{qualities.shape}")
-        out["score_quality_spearman"] = spearman(scores, qualities)
-    out["nmes"], out["nmes_box"] = errors, box_errors
-    return out
-
-
-def nonface_crops(seed: int, start: int, count: int, size: int, progress: bool = False) -> np.ndarray:
-    """``count`` non-face crops ``render_nonface(seed, start + j, size)``, uint8 (count, size, size, 3).
-
-    Training draws indices from 0 up; held-out evaluation crops start at :data:`HELDOUT_NONFACE_START`.
-    """
-    chunks, step = [], 64
-    for i in tqdm(range(0, count, step), desc="non-face crops", unit="chunk", disable=not progress, leave=False):
-        chunks.append(render_nonfaces(seed, range(start + i, start + min(count, i + step)), size))
-    return np.concatenate(chunks) if chunks else np.zeros((0, size, size, 3), np.uint8)
-
-
-def near_anchors(priors: torch.Tensor, target: torch.Tensor, radius: float) -> torch.Tensor:
-    """(B, A) bool: anchors whose centre lies in the landmarks' bounding box grown by ``radius`` of its size
-    on each side (the face region); ``radius < 0`` selects every anchor."""
-    if radius < 0:
-        return torch.ones(target.shape[0], priors.shape[0], dtype=torch.bool, device=target.device)
-    lo, hi = target.min(dim=1).values, target.max(dim=1).values  # (B, 2)
-    pad = radius * (hi - lo)
-    c = priors[None, :, :2]  # (1, A, 2)
-    return ((c >= (lo - pad)[:, None]) & (c <= (hi + pad)[:, None])).all(dim=-1)
-
-
-def hard_negatives(hardness: torch.Tensor, candidates: torch.Tensor, quota: torch.Tensor) -> torch.Tensor:
-    """(B, A) bool: per row, the ``quota[b]`` candidate anchors with the highest ``hardness`` (ties by index).
-
-    ``candidates`` (B, A) bool, ``quota`` (B,) integers (more than a row's candidates selects them all).
-    """
-    masked = hardness.detach().masked_fill(~candidates, float("-inf"))
-    order = masked.argsort(dim=1, descending=True, stable=True)
-    rank = torch.empty_like(order)
-    rank.scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
-    return candidates & (rank < quota.to(rank.dtype).unsqueeze(1))
-
-
-def score_losses(
-    out: dict[str, torch.Tensor],
-    target: torch.Tensor,
-    face: torch.Tensor,
-    priors: torch.Tensor,
-    anchor_radius: float,
-    negative_ratio: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(per-anchor cross-entropy with hard negatives, BCE of the pooled score) for one batch.
-
-    ``out`` is ``DFA.forward``'s output, ``target`` (B, 5, 2) normalised landmarks (ignored where ``face``
-    (B,) bool is false). Positives ``P``: anchors of face crops centred in the landmark box grown by
-    ``anchor_radius`` (:func:`near_anchors`). Negative candidates: every anchor of a non-face crop, and the
-    anchors of a face crop centred outside its box grown by ``max(anchor_radius, 0) + FAR_PAD`` (the ring
-    between is ignored). Of those, :func:`hard_negatives` keeps per crop the ``⌈r·|P_b|⌉`` with the largest
-    loss (``r = negative_ratio``; a non-face crop uses the batch's mean |P_b| over face crops), so
-
-        L_anchor = (Σ_{a∈P} −log p_a + Σ_{a∈H} −log(1 − p_a)) / max(1, |P| + |H|),  p_a = softmax(s_a)₁,
-        L_pool = mean_b BCE(clamp(ŝ_b, 1e-6, 1 − 1e-6), [b is a face]),  ŝ_b = Σ_a sg(w_ba) p_ba,
-
-    ``ŝ`` being the model's pooled score with the pooling weights ``w`` (``out["weights"]``) under a stop-gradient
-    ``sg``: the BCE trains the anchors' scores (those the pooling attends to most) and the features under them,
-    while the weights stay the landmark loss's alone, so the score cannot be bought by re-weighting anchors
-    away from the ones that place the landmarks best. Both terms are 0 with a zero gradient when there is
-    nothing to score (no anchors selected / an empty batch).
-    """
-    logits = out["anchor_scores"]
-    face = face.to(torch.bool)
-    near = near_anchors(priors, target, anchor_radius)
-    positives = near & face.unsqueeze(1)
-    inside = near_anchors(priors, target, max(anchor_radius, 0.0) + FAR_PAD)
-    candidates = torch.where(face.unsqueeze(1), ~inside & ~positives, torch.ones_like(inside))
-    logp = logits.float().log_softmax(dim=-1)  # (B, A, 2)
-    ce_face, ce_background = -logp[..., 1], -logp[..., 0]
-    n_pos = positives.sum(dim=1).float()  # (B,)
-    mean_pos = n_pos[face].mean() if bool(face.any()) else n_pos.new_zeros(())
-    quota = torch.ceil(negative_ratio * torch.where(face, n_pos, mean_pos)).long()
-    hard = hard_negatives(ce_background, candidates, quota)
-    count = (positives.sum() + hard.sum()).clamp_min(1).to(logp.dtype)
-    zero = logp.new_zeros(())
-    anchor = (torch.where(positives, ce_face, zero).sum() + torch.where(hard, ce_background, zero).sum()) / count
-    pooled = (out["weights"].detach().float() * logp[..., 1].exp()).sum(dim=1)  # (B,), = out["score"] in value
-    if pooled.numel() == 0:
-        return anchor, pooled.sum()
-    bce = F.binary_cross_entropy(pooled.clamp(1e-6, 1.0 - 1e-6), face.float())
-    return anchor, bce
-
-
-def _loss(out: dict[str, torch.Tensor], target: torch.Tensor, priors: torch.Tensor, cfg: AlignerConfig) -> torch.Tensor:
-    """The landmark loss (module docstring) on face crops only."""
-    loss = F.smooth_l1_loss(out["landmarks"], target, beta=cfg.loss_beta)
-    if cfg.anchor_loss_weight > 0:
-        per_anchor = out["anchor_landmarks"]  # (B, A, 5, 2)
-        err = F.smooth_l1_loss(per_anchor, target.unsqueeze(1).expand_as(per_anchor), beta=cfg.loss_beta,
-                               reduction="none").mean(dim=(2, 3))  # (B, A)
-        near = near_anchors(priors, target, cfg.anchor_radius).to(err.dtype)
-        loss = loss + cfg.anchor_loss_weight * (err * near).sum() / near.sum().clamp_min(1.0)
-    return loss
 
 
 class AlignerModule(lightning.LightningModule):
@@ -503,7 +274,8 @@ class AlignerModule(lightning.LightningModule):
         face_out = {k: v[:b] for k, v in out.items()}
         # the losses in float32 outside autocast: CUDA autocast refuses binary_cross_entropy whatever its inputs
         with torch.autocast(self.device.type, enabled=False):
-            loss = _loss(face_out, y[:b], self.model.priors, cfg)
+            loss = landmark_loss(face_out, y[:b], self.model.priors, beta=cfg.loss_beta,
+                                 anchor_weight=cfg.anchor_loss_weight, anchor_radius=cfg.anchor_radius)
             if len(x) > b:  # non-face crops: the score losses, logged unweighted
                 face = torch.arange(len(x), device=x.device) < b
                 anchor_ce, pooled_bce = score_losses(out, y, face, self.model.priors, cfg.anchor_radius,
@@ -568,16 +340,16 @@ def train_aligner(
     start = time.perf_counter()
     if not isinstance(cfg, AlignerConfig):
         raise ConfigError(f"train_aligner needs an AlignerConfig, got {type(cfg).__name__}")
-    _check_images(images, "training images")
-    landmarks_px = _check_landmarks(landmarks_px, images, "training landmarks")
+    check_images(images, "training images")
+    landmarks_px = check_landmarks(landmarks_px, images, "training landmarks")
     n, size = images.shape[0], cfg.input_size
     if n < 2:
         raise DataError(f"training needs at least 2 images, got {n}")
     if val is not None:
         if not isinstance(val, tuple) or len(val) != 2:
             raise DataError("val must be a tuple (images, landmarks_px)")
-        _check_images(val[0], "validation images")
-        val = (val[0], _check_landmarks(val[1], val[0], "validation landmarks"))
+        check_images(val[0], "validation images")
+        val = (val[0], check_landmarks(val[1], val[0], "validation landmarks"))
     check_device("aligner", cfg.accelerator, cfg.precision)
     ckpt_path = resume_path(checkpoint_dir, resume, LAST_CHECKPOINT, "train_aligner")
     info = {"config": dataclasses.asdict(cfg), "num_images": n}
@@ -597,11 +369,11 @@ def train_aligner(
         log.info("training DFA (%d anchors at %d², %d params) on %d faces + %d non-face crops per batch: %d "
                  "steps/epoch × %d epochs%s", model.num_anchors, size, sum(p.numel() for p in model.parameters()), n,
                  n_neg, steps_per_epoch, cfg.epochs, f", resuming {ckpt_path}" if ckpt_path else "")
-        x_all, y_all = _prepare(images, landmarks_px, size)  # uint8 (N, 3, S, S), float (N, 5, 2) in [0, 1]
+        x_all, y_all = prepare_crops(images, landmarks_px, size)  # uint8 (N, 3, S, S), float (N, 5, 2) in [0, 1]
         # One epoch's worth of non-face crops at the faces' size, resized like them, rendered once per run
         neg_images = nonface_crops(cfg.seed, 0, steps_per_epoch * n_neg, images.shape[1], progress)
-        negatives, _ = _prepare(neg_images, np.zeros((len(neg_images), 5, 2), np.float32), size)
-        loader = DataLoader(_Batches(x_all, y_all, negatives, batch_size, n_neg, cfg.seed), batch_size=None,
+        negatives, _ = prepare_crops(neg_images, np.zeros((len(neg_images), 5, 2), np.float32), size)
+        loader = DataLoader(AlignerBatches(x_all, y_all, negatives, batch_size, n_neg, cfg.seed), batch_size=None,
                             sampler=EpochBatches(steps_per_epoch))
         module = AlignerModule(model, cfg, steps_per_epoch, batch_size, val)
         history = EpochHistory(("train/loss", "train/nme", "train/score_loss"))

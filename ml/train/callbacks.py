@@ -92,7 +92,7 @@ def non_finite_loss(module: lightning.LightningModule, value: float, batch_idx: 
 class FollowCoreShare(Callback):
     """Keep torch's intra-op threads at the number written in ``path`` (one integer), re-read at most every
     ``interval`` seconds between training steps. Whoever schedules several trainings on one machine writes each
-    its share of the cores there (``flows.pipeline`` does), so a training left running alone takes all the cores
+    its share of the cores there (``flows.stages`` does), so a training left running alone takes all the cores
     instead of keeping the share it started with. A missing or unreadable file changes nothing."""
 
     def __init__(self, path: str | Path, interval: float = 2.0) -> None:

@@ -1,5 +1,5 @@
 """The MLflow UI as a researcher reads it: a stage's run page, its "Model metrics" tab and the curve behind a
-chart, on a real MLflow server on loopback with a run logged through ``tasks.tracking.stage_run``."""
+chart, on a real MLflow server on loopback with a run logged through ``ops.tracking.stage_run``."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ ACCURACY = (0.52, 0.61, 0.68, 0.74)
 # a stage as the trainers log it: per-epoch points, then the stage's summary (no step) equal to the last point
 STAGE = textwrap.dedent(f"""
     from pathlib import Path
-    from tasks.tracking import stage_run
+    from ops.tracking import stage_run
 
     with stage_run("train_fr", {{"fr": {{"epochs": {len(STEPS)}}}}}, Path.cwd()) as tracker:
         for epoch, (step, acc) in enumerate(zip({STEPS!r}, {ACCURACY!r})):

@@ -58,7 +58,7 @@ def test_two_sweeps_at_once_on_one_study_and_mlflow_store(tmp_path_factory, tmp_
     with contextlib.ExitStack() as stack:
         url = (f"sqlite:///{root / 'optuna.db'}" if storage == "sqlite" else
                stack.enter_context(postgres_server(tmp_path / "pg")))
-        cmd = [sys.executable, "-m", "tasks.sweep", "train_fr", "--study", "both", "--trials", str(k)]
+        cmd = [sys.executable, "-m", "ops.sweep", "train_fr", "--study", "both", "--trials", str(k)]
         env["FACEOPS_SWEEP_STORAGE"] = url  # how a worker is told its storage (never on the command line)
         start = time.monotonic()
         procs = [subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -69,7 +69,7 @@ def test_no_credential_in_params_logs_mlflow_or_reports(tmp_path_factory, tmp_pa
                "MLFLOW_TRACKING_URI": with_password, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         log = tmp_path / "sweep.log"
         script = ("import logging; logging.basicConfig(level=logging.DEBUG); "
-                  "from tasks.sweep import run_sweep; run_sweep('train_fr', study='sec', root='.')")
+                  "from ops.sweep import run_sweep; run_sweep('train_fr', study='sec', root='.')")
         with open(log, "w") as out:
             proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, stdout=out,
                                   stderr=subprocess.STDOUT, timeout=600)
@@ -142,7 +142,7 @@ def test_malicious_verification_bin_and_checkpoint_are_refused(tmp_path):
 UNSAFE_CALLS = {("pickle", "load"), ("pickle", "loads"), ("pickle", "Unpickler"), ("cloudpickle", "load"),
                 ("cloudpickle", "loads"), ("dill", "load"), ("dill", "loads"), ("joblib", "load"),
                 ("pd", "read_pickle"), ("pandas", "read_pickle"), ("torch", "load")}
-# the one place allowed to unpickle: ml/data/formats.py's allow-listing unpickler (a subclass, not a call)
+# the one place allowed to unpickle: ml/data/formats/verification_bin.py's allow-listing unpickler (a subclass)
 
 
 def _unsafe_loads(path: Path) -> list[str]:
@@ -172,7 +172,7 @@ def test_product_code_never_unpickles_without_restriction(tmp_path):
     files = [p for d in PRODUCT for p in sorted((REPO / d).rglob("*.py"))]
     assert len(files) > 50
     assert [hit for p in files for hit in _unsafe_loads(p)] == []
-    formats = (REPO / "ml/data/formats.py").read_text()
+    formats = (REPO / "ml/data/formats/verification_bin.py").read_text()
     assert "class _RestrictedUnpickler(pickle.Unpickler)" in formats and "find_class" in formats
     # the audit itself can fail: it finds each unsafe form in a sample
     sample = tmp_path / "sample.py"

@@ -226,13 +226,13 @@ class StageTracker(_Tracker):
     ) -> str:
         """Log a faceops embedding model directory as an MLflow pyfunc model and register a new version.
 
-        The model carries its serving contract (``tasks.pyfunc``): the signature uint8 (-1, S, S, 3) RGB images →
+        The model carries its serving contract (``ops.pyfunc``): the signature uint8 (-1, S, S, 3) RGB images →
         float32 (-1, D) L2-normalised embeddings and a one-image input example. The version gets ``alias``
         (``candidate``) and ``tags``; returns the version number.
         """
         import mlflow
 
-        from tasks.pyfunc import FaceEmbedder, input_example, signature
+        from ops.pyfunc import FaceEmbedder, input_example, signature
 
         info = mlflow.pyfunc.log_model(
             name="model",

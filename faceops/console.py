@@ -1,0 +1,37 @@
+"""What every ``faceops`` command shares: one red ``error:`` line and an exit status, a quiet environment for the
+libraries the command loads, and the repository root it must run from. Imports nothing but typer, so any command
+module can use it without importing the others."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import NoReturn
+
+import typer
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    """Print ``error: message`` to stderr and exit with ``code`` (2: bad input, 1: the work itself failed)."""
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code)
+
+
+def quiet_env() -> None:
+    """No analytics or telemetry from the libraries a command loads, no Hugging Face downloads; set only where unset."""
+    for key, value in {
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
+        "GX_ANALYTICS_ENABLED": "false", "DVC_NO_ANALYTICS": "1", "HF_HUB_OFFLINE": "1",
+        "DO_NOT_TRACK": "1",
+        # without PREFECT_API_URL a flow starts a temporary local Prefect server: give it time on a busy machine
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
+    }.items():
+        os.environ.setdefault(key, value)
+
+
+def repo_root(command: str = "faceops") -> Path:
+    """The current directory, which must hold ``dvc.yaml``; else ``fail`` telling to run ``command`` from the root."""
+    root = Path.cwd()
+    if not (root / "dvc.yaml").is_file():
+        fail(f"no dvc.yaml in {root}: run {command} from the repository root.")
+    return root
