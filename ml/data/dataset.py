@@ -1,4 +1,4 @@
-"""The faceops dataset directory (DESIGN.md §3).
+"""The faceops dataset directory (DESIGN.md §3); its manifest's schema, checks and writers are ``ml.data.manifest``.
 
 A dataset directory holds::
 
@@ -30,9 +30,9 @@ import hashlib
 import json
 import logging
 import math
+import mmap
 import os
 import shutil
-from collections import Counter
 from collections.abc import Iterable
 from numbers import Integral, Real
 from pathlib import Path
@@ -41,10 +41,21 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.parquet as pq
+import pyarrow.compute as pc
 
-from ml.atomic import atomic_write, remove_dead_temporaries
+from ml.atomic import remove_dead_temporaries
 from ml.data.formats import decode_image, encode_image
+from ml.data.manifest import (
+    MANIFEST_COLUMNS,
+    NUM_LANDMARKS,
+    SCHEMA,
+    is_null,
+    landmark_values,
+    read_manifest,
+    validate_manifest_columns,
+    write_manifest,
+    write_parquet,
+)
 from ml.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -63,9 +74,6 @@ __all__ = [
     "write_manifest",
 ]
 
-MANIFEST_COLUMNS: tuple[str, ...] = (
-    "path", "identity", "label", "split", "source", "landmarks", "quality", "template", "media", "width", "height",
-)
 SOURCES = ("procedural", "real", "synthetic")
 DATASET_INFO_KEYS: tuple[str, ...] = (
     "name", "source", "image_size", "aligned", "identity_count", "image_count", "splits", "generator", "digest",
@@ -74,190 +82,7 @@ DATASET_INFO_KEYS: tuple[str, ...] = (
 MANIFEST_FILE = "manifest.parquet"
 INFO_FILE = "dataset.json"
 IMAGES_DIR = "images"
-NUM_LANDMARKS = 5
-
-_STRING_COLUMNS = ("path", "identity", "split", "source")
-_INT_COLUMNS = ("label", "width", "height")
-_NULLABLE_INT_COLUMNS = ("template", "media")
-_SCHEMA = pa.schema([
-    ("path", pa.string()),
-    ("identity", pa.string()),
-    ("label", pa.int64()),
-    ("split", pa.string()),
-    ("source", pa.string()),
-    ("landmarks", pa.list_(pa.float32())),
-    ("quality", pa.float64()),
-    ("template", pa.int64()),
-    ("media", pa.int64()),
-    ("width", pa.int64()),
-    ("height", pa.int64()),
-])
-
-
-# --------------------------------------------------------------------------------------------------
-# Manifest I/O
-# --------------------------------------------------------------------------------------------------
-
-
-def validate_manifest_columns(df: pd.DataFrame, source_name: str) -> None:
-    """Raise DataError naming ``source_name`` and every missing manifest column."""
-    missing = [c for c in MANIFEST_COLUMNS if c not in df.columns]
-    if missing:
-        raise DataError(f"{source_name}: manifest is missing column(s) {', '.join(repr(c) for c in missing)}; "
-                        f"a faceops manifest has {', '.join(MANIFEST_COLUMNS)}. Rebuild it with the prepare stage")
-
-
-def _is_null(value: Any) -> bool:
-    if value is None or value is pd.NA:
-        return True
-    return isinstance(value, float) and math.isnan(value)
-
-
-def _landmark_values(value: Any, where: str) -> np.ndarray | None:
-    """Normalise one landmarks cell to float32 (10,) or None."""
-    if _is_null(value):
-        return None
-    arr = np.asarray(value, dtype=np.float32).reshape(-1)
-    if arr.size != 2 * NUM_LANDMARKS:
-        raise DataError(f"{where}: landmarks has {arr.size} values, expected {2 * NUM_LANDMARKS} "
-                        "(x0, y0, ..., x4, y4) or null")
-    if not np.isfinite(arr).all():
-        raise DataError(f"{where}: landmarks contains NaN/inf; store null when landmarks are unknown")
-    return arr
-
-
-def _arrow_column(df: pd.DataFrame, column: str, type_: pa.DataType, path: Path) -> pa.Array:
-    series = df[column]
-    if column == "landmarks":
-        values = [_landmark_values(v, f"{path}: row {idx}") for idx, v in zip(df.index, series)]
-        return pa.array(values, type=type_)
-    if column in _STRING_COLUMNS + _INT_COLUMNS:
-        nulls = series.isna()
-        if nulls.any():
-            raise DataError(f"{path}: column '{column}' is null in row {nulls.idxmax()}; it must be set on every row")
-    try:
-        return pa.array(series, type=type_, from_pandas=True)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as exc:
-        raise DataError(f"{path}: column '{column}' cannot be stored as {type_} ({exc}); fix its values") from exc
-
-
-def write_manifest(df: pd.DataFrame, path: str | os.PathLike) -> None:
-    """Write ``df`` as a manifest parquet with the contract's types, atomically.
-
-    Columns beyond MANIFEST_COLUMNS are kept after them with inferred types.
-    """
-    path = Path(path)
-    validate_manifest_columns(df, str(path))
-    arrays = [_arrow_column(df, field.name, field.type, path) for field in _SCHEMA]
-    names = list(MANIFEST_COLUMNS)
-    for extra in (c for c in df.columns if c not in MANIFEST_COLUMNS):
-        try:
-            arrays.append(pa.array(df[extra], from_pandas=True))
-        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-            raise DataError(f"{path}: extra column '{extra}' cannot be stored in parquet ({exc})") from exc
-        names.append(str(extra))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_parquet(pa.Table.from_arrays(arrays, names=names), path)
-
-
-def write_parquet(table: pa.Table, path: Path) -> None:
-    """``table`` to ``path`` atomically (``ml.atomic.atomic_write``)."""
-    atomic_write(path, lambda tmp: pq.write_table(table, tmp))
-
-
-def read_manifest(path: str | os.PathLike) -> pd.DataFrame:
-    """Read a manifest parquet: ints as int64, ``template``/``media`` as nullable Int64, ``quality`` float64
-    (NaN where null), ``landmarks`` as float32 arrays or None.
-
-    The file is checked against the contract first (DataError naming the file, column and first offending row):
-    the column types (no ``label`` stored as text or as fractional numbers), no null where a value is required,
-    landmarks of 10 finite values or null (NaN landmarks would slip through the gate's range checks)."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: manifest not found; run the prepare stage to build the dataset")
-    try:
-        table = pq.read_table(path)
-    except (OSError, pa.ArrowException) as exc:
-        raise DataError(f"{path}: cannot read manifest parquet ({exc}); the file is corrupt, rebuild the dataset") from exc
-    missing = [c for c in MANIFEST_COLUMNS if c not in table.column_names]
-    if missing:
-        raise DataError(f"{path}: manifest is missing column(s) {', '.join(repr(c) for c in missing)}; "
-                        f"a faceops manifest has {', '.join(MANIFEST_COLUMNS)}. Rebuild it with the prepare stage")
-    _check_table(table, path)
-    df = table.to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get)
-    for column in _INT_COLUMNS:
-        if df[column].isna().any():
-            raise DataError(f"{path}: column '{column}' is null in row {df[column].isna().idxmax()}; "
-                            "rebuild the manifest")
-        try:
-            df[column] = df[column].astype("int64")
-        except (TypeError, ValueError) as exc:
-            raise DataError(f"{path}: column '{column}' is not integer ({exc}); rebuild the manifest") from exc
-    try:
-        for column in _NULLABLE_INT_COLUMNS:
-            df[column] = df[column].astype("Int64")
-        df["quality"] = df["quality"].astype("float64")
-    except (TypeError, ValueError) as exc:
-        raise DataError(f"{path}: a template/media/quality value has the wrong type ({exc}); "
-                        "rebuild the manifest") from exc
-    for extra_int in (c for c in df.columns if c not in MANIFEST_COLUMNS and isinstance(df[c].dtype, pd.Int64Dtype)):
-        if not df[extra_int].isna().any():
-            df[extra_int] = df[extra_int].astype("int64")
-    return df
-
-
-def _type_ok(column: str, type_: pa.DataType) -> bool:
-    if pa.types.is_null(type_):  # every value null
-        return column in ("landmarks", "quality") + _NULLABLE_INT_COLUMNS
-    if pa.types.is_dictionary(type_):
-        type_ = type_.value_type
-    if column in _STRING_COLUMNS:
-        return pa.types.is_string(type_) or pa.types.is_large_string(type_)
-    if column in _INT_COLUMNS + _NULLABLE_INT_COLUMNS:
-        return pa.types.is_integer(type_)
-    if column == "quality":
-        return pa.types.is_floating(type_) or pa.types.is_integer(type_)
-    if column == "landmarks":
-        return (pa.types.is_list(type_) or pa.types.is_large_list(type_) or pa.types.is_fixed_size_list(type_)) and (
-            pa.types.is_floating(type_.value_type) or pa.types.is_integer(type_.value_type))
-    return True
-
-
-def _check_table(table: pa.Table, path: Path) -> None:
-    """The contract's column types, no nulls where a value is required, landmarks of 10 finite values or null;
-    DataError naming the file, the column and the first offending row."""
-    import pyarrow.compute as pc
-
-    def row_name(row: int) -> str:
-        rel = table.column("path")[row].as_py() if pa.types.is_string(table.schema.field("path").type) else None
-        return f"row {row} ({rel})" if rel else f"row {row}"
-
-    for column in MANIFEST_COLUMNS:
-        type_ = table.schema.field(column).type
-        if not _type_ok(column, type_):
-            raise DataError(f"{path}: column '{column}' has type {type_}, expected {_SCHEMA.field(column).type}; "
-                            "fix its values or rebuild the manifest with the prepare stage")
-    for column in _STRING_COLUMNS + _INT_COLUMNS:
-        values = table.column(column)
-        if values.null_count:
-            row = pc.index(pc.is_null(values), True).as_py()
-            raise DataError(f"{path}: column '{column}' is null in {row_name(row)}; it must be set on every row, "
-                            "rebuild the manifest")
-    landmarks = table.column("landmarks").combine_chunks()
-    if pa.types.is_null(landmarks.type):
-        return
-    lengths = pc.list_value_length(landmarks)
-    wrong = pc.fill_null(pc.not_equal(lengths, 2 * NUM_LANDMARKS), False)
-    if pc.any(wrong).as_py():
-        row = pc.index(wrong, True).as_py()
-        raise DataError(f"{path}: {row_name(row)}: landmarks has {lengths[row].as_py()} values, expected "
-                        f"{2 * NUM_LANDMARKS} (x0, y0, ..., x4, y4) or null; rebuild the manifest")
-    values = pc.list_flatten(landmarks).cast(pa.float64())
-    finite = pc.fill_null(pc.is_finite(values), False)
-    if len(finite) and not pc.all(finite).as_py():
-        row = pc.list_parent_indices(landmarks)[pc.index(finite, False).as_py()].as_py()
-        raise DataError(f"{path}: {row_name(row)}: landmarks contains NaN/inf or a null coordinate; store null for "
-                        "the whole row when landmarks are unknown, or rebuild the manifest")
+_HAS_LANDMARKS, _HAS_TEMPLATE, _HAS_MEDIA = 1, 2, 4  # DatasetWriter's per-image bits: which nullable cells are set
 
 
 def read_dataset_info(dataset_dir: str | os.PathLike) -> dict:
@@ -344,7 +169,7 @@ def landmarks_array(manifest: pd.DataFrame) -> np.ndarray:
     """float32 (N, 5, 2) pixel (x, y) landmarks; rows whose landmarks are null are all-NaN."""
     out = np.full((len(manifest), NUM_LANDMARKS, 2), np.nan, dtype=np.float32)
     for i, (idx, value) in enumerate(zip(manifest.index, manifest["landmarks"])):
-        arr = _landmark_values(value, f"manifest row {idx}")
+        arr = landmark_values(value, f"manifest row {idx}")
         if arr is not None:
             out[i] = arr.reshape(NUM_LANDMARKS, 2)
     return out
@@ -356,7 +181,7 @@ def landmarks_array(manifest: pd.DataFrame) -> np.ndarray:
 
 
 def _json_value(value: Any) -> Any:
-    if _is_null(value):
+    if is_null(value):
         return None
     if isinstance(value, np.ndarray):
         return [float(v) for v in value.reshape(-1)]
@@ -371,17 +196,21 @@ def _json_value(value: Any) -> Any:
     return str(value)
 
 
+def _digest_line(rel: str, file_hash: str, values: Iterable[Any]) -> bytes:
+    """One image's canonical line: ``[path, sha256, *the other manifest columns]`` as compact ASCII JSON + newline."""
+    line = [rel, file_hash, *(_json_value(v) for v in values)]
+    return json.dumps(line, separators=(",", ":"), allow_nan=False, ensure_ascii=True).encode("ascii") + b"\n"
+
+
 def _digest(manifest: pd.DataFrame, file_hashes: dict[str, str]) -> str:
     columns = [c for c in MANIFEST_COLUMNS if c != "path"]
     records = []
     for rel, *values in zip(manifest["path"], *(manifest[c] for c in columns)):
         rel = str(rel)
-        line = [rel, file_hashes[rel], *(_json_value(v) for v in values)]
-        records.append((rel, json.dumps(line, separators=(",", ":"), allow_nan=False, ensure_ascii=True)))
+        records.append((rel, _digest_line(rel, file_hashes[rel], values)))
     h = hashlib.sha256()
     for _, line in sorted(records):
-        h.update(line.encode("ascii"))
-        h.update(b"\n")
+        h.update(line)
     return h.hexdigest()
 
 
@@ -423,6 +252,41 @@ def _check_identity(identity: Any) -> str:
     return identity
 
 
+class _Column:
+    """Rows of ``width`` values of one dtype, appended one at a time into anonymous memory (``mmap``) that doubles
+    when full; a replaced or dropped buffer goes back to the OS at once. (Arrays grown by realloc on the malloc heap
+    left it fragmented: about 80 bytes per image more stayed resident after the writer had closed.)"""
+
+    def __init__(self, dtype: Any, width: int = 1) -> None:
+        self.dtype, self.width, self.n = np.dtype(dtype), width, 0
+        self._rows = self._allocate(256)
+
+    def _allocate(self, capacity: int) -> np.ndarray:  # (capacity, width); the map lives while a view of it does
+        buffer = mmap.mmap(-1, capacity * self.width * self.dtype.itemsize)
+        return np.frombuffer(buffer, dtype=self.dtype).reshape(capacity, self.width)
+
+    def append(self, row: Any) -> None:
+        if self.n == len(self._rows):
+            grown = self._allocate(2 * self.n)
+            grown[: self.n] = self._rows
+            self._rows = grown
+        self._rows[self.n] = row
+        self.n += 1
+
+    def __len__(self) -> int:
+        return self.n
+
+    @property
+    def values(self) -> np.ndarray:
+        """(n, width), or (n,) when the width is 1: a view, valid until the next append."""
+        rows = self._rows[: self.n]
+        return rows.reshape(-1) if self.width == 1 else rows
+
+
+def _image_path(identity: str, number: int) -> str:
+    return f"{IMAGES_DIR}/{identity}/{number}.png"
+
+
 def _is_replaceable(path: Path) -> bool:
     """An existing output may be replaced only if it is an empty directory or a faceops dataset."""
     if not path.exists():
@@ -435,6 +299,8 @@ class DatasetWriter:
 
     Use as a context manager: an exception inside the ``with`` block removes the temporary directory and
     leaves any existing ``out_dir`` untouched; leaving the block normally calls :meth:`close`.
+
+    Until it closes the writer holds about 70 bytes per image (columns, not row objects) and nothing after.
     """
 
     def __init__(self, out_dir: str | os.PathLike, *, name: str, source: str, aligned: bool,
@@ -459,10 +325,24 @@ class DatasetWriter:
         if self.tmp_dir.exists():
             shutil.rmtree(self.tmp_dir)  # left over by a crashed run of a process with our pid
         (self.tmp_dir / IMAGES_DIR).mkdir(parents=True)
-        self._rows: list[dict[str, Any]] = []
-        self._counts: Counter[str] = Counter()
-        self._hashes: dict[str, str] = {}
         self._closed = False
+        self._clear()
+
+    def _clear(self) -> None:
+        """Empty per-image columns (about 70 bytes per image, no Python object per image); the manifest rows, their
+        paths and the digest lines are made from them only while closing."""
+        self._identities: dict[str, int] = {}  # identity → code, in order of first appearance
+        self._counts: list[int] = []           # images per identity code (the next image's file number)
+        self._splits: dict[str, int] = {}      # split → code
+        self._code = _Column(np.int32)         # (N,) identity code of each image
+        self._split = _Column(np.int32)        # (N,) split code
+        self._size = _Column(np.int32, 2)      # (N, 2) height, width
+        self._sha = _Column(np.uint8, 32)      # (N, 32) sha256 of each PNG file
+        self._quality = _Column(np.float64)    # (N,) in [0, 1], NaN where unknown
+        self._template = _Column(np.int64)     # (N,) 0 where unknown (see _known)
+        self._media = _Column(np.int64)
+        self._known = _Column(np.uint8)        # (N,) bits _HAS_LANDMARKS | _HAS_TEMPLATE | _HAS_MEDIA
+        self._landmarks = _Column(np.float32, 2 * NUM_LANDMARKS)  # (images with landmarks, 10) x0, y0, ..., x4, y4
 
     def add(self, image: np.ndarray, *, identity: str, split: str = "train", landmarks: Any = None,
             quality: float | None = None, template: int | None = None, media: int | None = None) -> str:
@@ -470,33 +350,44 @@ class DatasetWriter:
         if self._closed:
             raise RuntimeError(f"DatasetWriter for {self.out_dir} is closed")
         identity = _check_identity(identity)
-        where = f"dataset {self.name!r}, identity {identity!r}, image {self._counts[identity]}"
+        code = self._identities.get(identity)
+        number = 0 if code is None else self._counts[code]
+        where = f"dataset {self.name!r}, identity {identity!r}, image {number}"
         if not isinstance(image, np.ndarray) or image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
             desc = f"{image.dtype} {image.shape}" if isinstance(image, np.ndarray) else type(image).__name__
             raise DataError(f"{where}: expected an RGB uint8 array of shape (H, W, 3), got {desc}")
         if not isinstance(split, str) or not split:
             raise DataError(f"{where}: split must be a non-empty string, got {split!r}")
-        lm = _landmark_values(landmarks, where)
+        lm = landmark_values(landmarks, where)
         if quality is not None:
             if isinstance(quality, bool) or not isinstance(quality, Real) or not 0.0 <= float(quality) <= 1.0:
                 raise DataError(f"{where}: quality {quality!r} is not a number in [0, 1]; pass None if unknown")
-            quality = float(quality)
         for key, value in (("template", template), ("media", media)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, Integral)):
                 raise DataError(f"{where}: {key} {value!r} is not an integer; pass None if not a set benchmark")
+            if value is not None and not -(1 << 63) <= int(value) < (1 << 63):
+                raise DataError(f"{where}: {key} {value!r} does not fit the manifest's int64 column")
 
-        rel = f"{IMAGES_DIR}/{identity}/{self._counts[identity]}.png"
+        rel = _image_path(identity, number)
         data = encode_image(image, "png")
         file = self.tmp_dir / rel
         file.parent.mkdir(exist_ok=True)
         file.write_bytes(data)
-        self._hashes[rel] = hashlib.sha256(data).hexdigest()
-        self._counts[identity] += 1
-        self._rows.append({
-            "path": rel, "identity": identity, "split": split, "landmarks": lm, "quality": quality,
-            "template": None if template is None else int(template), "media": None if media is None else int(media),
-            "width": int(image.shape[1]), "height": int(image.shape[0]),
-        })
+        if code is None:
+            code = self._identities[identity] = len(self._counts)
+            self._counts.append(0)
+        self._counts[code] += 1
+        self._code.append(code)
+        self._split.append(self._splits.setdefault(split, len(self._splits)))
+        self._size.append(image.shape[:2])
+        self._sha.append(np.frombuffer(hashlib.sha256(data).digest(), dtype=np.uint8))
+        self._quality.append(math.nan if quality is None else float(quality))
+        self._template.append(0 if template is None else int(template))
+        self._media.append(0 if media is None else int(media))
+        self._known.append((_HAS_LANDMARKS if lm is not None else 0) | (_HAS_TEMPLATE if template is not None else 0)
+                           | (_HAS_MEDIA if media is not None else 0))
+        if lm is not None:
+            self._landmarks.append(lm)
         return rel
 
     def close(self) -> dict:
@@ -507,50 +398,107 @@ class DatasetWriter:
         if self._closed:
             raise RuntimeError(f"DatasetWriter for {self.out_dir} is already closed")
         try:
-            if not self._rows:
+            if not len(self._code):
                 raise DataError(f"dataset {self.name!r}: no images were added; nothing to write to {self.out_dir}")
             info = self._finish()
         except BaseException:
             self.abort()
             raise
         self._closed = True
+        self._clear()
         logger.info("wrote dataset %s: %d images, %d identities -> %s",
                     self.name, info["image_count"], info["identity_count"], self.out_dir)
         return info
 
     def _finish(self) -> dict:
-        labels = {identity: i for i, identity in enumerate(sorted(self._counts))}
-        df = pd.DataFrame({
-            "path": [r["path"] for r in self._rows],
-            "identity": [r["identity"] for r in self._rows],
-            "label": np.array([labels[r["identity"]] for r in self._rows], dtype=np.int64),
-            "split": [r["split"] for r in self._rows],
-            "source": [self.source] * len(self._rows),
-            "landmarks": pd.Series([r["landmarks"] for r in self._rows], dtype=object),
-            "quality": pd.Series([r["quality"] for r in self._rows], dtype="float64"),
-            "template": pd.array([r["template"] for r in self._rows], dtype="Int64"),
-            "media": pd.array([r["media"] for r in self._rows], dtype="Int64"),
-            "width": np.array([r["width"] for r in self._rows], dtype=np.int64),
-            "height": np.array([r["height"] for r in self._rows], dtype=np.int64),
-        })
-        write_manifest(df, self.tmp_dir / MANIFEST_FILE)
-        manifest = read_manifest(self.tmp_dir / MANIFEST_FILE)  # digest what a reader will see
-        sizes = {(r["height"], r["width"]) for r in self._rows}
+        n = len(self._code)
+        names = list(self._identities)  # by code
+        label_of = np.empty(len(names), dtype=np.int64)  # code → label, 0..K-1 by sorted identity
+        label_of[sorted(range(len(names)), key=names.__getitem__)] = np.arange(len(names))
+        codes, split_codes, known = self._code.values, self._split.values, self._known.values
+        sizes = self._size.values.astype(np.int64)  # (N, 2) height, width
+        has_lm = (known & _HAS_LANDMARKS) > 0
+        lm_offsets = np.zeros(n + 1, dtype=np.int32)  # (N + 1,) row r's landmarks in the flattened column
+        np.cumsum(has_lm, out=lm_offsets[1:])
+        lm_offsets *= 2 * NUM_LANDMARKS
+
+        def paths() -> Iterable[str]:  # in row order
+            seen = [0] * len(names)
+            for code in codes:
+                yield _image_path(names[code], seen[code])
+                seen[code] += 1
+
+        pool = pa.system_memory_pool()  # freed to malloc, reusable by numpy and Python (see write_parquet)
+
+        def column(values: Any, **kw: Any) -> pa.Array:
+            return pa.array(values, memory_pool=pool, **kw)
+
+        def lookup(values: list[str], index: np.ndarray) -> pa.Array:  # (N,) strings values[index]
+            return pc.take(column(values, type=pa.string()), column(index), memory_pool=pool)
+
+        arrays = [
+            column(paths(), type=pa.string(), size=n),
+            lookup(names, codes),
+            column(label_of[codes]),
+            lookup(list(self._splits), split_codes),
+            pa.repeat(pa.scalar(self.source, type=pa.string()), n, memory_pool=pool),
+            pa.ListArray.from_arrays(column(lm_offsets), column(self._landmarks.values.reshape(-1)),
+                                     type=SCHEMA.field("landmarks").type, mask=column(~has_lm), pool=pool),
+            column(self._quality.values, type=pa.float64(), from_pandas=True),
+            column(self._template.values, mask=(known & _HAS_TEMPLATE) == 0),
+            column(self._media.values, mask=(known & _HAS_MEDIA) == 0),
+            column(np.ascontiguousarray(sizes[:, 1])),
+            column(np.ascontiguousarray(sizes[:, 0])),
+        ]
+        write_parquet(pa.Table.from_arrays(arrays, names=list(MANIFEST_COLUMNS)), self.tmp_dir / MANIFEST_FILE)
+        del arrays
         info = {
             "name": self.name,
             "source": self.source,
-            "image_size": list(next(iter(sizes))) if len(sizes) == 1 else None,
+            "image_size": sizes[0].tolist() if (sizes == sizes[0]).all() else None,
             "aligned": self.aligned,
-            "identity_count": len(labels),
-            "image_count": len(self._rows),
-            "splits": dict(sorted(Counter(r["split"] for r in self._rows).items())),
+            "identity_count": len(names),
+            "image_count": n,
+            "splits": dict(sorted(zip(self._splits, np.bincount(split_codes, minlength=len(self._splits)).tolist()))),
             "generator": self.generator,
-            "digest": _digest(manifest, self._hashes),
+            "digest": self._digest(names, label_of, lm_offsets // (2 * NUM_LANDMARKS)),
             "created_by": "faceops",
         }
         (self.tmp_dir / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
         self._move_into_place()
         return info
+
+    def _digest(self, names: list[str], label_of: np.ndarray, lm_row: np.ndarray) -> str:
+        """:func:`dataset_digest` of the directory being written, from the columns (the values a reader of the
+        manifest gets back: float32 landmarks, float64 quality, int64 template/media), streamed line by line.
+
+        Rows sorted by path without building the paths: an identity's paths ``images/<identity>/...`` are
+        contiguous in sorted order and ordered by ``<identity>/`` (an identity holds no ``/``); within one identity
+        the file names ``<n>.png`` sort as strings (``1.png`` < ``10.png`` < ``2.png``)."""
+        sha, split_codes, known, sizes = self._sha.values, self._split.values, self._known.values, self._size.values
+        quality, template, media, landmarks = (self._quality.values, self._template.values, self._media.values,
+                                               self._landmarks.values)
+        by_identity = np.argsort(self._code.values, kind="stable")  # rows grouped by identity code, in file order
+        starts = np.concatenate([[0], np.cumsum(self._counts)[:-1]]).tolist()
+        splits = list(self._splits)
+        name_order: dict[int, list[int]] = {}  # images of an identity → its file numbers in path order
+        h = hashlib.sha256()
+        for code in sorted(range(len(names)), key=lambda c: names[c] + "/"):
+            count = self._counts[code]
+            if count not in name_order:
+                name_order[count] = sorted(range(count), key=lambda k: f"{k}.png")
+            rows = by_identity[starts[code]:starts[code] + count].tolist()  # file number k is rows[k]
+            for number in name_order[count]:
+                r = rows[number]
+                bits, q = int(known[r]), float(quality[r])
+                h.update(_digest_line(_image_path(names[code], number), sha[r].tobytes().hex(), (
+                    names[code], int(label_of[code]), splits[split_codes[r]], self.source,
+                    landmarks[lm_row[r]].tolist() if bits & _HAS_LANDMARKS else None,
+                    None if math.isnan(q) else q,
+                    int(template[r]) if bits & _HAS_TEMPLATE else None,
+                    int(media[r]) if bits & _HAS_MEDIA else None,
+                    int(sizes[r, 1]), int(sizes[r, 0]))))
+        return h.hexdigest()
 
     def _move_into_place(self) -> None:
         out = self.out_dir
@@ -574,6 +522,7 @@ class DatasetWriter:
     def abort(self) -> None:
         """Discard everything written so far; ``out_dir`` is left as it was."""
         self._closed = True
+        self._clear()
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
     def __enter__(self) -> DatasetWriter:

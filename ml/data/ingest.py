@@ -3,8 +3,9 @@ datasets, streaming.
 
 The items (a file path or a record key, and its identity) are listed first, without decoding an image; the
 identities are split by seed into training, held-out and discovery groups (disjoint); then the images are decoded
-one at a time and written to their group's dataset. Memory holds the item list and the manifest rows (about 1.6 KB
-per image, ``benchmarks/bench_ingest.py``), never the images.
+one at a time and written to their group's dataset. Memory holds the items by column (:class:`Items`: an identity
+code and a record key or file name per image) and each dataset's manifest columns (``DatasetWriter``, about 70 bytes
+per image), never the images nor an object per image (``benchmarks/bench_ingest.py``).
 
 Bad input: an image that does not decode is skipped with its file or record named in the log, and the ingest fails
 when more than ``max_corrupt_fraction`` of the images are skipped; a non-square face is refused (aligned faces are
@@ -15,8 +16,9 @@ for training and counted; image labels that disagree with the RecordIO's identit
 from __future__ import annotations
 
 import logging
+from array import array
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,46 +60,107 @@ class Item:
     identity: str
 
 
-def list_items(spec: IngestSpec) -> list[Item]:
+class Items(Sequence[Item]):
+    """A source's images by column, a few bytes each: an identity code per image (``identities[code]`` is its
+    name) and the refs, RecordIO keys (int64) or file names under ``<folder>/<identity>/``; an :class:`Item` is
+    made when one is read."""
+
+    def __init__(self, identities: list[str], codes: np.ndarray, *, keys: np.ndarray | None = None,
+                 folder: Path | None = None, files: list[str] | None = None):
+        if (keys is None) == (files is None) or (files is not None and folder is None):
+            raise ValueError("Items takes either RecordIO keys, or a folder and its file names")
+        self.identities, self.codes, self.keys, self.folder, self.files = identities, codes, keys, folder, files
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    def _item(self, code: int, i: int) -> Item:
+        identity = self.identities[code]
+        if self.keys is not None:
+            return Item(int(self.keys[i]), identity)
+        return Item(self.folder / identity / self.files[i], identity)
+
+    def __getitem__(self, index: int | slice) -> Item | Items:  # type: ignore[override]
+        if isinstance(index, slice):
+            return Items(self.identities, self.codes[index], folder=self.folder,
+                         keys=None if self.keys is None else self.keys[index],
+                         files=None if self.files is None else self.files[index])
+        i = range(len(self))[index]  # negative indices, IndexError
+        return self._item(int(self.codes[i]), i)
+
+    def __iter__(self) -> Iterator[Item]:
+        for i, code in enumerate(self.codes):
+            yield self._item(int(code), i)
+
+
+def list_items(spec: IngestSpec) -> Items:
     """Every image of the source with its identity, in file order (the first ``max_images``); decodes nothing."""
     from ml.data.formats import RecordIOReader, ingest_image_folder
 
-    items: list[Item] = []
     if spec.folder:
-        items = [Item(path, identity) for path, identity in ingest_image_folder(Path(spec.folder))]
+        folder = Path(spec.folder)
+        codes: dict[str, int] = {}
+        files: list[str] = []
+        code_of = array("i")
+        listed = ingest_image_folder(folder)
+        for path, identity in listed[: spec.max_images] if spec.max_images else listed:
+            code = codes.get(identity)
+            if code is None:
+                code = codes[identity] = len(codes)
+                assert path == folder / identity / path.name, (path, identity)  # <identity>/<image>
+            code_of.append(code)
+            files.append(path.name)
+        del listed
+        items = Items(list(codes), np.frombuffer(code_of, dtype=np.intc), folder=folder, files=files)
     else:
         with RecordIOReader(Path(spec.recordio)) as reader:
-            labels = {}
-            for key in reader.image_keys:  # reads each record (no decoding): a cut or corrupt file is named here
+            keys = np.array(reader.image_keys, dtype=np.int64)
+            labels = np.empty(len(keys), dtype=np.int64)
+            for i, key in enumerate(keys.tolist()):  # reads each record (no decoding): a cut or corrupt file is named
                 header, _ = reader.read_record(key)
-                labels[key] = int(header.label[0] if header.flag > 0 else header.label)
+                labels[i] = int(header.label[0] if header.flag > 0 else header.label)
             if reader.header0 is not None:
-                _check_identity_ranges(reader, labels)
-            items = [Item(key, f"{label:06d}") for key, label in labels.items()]
-    if spec.max_images:
-        items = items[: spec.max_images]
-    if not items:
+                _check_identity_ranges(reader, keys, labels)
+        if spec.max_images:
+            keys, labels = keys[: spec.max_images], labels[: spec.max_images]
+        values, code_of = np.unique(labels, return_inverse=True)
+        items = Items([f"{label:06d}" for label in values.tolist()], code_of.astype(np.intc), keys=keys)
+    if not len(items):
         raise DataError(f"{spec.source}: no face images to ingest")
     return items
 
 
-def _check_identity_ranges(reader, labels: dict[int, int]) -> None:
+def _check_identity_ranges(reader, keys: np.ndarray, labels: np.ndarray) -> None:
     """InsightFace layout: identity record ``first + i`` announces the key range of one identity's images; every
-    image in it must carry the same label, and no label may span two ranges."""
+    image in it must carry the same label, and no label may span two ranges. ``labels[j]`` is image key
+    ``keys[j]``; with record 0's header the image keys are ``1..first - 1``."""
     first = reader.header0[0]
+    assert np.array_equal(keys, np.arange(1, first)), "RecordIOReader lists keys 1..first-1 under record 0's header"
     owner: dict[int, int] = {}  # label → identity record that holds it
+
+    def not_an_image(identity: int, start: int, end: int, key: int) -> DataError:
+        return DataError(f"{reader.rec_path}: identity record {first + identity} announces images {start}..{end - 1}, "
+                         f"but key {key} is not an image record (record 0 announces 1..{first - 1}); the header's "
+                         "label ranges disagree with the records: rebuild the RecordIO")
+
     for identity in range(reader.num_identities or 0):
         start, end = reader.identity_range(identity)
-        for key in range(start, end):
-            if key not in labels:
-                raise DataError(f"{reader.rec_path}: identity record {first + identity} announces images {start}.."
-                                f"{end - 1}, but key {key} is not an image record (record 0 announces 1..{first - 1});"
-                                " the header's label ranges disagree with the records: rebuild the RecordIO")
-            if labels[key] != labels[start] or owner.setdefault(labels[key], identity) != identity:
-                raise DataError(f"{reader.rec_path}: record {key} has label {labels[key]} but identity record "
-                                f"{first + identity} puts it in the range {start}..{end - 1} of label "
-                                f"{labels[start]}; the header's label ranges disagree with the records: rebuild the "
-                                "RecordIO")
+        if start >= end:
+            continue
+        if start < 1:
+            raise not_an_image(identity, start, end, start)
+        held = labels[start - 1:min(end, first) - 1]  # the images of the range, in key order
+        if len(held):
+            label = int(held[0])
+            wrong = np.flatnonzero(held != label)
+            key = start if owner.setdefault(label, identity) != identity else (
+                start + int(wrong[0]) if len(wrong) else None)
+            if key is not None:
+                raise DataError(f"{reader.rec_path}: record {key} has label {int(labels[key - 1])} but identity "
+                                f"record {first + identity} puts it in the range {start}..{end - 1} of label "
+                                f"{label}; the header's label ranges disagree with the records: rebuild the RecordIO")
+        if end > first:
+            raise not_an_image(identity, start, end, max(start, first))
 
 
 def split_identities(identities: list[str], *, seed: int, heldout_fraction: float,
@@ -141,17 +204,24 @@ def resize_face(img: np.ndarray, size: int, resize: bool, where: str) -> np.ndar
     return np.array(Image.fromarray(img).resize((size, size), Image.BICUBIC))  # writable (asarray is not)
 
 
-def decoded(spec: IngestSpec, items: list[Item], skipped: list[str], *,
+def decoded(spec: IngestSpec, items: Sequence[Item], skipped: list[str], *,
             progress: bool = True) -> Iterator[tuple[Item, np.ndarray]]:
     """``(item, RGB uint8 image at image_size)`` in item order; an undecodable image is skipped and its reason
     appended to ``skipped``, and a share above ``max_corrupt_fraction`` raises naming the first of them."""
+    for _, item, image in _decoded(spec, items, skipped, progress=progress):
+        yield item, image
+
+
+def _decoded(spec: IngestSpec, items: Sequence[Item], skipped: list[str], *,
+             progress: bool) -> Iterator[tuple[int, Item, np.ndarray]]:
+    """:func:`decoded` with each item's position in ``items``."""
     from tqdm.auto import tqdm
 
     from ml.data.formats import RecordIOReader, decode_image, unpack_irheader
 
     reader = None if spec.folder else RecordIOReader(Path(spec.recordio), rgb_only=True)
     try:
-        for item in tqdm(items, desc="ingest real", unit="img", leave=False, disable=not progress):
+        for i, item in enumerate(tqdm(items, desc="ingest real", unit="img", leave=False, disable=not progress)):
             if reader is None:
                 where, data = str(item.ref), Path(item.ref).read_bytes()
             else:
@@ -167,7 +237,7 @@ def decoded(spec: IngestSpec, items: list[Item], skipped: list[str], *,
                                     f"data.ingest_max_corrupt_fraction = {spec.max_corrupt_fraction}); the first: "
                                     f"{skipped[0]}") from exc
                 continue
-            yield item, _resized(image, spec, where)
+            yield i, item, _resized(image, spec, where)
     finally:
         if reader is not None:
             reader.close()
@@ -182,24 +252,26 @@ def ingest_split(
     a group without a writer (``discovery`` when no GFD set is drawn from the real faces) takes no identities.
     Returns counts: images per group, identities, single-image identities, corrupt images skipped."""
     items = list_items(spec)
-    groups = split_identities([it.identity for it in items], seed=seed, heldout_fraction=heldout_fraction,
+    names = items.identities
+    groups = split_identities(names, seed=seed, heldout_fraction=heldout_fraction,
                               discovery_fraction=discovery_fraction if "discovery" in writers else 0.0)
-    per_identity = Counter(it.identity for it in items)
-    seen: Counter[str] = Counter()
+    group_of = [groups[name] for name in names]  # by identity code
+    per_identity = np.bincount(items.codes, minlength=len(names)).tolist()
+    seen = [0] * len(names)
     written: Counter[str] = Counter()
     skipped: list[str] = []
-    for item, image in decoded(spec, items, skipped, progress=progress):
-        group = groups[item.identity]
-        writers[group](image, item.identity, seen[item.identity], per_identity[item.identity], item.ref)
-        seen[item.identity] += 1
-        written[group] += 1
+    for i, item, image in _decoded(spec, items, skipped, progress=progress):
+        code = int(items.codes[i])
+        writers[group_of[code]](image, item.identity, seen[code], per_identity[code], item.ref)
+        seen[code] += 1
+        written[group_of[code]] += 1
     stats: dict[str, float] = {f"data/real_{g}_images": float(written[g]) for g in GROUPS if g in writers}
     stats.update({
         "data/real_images": float(sum(written.values())),
-        "data/real_identities": float(len(per_identity)),
-        "data/real_train_identities": float(sum(g == "train" for g in groups.values())),
-        "data/real_heldout_identities": float(sum(g == "heldout" for g in groups.values())),
-        "data/real_single_image_identities": float(sum(n == 1 for n in per_identity.values())),
+        "data/real_identities": float(len(names)),
+        "data/real_train_identities": float(group_of.count("train")),
+        "data/real_heldout_identities": float(group_of.count("heldout")),
+        "data/real_single_image_identities": float(per_identity.count(1)),
         "data/real_corrupt_skipped": float(len(skipped)),
     })
     return stats

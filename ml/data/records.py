@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ml.data.dataset import write_parquet
+from ml.data.manifest import write_parquet
 from ml.data.formats import RecordIOReader, decode_image, unpack_irheader
 from ml.errors import DataError
 
