@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -40,10 +41,16 @@ def pytest_unconfigure(config):
     status = getattr(config, "_faceops_exitstatus", 0)
 
     def watchdog() -> None:
+        import psutil
+
         time.sleep(EXIT_GRACE_S)
         sys.stderr.write(f"\nPrefect's client was still flushing logs/events to stopped test servers {EXIT_GRACE_S} s "
                          f"after the run; exiting with pytest's status {status}\n")
         sys.stderr.flush()
+        # os._exit skips atexit, where Prefect stops the temporary server a flow run without PREFECT_API_URL started
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
         os._exit(status)
 
     threading.Thread(target=watchdog, name="exit-watchdog", daemon=True).start()
