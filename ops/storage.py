@@ -139,11 +139,14 @@ def dvc_remote_commands(cfg: StorageConfig, name: str = REMOTE) -> list[list[str
 
 
 def configure_dvc_remote(cfg: StorageConfig, root: Path, name: str = REMOTE) -> list[list[str]]:
-    """Run :func:`dvc_remote_commands` in ``root``; returns them."""
-    commands = dvc_remote_commands(cfg, name)
-    for args in commands:
-        run_dvc(cfg, root, args)
-    return commands
+    """Write what :func:`dvc_remote_commands` would (one edit of ``.dvc/config.local`` through DVC's own config, where
+    the commands start a DVC process each); returns them."""
+    from dvc.config import Config
+
+    with Config(str(root / ".dvc")).edit("local") as conf:
+        conf["remote"][name] = remote_settings(cfg)
+        conf["core"]["remote"] = name
+    return dvc_remote_commands(cfg, name)
 
 
 def mlflow_artifacts(cfg: StorageConfig) -> tuple[str, dict[str, str]]:
