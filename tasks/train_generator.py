@@ -71,6 +71,11 @@ class GeneratorStageConfig:
             raise ConfigError(f"generator.space {self.space!r} is not one of {list(SPACES)}")
         if isinstance(self.max_images, bool) or not isinstance(self.max_images, int) or self.max_images < 0:
             raise ConfigError(f"generator.max_images = {self.max_images!r}: need an integer ≥ 0 (0 = all)")
+        channels, unet = self.autoencoder_train.latent_channels, self.train.model.in_channels
+        if self.space == "latent" and not self.autoencoder and unet != channels:  # before minutes of autoencoder
+            raise ConfigError(f"generator.train.model.in_channels = {unet} but the autoencoder trained here makes "
+                              f"{channels}-channel latents (generator.autoencoder_train.latent_channels); set both "
+                              "to the same value")
 
 
 def resize_faces(images: np.ndarray, size: int) -> np.ndarray:
@@ -198,11 +203,11 @@ def run(cfg: GeneratorStageConfig, paths: Paths, *, tracker: Any = None) -> Stag
     metrics: dict[str, float] = {}
     autoencoder = load_autoencoder_for(cfg, paths)
     trained_autoencoder = cfg.space == "latent" and autoencoder is None
-    if trained_autoencoder:  # phase 1: the latent space, from the same faces
+    if trained_autoencoder:  # phase 1: the latent space, from the same faces at the generator's face size
         from ml.train.autoencoder import train_autoencoder
 
         ae_cfg = cfg.autoencoder_train
-        ae_size = images.shape[1] - images.shape[1] % ae_cfg.factor
+        ae_size = model_cfg.image_size * ae_cfg.factor
         autoencoder, ae_history, ae_seconds = train_autoencoder(
             ae_cfg, resize_faces(images, ae_size), native, fr if ae_cfg.fr_weight > 0 else None,
             None if landmarks is None else landmarks * (ae_size / images.shape[1]),
@@ -216,10 +221,10 @@ def run(cfg: GeneratorStageConfig, paths: Paths, *, tracker: Any = None) -> Stag
     faces = resize_faces(images, size)
     if autoencoder is not None:
         report_rows = min(len(faces), 1024)
-        if size == images.shape[1]:
-            metrics.update(reconstruction_report(
-                autoencoder, fr, faces[:report_rows], native[:report_rows],
-                None if landmarks is None else landmarks[:report_rows], paths.plots / "autoencoder_reconstructions.png"))
+        metrics.update(reconstruction_report(
+            autoencoder, fr, faces[:report_rows], native[:report_rows],
+            None if landmarks is None else landmarks[:report_rows] * (size / images.shape[1]),
+            paths.plots / "autoencoder_reconstructions.png"))
     # contexts as sampling makes them: the FR embedding of a face rendered the way the generator renders faces
     # (at its output size, then resized to the FR model's), so training and synthesis share one convention
     contexts = native if size == images.shape[1] else identity_embeddings(

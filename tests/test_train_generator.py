@@ -251,19 +251,28 @@ def test_autoencoder_identity_term_needs_the_fr_model() -> None:
         AutoencoderConfig(block_out_channels=(8, 12), norm_num_groups=8)
 
 
-def test_autoencoder_identity_term_gives_a_kprpe_fr_model_its_landmarks() -> None:
+@pytest.mark.parametrize("size", [64, 32])
+def test_autoencoder_identity_term_gives_a_kprpe_fr_model_its_landmarks(size) -> None:
     """With a KP-RPE FR model as the identity teacher, the autoencoder's FR term calls it with each face's
-    landmarks (it cannot embed a face without them) and refuses to start when none are given."""
+    landmarks (it cannot embed a face without them) and refuses to start when none are given. Faces smaller than
+    the FR model's input (the default latent space works on 32-px faces, the FR model on 64) reach it resized to
+    its input, their landmarks scaled with them."""
     from ml.models.backbones import build_backbone
     from ml.train.autoencoder import AutoencoderConfig, train_autoencoder
 
-    images, _ = separable(2, 4, size=64)
+    images, _ = separable(2, 4, size=size)
     fr = build_backbone("vit_tiny_kprpe", depth=1).eval()
+    seen = []
+    fr.register_forward_pre_hook(lambda _, args: seen.append((tuple(args[0].shape), args[1].detach().clone())))
     ids = np.random.default_rng(0).normal(size=(len(images), 128)).astype(np.float32)
-    landmarks = np.tile(np.array([[22, 26], [42, 26], [32, 36], [24, 46], [40, 46]], np.float32), (len(images), 1, 1))
+    points = np.array([[22, 26], [42, 26], [32, 36], [24, 46], [40, 46]], np.float32)  # in 64-px pixels
+    landmarks = np.tile(points * (size / 64), (len(images), 1, 1))
     cfg = AutoencoderConfig(block_out_channels=(8, 16), norm_num_groups=4, fr_batch=4, epochs=1, batch_size=4,
                             accelerator="cpu")
     with pytest.raises(DataError, match="landmarks"):
         train_autoencoder(cfg, images, ids, fr, progress=False)
     _, history, _ = train_autoencoder(cfg, images, ids, fr, landmarks, progress=False)
     assert np.isfinite(history[-1]["train/fr_cosine"])
+    shape, keypoints = seen[0]
+    assert shape == (4, 3, 64, 64)
+    np.testing.assert_allclose(keypoints.numpy(), np.tile(points, (4, 1, 1)), rtol=1e-6)

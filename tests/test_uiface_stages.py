@@ -45,6 +45,9 @@ def test_generator_stage_config_errors():
         GeneratorStageConfig(autoencoder_kind="gan")
     with pytest.raises(ConfigError, match="max_images"):
         GeneratorStageConfig(max_images=-1)
+    # a UNet that cannot take the latents of the autoencoder the stage would train: refused before it trains
+    with pytest.raises(ConfigError, match=r"in_channels = 3 .* 4-channel latents"):
+        from_mapping(GeneratorStageConfig, {"space": "latent", "train": {"model": {"in_channels": 3}}}, "generator")
 
 
 def test_synthetic_gap_is_real_minus_synthetic_over_synthetic():

@@ -149,7 +149,12 @@ class AutoencoderModule(lightning.LightningModule):
         if self._fr and self.cfg.fr_weight > 0:
             k = min(self.cfg.fr_batch, b)
             fr = self._fr[0]
-            feats = fr(y[:k], keypoints[:k]) if needs_keypoints(fr) else fr(y[:k])  # KP-RPE takes the landmarks
+            faces, kp = y[:k], keypoints[:k]
+            size = int(fr.input_contract["size"])
+            if faces.shape[-1] != size:  # faces smaller than the FR model's input: seen as the FR model sees them
+                kp = kp * (size / faces.shape[-1])
+                faces = F.interpolate(faces, size=(size, size), mode="bilinear", align_corners=False)
+            feats = fr(faces, kp) if needs_keypoints(fr) else fr(faces)  # KP-RPE takes the landmarks
             cos = (F.normalize(feats.float(), dim=-1) * ids[:k]).sum(-1).mean()
             loss = loss + self.cfg.fr_weight * (1.0 - cos)
             self.log("train/fr_cosine", cos.detach(), on_step=False, on_epoch=True, batch_size=k)
