@@ -7,18 +7,37 @@ import time
 import torch
 
 
+def _generator_params() -> dict:
+    from pathlib import Path
+
+    from tasks.common import load_params, section
+
+    return dict(section(load_params(Path(__file__).resolve().parents[1] / "params.yaml"), "generator"))
+
+
 def _model():
     from ml.models.generator.uiface import GeneratorModelConfig, IDConditionedUNet
 
-    from tasks.common import load_params, section
-    from pathlib import Path
-
-    # the embedded default's UNet (params.yaml generator.train.model), random weights
-    spec = dict(section(section(load_params(Path(__file__).resolve().parents[1] / "params.yaml"), "generator"),
-                        "train").get("model", {}))
+    # the embedded default's UNet (params.yaml generator.train.model: the 4×8×8 latent one), random weights
+    spec = dict(_generator_params().get("train", {}).get("model", {}))
     spec["block_out_channels"] = tuple(spec.get("block_out_channels", (16, 32, 32)))
     torch.manual_seed(0)
     return IDConditionedUNet(GeneratorModelConfig(**{**spec, "id_dim": 128})).eval()
+
+
+def _autoencoder(latent_side: int):
+    """The embedded default's autoencoder (params.yaml generator.autoencoder_train), random weights; None in pixel
+    space."""
+    from ml.train.autoencoder import AutoencoderConfig, build_autoencoder
+
+    params = _generator_params()
+    if params.get("space", "pixel") != "latent":
+        return None
+    spec = dict(params.get("autoencoder_train", {}))
+    cfg = AutoencoderConfig(block_out_channels=tuple(spec.get("block_out_channels", (16, 32, 64))),
+                            latent_channels=int(spec.get("latent_channels", 4)))
+    torch.manual_seed(0)
+    return build_autoencoder(cfg, latent_side * cfg.factor).eval()
 
 
 def bench_sampler_cost(batch: int = 32, steps: int = 25, rounds: int = 2) -> dict:
@@ -42,6 +61,7 @@ def bench_sampler_cost(batch: int = 32, steps: int = 25, rounds: int = 2) -> dic
         "adaptive_injection": SamplerConfig(mode="two_stage_adaptive", attention_injection=True, steps=steps),
         "adaptive_injection_hard500": SamplerConfig(mode="two_stage_adaptive", attention_injection=True, steps=steps,
                                                     threshold=0.006, hard_switch_t=500),
+        "fixed_injection": SamplerConfig(mode="two_stage_fixed", t0=500, attention_injection=True, steps=steps),
     }
     best: dict[str, float] = {}
     evals: dict[str, float] = {}
@@ -56,21 +76,28 @@ def bench_sampler_cost(batch: int = 32, steps: int = 25, rounds: int = 2) -> dic
     out.update({f"{k}_evals": round(v, 1) for k, v in evals.items()})
     out["ratio_adaptive_injection"] = round(best["adaptive_injection"] / best["baseline"], 3)
     out["ratio_adaptive_injection_hard500"] = round(best["adaptive_injection_hard500"] / best["baseline"], 3)
+    out["ratio_fixed_injection"] = round(best["fixed_injection"] / best["baseline"], 3)
     return out
 
 
 def bench_synthesis_throughput(batch: int = 64, steps: int = 25) -> dict:
-    """Faces per second of the embedded default's sampler (two_stage_adaptive + injection, 25 DDIM steps) at the
-    embedded UNet size, one batch of ``batch`` identities."""
+    """Faces per second of the embedded default's sampler (two_stage_fixed at t0 = 500 + injection, 25 DDIM steps)
+    at the embedded UNet size, decoded through the default's autoencoder (latent space), one batch of ``batch``
+    identities."""
+    from ml.models.generator.uiface import decode_latents
     from ml.synth.sampler import SamplerConfig, sample
 
     model = _model()
     m = model.config
+    autoencoder = _autoencoder(m.image_size)
     with torch.no_grad():
         cond = model.encode_context(torch.randn(batch, m.id_dim))
-    cfg = SamplerConfig(mode="two_stage_adaptive", attention_injection=True, steps=steps)
-    start = time.perf_counter()
-    sample(model.unet, cond, model.empty_context.detach(), (batch, m.in_channels, m.image_size, m.image_size), cfg)
-    seconds = time.perf_counter() - start
-    return {"faces_per_s": round(batch / seconds, 1), "image_size": m.image_size, "steps": steps,
+        cfg = SamplerConfig(mode="two_stage_fixed", t0=500, attention_injection=True, steps=steps)
+        start = time.perf_counter()
+        res = sample(model.unet, cond, model.empty_context.detach(),
+                     (batch, m.in_channels, m.image_size, m.image_size), cfg)
+        faces = res.x0 if autoencoder is None else decode_latents(autoencoder, res.x0)
+        seconds = time.perf_counter() - start
+    return {"faces_per_s": round(batch / seconds, 1), "unet_side": m.image_size, "face_size": int(faces.shape[-1]),
+            "space": "latent" if autoencoder is not None else "pixel", "steps": steps,
             "threads": torch.get_num_threads()}

@@ -69,12 +69,14 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     ),
     "sampler_cost": (
         "benchmarks.bench_synth:bench_sampler_cost",
-        "UIFace two-stage adaptive sampling + attention injection vs plain CFG, per face, embedded UNet, CPU",
+        "UIFace two-stage sampling + attention injection (adaptive, and the default fixed t0 = 500) vs plain CFG, per "
+        "face, embedded latent UNet, CPU",
         "≤ 1.0×",
     ),
     "synthesis_throughput": (
         "benchmarks.bench_synth:bench_synthesis_throughput",
-        "UIFace faces/s at the embedded size (adaptive + injection, 25 DDIM steps, batch 64 identities), CPU",
+        "UIFace faces/s of the embedded default (4×8×8 latent UNet, fixed t0 = 500 + injection, 25 DDIM steps, "
+        "decoded to 32 px, batch 64 identities), CPU",
         "report",
     ),
     "ingest_recordio": (

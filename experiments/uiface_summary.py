@@ -18,29 +18,35 @@ class Scale:
     image_size: int = 64
     train_identities: int = 150  # (a): teacher FR + generator training set, and the real-budget subsets
     images_per_identity: int = 12
-    test_identities: int = 100  # (b): held-out real identities for verification
+    test_identities: int = 150  # (b): held-out real identities for verification (8 images: 4,200 genuine pairs)
     test_images_per_identity: int = 8
-    pairs: int = 3000  # half genuine, half impostor
+    pairs: int = 6000  # half genuine, half impostor
     # FR models: teacher (batch 64, as experiments/claims.py) and the K × M budget models (batch 32: their sets
     # are ~6× smaller, so 64 would leave ~5 optimiser steps per epoch)
     fr_epochs: int = 10
     teacher_batch_size: int = 64
     fr_batch_size: int = 32
-    # generator (pixel space); 8 epochs × 1800 faces ≈ 5 min on 2 cores (see the throughput probe)
-    gen_size: int = 32
-    gen_channels: tuple[int, ...] = (16, 32, 32)
+    # generator: as the pipeline's default, a KL autoencoder of gen_size-px faces (4 × 8 × 8 latents) trained first
+    # on (a) with the teacher's identity term, then the UNet in its latent; latent=False: the UNet denoises pixels
+    gen_size: int = 32  # the faces' side the generator makes (upsampled to image_size for the FR models)
+    latent: bool = True
+    ae_channels: tuple[int, ...] = (16, 32, 64)  # encoder levels: gen_size / 2^(levels − 1) = the latent side
+    ae_epochs: int = 10
+    ae_batch_size: int = 32
+    ae_lr: float = 2e-3
+    gen_channels: tuple[int, ...] = (64, 128)
     gen_heads: int = 4
     gen_context_tokens: int = 4  # > 1, else cross-attention injection is a no-op (softmax over one key)
-    gen_epochs: int = 8
-    gen_batch_size: int = 32
-    gen_lr: float = 5e-4
+    gen_epochs: int = 50
+    gen_batch_size: int = 64
+    gen_lr: float = 1e-3
     gen_ema_decay: float = 0.995
     # synthesis: sampling dominates the run (K·M faces × steps × 1–2 UNet evaluations × 4 modes × seeds)
-    candidates: int = 160
-    max_cosine: float = 0.5
-    identities: int = 40  # N asked; K ≤ N found
-    images_per_synthetic_identity: int = 8  # M
-    steps: int = 10  # DDIM steps (paper 50); must divide T = 1000
+    candidates: int = 200
+    max_cosine: float = 0.7  # the pipeline's synthesize.max_cosine
+    identities: int = 50  # N asked; K ≤ N found
+    images_per_synthetic_identity: int = 16  # M
+    steps: int = 25  # DDIM steps (paper 50; the pipeline 25); must divide T = 1000
     fixed_t0: int = 500
     threshold: float = 0.005  # paper's th, for its DDIM step Δt = 20 (50 steps)
     threshold_per_paper_step: bool = True  # th × Δt/20: d_t is a change per step, ∝ Δt to first order
@@ -50,8 +56,8 @@ class Scale:
 
 QUICK = Scale(
     train_identities=12, images_per_identity=4, test_identities=8, test_images_per_identity=4, pairs=120,
-    fr_epochs=1, gen_epochs=1, candidates=12, max_cosine=0.99, identities=4, images_per_synthetic_identity=3,
-    steps=5, sample_batch_size=64,
+    fr_epochs=1, gen_size=16, ae_channels=(8, 16), ae_epochs=1, gen_channels=(8, 16), gen_epochs=1, candidates=12,
+    max_cosine=0.99, identities=4, images_per_synthetic_identity=3, steps=5, sample_batch_size=64,
 )
 
 MODES = {
@@ -170,7 +176,7 @@ def _claim_paragraph(summary: dict, setup: dict, scale: Scale) -> str:
         real_ic = summary["real_stats"]["identity_consistency"]["mean"]
         text += (
             " Why it may not hold here: the generator is a "
-            f"{len(scale.gen_channels)}-level {scale.gen_size}-px pixel-space UNet trained for "
+            f"{len(scale.gen_channels)}-level UNet {generator_space(scale)} trained for "
             f"{setup.get('generator_steps', '?')} steps on a CPU (the reference: 250k steps of 512 images in a VQ "
             f"latent); under the teacher its baseline faces have identity consistency {gen_ic:.3f} against "
             f"{real_ic:.3f} for real faces of the same budget through the same 32-px bottleneck"
@@ -205,6 +211,24 @@ def _claim_paragraph(summary: dict, setup: dict, scale: Scale) -> str:
     return text
 
 
+def generator_space(scale: Scale) -> str:
+    """Where the UNet denoises, in words."""
+    if not scale.latent:
+        return f"in pixel space at {scale.gen_size} px"
+    side = scale.gen_size // 2 ** (len(scale.ae_channels) - 1)
+    return f"in the 4×{side}×{side} latent of a KL autoencoder of {scale.gen_size}-px faces"
+
+
+def autoencoder_note(scale: Scale, setup: dict[str, Any]) -> str:
+    """The autoencoder's training and reconstruction numbers (latent runs), for the setup paragraph."""
+    if not scale.latent or "autoencoder_psnr" not in setup:
+        return ""
+    return (f" (autoencoder: channels {list(scale.ae_channels)}, {scale.ae_epochs} epochs, batch "
+            f"{scale.ae_batch_size}, lr {scale.ae_lr}, {setup['autoencoder_seconds']:.0f} s; reconstructions of the "
+            f"training faces {setup['autoencoder_psnr']:.1f} dB PSNR, teacher cosine to the face "
+            f"{setup['autoencoder_fr_cosine']:.2f})")
+
+
 def render(results: dict, scale: Scale) -> str:
     """The markdown report of ``results`` (``seeds``, ``setup``, ``per_seed``, ``summary``)."""
     s, setup, seeds = results["summary"], results["setup"], results["seeds"]
@@ -227,7 +251,8 @@ def render(results: dict, scale: Scale) -> str:
         f"epochs, batch {scale.teacher_batch_size}, {setup['teacher_seconds']:.0f} s; its own accuracy on the "
         f"held-out pairs is {100 * setup['teacher_accuracy']:.2f} % (native 64 px) and "
         f"{100 * setup['teacher_accuracy_32px']:.2f} % on the faces through the 32-px bottleneck. Generator: UIFace "
-        f"ID-conditioned UNet in pixel space at {scale.gen_size} px, channels {list(scale.gen_channels)}, "
+        f"ID-conditioned UNet {generator_space(scale)}{autoencoder_note(scale, setup)}, channels "
+        f"{list(scale.gen_channels)}, "
         f"{scale.gen_heads} heads, {scale.gen_context_tokens} context tokens, {scale.gen_epochs} epochs "
         f"({setup['generator_steps']} steps, batch {scale.gen_batch_size}, lr {scale.gen_lr}, EMA "
         f"{scale.gen_ema_decay}), {setup['generator_seconds']:.0f} s, final loss {setup['generator_loss']:.4f}; "

@@ -3,6 +3,8 @@ and the time estimate of experiments/uiface_claims.py (no training)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -97,9 +99,12 @@ def test_compare_pairs_seeds():
 
 
 def test_estimate_is_positive_and_quick_is_cheaper():
-    rates = {"render_s_per_face": 0.005, "gen_train_s_per_image": 0.02, "unet_s_per_eval": 0.01}
+    rates = {"render_s_per_face": 0.005, "gen_train_s_per_image": 0.02, "unet_s_per_eval": 0.01,
+             "ae_train_s_per_image": 0.005}
     full, quick = estimate_seconds(Scale(), rates, 3), estimate_seconds(QUICK, rates, 3)
     assert full["total"] == pytest.approx(sum(v for k, v in full.items() if k != "total"))
+    pixel = estimate_seconds(dataclasses.replace(Scale(), latent=False), rates, 3)
+    assert full["generator"] - pixel["generator"] == pytest.approx(10 * 1800 * 0.005)  # the autoencoder's epochs
     assert 0 < quick["total"] < full["total"]
 
 
@@ -115,8 +120,8 @@ def test_sampler_configs_are_the_four_table2_rows():
     assert list(cfgs) == list(MODES)
     assert [(c.mode, c.attention_injection) for c in cfgs.values()] == [
         ("baseline", False), ("two_stage_fixed", False), ("two_stage_adaptive", False), ("two_stage_adaptive", True)]
-    assert [c.threshold for c in cfgs.values()] == pytest.approx([0.025] * 4)
-    assert cfgs["two_stage_fixed"].t0 == 500 and all(c.steps == 10 for c in cfgs.values())
+    assert [c.threshold for c in cfgs.values()] == pytest.approx([0.01] * 4)  # 0.005 × Δt 40 / 20
+    assert cfgs["two_stage_fixed"].t0 == 500 and all(c.steps == 25 for c in cfgs.values())
 
 
 def test_report_says_when_adaptive_faces_never_switched():

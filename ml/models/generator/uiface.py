@@ -26,9 +26,11 @@ trainer puts the noise schedule and the space (pixel / vq / kl) into ``extra``.
 
 Differences from the reference (UIFace paper, appendix A.1; its code builds on IDiff-Face / LDM):
 
-- The embedded default runs in pixel space at 32×32 with a 3-level UNet (32, 64, 64 channels, one ResNet
-  block per level) so that it trains on a CPU in minutes; the reference denoises the 3×32×32 latent of a
-  VQ-f4 autoencoder (128×128 faces) with a four-level UNet. The autoencoder stage is pluggable for real runs.
+- The reference denoises the 3×32×32 latent of a VQ-f4 autoencoder (128×128 faces) with a four-level UNet. The
+  embedded default (``params.yaml``) denoises the 4×8×8 latent of a KL autoencoder of 32-px faces trained in the
+  ``train_generator`` stage (``ml.train.autoencoder``), with a 2-level UNet (64, 128 channels), so that UNet and
+  autoencoder train on a CPU in minutes; a given VQ/KL autoencoder plugs in for real runs, and pixel space stays
+  a parameter (the tests' toy generators). This class's own defaults are a 32-px pixel-space UNet.
 - Element dropout rescales the kept entries by 1/(1 − p) (``nn.Dropout`` semantics) and draws from an optional
   ``torch.Generator``, so a training step is a function of its seed (exact resume).
 - The context is a Linear projection of the normalised embedding into ``context_tokens`` tokens (1 by default);
