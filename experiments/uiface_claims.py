@@ -139,9 +139,9 @@ def train_once(scale: Scale, data: dict[str, np.ndarray]) -> tuple[Any, Any, Any
                           identity_embeddings(teacher.model, recon, None) * native, axis=1)))})
         log.info("[setup] autoencoder: %.1f s, PSNR %.1f dB, teacher cosine %.3f", ae_seconds,
                  setup["autoencoder_psnr"], setup["autoencoder_fr_cosine"])
-    side = scale.gen_size // (2 ** (len(scale.ae_channels) - 1) if scale.latent else 1)
+    side = scale.unet_side
     model_cfg = GeneratorModelConfig(
-        image_size=side, in_channels=4 if scale.latent else 3, block_out_channels=scale.gen_channels,
+        image_size=side, in_channels=autoencoder.config.latent_channels if autoencoder is not None else 3, block_out_channels=scale.gen_channels,
         attention_heads=scale.gen_heads, context_tokens=scale.gen_context_tokens, time_context=True,
         id_dim=contexts.shape[1])
     gen_cfg = GeneratorConfig(model=model_cfg, epochs=scale.gen_epochs, batch_size=scale.gen_batch_size,
@@ -288,7 +288,9 @@ def probe(scale: Scale) -> dict[str, float]:
     for j in range(8):
         gen.sample(0, j)
     render_s = (time.perf_counter() - start) / 8
-    channels, side = (4, scale.gen_size // 2 ** (len(scale.ae_channels) - 1)) if scale.latent else (3, scale.gen_size)
+    from ml.train.autoencoder import AutoencoderConfig
+
+    channels, side = (AutoencoderConfig().latent_channels if scale.latent else 3), scale.unet_side
     model = IDConditionedUNet(GeneratorModelConfig(
         image_size=side, in_channels=channels, block_out_channels=scale.gen_channels, attention_heads=scale.gen_heads,
         context_tokens=scale.gen_context_tokens, id_dim=128))
@@ -316,7 +318,7 @@ def probe(scale: Scale) -> dict[str, float]:
     rates = {"render_s_per_face": render_s, "gen_train_s_per_image": train_s,
              "unet_s_per_eval": 1.3 * min(times[1:]) / n}  # ×1.3: attention processors and DDIM bookkeeping
     if scale.latent:
-        from ml.train.autoencoder import AutoencoderConfig, build_autoencoder
+        from ml.train.autoencoder import build_autoencoder
 
         ae = build_autoencoder(AutoencoderConfig(block_out_channels=scale.ae_channels), scale.gen_size)
         opt = torch.optim.AdamW(ae.parameters(), lr=scale.ae_lr)

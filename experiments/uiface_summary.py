@@ -53,6 +53,11 @@ class Scale:
     sample_batch_size: int = 128
     recall_k: int = 10
 
+    @property
+    def unet_side(self) -> int:
+        """The UNet's input side: the latent's (gen_size over the autoencoder's downsampling), or gen_size."""
+        return self.gen_size // 2 ** (len(self.ae_channels) - 1) if self.latent else self.gen_size
+
 
 QUICK = Scale(
     train_identities=12, images_per_identity=4, test_identities=8, test_images_per_identity=4, pairs=120,
@@ -215,7 +220,7 @@ def generator_space(scale: Scale) -> str:
     """Where the UNet denoises, in words."""
     if not scale.latent:
         return f"in pixel space at {scale.gen_size} px"
-    side = scale.gen_size // 2 ** (len(scale.ae_channels) - 1)
+    side = scale.unet_side
     return f"in the 4×{side}×{side} latent of a KL autoencoder of {scale.gen_size}-px faces"
 
 
