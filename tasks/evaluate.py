@@ -215,6 +215,24 @@ def evaluate_baselines(cfg: EvaluateConfig, paths: Paths, data: DataConfig, sets
     return metrics, curves
 
 
+def unique_rows(images: np.ndarray, landmarks: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(indices of the first occurrence of each distinct (image, landmarks) row, the distinct row of every row):
+    ``x[first][inverse]`` equals ``x`` row for row."""
+    import hashlib
+
+    seen: dict[bytes, int] = {}
+    first: list[int] = []
+    inverse = np.empty(len(images), dtype=np.int64)
+    for i, image in enumerate(images):
+        h = hashlib.blake2b(image.tobytes(), digest_size=16)
+        if landmarks is not None:
+            h.update(np.ascontiguousarray(landmarks[i]).tobytes())
+        inverse[i] = seen.setdefault(h.digest(), len(first))
+        if inverse[i] == len(first):
+            first.append(i)
+    return np.asarray(first, dtype=np.int64), inverse
+
+
 def evaluate_model(model: Any, tag: str, cfg: EvaluateConfig, paths: Paths, sets: list) -> tuple[dict, dict]:
     """All benchmark numbers of one model, keyed ``<tag>/...``; returns (metrics, ROC curves)."""
     from ml.data.dataset import landmarks_array, load_images, read_manifest
@@ -236,7 +254,9 @@ def evaluate_model(model: Any, tag: str, cfg: EvaluateConfig, paths: Paths, sets
             log.warning("%s.bin has no landmarks sidecar; the KP-RPE model %s is not evaluated on it", name, tag)
             metrics[f"{tag}/verification/{name}/skipped_no_landmarks"] = 1.0
             continue
-        values, curves[f"{name}: {tag}"] = _pair_metrics(emb(images, landmarks), issame, cfg)
+        first, inverse = unique_rows(images, landmarks)  # a .bin repeats each face in many pairs: embed it once
+        feats = emb(images[first], None if landmarks is None else landmarks[first])[inverse]
+        values, curves[f"{name}: {tag}"] = _pair_metrics(feats, issame, cfg)
         for k, v in values.items():
             metrics[f"{tag}/verification/{name}/{k}"] = v
 

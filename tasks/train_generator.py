@@ -199,36 +199,36 @@ def run(cfg: GeneratorStageConfig, paths: Paths, *, tracker: Any = None) -> Stag
         rows = rows.iloc[: cfg.max_images].reset_index(drop=True)
     images = load_images(paths.train_set, rows, progress=True)
     landmarks = landmarks_array(rows)
-    native = identity_embeddings(fr, images, landmarks)
     metrics: dict[str, float] = {}
     autoencoder = load_autoencoder_for(cfg, paths)
     trained_autoencoder = cfg.space == "latent" and autoencoder is None
+    size = model_cfg.image_size  # the side of the faces the generator makes: its UNet's, × the autoencoder's factor
+    if autoencoder is not None:
+        size *= 2 ** (len(autoencoder.config.block_out_channels) - 1)
+    elif trained_autoencoder:
+        size *= cfg.autoencoder_train.factor
+    faces = resize_faces(images, size)
+    face_landmarks = None if landmarks is None else landmarks * (size / images.shape[1])
+    # contexts as sampling makes them: the FR embedding of a face rendered the way the generator renders faces
+    # (at its output size, then resized to the FR model's), so training and synthesis share one convention; the
+    # autoencoder's identity term aims at the same embeddings (what a perfect reconstruction of these faces gives)
+    contexts = identity_embeddings(fr, faces, face_landmarks)
     if trained_autoencoder:  # phase 1: the latent space, from the same faces at the generator's face size
         from ml.train.autoencoder import train_autoencoder
 
         ae_cfg = cfg.autoencoder_train
-        ae_size = model_cfg.image_size * ae_cfg.factor
         autoencoder, ae_history, ae_seconds = train_autoencoder(
-            ae_cfg, resize_faces(images, ae_size), native, fr if ae_cfg.fr_weight > 0 else None,
-            None if landmarks is None else landmarks * (ae_size / images.shape[1]),
+            ae_cfg, faces, contexts, fr if ae_cfg.fr_weight > 0 else None, face_landmarks,
             callbacks=core_share_callbacks(), progress=True)
         metrics["autoencoder/seconds"] = float(ae_seconds)
         write_history_csv(paths.plots / "train_autoencoder_history.csv", ae_history,
                           ["epoch", "train/loss", "train/pixel", "train/fr_cosine"])
-    size = model_cfg.image_size
-    if autoencoder is not None:
-        size *= 2 ** (len(autoencoder.config.block_out_channels) - 1)
-    faces = resize_faces(images, size)
     if autoencoder is not None:
         report_rows = min(len(faces), 1024)
         metrics.update(reconstruction_report(
-            autoencoder, fr, faces[:report_rows], native[:report_rows],
-            None if landmarks is None else landmarks[:report_rows] * (size / images.shape[1]),
+            autoencoder, fr, faces[:report_rows], contexts[:report_rows],
+            None if face_landmarks is None else face_landmarks[:report_rows],
             paths.plots / "autoencoder_reconstructions.png"))
-    # contexts as sampling makes them: the FR embedding of a face rendered the way the generator renders faces
-    # (at its output size, then resized to the FR model's), so training and synthesis share one convention
-    contexts = native if size == images.shape[1] else identity_embeddings(
-        fr, resize_faces(faces, images.shape[1]), landmarks)
     res = train_generator(train_cfg, faces, contexts, autoencoder=autoencoder, progress=True,
                           callbacks=core_share_callbacks())
     info = read_dataset_info(paths.train_set)

@@ -115,3 +115,18 @@ def test_a_bin_without_landmarks_takes_the_align_stages_predictions(tmp_path):
     np.testing.assert_array_equal(sets["real"], predicted)
     np.testing.assert_array_equal(sets["procedural"], beside)
     assert {name: lm for name, _, _, lm in _verification_sets(bins)}["real"] is None
+
+
+def test_unique_rows_embeds_each_repeated_face_once():
+    """A .bin stores each face once per pair: evaluate embeds the distinct (face, landmarks) rows and maps back."""
+    from tasks.evaluate import unique_rows
+
+    rng = np.random.default_rng(0)
+    faces = rng.integers(0, 256, (4, 8, 8, 3), dtype=np.uint8)
+    images = faces[[0, 1, 0, 2, 1, 0, 3, 3]]
+    first, inverse = unique_rows(images)
+    assert first.tolist() == [0, 1, 3, 6] and np.array_equal(images[first][inverse], images)
+    landmarks = np.zeros((8, 5, 2), np.float32)
+    landmarks[7] += 1.0  # the same face with other landmarks is another row for a KP-RPE model
+    first, inverse = unique_rows(images, landmarks)
+    assert first.tolist() == [0, 1, 3, 6, 7] and np.array_equal(landmarks[first][inverse], landmarks)

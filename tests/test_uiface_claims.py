@@ -49,7 +49,7 @@ def test_mean_std_and_gap_are_computed_over_seeds():
     summary, text = report(fabricate(acc, div))
     r = summary["modes"][CLAIM_MODE]
     assert r["accuracy"]["mean"] == pytest.approx(np.mean(acc))
-    assert r["accuracy"]["std"] == pytest.approx(np.std(acc))  # population std, as experiments/claims.py
+    assert r["accuracy"]["std"] == pytest.approx(np.std(acc))  # population std (ddof 0)
     assert r["accuracy"]["values"] == pytest.approx(acc)
     assert r["diversity"]["mean"] == pytest.approx(0.42)
     gaps = [(0.70 - a) / a for a in acc]

@@ -17,9 +17,9 @@ Exact resume: batch order depends on (seed, epoch); the posterior sample of a st
 from (seed, global step); weights, optimiser and history are in ``last.ckpt`` after every epoch.
 
 Differences from the reference: the reference's autoencoder (LDM's VQ-f4, 3×32×32 latents of 128-px faces) was
-trained with perceptual and adversarial losses on large face sets; here a KL autoencoder of ~0.6 M parameters
-(64-px faces → 4×16×16 latents by default) is trained in minutes on the CPU with pixel and FR-embedding losses
-only (no weights for a perceptual network can be downloaded).
+trained with perceptual and adversarial losses on large face sets; here a KL autoencoder of ~0.7 M parameters
+(32-px faces → 4×8×8 latents at the embedded default) is trained in minutes on the CPU with pixel and FR-embedding
+losses only (no weights for a perceptual network can be downloaded).
 """
 
 from __future__ import annotations

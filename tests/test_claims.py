@@ -1,0 +1,62 @@
+"""experiments/claims.py: its pairs, its statistics against hand-computed values, and the ``paper-claims`` flow end to
+end at toy size (report, per-seed numbers, the keypoint-swap diagnostic and the MLflow run)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from experiments.claims import held_out_pairs, mean_std, paired
+
+
+def test_held_out_pairs_are_distinct_half_genuine_and_labelled_right():
+    labels = np.repeat(np.arange(30), 6)  # 30 × 15 = 450 genuine pairs available
+    pairs, same = held_out_pairs(labels, 800, np.random.default_rng(0))
+    assert pairs.shape == (800, 2) and same.sum() == 400
+    assert len({tuple(sorted(p)) for p in pairs.tolist()}) == 800  # no pair twice, in either order
+    assert np.array_equal(labels[pairs[:, 0]] == labels[pairs[:, 1]], same)
+    assert (pairs[:, 0] != pairs[:, 1]).all()
+
+
+def test_held_out_pairs_refuses_more_genuine_pairs_than_the_set_has():
+    with pytest.raises(ValueError, match="450"):
+        held_out_pairs(np.repeat(np.arange(30), 6), 1000, np.random.default_rng(0))
+
+
+def test_statistics_are_sample_std_and_paired_per_seed():
+    assert mean_std([0.60, 0.62, 0.67]) == pytest.approx({"mean": 0.63, "std": 0.036055512754639855})
+    assert mean_std([0.7]) == {"mean": 0.7, "std": 0.0}
+    # differences +0.02, −0.01, +0.05: mean 0.02, sample std 0.03, two of three seeds higher
+    d = paired([0.62, 0.61, 0.72], [0.60, 0.62, 0.67])
+    assert d["mean"] == pytest.approx(0.02) and d["std"] == pytest.approx(0.03)
+    assert (d["higher"], d["seeds"]) == (2, 3)
+
+
+@pytest.mark.slow
+def test_claims_flow_writes_report_numbers_and_an_mlflow_run(tmp_path, monkeypatch):
+    """One seed, one epoch, the misaligned condition: three KP-RPE arms, each with its per-seed accuracy; the KP-RPE
+    arms carry the keypoint-swap numbers; the report and the MLflow run hold the same means."""
+    import mlflow
+
+    from flows.experiments import paper_claims
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    out = paper_claims(seeds=[0], only="kprpe", conditions=["misaligned"], epochs=1, pairs=400,
+                       out_dir=str(tmp_path))
+    results = json.loads((tmp_path / "metrics" / "claims.json").read_text())
+    arms = results["kprpe"]["misaligned"]
+    assert list(arms) == ["vit_tiny", "vit_tiny_kprpe", "vit_tiny_kprpe ×10"]
+    assert "swap" not in arms["vit_tiny"] and "paired" not in arms["vit_tiny"]
+    for name in ("vit_tiny_kprpe", "vit_tiny_kprpe ×10"):
+        r = arms[name]
+        assert len(r["accuracy"]) == len(r["template_accuracy"]) == 1
+        assert r["swap"]["mean"] == pytest.approx(r["accuracy"][0] - r["template_accuracy"][0])
+        assert r["paired"]["mean"] == pytest.approx(r["accuracy"][0] - arms["vit_tiny"]["accuracy"][0])
+    report = (tmp_path / "reports" / "claims.md").read_text()
+    assert "keypoint swap" in report and f"{100 * arms['vit_tiny']['mean']:.2f}" in report
+    run = mlflow.get_run(out["mlflow_run"])
+    assert run.data.metrics["kprpe/misaligned/vit_tiny/mean"] == pytest.approx(arms["vit_tiny"]["mean"])
+    assert run.data.metrics["kprpe/misaligned/vit_tiny_kprpe/swap_mean"] == pytest.approx(
+        arms["vit_tiny_kprpe"]["swap"]["mean"])
