@@ -160,7 +160,7 @@ def run_claims(seeds: list[int], scale: Scale, only: str | None = None,
                     log.info("%s/%s/%s seed %d: %s", claim, cond, name, seed,
                              {k: round(v, 4) for k, v in runs[-1].items()})
                 accs = [r["accuracy"] for r in runs]
-                entry = {"accuracy": accs, **mean_std(accs),
+                entry = {"accuracy": accs, **mean_std(accs), "seeds": list(seeds), "pairs": scale.pairs,
                          "train_seconds": float(np.mean([r["seconds"] for r in runs]))}
                 if reference is None:
                     reference = accs
@@ -189,9 +189,15 @@ def render(results: dict, seeds: list[int], scale: Scale) -> str:
         "swap\": a KP-RPE model's accuracy with its true test keypoints minus with one mean template for every face "
         "(≈ 0: the keypoints are not used).",
         "",
-        "| claim | condition | arm | accuracy | per seed | vs first arm (pp) | keypoint swap (pp) | train s/run |",
-        "|---|---|---|---|---|---|---|---|",
+        "| claim | condition | arm | accuracy | per seed | vs first arm (pp) | keypoint swap (pp) | train s/run | "
+        "seeds × pairs |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def measured(r: dict) -> str:  # rows kept from an earlier run (``--only`` the other claim) say so
+        if "seeds" not in r:
+            return f"{len(r['accuracy'])} × 1,200, earlier run (population std)"
+        return f"{len(r['seeds'])} × {r['pairs']:,}"
 
     def pp(d: dict | None) -> str:
         if d is None:
@@ -203,7 +209,7 @@ def render(results: dict, seeds: list[int], scale: Scale) -> str:
             for arm, r in arms.items():
                 lines.append(f"| {claim} | {cond} | `{arm}` | {100 * r['mean']:.2f} ± {100 * r['std']:.2f} % | "
                              f"{', '.join(f'{100 * a:.1f}' for a in r['accuracy'])} | {pp(r.get('paired'))} | "
-                             f"{pp(r.get('swap'))} | {r['train_seconds']:.0f} |")
+                             f"{pp(r.get('swap'))} | {r['train_seconds']:.0f} | {measured(r)} |")
     lines += ["", "A difference holds beyond noise when its paired mean exceeds twice its standard error "
               "(std / √seeds) and the seeds agree in sign.", ""]
     return "\n".join(lines)
