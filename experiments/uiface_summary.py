@@ -18,7 +18,7 @@ class Scale:
     image_size: int = 64
     train_identities: int = 150  # (a): teacher FR + generator training set, and the real-budget subsets
     images_per_identity: int = 12
-    test_identities: int = 150  # (b): held-out real identities for verification (8 images: 4,200 genuine pairs)
+    test_identities: int = 150  # (b): held-out real identities for verification (8 images: 4,200 distinct genuine pairs)
     test_images_per_identity: int = 8
     pairs: int = 6000  # half genuine, half impostor
     # FR models: teacher (batch 64, as experiments/claims.py) and the K × M budget models (batch 32: their sets
@@ -60,7 +60,7 @@ class Scale:
 
 
 QUICK = Scale(
-    train_identities=12, images_per_identity=4, test_identities=8, test_images_per_identity=4, pairs=120,
+    train_identities=12, images_per_identity=4, test_identities=8, test_images_per_identity=6, pairs=120,
     fr_epochs=1, gen_size=16, ae_channels=(8, 16), ae_epochs=1, gen_channels=(8, 16), gen_epochs=1, candidates=12,
     max_cosine=0.99, identities=4, images_per_synthetic_identity=3, steps=5, sample_batch_size=64,
 )
