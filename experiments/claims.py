@@ -230,14 +230,22 @@ def main() -> None:
     scale = Scale(epochs=args.epochs, pairs=args.pairs, keypoint_lr_scale=args.keypoint_lr_scale)
     start = time.perf_counter()
     results = run_claims(args.seeds, scale, args.only, tuple(args.conditions))
-    path = ROOT / "metrics" / "claims.json"
-    if args.only and path.is_file():  # keep the other claim's measured numbers
-        results = {**json.loads(path.read_text()), **results}
-    path.parent.mkdir(exist_ok=True)
-    path.write_text(json.dumps(results, indent=2) + "\n")
-    (ROOT / "reports").mkdir(exist_ok=True)
-    (ROOT / "reports" / "claims.md").write_text(render(results, args.seeds, scale))
+    write_results(results, args.seeds, scale, ROOT, keep_others=bool(args.only))
     log.info("done in %.0fs → reports/claims.md", time.perf_counter() - start)
+
+
+def write_results(results: dict, seeds: list[int], scale: Scale, out_dir: Path, keep_others: bool) -> tuple[dict, Path]:
+    """Write ``metrics/claims.json`` and ``reports/claims.md`` under ``out_dir``; with ``keep_others`` the claims this
+    run did not measure keep their numbers from the existing json. Returns (all results written, the report)."""
+    path = out_dir / "metrics" / "claims.json"
+    if keep_others and path.is_file():
+        results = {**json.loads(path.read_text()), **results}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    report = out_dir / "reports" / "claims.md"
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.write_text(render(results, seeds, scale))
+    return results, report
 
 
 if __name__ == "__main__":

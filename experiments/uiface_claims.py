@@ -141,7 +141,8 @@ def train_once(scale: Scale, data: dict[str, np.ndarray]) -> tuple[Any, Any, Any
                  setup["autoencoder_psnr"], setup["autoencoder_fr_cosine"])
     side = scale.unet_side
     model_cfg = GeneratorModelConfig(
-        image_size=side, in_channels=autoencoder.config.latent_channels if autoencoder is not None else 3, block_out_channels=scale.gen_channels,
+        image_size=side, in_channels=autoencoder.config.latent_channels if autoencoder is not None else 3,
+        block_out_channels=scale.gen_channels,
         attention_heads=scale.gen_heads, context_tokens=scale.gen_context_tokens, time_context=True,
         id_dim=contexts.shape[1])
     gen_cfg = GeneratorConfig(model=model_cfg, epochs=scale.gen_epochs, batch_size=scale.gen_batch_size,
