@@ -62,7 +62,7 @@ class FusionStageConfig:
 
     fr_source: str = "real"
     train: FusionConfig = field(
-        default_factory=lambda: FusionConfig(epochs=6, steps_per_epoch=100, lr_steps=(4, 5), batch_size=32, lr=1e-4,
+        default_factory=lambda: FusionConfig(epochs=5, steps_per_epoch=100, lr_steps=(4,), batch_size=32, lr=1e-4,
                                              lambda_p=0.0, lambda_u=0.3)
     )
 

@@ -279,6 +279,31 @@ def test_padded_nan_is_ignored(small: CAFace) -> None:
         torch.testing.assert_close(small(padded, padded_styles, mask), small(feats, styles), atol=1e-6, rtol=0)
 
 
+def test_padded_sets_run_at_their_own_length(small: CAFace) -> None:
+    """Sets padded at the end (a training batch of every prefix of a set) run through the CN one length at a time:
+    the masked call's assignment, keys on real items and gradients, zeros on padded items."""
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([2, 16, 4, 7, 16, 2, 11])
+    tokens = torch.randn(len(lengths), 16, small.dim, generator=g)
+    valid = torch.arange(16)[None, :] < lengths[:, None]
+    small.eval()
+    runs = []
+    for forward in (small.cn, lambda t, v: small.cn._forward(t, v)):  # by length | one masked call
+        small.zero_grad()
+        assignment, keys = forward(tokens, valid)
+        (assignment[:, :, :5].sum() + (keys * valid[..., None]).pow(2).sum()).backward()
+        runs.append((assignment.detach(), (keys * valid[..., None]).detach(),
+                     [p.grad.clone() for p in small.cn.parameters() if p.grad is not None]))
+    (a, k, grads), (a_ref, k_ref, grads_ref) = runs
+    torch.testing.assert_close(a, a_ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(k, k_ref, atol=1e-5, rtol=0)
+    assert len(grads) == len(grads_ref) > 0
+    for x, y in zip(grads, grads_ref):
+        torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+    assert float(a[~valid[:, None, :].expand_as(a)].abs().max()) == 0.0
+    small.zero_grad()
+
+
 # ---------------------------------------------------------------------------------------------- baselines
 def test_average_and_norm_weighted_by_hand() -> None:
     feats = torch.tensor([[[3.0, 4.0], [0.0, 2.0]]])

@@ -123,6 +123,40 @@ def test_images_to_tensor_matches_contract():
     torch.testing.assert_close(x[0, 0, 0], torch.tensor([-1.0, (128 / 255 - 0.5) / 0.5, 1.0]))
 
 
+def test_adamw_is_fused_and_makes_the_per_tensor_update():
+    """The shared optimiser takes the fused kernel on the CPU, and its step equals the default per-tensor loop's up
+    to rounding (param groups, weight decay and all); under a Trainer that clips gradients in mixed precision it is
+    the plain AdamW, which Lightning can clip."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+
+    from ml.train.schedules import adamw
+
+    torch.manual_seed(0)
+    weights = [torch.randn(5, 3, requires_grad=True), torch.randn(3, requires_grad=True)]
+    twins = [w.detach().clone().requires_grad_(True) for w in weights]
+    initial = [w.detach().clone() for w in weights]
+    groups = [{"params": [weights[0]], "weight_decay": 0.05}, {"params": [weights[1]], "weight_decay": 0.0, "lr": 0.3}]
+    fused = adamw(groups, lr=0.1)
+    plain = torch.optim.AdamW([{**g, "params": [t]} for g, t in zip(groups, twins)], lr=0.1, foreach=False)
+    assert fused.defaults["fused"] is True and not plain.defaults["fused"]
+    for step in range(5):
+        for opt, params in ((fused, weights), (plain, twins)):
+            grads = [torch.full_like(p, 0.1 * step + 0.2) * torch.arange(p.numel()).reshape(p.shape) for p in params]
+            for p, g in zip(params, grads):
+                p.grad = g
+            opt.step()
+    for w, t, w0 in zip(weights, twins, initial):
+        torch.testing.assert_close(w, t, rtol=1e-6, atol=1e-7)
+        assert float((w - w0).abs().max()) > 0.1  # five steps moved them
+    clipping = SimpleNamespace(_trainer=SimpleNamespace(gradient_clip_val=1.0,
+                                                        precision_plugin=MixedPrecision("bf16-mixed", "cpu")))
+    assert not adamw([torch.zeros(2, requires_grad=True)], clipping, lr=0.1).defaults["fused"]
+    clipping._trainer.precision_plugin = Precision()
+    assert adamw([torch.zeros(2, requires_grad=True)], clipping, lr=0.1).defaults["fused"] is True
+
+
 def test_warmup_cosine_schedule():
     assert warmup_cosine(0, 4, 20) == pytest.approx(0.25)
     assert warmup_cosine(3, 4, 20) == pytest.approx(1.0)

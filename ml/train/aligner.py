@@ -121,7 +121,7 @@ from ml.train.callbacks import (
     EpochBatches, EpochHistory, OnEpochEnd, check_device, check_device_keys, fit, non_finite_loss,
 )
 from ml.train.checkpoint import mix_seed, read_checkpoint, resume_path
-from ml.train.schedules import lambda_schedule, warmup_cosine
+from ml.train.schedules import adamw, lambda_schedule, warmup_cosine
 
 __all__ = ["AlignerConfig", "AlignerModule", "AlignerResult", "LAST_CHECKPOINT", "evaluate_aligner", "train_aligner"]
 
@@ -305,7 +305,7 @@ class AlignerModule(lightning.LightningModule):
         decay = [p for p in self.model.parameters() if p.ndim > 1]
         rest = [p for p in self.model.parameters() if p.ndim <= 1]  # norms and biases: no decay
         groups = [{"params": decay, "weight_decay": self.cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
-        optimizer = torch.optim.AdamW(groups, lr=self.cfg.lr)
+        optimizer = adamw(groups, self, lr=self.cfg.lr)
         total = self.steps_per_epoch * self.cfg.epochs
         warmup = min(total, round(self.cfg.warmup_epochs * self.steps_per_epoch))
         return lambda_schedule(optimizer, partial(warmup_cosine, warmup_steps=warmup, total_steps=total))

@@ -48,6 +48,7 @@ from ml.train.checkpoint import mix_seed, resume_path
 from ml.train.fr import EpochSampler
 from ml.train.fr_data import check_keypoints, needs_keypoints
 from ml.train.generator import images_to_unit_range
+from ml.train.schedules import adamw
 
 __all__ = ["AutoencoderConfig", "AutoencoderModule", "build_autoencoder", "reconstruct", "train_autoencoder"]
 
@@ -166,7 +167,7 @@ class AutoencoderModule(lightning.LightningModule):
         return loss
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.autoencoder.parameters(), lr=self.cfg.lr, weight_decay=0.0)
+        return adamw(self.autoencoder.parameters(), self, lr=self.cfg.lr, weight_decay=0.0)
 
 
 @torch.no_grad()

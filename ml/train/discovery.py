@@ -56,7 +56,7 @@ from ml.train.augment import AugmentConfig, augment_kprpe
 from ml.train.callbacks import DEVICE_KEYS, EpochHistory, check_device_keys, fit, non_finite_loss, rng_devices
 from ml.train.checkpoint import mix_seed, read_checkpoint, resume_path
 from ml.train.fr_data import EpochSampler
-from ml.train.schedules import lambda_schedule, warmup_cosine
+from ml.train.schedules import adamw, lambda_schedule, warmup_cosine
 
 __all__ = [
     "DISCOVERY_AUGMENTATION",
@@ -318,7 +318,7 @@ def build_facegcd(cfg: DiscoveryConfig, img_size: int, init_model_dir: str | os.
                        **cfg.model_kwargs())
 
 
-def _optimizer(model: FaceGCD, cfg: DiscoveryConfig) -> torch.optim.AdamW:
+def _optimizer(model: FaceGCD, cfg: DiscoveryConfig, module: Any = None) -> torch.optim.AdamW:
     """AdamW over the trainable parameters; weight decay on weight matrices, none on biases, norms, prefixes and
     the layer embedding. The pre-trained last ViT block (``vit.blocks.<last>.``) learns at ``lr × block_lr_scale``
     (frozen at 0), the new parts at ``lr``; the schedule scales every group alike."""
@@ -332,10 +332,10 @@ def _optimizer(model: FaceGCD, cfg: DiscoveryConfig) -> torch.optim.AdamW:
             p.requires_grad_(False)  # no gradient wasted on it
             continue
         groups.setdefault((block, p.ndim == 2 and not name.endswith("layer_embed")), []).append(p)
-    return torch.optim.AdamW(
+    return adamw(
         [{"params": ps, "lr": cfg.lr * (cfg.block_lr_scale if block else 1.0),
           "weight_decay": cfg.weight_decay if decay else 0.0} for (block, decay), ps in sorted(groups.items())],
-        lr=cfg.lr,
+        module, lr=cfg.lr,
     )
 
 
@@ -412,7 +412,7 @@ class DiscoveryModule(lightning.LightningModule):
     def configure_optimizers(self) -> Any:
         total = self.cfg.epochs * self.steps_per_epoch
         warmup = round(self.cfg.warmup_epochs * self.steps_per_epoch)
-        return lambda_schedule(_optimizer(self.model, self.cfg),
+        return lambda_schedule(_optimizer(self.model, self.cfg, self),
                                partial(warmup_cosine, warmup_steps=warmup, total_steps=total))
 
 

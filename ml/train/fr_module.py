@@ -33,7 +33,7 @@ from ml.train.augment import augment_kprpe
 from ml.train.callbacks import last_good_checkpoint, non_finite_loss
 from ml.train.fr_config import FRConfig
 from ml.train.fr_data import _mean_std, _mix_seed, augment_batch, needs_keypoints, normalize
-from ml.train.schedules import lambda_schedule, warmup_cosine, warmup_step_decay
+from ml.train.schedules import adamw, lambda_schedule, warmup_cosine, warmup_step_decay
 
 __all__ = ["FRModule", "build_head", "warmup_cosine", "warmup_step_decay"]
 
@@ -324,7 +324,7 @@ class FRModule(lightning.LightningModule):
         groups = [{"params": decay, "weight_decay": self.cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         groups += [{"params": kp, "weight_decay": self.cfg.weight_decay, "lr": self.cfg.lr * self.cfg.keypoint_lr_scale}
                    for kp in keypoint]
-        optimizer = torch.optim.AdamW(groups, lr=self.cfg.lr)
+        optimizer = adamw(groups, self, lr=self.cfg.lr)
         total = self.cfg.epochs * self.steps_per_epoch
         if self.cfg.max_steps > 0:
             total = min(total, self.cfg.max_steps)

@@ -65,7 +65,7 @@ from ml.models.generator.uiface import (
 )
 from ml.train.callbacks import EpochHistory, check_device, check_device_keys, fit, non_finite_loss
 from ml.train.checkpoint import mix_seed, read_checkpoint, resume_path
-from ml.train.schedules import lambda_schedule, warmup_cosine
+from ml.train.schedules import adamw, lambda_schedule, warmup_cosine
 from ml.train.fr import EpochSampler
 
 __all__ = [
@@ -216,21 +216,23 @@ class GeneratorModule(lightning.LightningModule):
         # global_step already counts this update: it is update number global_step − 1 (0-based)
         d = ema_decay_at(self.global_step - 1, self.cfg.ema_decay)
         ema_state = self.ema.state_dict()
+        floats, others = [], []
         for name, value in self.model.state_dict().items():
             target = ema_state[name]
-            if target.is_floating_point():
-                target.mul_(d).add_(value.detach().to(target.dtype), alpha=1.0 - d)
-            else:
-                target.copy_(value)
+            (floats if target.is_floating_point() else others).append((target, value.detach()))
+        # θ_ema + (1 − d)(θ − θ_ema) = d·θ_ema + (1 − d)·θ, as one foreach kernel over every tensor
+        torch._foreach_lerp_([t for t, _ in floats], [v.to(t.dtype) for t, v in floats], 1.0 - d)
+        for target, value in others:
+            target.copy_(value)
 
     def configure_optimizers(self) -> Any:
         decay, no_decay = [], []
         for name, p in self.model.named_parameters():
             # no weight decay on norms, biases and the empty context (a token, not a weight matrix)
             (decay if p.ndim >= 2 and name != "empty_context" else no_decay).append(p)
-        optimizer = torch.optim.AdamW(
+        optimizer = adamw(
             [{"params": decay, "weight_decay": self.cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.cfg.lr,
+            self, lr=self.cfg.lr,
         )
         if self.cfg.lr_schedule == "constant":
             return optimizer

@@ -1,0 +1,127 @@
+"""Step costs of the two trainers beside the UIFace generator on the default run's critical path, on one CPU thread:
+what the fused optimiser, the foreach EMA and CAFace's per-length cluster network buy, each against the code path
+it replaced, measured in one process so that only the ratio is read.
+
+- ``unet``: one training step of the embedded latent UNet (params.yaml ``generator.train``: 4 × 8 × 8 latents,
+  batch 64) — forward, backward, optimiser step and EMA update — with ``torch.optim.AdamW``'s default per-tensor
+  loop and a per-tensor EMA (before) against ``ml.train.schedules.adamw`` (fused) and the module's foreach EMA.
+- ``caface``: one CAFace training step of the embedded recipe (32 identities × 2 groups × every even prefix
+  2..16, vit_tiny feature sizes) with every prefix padded to 16 in one masked cluster-network call (before)
+  against one call per prefix length (``ClusterNetwork`` does this for any batch padded at the end).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+
+def _best_ms(step: Callable[[], Any], warmup: int, rounds: int, steps: int) -> float:
+    for _ in range(warmup):
+        step()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        best = min(best, (time.perf_counter() - start) / steps)
+    return 1000.0 * best
+
+
+def _unet_steps(steps: int, rounds: int) -> dict:
+    from benchmarks.bench_synth import _generator_params
+    from ml.config import from_mapping
+    from ml.models.generator.uiface import IDConditionedUNet
+    from ml.train.generator import GeneratorConfig, GeneratorModule
+
+    spec = dict(_generator_params()["train"])
+    spec["model"] = {**spec["model"], "id_dim": 128}  # the embedded FR model's embedding size
+    cfg = from_mapping(GeneratorConfig, spec, "generator.train")
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(cfg.batch_size, cfg.model.in_channels, cfg.model.image_size, cfg.model.image_size, generator=g)
+    ids = torch.randn(cfg.batch_size, 128, generator=g)
+    out = {}
+    for name in ("loop", "fused"):
+        torch.manual_seed(0)
+        module = GeneratorModule(IDConditionedUNet(cfg.model), cfg, steps_per_epoch=57, pixel=False)
+        if name == "fused":
+            configured = module.configure_optimizers()
+            optimizer = configured["optimizer"] if isinstance(configured, dict) else configured
+
+            def ema() -> None:
+                module.on_train_batch_end(None, None, 0)
+        else:
+            optimizer = torch.optim.AdamW(module.model.parameters(), lr=cfg.lr, foreach=False)
+
+            def ema() -> None:
+                state = module.ema.state_dict()
+                for key, value in module.model.state_dict().items():
+                    state[key].mul_(0.99).add_(value, alpha=0.01)
+
+        def step() -> None:
+            loss = module.diffusion_loss(x0, ids, g)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                ema()
+
+        out[name] = _best_ms(step, 3, rounds, steps)
+    return {"unet_loop_ms": out["loop"], "unet_fused_ms": out["fused"], "unet_ratio": out["fused"] / out["loop"],
+            "unet_batch": cfg.batch_size}
+
+
+def _caface_steps(steps: int, rounds: int) -> dict:
+    from ml.models.fusion import CAFace
+    from ml.models.fusion.caface import ClusterNetwork
+    from ml.train.fusion import FusionConfig, _batch_loss
+
+    from tasks.common import load_params, section
+
+    spec = dict(section(load_params(Path(__file__).resolve().parents[1] / "params.yaml"), "fusion")["train"])
+    spec["lr_steps"] = tuple(spec.get("lr_steps", ()))
+    cfg = FusionConfig(**{**spec, "feature_dim": 128, "style_dim": 256})  # the embedded FR model's sizes
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(cfg.batch_size, cfg.per_identity, 128, generator=g) * 10
+    styles = torch.randn(cfg.batch_size, cfg.per_identity, 256, 2, generator=g)
+    target = torch.nn.functional.normalize(torch.randn(cfg.batch_size, 128, generator=g), dim=-1)
+    out = {}
+    by_length = ClusterNetwork.forward
+    for name in ("padded", "by_length"):
+        torch.manual_seed(0)
+        model = CAFace(feature_dim=128, style_dim=256).train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+
+        def step() -> None:
+            loss = _batch_loss(model, cfg, feats, styles, target, cfg.prefix_lengths)["train/loss"]
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        ClusterNetwork.forward = ClusterNetwork._forward if name == "padded" else by_length
+        try:
+            out[name] = _best_ms(step, 2, rounds, steps)
+        finally:
+            ClusterNetwork.forward = by_length
+    return {"caface_padded_ms": out["padded"], "caface_by_length_ms": out["by_length"],
+            "caface_ratio": out["by_length"] / out["padded"]}
+
+
+def bench_train_step_costs(steps: int = 10, rounds: int = 3, threads: int = 1) -> dict:
+    """ms per training step (best of ``rounds`` means over ``steps`` steps) of the UNet and of CAFace, before and
+    after, on ``threads`` torch threads (the stages run one thread each when they share the cores)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return {**_unet_steps(steps, rounds), **_caface_steps(steps, rounds), "threads": threads}
+    finally:
+        torch.set_num_threads(previous)
+
+
+if __name__ == "__main__":
+    r = bench_train_step_costs()
+    print(f"UNet {r['unet_loop_ms']:.0f} → {r['unet_fused_ms']:.0f} ms/step ({r['unet_ratio']:.3f}×); "
+          f"CAFace {r['caface_padded_ms']:.0f} → {r['caface_by_length_ms']:.0f} ms/step ({r['caface_ratio']:.3f}×)")
