@@ -141,7 +141,7 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
-    parser.add_argument("--epochs", type=int, default=Scale.discovery_epochs, help="discovery epochs per recipe")
+    parser.add_argument("--epochs", type=int, default=6, help="discovery epochs per recipe")
     parser.add_argument("--out", type=Path, default=ROOT / "metrics" / "discovery_recipes.jsonl")
     parser.add_argument("--render", action="store_true", help="only render reports/discovery_recipes.md from --out")
     parser.add_argument("--note", default="", help="appended to the report's first line (e.g. the device)")

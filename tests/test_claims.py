@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from experiments.claims import held_out_pairs, mean_std, paired
+from experiments.claims import held_out_pairs, inject_label_noise, mean_std, paired
 
 
 def test_held_out_pairs_are_distinct_half_genuine_and_labelled_right():
@@ -23,6 +23,16 @@ def test_held_out_pairs_are_distinct_half_genuine_and_labelled_right():
 def test_held_out_pairs_refuses_more_genuine_pairs_than_the_set_has():
     with pytest.raises(ValueError, match="450"):
         held_out_pairs(np.repeat(np.arange(30), 6), 1000, np.random.default_rng(0))
+
+
+def test_label_noise_moves_exactly_that_share_to_other_identities():
+    labels = np.repeat(np.arange(1000), 3)
+    noisy = inject_label_noise(labels, 0.15, np.random.default_rng(0))
+    moved = noisy != labels
+    assert moved.sum() == 450  # 15 % of 3,000, none left on its own label
+    assert noisy.min() >= 0 and noisy.max() <= 999 and len(np.unique(noisy[moved])) > 300  # spread, not one class
+    assert np.array_equal(noisy, inject_label_noise(labels, 0.15, np.random.default_rng(0)))  # deterministic
+    assert np.array_equal(inject_label_noise(labels, 0.0, np.random.default_rng(0)), labels)
 
 
 def test_statistics_are_sample_std_and_paired_per_seed():

@@ -1,0 +1,64 @@
+"""experiments/discovery_claims.py: its claim statistics against hand-computed values, and the ``discovery-claims``
+flow end to end at toy size (every arm per run, the paired claims, the report and the MLflow run)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from experiments.discovery_claims import beyond_noise, summarise
+
+
+def _runs(arm: str, all_: list[float], novel: list[float]) -> list[dict]:
+    keys = ("test/known", "transductive/all", "transductive/known", "transductive/novel")
+    return [{"arm": arm, "data_seed": s // 2, "seed": s % 2, "test/all": a, "test/novel": n, **dict.fromkeys(keys, 0.5)}
+            for s, (a, n) in enumerate(zip(all_, novel))]
+
+
+def test_claims_are_paired_per_run_with_sign_counts_and_a_noise_rule():
+    runs = (_runs("fr_ssk", [0.50, 0.52, 0.54, 0.56], [0.40, 0.40, 0.40, 0.40])
+            + _runs("gcd", [0.51, 0.53, 0.55, 0.57], [0.40, 0.43, 0.38, 0.41])
+            + _runs("facegcd", [0.55, 0.55, 0.60, 0.56], [0.45, 0.44, 0.46, 0.45]))
+    s = summarise(runs)
+    assert s["arms"]["gcd"]["test/all"]["mean"] == pytest.approx(0.54)
+    assert s["arms"]["gcd"]["test/all"]["std"] == pytest.approx(0.025819888974716)  # ddof 1 of .51 .53 .55 .57
+    # gcd − fr_ssk on all: +0.01 every run (std 0): 4/4 higher, beyond noise
+    d = s["claims"]["gcd-fr_ssk"]["test/all"]
+    assert (d["mean"], d["std"], d["higher"], d["seeds"], d["beyond_noise"]) == (pytest.approx(0.01), pytest.approx(0),
+                                                                                 4, 4, True)
+    # gcd − fr_ssk on novel: 0, +.03, −.02, +.01 → mean +0.005, std 0.0208: within noise, 2/4 higher
+    d = s["claims"]["gcd-fr_ssk"]["test/novel"]
+    assert d["mean"] == pytest.approx(0.005) and d["higher"] == 2 and not d["beyond_noise"]
+    # facegcd − gcd on all: +.04, +.02, +.05, −.01
+    d = s["claims"]["facegcd-gcd"]["test/all"]
+    assert d["mean"] == pytest.approx(0.025) and (d["higher"], d["seeds"]) == (3, 4)
+    assert "facegcd-static_prefix" not in s["claims"]  # an arm that did not run makes no claim
+    assert beyond_noise({"mean": 0.021, "std": 0.02, "seeds": 4}) and not beyond_noise({"mean": 0.019, "std": 0.02,
+                                                                                         "seeds": 4})
+    assert not beyond_noise({"mean": 0.5, "std": 0.0, "seeds": 1})  # one run says nothing about noise
+
+
+@pytest.mark.slow
+def test_discovery_claims_flow_writes_runs_claims_report_and_an_mlflow_run(tmp_path, monkeypatch):
+    import mlflow
+
+    from flows.experiments import discovery_claims
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    out = discovery_claims(seeds=[0, 1], arms=["facegcd", "gcd"], quick=True, out_dir=str(tmp_path))
+    results = json.loads((tmp_path / "metrics" / "discovery_claims.json").read_text())
+    assert results["recipe"]["temperature"] == 1.0 and results["recipe"]["val_per_identity"] == 2  # params.yaml's
+    assert sorted((r["arm"], r["seed"]) for r in results["runs"]) == sorted(
+        (a, s) for a in ("fr_ssk", "facegcd", "gcd") for s in (0, 1))
+    trained = [r for r in results["runs"] if r["arm"] != "fr_ssk"]
+    assert all(r["epochs"] == 2 and 0 <= r["best_epoch"] < 2 and r["loss/unsup/first"] > 0 for r in trained)
+    claim = results["summary"]["claims"]["facegcd-gcd"]["test/novel"]
+    by = {(r["arm"], r["seed"]): r["test/novel"] for r in results["runs"]}
+    assert claim["mean"] == pytest.approx(sum(by[("facegcd", s)] - by[("gcd", s)] for s in (0, 1)) / 2)
+    assert set(results["summary"]["claims"]) == {"facegcd-gcd", "gcd-fr_ssk", "facegcd-fr_ssk"}
+    report = (tmp_path / "reports" / "discovery_claims.md").read_text()
+    assert "GCD (no prefixes) + SSK" in report and "| data seed | seed |" in report and "holds beyond noise" in report
+    run = mlflow.get_run(out["mlflow_run"])
+    assert run.data.metrics["facegcd-gcd/test/novel/paired_mean"] == pytest.approx(claim["mean"])
+    assert run.data.metrics["gcd/test/all/mean"] == pytest.approx(results["summary"]["arms"]["gcd"]["test/all"]["mean"])
