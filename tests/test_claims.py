@@ -33,6 +33,10 @@ def test_label_noise_moves_exactly_that_share_to_other_identities():
     assert noisy.min() >= 0 and noisy.max() <= 999 and len(np.unique(noisy[moved])) > 300  # spread, not one class
     assert np.array_equal(noisy, inject_label_noise(labels, 0.15, np.random.default_rng(0)))  # deterministic
     assert np.array_equal(inject_label_noise(labels, 0.0, np.random.default_rng(0)), labels)
+    assert np.array_equal(np.unique(noisy), np.arange(1000))  # every identity keeps a class: contiguous labels
+    assert (noisy[::3] == labels[::3]).all()  # its first image is never moved
+    with pytest.raises(ValueError, match="2000 rows"):
+        inject_label_noise(labels, 0.7, np.random.default_rng(0))
 
 
 def test_statistics_are_sample_std_and_paired_per_seed():
