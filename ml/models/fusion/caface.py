@@ -181,9 +181,9 @@ class ClusterNetwork(nn.Module):
 
     def _by_length(self, tokens: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sets padded at the end, run one length at a time at their own width: the transformer never computes
-        padded tokens (a batch of every prefix 2..16 of a set is 48 % padding). The same function as the masked
-        call (padded keys are never attended to and get no mass; LayerNorm and the MLPs act per token), up to
-        float rounding and the drop-path draws. Padded positions: zero assignment, zero keys."""
+        padded tokens (every even prefix 2..16 of a set, padded to 16, is 44 % padding). The same function as the
+        masked call (padded keys are never attended to and get no mass; LayerNorm and the MLPs act per token), up
+        to float rounding and the drop-path draws. Padded positions: zero assignment, zero keys."""
         b, n, d = tokens.shape
         assignment = tokens.new_zeros(b, self.centres.shape[0], n)
         keys = tokens.new_zeros(b, n, d)
