@@ -1,6 +1,6 @@
-"""Step costs of the two trainers beside the UIFace generator on the default run's critical path, on one CPU thread:
-what the fused optimiser, the foreach EMA and CAFace's per-length cluster network buy, each against the code path
-it replaced, measured in one process so that only the ratio is read.
+"""Step costs of the UIFace generator's UNet (the default run's critical path) and of CAFace (beside it), on one
+CPU thread: what the fused optimiser, the foreach EMA and CAFace's per-length cluster network buy, each against the
+code path it replaced, measured in one process so that only the ratio is read.
 
 - ``unet``: one training step of the embedded latent UNet (params.yaml ``generator.train``: 4 × 8 × 8 latents,
   batch 64) — forward, backward, optimiser step and EMA update — with ``torch.optim.AdamW``'s default per-tensor

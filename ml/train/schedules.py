@@ -18,7 +18,7 @@ def adamw(params: Any, module: Any = None, **kwargs: Any) -> torch.optim.AdamW:
     """``torch.optim.AdamW(params, **kwargs)`` with its fused kernel where every parameter allows it (floating point,
     on the CPU or a CUDA device): one kernel over all tensors instead of a dozen small ops per tensor. The same update
     up to float rounding, the same state dict (checkpoints resume either way); on the CPU the default is the per-tensor
-    loop, which costs 7 % of a latent-UNet training step (``benchmarks/bench_steps.py``). Not fused when the
+    loop, which costs 4–7 % of a latent-UNet training step (``benchmarks/bench_steps.py``). Not fused when the
     LightningModule ``module``'s Trainer clips gradients under mixed precision: a fused AdamW unscales the gradients
     inside its step, so Lightning could not clip them first (it refuses)."""
     params = list(params)
