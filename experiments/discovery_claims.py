@@ -82,17 +82,27 @@ def _render_set(gen: ProceduralFaces, ids: range, per: int) -> tuple[np.ndarray,
     return np.stack([im for _, im in samples]), np.array([k for k, _ in samples])
 
 
+def _generator(scale: Scale) -> ProceduralFaces:
+    return ProceduralFaces(ProceduralConfig(image_size=scale.image_size), seed=0)
+
+
 def make_data(scale: Scale, data_seed: int = 0) -> dict[str, np.ndarray]:
-    """The FR training set (identities 0..fr_identities−1) and, for ``data_seed``, a discovery set of the next block
-    of unseen identities with its GFD split drawn with that seed."""
-    gen = ProceduralFaces(ProceduralConfig(image_size=scale.image_size), seed=0)
-    x, y = _render_set(gen, range(scale.fr_identities), scale.fr_images_per_identity)
+    """The FR training set (identities 0..fr_identities−1) and, for ``data_seed``, the discovery set of
+    :func:`discovery_data`."""
+    x, y = _render_set(_generator(scale), range(scale.fr_identities), scale.fr_images_per_identity)
+    return {"x": x, "y": y, **discovery_data(scale, data_seed)}
+
+
+def discovery_data(scale: Scale, data_seed: int) -> dict[str, np.ndarray]:
+    """A discovery set of the ``data_seed``-th block of identities after the FR model's, with its GFD split drawn with
+    that seed."""
+    gen = _generator(scale)
     first = scale.fr_identities + data_seed * scale.discovery_identities
     dx, dy = _render_set(gen, range(first, first + scale.discovery_identities), scale.discovery_images_per_identity)
     manifest = pd.DataFrame({"path": [f"{i:06d}.png" for i in range(len(dy))], "identity": [f"id{k:04d}" for k in dy],
                              "label": dy})
     split = gfd_split(manifest, seed=data_seed)
-    return {"x": x, "y": y, "dx": dx, "dy": dy, "known": split["known"].to_numpy(bool),
+    return {"dx": dx, "dy": dy, "known": split["known"].to_numpy(bool),
             "labelled": split["labelled"].to_numpy(bool), "test": (split["subset"] == "test").to_numpy()}
 
 
@@ -116,7 +126,7 @@ def run_claims(seeds: list[int], scale: Scale, data_seeds: list[int] = [0],
         fr_dir = Path(tmp) / "fr"
         save_model(fr_dir, fr.model, backbone=fr.backbone, kwargs=fr.backbone_kwargs)
         for data_seed in data_seeds:
-            data = first if data_seed == data_seeds[0] else make_data(scale, data_seed)
+            data = first if data_seed == data_seeds[0] else discovery_data(scale, data_seed)
             train_mask = ~data["test"]
             labels = np.where(data["labelled"], data["dy"], -1)[train_mask]
             fr_feats = embed(fr.model, data["dx"], flip=True, progress=False)
@@ -172,6 +182,21 @@ def _pct(ms: dict[str, float], signed: bool = False) -> str:
     return f"{100 * ms['mean']:{'+' if signed else ''}.1f} ± {100 * ms['std']:.1f}"
 
 
+def _short(arm: str) -> str:
+    """An arm's name without its note: "FaceGCD", "GCD", "FR features", "static prefix"."""
+    return ARMS[arm].split(" (")[0].split(" +")[0]
+
+
+def _verdict(all_: dict, novel: dict) -> str:
+    """Whether a claim holds beyond noise on test all and test novel, and whether the reverse does."""
+    holds = [d["beyond_noise"] and d["mean"] > 0 for d in (all_, novel)]
+    text = {(True, True): "yes", (False, False): "no: within noise"}.get(
+        tuple(holds), f"all: {'yes' if holds[0] else 'no'}, novel: {'yes' if holds[1] else 'no'}")
+    if any(d["beyond_noise"] and d["mean"] < 0 for d in (all_, novel)):
+        text += " (the reverse beyond noise)"
+    return text
+
+
 def render(results: dict, seeds: list[int], data_seeds: list[int], scale: Scale, seconds: float) -> str:
     recipe, summary, runs = results["recipe"], results["summary"], results["runs"]
     cols = [f"{s}/{k}" for s in ("test", "transductive") for k in ("all", "known", "novel")]
@@ -202,15 +227,8 @@ def render(results: dict, seeds: list[int], data_seeds: list[int], scale: Scale,
     for key, c in summary["claims"].items():
         arm, ref = key.split("-")
         a, nv = c["test/all"], c["test/novel"]
-        verdict = {(True, True): "yes", (False, False): "no: within noise"}.get(
-            (a["beyond_noise"] and a["mean"] > 0, nv["beyond_noise"] and nv["mean"] > 0),
-            "all: " + ("yes" if a["beyond_noise"] and a["mean"] > 0 else "no") + ", novel: "
-            + ("yes" if nv["beyond_noise"] and nv["mean"] > 0 else "no"))
-        if (a["beyond_noise"] and a["mean"] < 0) or (nv["beyond_noise"] and nv["mean"] < 0):
-            verdict += " (the reverse beyond noise)"
-        lines.append(f"| {ARMS[arm].split(' (')[0].split(' +')[0]} − {ARMS[ref].split(' (')[0].split(' +')[0]} | "
-                     f"{_pct(a, True)} | {a['higher']}/{a['seeds']} | {_pct(nv, True)} | {nv['higher']}/{nv['seeds']} "
-                     f"| {verdict} |")
+        lines.append(f"| {_short(arm)} − {_short(ref)} | {_pct(a, True)} | {a['higher']}/{a['seeds']} | "
+                     f"{_pct(nv, True)} | {nv['higher']}/{nv['seeds']} | {_verdict(a, nv)} |")
     lines += ["", "Training per arm (mean over runs): the epoch kept, the losses of the first and the last epoch.", "",
               "| arm | epoch kept (of) | L_unsup first → last | L_sup first → last | train s/run |", "|---|---|---|---|---|"]
     for arm in TRAINED:
@@ -222,7 +240,7 @@ def render(results: dict, seeds: list[int], data_seeds: list[int], scale: Scale,
                          f"{m['loss/unsup/last']:.2f} | {m['loss/sup/first']:.2f} → {m['loss/sup/last']:.2f} | "
                          f"{m['seconds']:.0f} |")
     lines += ["", "Every run (test all / test novel, %):", "", "| data seed | seed | " + " | ".join(
-        ARMS[a].split(" (")[0].split(" +")[0] for a in summary["arms"]) + " |", "|---|---|" + "---|" * len(summary["arms"])]
+        _short(a) for a in summary["arms"]) + " |", "|---|---|" + "---|" * len(summary["arms"])]
     for ds, s in sorted({(r["data_seed"], r["seed"]) for r in runs}):
         cells = []
         for arm in summary["arms"]:
