@@ -1,7 +1,7 @@
 """Every trainer on the accelerator: FR (the embedded ``vit_tiny`` at 64 px and the ``real-112`` recipe's ViT-T at
-112 px), the DFA aligner, CAFace fusion, FaceGCD discovery and the UIFace generator, each fitted through its own
-public function (``train``, ``train_aligner``, ``train_fusion``, ``train_discovery``, ``train_generator``) for a
-fixed number of optimiser steps on one device and precision.
+112 px), the DFA aligner, CAFace fusion, FaceGCD discovery and UIFace's latent autoencoder and generator, each
+fitted through its own public function (``train``, ``train_aligner``, ``train_fusion``, ``train_discovery``,
+``train_autoencoder``, ``train_generator``) for a fixed number of optimiser steps on one device and precision.
 
 The device comes from the environment, so one command measures a GPU worker or checks the code on a laptop:
 
@@ -10,11 +10,12 @@ The device comes from the environment, so one command measures a GPU worker or c
 - ``FACEOPS_BENCH_STEPS``: timed optimiser steps per trainer, 60 on a GPU, 6 on the CPU.
 
 Recipes are the embedded defaults read from ``params.yaml`` (sections ``fr``, ``aligner.train``, ``fusion.train``,
-``discovery``, ``generator.train``; sizes from ``data``) with only the device keys and the length of the run
-changed; ``fr112`` is ``fr`` with ``presets.yaml``'s ``real-112`` ``fr.*`` keys (ViT-T patch 9, 512-d, AdaFace,
+``discovery``, ``generator.autoencoder_train``, ``generator.train``; sizes from ``data``) with only the device keys
+and the length of the run changed; ``fr112`` is ``fr`` with ``presets.yaml``'s ``real-112`` ``fr.*`` keys (ViT-T patch 9, 512-d, AdaFace,
 batch 512, the kprpe augmentation, 8 loader workers at most one per core). On the CPU ``fr112`` trains batches of
 16 instead of 512 so that the check stays short. Inputs are built in memory before each fit: uniform random uint8
-images (64 px for FR and FaceGCD, 112 px for ``fr112``, the UNet's 32 px for UIFace) with labels cycling over
+images (64 px for FR and FaceGCD, 112 px for ``fr112``, 32-px faces for UIFace's autoencoder and, through an
+untrained autoencoder of that shape, for its UNet) with labels cycling over
 ``data.train_identities``; unaligned procedural 128-px crops with their exact landmarks for the aligner; random
 features and styles of the FR model's sizes (``vit_tiny``: 128-d, 256 × 2) for CAFace, ``data.fusion_identities``
 × ``fusion_sources`` × ``fusion_copies`` of them; random unit FR embeddings as UIFace's identity contexts. FaceGCD
@@ -242,19 +243,54 @@ def _facegcd(run: _Run) -> StepClock:
     return clock
 
 
-def _uiface(run: _Run) -> StepClock:
-    """The UIFace generator at params.yaml ``generator.train`` (pixel-space UNet at 32 px, batch 64, EMA), its
-    identity contexts of the embedded FR model's embedding size."""
-    from ml.train.generator import GeneratorConfig, train_generator
+def _generator_faces(run: _Run) -> tuple[Any, Any, np.ndarray, np.ndarray]:
+    """(autoencoder config, generator config, random faces at the generator's face size, unit identity contexts of
+    the embedded FR model's size), one per image of ``total`` UNet batches."""
+    from ml.train.autoencoder import AutoencoderConfig
+    from ml.train.generator import GeneratorConfig
 
-    cfg = from_mapping(GeneratorConfig, run.params["generator"]["train"], "generator.train")
+    section = run.params["generator"]
+    ae = from_mapping(AutoencoderConfig, section["autoencoder_train"], "generator.autoencoder_train")
+    cfg = from_mapping(GeneratorConfig, section["train"], "generator.train")
+    latent = section.get("space", "latent") == "latent"
     model = dataclasses.replace(cfg.model, id_dim=int(run.params["fr"]["embedding_dim"]))
     cfg = dataclasses.replace(cfg, model=model, epochs=1, max_steps=run.total, **_device_keys(run))
     n = cfg.batch_size * run.total
     ids = np.random.default_rng(2).normal(size=(n, model.id_dim)).astype(np.float32)
+    size = model.image_size * (ae.factor if latent else 1)
+    return ae if latent else None, cfg, _random_images(n, size, 2), ids / np.linalg.norm(ids, axis=1, keepdims=True)
+
+
+def _uiface_ae(run: _Run) -> StepClock:
+    """UIFace's latent autoencoder at params.yaml ``generator.autoencoder_train`` (a diffusers ``AutoencoderKL``
+    on 32-px faces, batch 16, with the identity term through a randomly initialised FR model of the ``fr`` section)."""
+    from ml.models.backbones import build_backbone
+    from ml.train.autoencoder import train_autoencoder
+
+    ae, _, faces, ids = _generator_faces(run)
+    if ae is None:
+        raise ConfigError("generator.space is pixel: there is no autoencoder to train")
+    ae = dataclasses.replace(ae, epochs=1, max_steps=run.total, **_device_keys(run))
+    faces, ids = faces[: ae.batch_size * run.total], ids[: ae.batch_size * run.total]
+    fr = run.params["fr"]
+    fr_model = build_backbone(fr["backbone"], img_size=run.params["data"]["image_size"],
+                              embed_dim=fr["embedding_dim"]) if ae.fr_weight > 0 else None
     clock = StepClock(run.warmup, run.steps, _leading)
-    train_generator(cfg, _random_images(n, model.image_size, 2), ids / np.linalg.norm(ids, axis=1, keepdims=True),
-                    callbacks=[clock], progress=False)
+    train_autoencoder(ae, faces, ids, fr_model, callbacks=[clock], progress=False)
+    return clock
+
+
+def _uiface(run: _Run) -> StepClock:
+    """The UIFace generator at params.yaml ``generator.train`` (the UNet on the 4 × 8 × 8 latent of 32-px faces
+    through an untrained autoencoder of ``generator.autoencoder_train``'s shape, batch 64, EMA; in pixel space when
+    ``generator.space`` is pixel), its identity contexts of the embedded FR model's embedding size."""
+    from ml.train.autoencoder import build_autoencoder
+    from ml.train.generator import train_generator
+
+    ae, cfg, faces, ids = _generator_faces(run)
+    autoencoder = None if ae is None else build_autoencoder(ae, faces.shape[1]).eval().requires_grad_(False)
+    clock = StepClock(run.warmup, run.steps, _leading)
+    train_generator(cfg, faces, ids, autoencoder=autoencoder, callbacks=[clock], progress=False)
     return clock
 
 
@@ -264,6 +300,7 @@ TRAINERS: dict[str, Callable[[_Run], StepClock]] = {
     "dfa": _dfa,
     "caface": _caface,
     "facegcd": _facegcd,
+    "uiface_ae": _uiface_ae,
     "uiface": _uiface,
 }
 
@@ -301,16 +338,16 @@ def _measure(name: str, trainer: Callable[[_Run], StepClock], run: _Run) -> dict
 
 
 def bench_gpu_trainers(precision: str | None = None) -> dict:
-    """Fit each of the five trainers (FR twice: embedded 64 px and ``real-112``) for ``FACEOPS_BENCH_STEPS`` timed
-    optimiser steps after a short warm-up on ``FACEOPS_BENCH_ACCELERATOR`` in ``FACEOPS_BENCH_PRECISION`` (module
-    docstring). Target: report; every trainer runs on the GPU in 16-mixed/bf16-mixed.
+    """Fit each trainer (FR twice: embedded 64 px and ``real-112``; UIFace's autoencoder and UNet apart) for
+    ``FACEOPS_BENCH_STEPS`` timed optimiser steps after a short warm-up on ``FACEOPS_BENCH_ACCELERATOR`` in
+    ``FACEOPS_BENCH_PRECISION`` (module docstring). Target: report; every trainer runs on the GPU in 16-mixed/bf16-mixed.
 
     Returns:
         ``{"device"`` (the GPU's name or "cpu"), ``"accelerator", "precision", "torch", "lightning", "steps",
-        "warmup"}`` and per trainer ``<name>`` in fr, fr112, dfa, caface, facegcd, uiface: ``<name>_items_per_s``
-        (images, crops or CAFace features per second of the timed steps), ``<name>_seconds`` (the whole trainer
-        call: set-up, warm-up and timed steps), ``<name>_device`` (where the parameters sat, e.g. "cuda:0") and on a
-        GPU ``<name>_peak_gpu_mb`` (``torch.cuda.max_memory_allocated`` of that trainer alone), or only
+        "warmup"}`` and per trainer ``<name>`` in fr, fr112, dfa, caface, facegcd, uiface_ae, uiface:
+        ``<name>_items_per_s`` (images, crops or CAFace features per second of the timed steps), ``<name>_seconds``
+        (the whole trainer call: set-up, warm-up and timed steps), ``<name>_device`` (where the parameters sat, e.g.
+        "cuda:0") and on a GPU ``<name>_peak_gpu_mb`` (``torch.cuda.max_memory_allocated`` of that trainer alone), or only
         ``<name>_error`` (the exception, one line) when it failed.
     """
     run = _env_run(precision)

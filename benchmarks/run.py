@@ -116,7 +116,7 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     ),
     "gpu_trainers": (
         "benchmarks.bench_gpu:bench_gpu_trainers",
-        "each trainer (FR vit_tiny 64 px and the real-112 ViT, DFA aligner, CAFace, FaceGCD, UIFace generator) fitted "
+        "each trainer (FR vit_tiny 64 px and the real-112 ViT, DFA aligner, CAFace, FaceGCD, UIFace autoencoder and latent UNet) fitted "
         "on the accelerator with mixed precision: images (or sets) per second after warm-up, peak GPU memory",
         "report; every trainer runs on the GPU in 16-mixed/bf16-mixed",
     ),
@@ -141,7 +141,8 @@ def _load(spec: str) -> Callable[[], dict[str, Any]]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     parser.add_argument("names", nargs="*", help=f"benchmarks to run (default: all): {', '.join(BENCHMARKS)}")
-    parser.add_argument("--out", type=Path, default=HERE / "results.json")
+    parser.add_argument("--out", type=Path, default=HERE / "results.json",
+                        help="results file, read and updated (the markdown table is written beside it, .md)")
     args = parser.parse_args(argv)
     names = args.names or list(BENCHMARKS)
     unknown = [n for n in names if n not in BENCHMARKS]
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
                                     + (f", {values['device']}" if values.get("device", "cpu") != "cpu" else "")}
         print(f"{name}: {values}")
     args.out.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
-    (HERE / "results.md").write_text(render(results))
+    args.out.with_suffix(".md").write_text(render(results))  # the table beside the numbers it renders
 
 
 def render(results: dict[str, Any]) -> str:

@@ -19,6 +19,12 @@ for _k, _v in {
 }.items():
     os.environ.setdefault(_k, _v)
 
+# where the trainers' "it learns" tests train: the CPU in full precision unless FACEOPS_TEST_ACCELERATOR /
+# FACEOPS_TEST_PRECISION say otherwise, so that the same assertions check a GPU worker in mixed precision
+# (FACEOPS_TEST_ACCELERATOR=gpu FACEOPS_TEST_PRECISION=bf16-mixed pytest -k "learn or beats")
+TRAIN_DEVICE = {"accelerator": os.environ.get("FACEOPS_TEST_ACCELERATOR", "cpu"),
+                "precision": os.environ.get("FACEOPS_TEST_PRECISION", "32-true")}
+
 EXIT_GRACE_S = 60  # after the summary, how long Prefect's client may still flush before the process exits anyway
 
 

@@ -23,9 +23,9 @@ from ml.models.fusion import (
     save_caface,
 )
 from ml.models.fusion.caface import assign_average, sinusoid_table
-from ml.train.fusion import FusionConfig, fuse_sets, identity_centres, step_lr, train_fusion, usage_loss
+from ml.train.fusion import FusionConfig, fuse_sets, step_lr, train_fusion, usage_loss
 
-from .conftest import caface_toy, spread_caface
+from .conftest import TRAIN_DEVICE, caface_toy, spread_caface
 
 SMALL = dict(feature_dim=32, style_dim=8)
 
@@ -379,7 +379,8 @@ def test_training_beats_averaging_for_every_seed(seed: int) -> None:
     # column softmax saturates and the result stays the plain average (held-out Lt ≈ 1.0× averaging's), and seed 2
     # nearly (0.97×); with lambda_u 0.3 all eight reach 0.42-0.53× (the paper trains with 512 identities a batch).
     feats, styles, labels, _ = caface_toy()
-    result = train_fusion(FusionConfig(**TOY_CFG, lambda_u=0.3, seed=seed), feats, styles, labels, progress=False)
+    cfg = FusionConfig(**{**TOY_CFG, **TRAIN_DEVICE}, lambda_u=0.3, seed=seed)
+    result = train_fusion(cfg, feats, styles, labels, progress=False)
     assert not result.model.training
     first, last = result.history[0], result.history[-1]
     assert len(result.history) == 4 and all(np.isfinite(list(row.values())).all() for row in result.history)

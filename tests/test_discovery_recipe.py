@@ -15,6 +15,8 @@ from ml.train.discovery import (
     BalancedBatchSampler, DiscoveryConfig, build_facegcd, nearest_mean_accuracy, train_discovery, validation_split,
 )
 
+from .conftest import TRAIN_DEVICE
+
 # 32 px, patch 8 → 16 tokens; a 64-d embedding so that the projection head's output is not vanishingly small
 TINY = dict(img_size=32, patch_size=8, dim=32, depth=2, heads=2, embed_dim=64, drop_path=0.0)
 HEAD = dict(proj_dim=64, proj_hidden=256, proj_bottleneck=32)
@@ -153,7 +155,7 @@ def test_training_beats_its_initial_features_on_held_out_images(tmp_path, seed):
     known, test = labels < 4, index >= 16
     labelled = known & ~test & (index % 2 == 0)
     fr = _fr_dir(tmp_path)
-    cfg = _cfg(epochs=12, seed=seed)
+    cfg = _cfg(epochs=12, seed=seed, **TRAIN_DEVICE)
 
     def score(model) -> dict[str, float]:
         return gfd_ssk(model.embed(images, flip=True), labels, labelled, known, test, n_init=10, seed=0).metrics

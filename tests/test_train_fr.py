@@ -1,6 +1,7 @@
 """FR training on a tiny separable problem: learning, determinism, logging, embed() and I/O."""
 
 import csv
+import dataclasses
 
 import lightning
 import numpy as np
@@ -15,7 +16,7 @@ from ml.models.backbones.vit import vit_tiny
 from ml.models.io import load_model, save_model
 from ml.train.fr import FRConfig, embed, images_to_tensor, train, warmup_cosine
 
-from .conftest import separable
+from .conftest import TRAIN_DEVICE, separable
 
 SMALL = dict(depth=1)  # vit_tiny at 32 px: 16 tokens, one block
 
@@ -38,9 +39,10 @@ def runs(tmp_path_factory):
     images, labels = separable()
     logdir = tmp_path_factory.mktemp("logs")
     counter = CountSteps()
-    first = train(CFG, images, labels, progress=False, backbone_overrides=SMALL,
+    cfg = dataclasses.replace(CFG, **TRAIN_DEVICE)
+    first = train(cfg, images, labels, progress=False, backbone_overrides=SMALL,
                   loggers=[CSVLogger(logdir, name="fr")], callbacks=[counter])
-    second = train(CFG, images, labels, progress=False, backbone_overrides=SMALL)
+    second = train(cfg, images, labels, progress=False, backbone_overrides=SMALL)
     return images, labels, first, second, logdir, counter
 
 

@@ -17,7 +17,7 @@ from ml.models.generator import GeneratorModelConfig, IDConditionedUNet, load_au
 from ml.models.io import read_model_config
 from ml.train.generator import GeneratorConfig, ema_decay_at, make_noise_scheduler, train_generator
 
-from .conftest import separable, stop_after
+from .conftest import TRAIN_DEVICE, separable, stop_after
 from .test_generator_model import tiny_kl, tiny_vq
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -70,11 +70,12 @@ def _states_equal(a: torch.nn.Module, b: torch.nn.Module) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     images, ids = faces()
-    full = train_generator(CFG, images, ids, progress=False)
+    cfg = dataclasses.replace(CFG, **TRAIN_DEVICE)
+    full = train_generator(cfg, images, ids, progress=False)
     ckpt_dir = tmp_path_factory.mktemp("ckpt")
-    first = train_generator(CFG, images, ids, checkpoint_dir=ckpt_dir, callbacks=[stop_after(1)], progress=False)
+    first = train_generator(cfg, images, ids, checkpoint_dir=ckpt_dir, callbacks=[stop_after(1)], progress=False)
     steps = Steps()
-    second = train_generator(CFG, images, ids, checkpoint_dir=ckpt_dir, resume=True, callbacks=[steps], progress=False)
+    second = train_generator(cfg, images, ids, checkpoint_dir=ckpt_dir, resume=True, callbacks=[steps], progress=False)
     return images, ids, full, first, second, ckpt_dir, steps
 
 
@@ -226,7 +227,7 @@ def test_autoencoder_reconstructs_held_out_faces_better_than_the_mean_face(seed)
     images, _ = separable(4, 24, size=16, seed=seed)
     train, held = images[::2], images[1::2]
     cfg = AutoencoderConfig(block_out_channels=(8, 16), norm_num_groups=4, fr_weight=0.0, epochs=12, batch_size=8,
-                            lr=3e-3, seed=seed, accelerator="cpu")
+                            lr=3e-3, seed=seed, **TRAIN_DEVICE)
     autoencoder, history, _ = train_autoencoder(cfg, train, progress=False)
     assert len(history) == 12 and history[-1]["train/loss"] < history[0]["train/loss"]
     recon, means = reconstruct(autoencoder, held)

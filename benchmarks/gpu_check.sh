@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Checks a GPU worker in two parts, cheapest first:
+#   1. every trainer's "it learns" test (FR, DFA aligner, CAFace, FaceGCD, UIFace autoencoder and UNet) on the GPU in
+#      bf16-mixed, then in 16-mixed: the same assertions as on the CPU (tests/conftest.py TRAIN_DEVICE);
+#   2. the benchmarks gpu_trainers (bf16-mixed), gpu_trainers_fp16 and gpu_trainers_fp32, each written to
+#      benchmarks/results.json and results.md as soon as it ends.
+# Usage: benchmarks/gpu_check.sh [DIR]   (DIR receives each step's log and a copy of the results; default: no copy)
+# PYTHON picks the interpreter (default python3). Exit status 1 when any step failed; every step runs regardless.
+set -u
+out=${1:-}
+python=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+learns=(
+  tests/test_train_fr.py::test_loss_decreases_and_accuracy_beats_chance
+  tests/test_dfa.py::test_short_training_lowers_loss_and_beats_the_mean_shape
+  tests/test_caface.py::test_training_beats_averaging_for_every_seed
+  tests/test_discovery_recipe.py::test_training_beats_its_initial_features_on_held_out_images
+  tests/test_train_generator.py::test_loss_decreases_on_a_tiny_dataset
+  tests/test_train_generator.py::test_resume_after_an_epoch_equals_an_uninterrupted_run
+  tests/test_train_generator.py::test_autoencoder_reconstructs_held_out_faces_better_than_the_mean_face
+)
+status=0
+
+step() {  # step NAME COMMAND...: run it, its output to DIR/NAME.log too, and copy the results after it
+  local name=$1
+  shift
+  echo "== $name: $*"
+  if [ -n "$out" ]; then
+    "$@" 2>&1 | tee "$out/$name.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    cp benchmarks/results.json benchmarks/results.md "$out/"
+  else
+    "$@" || status=1
+  fi
+}
+
+learns() {  # learns PRECISION
+  FACEOPS_TEST_ACCELERATOR=gpu FACEOPS_TEST_PRECISION=$1 "$python" -m pytest -q -p no:cacheprovider "${learns[@]}"
+}
+
+step learns_bf16 learns bf16-mixed
+step bench_bf16 "$python" -m benchmarks gpu_trainers
+step learns_fp16 learns 16-mixed
+step bench_fp16 "$python" -m benchmarks gpu_trainers_fp16
+step bench_fp32 "$python" -m benchmarks gpu_trainers_fp32
+exit $status
