@@ -375,6 +375,43 @@ def bench_gpu_trainers_fp32() -> dict:
     return bench_gpu_trainers("32-true")
 
 
+def bench_caface_paths() -> dict:
+    """CAFace training (``_caface``) with the cluster network's two ways of running sets padded at the end, on the
+    same device and precision (``FACEOPS_BENCH_*``), twice each in turn: ``masked`` (one call over the padded batch,
+    the path on a GPU) and ``by_length`` (one call per set length, the path on the CPU). Target: on each device its
+    path is the faster.
+
+    Returns:
+        ``{"device", "precision", "masked_items_per_s", "by_length_items_per_s"`` (lists, one per repeat),
+        ``"by_length_over_masked"`` (ratio of the means)}.
+    """
+    from ml.models.fusion.caface import ClusterNetwork
+
+    run = _env_run()
+    default = ClusterNetwork.forward
+
+    def by_length(self, tokens, valid=None):
+        if valid is None:
+            return self._forward(tokens)
+        return self._by_length(tokens, valid.sum(dim=1))  # the training batches are padded at the end
+
+    paths = {"masked": lambda self, tokens, valid=None: self._forward(tokens, valid), "by_length": by_length}
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if run.on_gpu else "cpu",
+                           "precision": run.precision}
+    try:
+        for _ in range(2):
+            for name, forward in paths.items():
+                ClusterNetwork.forward = forward
+                result = _measure("caface", _caface, run)
+                if "caface_error" in result:
+                    raise RuntimeError(result["caface_error"])
+                out.setdefault(f"{name}_items_per_s", []).append(round(result["caface_items_per_s"], 1))
+    finally:
+        ClusterNetwork.forward = default
+    out["by_length_over_masked"] = float(np.mean(out["by_length_items_per_s"]) / np.mean(out["masked_items_per_s"]))
+    return out
+
+
 if __name__ == "__main__":
     import json
 

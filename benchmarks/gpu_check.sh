@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Checks a GPU worker in two parts, cheapest first:
 #   1. every trainer's "it learns" test (FR, DFA aligner, CAFace, FaceGCD, UIFace autoencoder and UNet) on the GPU in
-#      bf16-mixed, then in 16-mixed: the same assertions as on the CPU (tests/conftest.py TRAIN_DEVICE);
-#   2. the benchmarks gpu_trainers (bf16-mixed), gpu_trainers_fp16 and gpu_trainers_fp32, each written to
-#      benchmarks/results.json and results.md as soon as it ends.
+#      32-true, bf16-mixed and 16-mixed: the same assertions as on the CPU (tests/conftest.py TRAIN_DEVICE); 32-true
+#      first, so that a failure in mixed precision is told apart from one of the device;
+#   2. the benchmarks gpu_trainers (bf16-mixed), gpu_trainers_fp16, gpu_trainers_fp32 and caface_paths, each written
+#      to benchmarks/results.json and results.md as soon as it ends.
 # Usage: benchmarks/gpu_check.sh [DIR]   (DIR receives each step's log and a copy of the results; default: no copy)
 # PYTHON picks the interpreter (default python3). Exit status 1 when any step failed; every step runs regardless.
 set -u
@@ -38,9 +39,11 @@ learns() {  # learns PRECISION
   FACEOPS_TEST_ACCELERATOR=gpu FACEOPS_TEST_PRECISION=$1 "$python" -m pytest -q -p no:cacheprovider "${learns[@]}"
 }
 
+step learns_fp32 learns 32-true
 step learns_bf16 learns bf16-mixed
 step bench_bf16 "$python" -m benchmarks gpu_trainers
 step learns_fp16 learns 16-mixed
 step bench_fp16 "$python" -m benchmarks gpu_trainers_fp16
 step bench_fp32 "$python" -m benchmarks gpu_trainers_fp32
+step caface_paths "$python" -m benchmarks caface_paths
 exit $status

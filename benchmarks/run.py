@@ -120,6 +120,12 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
         "on the accelerator with mixed precision: images (or sets) per second after warm-up, peak GPU memory",
         "report; every trainer runs on the GPU in 16-mixed/bf16-mixed",
     ),
+    "caface_paths": (
+        "benchmarks.bench_gpu:bench_caface_paths",
+        "CAFace training with the cluster network run by set length (the CPU path) vs one masked call over the "
+        "padded batch (the GPU path), same device, two repeats each",
+        "each device's path the faster there",
+    ),
     "gpu_trainers_fp16": (
         "benchmarks.bench_gpu:bench_gpu_trainers_fp16",
         "`gpu_trainers` in 16-mixed (float16 autocast, loss scaling)",

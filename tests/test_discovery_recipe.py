@@ -143,14 +143,28 @@ def test_block_lr_scale_zero_freezes_the_last_block(tmp_path):
 
 
 # ---------------------------------------------------------------------------- it learns
-@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.xfail(strict=True, reason=(
-    "measured null, issue 17: for seed 1 every recipe tried (lr 1e-4..1e-3, block_lr_scale 0/0.1, τ 0.07/0.5/1, "
-    "λ 0.35/0.7, model selection on 2 val images per identity) leaves test/all at or below the initial features' "
-    "0.72 (0.55-0.72); seeds 0, 2, 3 move by -0.06..+0.11. Strict: a recipe that learns here turns this red.")))])
+def lit_patterns(k: int, per: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`noisy_patterns` (σ 40) under a per-image brightness shift (±70) and contrast (0.5-1.3×): a nuisance
+    that a random ViT's features follow more than the layout, and that the labelled identities (and the views' colour
+    jitter) teach the model to ignore, on every identity: the transfer GCD assumes."""
+    rng = np.random.default_rng(seed)
+    protos = rng.integers(0, 256, (k, 4, 4, 3)).astype(np.float32).repeat(8, axis=1).repeat(8, axis=2)
+    labels = np.repeat(np.arange(k), per)
+    contrast = rng.uniform(0.5, 1.3, (len(labels), 1, 1, 1))
+    shift = rng.uniform(-70.0, 70.0, (len(labels), 1, 1, 1))
+    images = 128 + contrast * (protos[labels] - 128) + shift + rng.normal(0.0, 40.0, (len(labels), 32, 32, 3))
+    return np.clip(images, 0, 255).astype(np.uint8), labels
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
 def test_training_beats_its_initial_features_on_held_out_images(tmp_path, seed):
     """8 identities, 4 known (half of their training images labelled), 8 of 24 images per identity held out; SSK
-    on the trained features beats SSK on the same model's initial features, on the held-out images."""
-    images, labels = noisy_patterns(k=8, per=24, sigma=150.0, seed=seed)
+    on the trained features beats SSK on the same model's initial features, on the held-out images, for the known
+    and for the novel identities. Measured on the CPU, seeds 0-7: test/all 0.59 ± 0.04 → 0.95 ± 0.06 (+0.36 ± 0.07,
+    every seed ≥ +0.29), test/novel +0.38 ± 0.13 (every seed ≥ +0.12). On :func:`noisy_patterns` (σ 150, no nuisance
+    to learn) the same training moved test/all by +0.03 ± 0.08 (novel down for 3 of 8 seeds), and which seeds passed
+    depended on the float summation order (CPU or GPU)."""
+    images, labels = lit_patterns(k=8, per=24, seed=seed)
     index = np.tile(np.arange(24), 8)
     known, test = labels < 4, index >= 16
     labelled = known & ~test & (index % 2 == 0)
@@ -165,5 +179,6 @@ def test_training_beats_its_initial_features_on_held_out_images(tmp_path, seed):
     res = train_discovery(cfg, images[train], np.where(labelled, labels, -1)[train], labelled[train],
                           init_model_dir=fr, progress=False)
     after = score(res.model)
-    assert after["test/all"] > before["test/all"] + 0.02, (before, after)
-    assert after["test/novel"] >= before["test/novel"], (before, after)
+    assert after["test/all"] > before["test/all"] + 0.15, (before, after)
+    assert after["test/known"] > before["test/known"] + 0.05, (before, after)
+    assert after["test/novel"] > before["test/novel"] + 0.05, (before, after)

@@ -172,7 +172,7 @@ class ClusterNetwork(nn.Module):
         self.scale = dim**-0.5
 
     def forward(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if valid is not None:
+        if valid is not None and tokens.device.type == "cpu":  # on a GPU the padded batch in one call is faster
             lengths = valid.sum(dim=1)
             trailing = bool((valid == (torch.arange(valid.shape[1], device=valid.device) < lengths[:, None])).all())
             if trailing and int(lengths.min()) < valid.shape[1]:
@@ -183,7 +183,10 @@ class ClusterNetwork(nn.Module):
         """Sets padded at the end, run one length at a time at their own width: the transformer never computes
         padded tokens (every even prefix 2..16 of a set, padded to 16, is 44 % padding). The same function as the
         masked call (padded keys are never attended to and get no mass; LayerNorm and the MLPs act per token), up
-        to float rounding and the drop-path draws. Padded positions: zero assignment, zero keys."""
+        to float rounding and the drop-path draws. Padded positions: zero assignment, zero keys. CPU only: there the
+        cost is the arithmetic (CAFace training 1.17× the masked call's throughput on 2 cores), while on a GPU these
+        small kernels are launch-bound and the lengths' host reads stall the stream (0.43× on an H200;
+        ``caface_paths`` in ``benchmarks/``)."""
         b, n, d = tokens.shape
         assignment = tokens.new_zeros(b, self.centres.shape[0], n)
         keys = tokens.new_zeros(b, n, d)
