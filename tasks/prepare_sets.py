@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,8 @@ from ml.data.procedural import FaceSample, ProceduralFaces
 from ml.errors import DataError
 
 if TYPE_CHECKING:
+    import pandas as pd
+
     from ml.data.dataset import DatasetWriter
     from tasks.prepare import DataConfig
 
@@ -182,7 +185,7 @@ def ingest_real(out: Path, cfg: DataConfig, progress: bool = True) -> dict[str, 
 def _real_pairs_bin(out: Path, cfg: DataConfig) -> int:
     """``verification/real.bin`` over the held-out real identities with ≥ 2 images (single-image identities give
     no genuine pair and are left out); only the images the pairs use are decoded."""
-    from ml.data.dataset import load_images, read_manifest
+    from ml.data.dataset import read_manifest
     from ml.data.formats import write_verification_bin
 
     manifest = read_manifest(out / "heldout" / "manifest.parquet")
@@ -194,12 +197,33 @@ def _real_pairs_bin(out: Path, cfg: DataConfig) -> int:
     labels = multi["label"].to_numpy()
     pairs, issame = _sample_pairs(labels, min(cfg.verification_pairs, 20 * len(labels)),
                                   np.random.default_rng(cfg.seed))
-    used = np.unique(pairs)
-    images = load_images(out / "heldout", multi.iloc[used])
-    position = np.searchsorted(used, pairs.reshape(-1))
     (out / "verification").mkdir(exist_ok=True)
-    write_verification_bin(out / "verification" / "real.bin", images[position], issame, image_format="jpg")
+    faces = _PairFaces(out / "heldout", multi, pairs.reshape(-1))
+    write_verification_bin(out / "verification" / "real.bin", faces, issame, image_format="jpg")
     return len(issame)
+
+
+class _PairFaces(Sequence):
+    """The pairs' faces in ``.bin`` order (rows ``order`` of ``manifest``), decoded a chunk at a time as the ``.bin``
+    writer reaches them; it keeps only their encoded bytes, so memory does not hold every decoded face twice over
+    (6,000 faces at 112 px would be 230 MB)."""
+
+    def __init__(self, root: Path, manifest: pd.DataFrame, order: np.ndarray, chunk: int = 256) -> None:
+        self.root, self.manifest, self.order, self.chunk = root, manifest, order, chunk
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        from ml.data.dataset import load_images
+
+        return load_images(self.root, self.manifest.iloc[[int(self.order[i])]])[0]
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        from ml.data.dataset import load_images
+
+        for start in range(0, len(self.order), self.chunk):
+            yield from load_images(self.root, self.manifest.iloc[self.order[start:start + self.chunk]])
 
 
 def video_set(

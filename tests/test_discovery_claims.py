@@ -39,6 +39,42 @@ def test_claims_are_paired_per_run_with_sign_counts_and_a_noise_rule():
     assert not beyond_noise({"mean": 0.5, "std": 0.0, "seeds": 1})  # one run says nothing about noise
 
 
+def test_the_oracle_arm_alone_trains_with_every_training_label(monkeypatch):
+    """The headroom row: the oracle gets the label of every training image (novel identities too), FaceGCD only the
+    GFD split's; both see the same images, and the oracle's difference to the FR features is reported as headroom."""
+    import numpy as np
+
+    import experiments.discovery_claims as dc
+
+    calls = []
+
+    class Trained:
+        history, best_epoch = [{"loss/unsup": 1.0, "loss/sup": 1.0}], 0
+
+        class model:  # noqa: N801 - stands in for a FaceGCD model
+            @staticmethod
+            def embed(images, flip):
+                return np.random.default_rng(len(calls)).normal(size=(len(images), 8)).astype(np.float32)
+
+    def fake_train(cfg, images, labels, labelled, **kwargs):
+        calls.append((images, labels, labelled))
+        return Trained
+
+    monkeypatch.setattr(dc, "train_discovery", fake_train)
+    results = dc.run_claims([0], dc.QUICK, [0], ("facegcd", "oracle"))
+    data = dc.make_data(dc.QUICK, 0)
+    train = ~data["test"]
+    (x_f, y_f, l_f), (x_o, y_o, l_o) = calls  # in the order of the arms
+    np.testing.assert_array_equal(x_f, x_o)
+    np.testing.assert_array_equal(l_f, data["labelled"][train])
+    np.testing.assert_array_equal(y_f, np.where(data["labelled"], data["dy"], -1)[train])
+    assert l_o.all() and (~l_f).any()
+    np.testing.assert_array_equal(y_o, data["dy"][train])
+    assert "oracle-fr_ssk" in results["summary"]["claims"]
+    report = dc.render(results, [0], [0], dc.QUICK, 1.0)
+    assert "| oracle − FR features (headroom) |" in report
+
+
 @pytest.mark.slow
 def test_discovery_claims_flow_writes_runs_claims_report_and_an_mlflow_run(tmp_path, monkeypatch):
     import mlflow

@@ -49,6 +49,12 @@ def _nearest_is_allowed(bin_images: np.ndarray, allowed: np.ndarray, others: np.
     return bool((to_allowed < to_others).all() and (np.sqrt(to_allowed / q.shape[1]) < 4.0).all())
 
 
+def _nearest(bin_images: np.ndarray, faces: np.ndarray) -> np.ndarray:
+    """Index into ``faces`` of the face each (JPEG-recompressed) ``.bin`` image is closest to."""
+    q, f = (x.reshape(len(x), -1).astype(np.float32) for x in (bin_images, faces))
+    return ((q ** 2).sum(1)[:, None] - 2 * q @ f.T + (f ** 2).sum(1)[None]).argmin(axis=1)
+
+
 def _manifests(paths: Paths) -> dict[str, object]:
     return {d: read_manifest(paths.prepared / d / "manifest.parquet") for d in ("train", "heldout", "discovery")}
 
@@ -86,8 +92,10 @@ def test_real_faces_replace_the_procedural_training_and_heldout_sets(glint24, tm
 
     images, issame = read_verification_bin(paths.verification_dir / "real.bin")
     assert len(issame) == 600 and issame.sum() == 300
-    assert _nearest_is_allowed(images, load_images(paths.heldout_set, sets["heldout"]),
-                               load_images(paths.train_set, sets["train"]))
+    heldout = load_images(paths.heldout_set, sets["heldout"])
+    assert _nearest_is_allowed(images, heldout, load_images(paths.train_set, sets["train"]))
+    who = sets["heldout"]["identity"].to_numpy()[_nearest(images, heldout)]  # each pair's two people
+    np.testing.assert_array_equal(who[0::2] == who[1::2], issame)  # genuine pairs are one person, impostors two
     gfd = json.loads((paths.gfd_split.parent / "split.json").read_text())
     assert gfd["source"] == "real" and gfd["identities"] == 5
     assert (paths.verification_dir / "procedural.bin").is_file()  # the procedural reference stays
