@@ -11,8 +11,8 @@ The device comes from the environment, so one command measures a GPU worker or c
 
 Recipes are the embedded defaults read from ``params.yaml`` (sections ``fr``, ``aligner.train``, ``fusion.train``,
 ``discovery``, ``generator.autoencoder_train``, ``generator.train``; sizes from ``data``) with only the device keys
-and the length of the run changed; ``fr112`` is ``fr`` with ``presets.yaml``'s ``real-112`` ``fr.*`` keys (ViT-T patch 9, 512-d, AdaFace,
-batch 512, the kprpe augmentation, 8 loader workers at most one per core). On the CPU ``fr112`` trains batches of
+and the length of the run changed; ``fr112`` is ``fr`` with ``presets.yaml``'s ``real-112`` ``fr.*`` keys (ViT-T
+patch 9, 512-d, AdaFace, batch 512, the kprpe augmentation, 8 loader workers at most one per core). On the CPU ``fr112`` trains batches of
 16 instead of 512 so that the check stays short. Inputs are built in memory before each fit: uniform random uint8
 images (64 px for FR and FaceGCD, 112 px for ``fr112``, 32-px faces for UIFace's autoencoder and, through an
 untrained autoencoder of that shape, for its UNet) with labels cycling over
@@ -340,15 +340,16 @@ def _measure(name: str, trainer: Callable[[_Run], StepClock], run: _Run) -> dict
 def bench_gpu_trainers(precision: str | None = None) -> dict:
     """Fit each trainer (FR twice: embedded 64 px and ``real-112``; UIFace's autoencoder and UNet apart) for
     ``FACEOPS_BENCH_STEPS`` timed optimiser steps after a short warm-up on ``FACEOPS_BENCH_ACCELERATOR`` in
-    ``FACEOPS_BENCH_PRECISION`` (module docstring). Target: report; every trainer runs on the GPU in 16-mixed/bf16-mixed.
+    ``FACEOPS_BENCH_PRECISION`` (module docstring). Target: report; every trainer runs on the GPU in
+    16-mixed/bf16-mixed.
 
     Returns:
         ``{"device"`` (the GPU's name or "cpu"), ``"accelerator", "precision", "torch", "lightning", "steps",
         "warmup"}`` and per trainer ``<name>`` in fr, fr112, dfa, caface, facegcd, uiface_ae, uiface:
         ``<name>_items_per_s`` (images, crops or CAFace features per second of the timed steps), ``<name>_seconds``
         (the whole trainer call: set-up, warm-up and timed steps), ``<name>_device`` (where the parameters sat, e.g.
-        "cuda:0") and on a GPU ``<name>_peak_gpu_mb`` (``torch.cuda.max_memory_allocated`` of that trainer alone), or only
-        ``<name>_error`` (the exception, one line) when it failed.
+        "cuda:0") and on a GPU ``<name>_peak_gpu_mb`` (``torch.cuda.max_memory_allocated`` of that trainer alone), or
+        only ``<name>_error`` (the exception, one line) when it failed.
     """
     run = _env_run(precision)
     out: dict[str, Any] = {
@@ -388,26 +389,21 @@ def bench_caface_paths() -> dict:
     from ml.models.fusion.caface import ClusterNetwork
 
     run = _env_run()
-    default = ClusterNetwork.forward
-
-    def by_length(self, tokens, valid=None):
-        if valid is None:
-            return self._forward(tokens)
-        return self._by_length(tokens, valid.sum(dim=1))  # the training batches are padded at the end
-
-    paths = {"masked": lambda self, tokens, valid=None: self._forward(tokens, valid), "by_length": by_length}
+    default = ClusterNetwork.by_length_devices
+    device = "cuda" if run.on_gpu else "cpu"
+    paths = {"masked": (), "by_length": (device,)}
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if run.on_gpu else "cpu",
                            "precision": run.precision}
     try:
         for _ in range(2):
-            for name, forward in paths.items():
-                ClusterNetwork.forward = forward
+            for name, devices in paths.items():
+                ClusterNetwork.by_length_devices = devices
                 result = _measure("caface", _caface, run)
                 if "caface_error" in result:
                     raise RuntimeError(result["caface_error"])
                 out.setdefault(f"{name}_items_per_s", []).append(round(result["caface_items_per_s"], 1))
     finally:
-        ClusterNetwork.forward = default
+        ClusterNetwork.by_length_devices = default
     out["by_length_over_masked"] = float(np.mean(out["by_length_items_per_s"]) / np.mean(out["masked_items_per_s"]))
     return out
 

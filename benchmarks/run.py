@@ -116,8 +116,9 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     ),
     "gpu_trainers": (
         "benchmarks.bench_gpu:bench_gpu_trainers",
-        "each trainer (FR vit_tiny 64 px and the real-112 ViT, DFA aligner, CAFace, FaceGCD, UIFace autoencoder and latent UNet) fitted "
-        "on the accelerator with mixed precision: images (or sets) per second after warm-up, peak GPU memory",
+        "each trainer (FR vit_tiny 64 px and the real-112 ViT, DFA aligner, CAFace, FaceGCD, UIFace autoencoder and "
+        "latent UNet) fitted on the accelerator with mixed precision: images (or sets) per second after warm-up, "
+        "peak GPU memory",
         "report; every trainer runs on the GPU in 16-mixed/bf16-mixed",
     ),
     "caface_paths": (

@@ -171,8 +171,11 @@ class ClusterNetwork(nn.Module):
         self.key = nn.Linear(dim, dim)
         self.scale = dim**-0.5
 
+    # device types on which sets padded at the end run one length at a time (see _by_length); elsewhere one masked call
+    by_length_devices: tuple[str, ...] = ("cpu",)
+
     def forward(self, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if valid is not None and tokens.device.type == "cpu":  # on a GPU the padded batch in one call is faster
+        if valid is not None and tokens.device.type in self.by_length_devices:
             lengths = valid.sum(dim=1)
             trailing = bool((valid == (torch.arange(valid.shape[1], device=valid.device) < lengths[:, None])).all())
             if trailing and int(lengths.min()) < valid.shape[1]:
