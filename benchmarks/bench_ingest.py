@@ -1,9 +1,9 @@
 """Ingest of a large InsightFace RecordIO: seconds and peak RSS at 10k and 100k images.
 
-Each size runs in a fresh process (its own peak RSS): a RecordIO of JPEG payloads at 112×112 (procedural faces, 20
-per identity) is written, then ``prepare``'s real-data ingest streams it into the training / held-out / discovery
-datasets at 64×64 with the real verification pairs. Streaming holds the item list, never the images, so peak RSS
-should stay flat as the set grows ten-fold.
+For each size a RecordIO of JPEG payloads at 112×112 (procedural faces, 20 per identity) is written, then a fresh
+process (its own peak RSS, nothing of the writing in it) runs ``prepare``'s real-data ingest, which streams it into the
+training / held-out / discovery datasets at 64×64 with the real verification pairs. Streaming holds neither the
+images nor a row per image of the metadata it writes, so peak RSS should stay flat as the set grows ten-fold.
 """
 
 from __future__ import annotations
@@ -12,22 +12,17 @@ import json
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
+
+import numpy as np
 
 CHILD = r"""
 import json, resource, sys, time
 from pathlib import Path
-import numpy as np
-from ml.data.formats import encode_image, write_recordio
-from ml.data.procedural import ProceduralConfig, ProceduralFaces
 from tasks.prepare import DataConfig
 from tasks.prepare_sets import ingest_real
 
 n, root = int(sys.argv[1]), Path(sys.argv[2])
-gen = ProceduralFaces(ProceduralConfig(image_size=112), seed=0)
-bank = [encode_image(gen.sample(i // 4, i % 4).image, "jpg", quality=90) for i in range(400)]
-labels = np.arange(n) // 20
-write_recordio(root / "train.rec", [bank[i % len(bank)] for i in range(n)], labels)
-del bank
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 cfg = DataConfig(ingest_recordio=str(root / "train.rec"), verification_pairs=3000)
 out = root / "prepared"
@@ -43,9 +38,15 @@ print(json.dumps({"images": int(stats["data/real_images"]), "seconds": seconds, 
 
 def bench_ingest_recordio(sizes: tuple[int, ...] = (10_000, 100_000)) -> dict[str, object]:
     """``rows``: per size, images, seconds, images/s and peak RSS of the ingesting process."""
+    from ml.data.formats import encode_image, write_recordio
+    from ml.data.procedural import ProceduralConfig, ProceduralFaces
+
+    gen = ProceduralFaces(ProceduralConfig(image_size=112), seed=0)
+    bank = [encode_image(gen.sample(i // 4, i % 4).image, "jpg", quality=90) for i in range(400)]
     rows = []
     for n in sizes:
         with tempfile.TemporaryDirectory() as tmp:
+            write_recordio(Path(tmp) / "train.rec", [bank[i % len(bank)] for i in range(n)], np.arange(n) // 20)
             out = subprocess.run([sys.executable, "-c", CHILD, str(n), tmp], capture_output=True, text=True,
                                  check=True)
             row = json.loads(out.stdout.strip().splitlines()[-1])

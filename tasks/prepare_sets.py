@@ -160,24 +160,26 @@ def ingest_real(out: Path, cfg: DataConfig, progress: bool = True) -> dict[str, 
         opened = {g: stack.enter_context(DatasetWriter(out / d, name=name, source="real", aligned=True, generator=meta))
                   for g, (d, name) in groups.items()}
 
-        records: dict[str, tuple[list[str], list[int]]] = {g: ([], []) for g in opened}
+        records = {}
+        if spec.recordio:  # which record each face came from: training can read it there, not the PNG
+            from ml.data.records import RecordsWriter
+
+            records = {g: RecordsWriter(w.tmp_dir, spec.recordio) for g, w in opened.items()}
+            for rw in records.values():  # closed into each dataset before it is moved into place, else removed
+                stack.callback(rw.abort)
 
         def writer(group: str):
             def add(img, identity, i, n, ref):
                 rel = opened[group].add(img, identity=identity, split=split_of[group](i, n))
-                if spec.recordio:  # which record each face came from: training can read it there, not the PNG
-                    records[group][0].append(rel)
-                    records[group][1].append(int(ref))
+                if group in records:
+                    records[group].add(rel, ref)
             return add
 
         stats = ingest_split(spec, {g: writer(g) for g in opened}, seed=cfg.seed,
                              heldout_fraction=cfg.real_heldout_fraction,
                              discovery_fraction=cfg.real_discovery_fraction, progress=progress)
-        if spec.recordio:
-            from ml.data.records import write_records
-
-            for g, (rels, keys) in records.items():  # into each dataset before it is moved into place
-                write_records(opened[g].tmp_dir, rels, keys, spec.recordio)
+        for rw in records.values():
+            rw.close()
     stats["data/real_verification_pairs"] = _real_pairs_bin(out, cfg)
     return stats
 
@@ -185,10 +187,13 @@ def ingest_real(out: Path, cfg: DataConfig, progress: bool = True) -> dict[str, 
 def _real_pairs_bin(out: Path, cfg: DataConfig) -> int:
     """``verification/real.bin`` over the held-out real identities with ≥ 2 images (single-image identities give
     no genuine pair and are left out); only the images the pairs use are decoded."""
-    from ml.data.dataset import read_manifest
+    import pyarrow.parquet as pq
+
     from ml.data.formats import write_verification_bin
 
-    manifest = read_manifest(out / "heldout" / "manifest.parquet")
+    # only the columns the pairs need (the manifest was written just now, by this stage)
+    manifest = pq.read_table(out / "heldout" / "manifest.parquet",
+                             columns=["path", "identity", "label", "width", "height"]).to_pandas()
     multi = manifest[manifest.groupby("identity")["path"].transform("count") >= 2].reset_index(drop=True)
     if multi["identity"].nunique() < 2:
         raise DataError(f"the held-out real identities have {multi['identity'].nunique()} with ≥ 2 images: "

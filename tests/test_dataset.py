@@ -113,6 +113,24 @@ def test_digest_stable_and_sensitive(tmp_path):
     assert dataset_digest(tmp_path / "b") != a
 
 
+def test_writer_streams_the_manifest_in_row_groups_with_the_same_rows(tmp_path, monkeypatch):
+    """Closing writes the manifest a row group at a time (memory holds one group): split into groups of 2, the rows,
+    landmarks across group borders included, and the digest are the single-group file's."""
+    import ml.data.dataset as dataset
+
+    whole = read_manifest(_write(tmp_path / "whole") / "manifest.parquet")
+    monkeypatch.setattr(dataset, "_ROW_GROUP", 2)
+    out = _write(tmp_path / "groups")
+    meta = pq.ParquetFile(out / "manifest.parquet").metadata
+    assert [meta.row_group(g).num_rows for g in range(meta.num_row_groups)] == [2, 2, 1]
+    pd.testing.assert_frame_equal(read_manifest(out / "manifest.parquet").drop(columns="landmarks"),
+                                  whole.drop(columns="landmarks"))
+    groups = read_manifest(out / "manifest.parquet")["landmarks"]
+    assert [None if v is None else v.tolist() for v in groups] == [None if v is None else v.tolist() for v in
+                                                                   whole["landmarks"]]
+    assert read_dataset_info(out)["digest"] == read_dataset_info(tmp_path / "whole")["digest"] == dataset_digest(out)
+
+
 def test_writer_digest_sorts_like_the_paths(tmp_path):
     """The writer digests its rows in path order without building the paths: identities that prefix one another
     ("a", "a.b", "a b", "ab") and file numbers past 9 ("10.png" < "2.png") must sort as the strings do."""

@@ -405,6 +405,20 @@ def test_recordio_bad_idx_line(tmp_path):
         RecordIOReader(tmp_path / "b.rec")
 
 
+def test_recordio_index_duplicate_key_names_both_lines_and_unknown_key_is_refused(tmp_path):
+    write_recordio(tmp_path / "d.rec", _images(3), [0, 1, 2], image_format="png")
+    idx = tmp_path / "d.idx"
+    lines = idx.read_text().splitlines()
+    with RecordIOReader(tmp_path / "d.rec") as reader:
+        assert reader.image_keys.tolist() == [1, 2, 3] and not reader.image_keys.flags.writeable
+        assert reader.keys == [int(line.split("\t")[0]) for line in lines]  # file order
+        with pytest.raises(DataError, match=r"d\.rec: key 99 is not in d\.idx"):
+            reader.read_raw(99)
+    idx.write_text("\n".join(lines[:2] + [""] + lines[2:] + [lines[1]]) + "\n")  # a blank line, key 1 again
+    with pytest.raises(DataError, match=rf"d\.idx: key 1 appears twice \(lines 2 and {len(lines) + 2}\)"):
+        RecordIOReader(tmp_path / "d.rec")
+
+
 def test_write_recordio_is_atomic_on_bad_input(tmp_path):
     rec = tmp_path / "x.rec"
     write_recordio(rec, _images(2), [0, 1], image_format="png")

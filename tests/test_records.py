@@ -7,11 +7,20 @@ import dataclasses
 import pickle
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
 from ml.data.dataset import load_images, read_manifest
 from ml.data.formats import encode_image, ingest_image_folder, write_recordio
-from ml.data.records import FolderDataset, RecordIODataset, decode_all, has_records, recordio_dataset
+from ml.data.records import (
+    RECORDS_FILE,
+    FolderDataset,
+    RecordIODataset,
+    RecordsWriter,
+    decode_all,
+    has_records,
+    recordio_dataset,
+)
 from ml.errors import ConfigError, DataError
 from tasks.common import Paths
 from tasks.prepare import DataConfig
@@ -137,3 +146,28 @@ def test_real_faces_read_in_place_equal_their_png_copies(glint24, tmp_path):
     got, got_labels = decode_all(recordio_dataset(paths.train_set, rows, image_size=64), num_workers=2)
     np.testing.assert_array_equal(got, load_images(paths.train_set, rows))  # 112 px JPEGs → 64 px, as ingest did
     np.testing.assert_array_equal(got_labels, rows["label"].to_numpy())
+
+
+def test_records_writer_streams_row_groups_and_leaves_nothing_when_aborted(tmp_path):
+    rec = tmp_path / "r.rec"
+    write_recordio(rec, [encode_image(np.zeros((8, 8, 3), np.uint8), "jpg")] * 3, [0, 1, 2])
+    writer = RecordsWriter(tmp_path, rec, rows_per_group=4)
+    for i in range(10):
+        writer.add(f"images/a/{i}.png", i + 1)
+    assert not (tmp_path / RECORDS_FILE).exists()  # only the hidden temporary until close
+    writer.close()
+    meta = pq.ParquetFile(tmp_path / RECORDS_FILE).metadata
+    assert [meta.row_group(g).num_rows for g in range(meta.num_row_groups)] == [4, 4, 2]
+    table = pq.read_table(tmp_path / RECORDS_FILE)
+    assert table.column("record").to_pylist() == list(range(1, 11))
+    assert table.column("path").to_pylist()[-1] == "images/a/9.png"
+    writer.abort()  # after close: a no-op
+    assert (tmp_path / RECORDS_FILE).is_file()
+
+    other = tmp_path / "other"
+    other.mkdir()
+    aborted = RecordsWriter(other, rec, rows_per_group=4)
+    for i in range(6):
+        aborted.add(f"images/a/{i}.png", i)
+    aborted.abort()
+    assert list(other.iterdir()) == []

@@ -27,6 +27,7 @@ annotation changes and not when rows are reordered.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -54,7 +55,7 @@ from ml.data.manifest import (
     read_manifest,
     validate_manifest_columns,
     write_manifest,
-    write_parquet,
+    write_parquet_batches,
 )
 from ml.errors import DataError
 
@@ -83,6 +84,7 @@ MANIFEST_FILE = "manifest.parquet"
 INFO_FILE = "dataset.json"
 IMAGES_DIR = "images"
 _HAS_LANDMARKS, _HAS_TEMPLATE, _HAS_MEDIA = 1, 2, 4  # DatasetWriter's per-image bits: which nullable cells are set
+_ROW_GROUP = 16_384  # manifest rows per Parquet row group as DatasetWriter writes them (memory holds one group)
 
 
 def read_dataset_info(dataset_dir: str | os.PathLike) -> dict:
@@ -433,25 +435,36 @@ class DatasetWriter:
         def column(values: Any, **kw: Any) -> pa.Array:
             return pa.array(values, memory_pool=pool, **kw)
 
-        def lookup(values: list[str], index: np.ndarray) -> pa.Array:  # (N,) strings values[index]
-            return pc.take(column(values, type=pa.string()), column(index), memory_pool=pool)
+        def lookup(values: pa.Array, index: np.ndarray) -> pa.Array:  # strings values[index]
+            return pc.take(values, column(index), memory_pool=pool)
 
-        arrays = [
-            column(paths(), type=pa.string(), size=n),
-            lookup(names, codes),
-            column(label_of[codes]),
-            lookup(list(self._splits), split_codes),
-            pa.repeat(pa.scalar(self.source, type=pa.string()), n, memory_pool=pool),
-            pa.ListArray.from_arrays(column(lm_offsets), column(self._landmarks.values.reshape(-1)),
-                                     type=SCHEMA.field("landmarks").type, mask=column(~has_lm), pool=pool),
-            column(self._quality.values, type=pa.float64(), from_pandas=True),
-            column(self._template.values, mask=(known & _HAS_TEMPLATE) == 0),
-            column(self._media.values, mask=(known & _HAS_MEDIA) == 0),
-            column(np.ascontiguousarray(sizes[:, 1])),
-            column(np.ascontiguousarray(sizes[:, 0])),
-        ]
-        write_parquet(pa.Table.from_arrays(arrays, names=list(MANIFEST_COLUMNS)), self.tmp_dir / MANIFEST_FILE)
-        del arrays
+        identities, splits = column(names, type=pa.string()), column(list(self._splits), type=pa.string())
+        source = pa.scalar(self.source, type=pa.string())
+        landmark_type = SCHEMA.field("landmarks").type
+        row_paths = paths()
+
+        def chunk(lo: int, hi: int) -> pa.RecordBatch:  # manifest rows lo..hi-1
+            sl = slice(lo, hi)
+            offsets = lm_offsets[lo:hi + 1] - lm_offsets[lo]
+            flat = self._landmarks.values.reshape(-1)[lm_offsets[lo]:lm_offsets[hi]]
+            arrays = [
+                column(itertools.islice(row_paths, hi - lo), type=pa.string(), size=hi - lo),
+                lookup(identities, codes[sl]),
+                column(label_of[codes[sl]]),
+                lookup(splits, split_codes[sl]),
+                pa.repeat(source, hi - lo, memory_pool=pool),
+                pa.ListArray.from_arrays(column(offsets), column(flat), type=landmark_type, mask=column(~has_lm[sl]),
+                                         pool=pool),
+                column(self._quality.values[sl], type=pa.float64(), from_pandas=True),
+                column(self._template.values[sl], mask=(known[sl] & _HAS_TEMPLATE) == 0),
+                column(self._media.values[sl], mask=(known[sl] & _HAS_MEDIA) == 0),
+                column(np.ascontiguousarray(sizes[sl, 1])),
+                column(np.ascontiguousarray(sizes[sl, 0])),
+            ]
+            return pa.RecordBatch.from_arrays(arrays, schema=SCHEMA)
+
+        write_parquet_batches((chunk(lo, min(lo + _ROW_GROUP, n)) for lo in range(0, n, _ROW_GROUP)), SCHEMA,
+                              self.tmp_dir / MANIFEST_FILE)
         info = {
             "name": self.name,
             "source": self.source,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,19 @@ def write_parquet(table: pa.Table, path: Path) -> None:
     millisecond; ``benchmarks/bench_ingest.py``)."""
     atomic_write(path, lambda tmp: pq.write_table(table, tmp))
     pa.default_memory_pool().release_unused()
+
+
+def write_parquet_batches(batches: Iterable[pa.RecordBatch], schema: pa.Schema, path: Path) -> None:
+    """Record batches of ``schema`` to ``path`` atomically, one Parquet row group each, as they are made: memory holds
+    one batch, not the whole table (a dataset writer closing over millions of rows). The writer allocates from the
+    system allocator, which hands freed pages back to malloc."""
+
+    def write(tmp: Path) -> None:
+        with pq.ParquetWriter(tmp, schema, memory_pool=pa.system_memory_pool()) as writer:
+            for batch in batches:
+                writer.write_batch(batch)
+
+    atomic_write(path, write)
 
 
 def read_manifest(path: str | os.PathLike) -> pd.DataFrame:

@@ -29,12 +29,11 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ml.data.manifest import write_parquet
 from ml.data.formats import RecordIOReader, decode_image, unpack_irheader
 from ml.errors import DataError
 
-__all__ = ["RECORDS_FILE", "FolderDataset", "RecordIODataset", "decode_all", "has_records", "recordio_dataset",
-           "write_records"]
+__all__ = ["RECORDS_FILE", "FolderDataset", "RecordIODataset", "RecordsWriter", "decode_all", "has_records",
+           "recordio_dataset"]
 
 RECORDS_FILE = "records.parquet"
 _META_REC, _META_SIZE = b"faceops.recordio", b"faceops.recordio_size"
@@ -130,14 +129,54 @@ def decode_all(dataset: Dataset, *, num_workers: int = 0, batch_size: int = 256)
 # --------------------------------------------------------------------------------------------------
 
 
-def write_records(dataset_dir: str | os.PathLike, paths: list[str], keys: list[int], rec_path: str | os.PathLike
-                  ) -> None:
-    """Write ``records.parquet`` into ``dataset_dir`` (atomically): manifest path → record key of ``rec_path``."""
-    rec_path = Path(rec_path).resolve()
-    table = pa.table({"path": pa.array(paths, pa.string()), "record": pa.array(keys, pa.int64())})
-    table = table.replace_schema_metadata({_META_REC: str(rec_path).encode(),
-                                           _META_SIZE: str(rec_path.stat().st_size).encode()})
-    write_parquet(table, Path(dataset_dir) / RECORDS_FILE)
+class RecordsWriter:
+    """Stream ``records.parquet`` into ``dataset_dir`` as faces are ingested: ``add(path, key)`` per face, ``close()``
+    at the end. Rows are written as Parquet row groups of ``rows_per_group``, so memory holds one group, not one
+    row per face of the whole RecordIO; the file appears under its name only on ``close`` (until then it is a hidden
+    temporary beside it, removed by ``abort``)."""
+
+    def __init__(self, dataset_dir: str | os.PathLike, rec_path: str | os.PathLike, *,
+                 rows_per_group: int = 8_192) -> None:
+        rec_path = Path(rec_path).resolve()
+        self.path = Path(dataset_dir) / RECORDS_FILE
+        self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        meta = {_META_REC: str(rec_path).encode(), _META_SIZE: str(rec_path.stat().st_size).encode()}
+        schema = pa.schema([("path", pa.string()), ("record", pa.int64())], metadata=meta)
+        # the system allocator hands freed pages back to malloc (Arrow's default pool keeps them: see
+        # ml.data.manifest.write_parquet)
+        self._pool = pa.system_memory_pool()
+        self._writer = pq.ParquetWriter(self._tmp, schema, memory_pool=self._pool)
+        self._paths: list[str] = []
+        self._keys: list[int] = []
+        self.rows_per_group = rows_per_group
+
+    def add(self, path: str, key: int) -> None:
+        self._paths.append(path)
+        self._keys.append(int(key))
+        if len(self._paths) >= self.rows_per_group:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._paths:
+            columns = [pa.array(self._paths, pa.string(), memory_pool=self._pool),
+                       pa.array(self._keys, pa.int64(), memory_pool=self._pool)]
+            self._writer.write_batch(pa.record_batch(columns, schema=self._writer.schema))
+            self._paths, self._keys = [], []
+
+    def close(self) -> None:
+        try:
+            self._flush()
+            self._writer.close()
+            os.replace(self._tmp, self.path)
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Drop what was written (a no-op after ``close``)."""
+        if self._writer.is_open:
+            self._writer.close()
+        self._tmp.unlink(missing_ok=True)
 
 
 def has_records(dataset_dir: str | os.PathLike) -> bool:
