@@ -1,4 +1,4 @@
-"""Paper claims at embedded scale, mean ± std over seeds: ``python -m experiments.claims [--seeds 0 1 2 3 4]``.
+"""Paper claims at embedded scale, mean ± std over runs: ``python -m experiments.claims [--data-seeds 0 1]``.
 
 1. KP-RPE (keypoint relative position bias) beats the plain ViT of the same size on misaligned procedural
    faces, and is not worse on aligned ones (KP-RPE paper, main claim). "Misaligned" = the aligned crop with
@@ -12,17 +12,20 @@
 
 Each arm trains on the same procedural identities and is scored by 10-fold verification accuracy (flip TTA)
 on 6,000 pairs (half genuine, none repeated) of 150 held-out identities. Keypoints are the generator's exact
-landmarks. Statistics: per seed (the seed changes initialisation, data order and augmentation; the data are
-fixed), mean ± sample std (ddof 1), and each arm against the claim's reference arm as paired per-seed differences
-(mean ± sample std and how many seeds were higher).
+landmarks. Every arm runs once per (data seed, seed): the seed changes initialisation, data order and augmentation,
+the data seed (``--data-seeds``) the identities rendered and the pairs drawn. Statistics: mean ± sample std (ddof 1)
+over the runs, the same per data seed, and each arm against the claim's reference arm as paired per-run differences
+(mean ± sample std and how many runs were higher).
 
-KP-RPE arms: ``vit_tiny_kprpe`` at the backbone's lr (``keypoint_lr_scale`` 1) and with the zero-initialised
-keypoint map at ``Scale.keypoint_lr_scale`` × lr (its own optimiser group, ``fr.keypoint_lr_scale``). The
-**keypoint-swap diagnostic** scores every KP-RPE model a second time with each test face's keypoints replaced by
-the mean keypoints of the test set (one template for all): if accuracy does not move, the model does not use the
-keypoints and is a ViT with a fixed bias.
+KP-RPE's arms train with the paper's recipe (AdaFace m 0.4, h 0.333, 3 warmup epochs; ``KPRPE_RECIPE``, where ArcFace
+collapses on these faces) for ``Scale.kprpe_epochs``: ``vit_tiny`` and ``vit_tiny_kprpe`` (and, with
+``--keypoint-lr-scale s``, the zero-initialised keypoint map at s × lr in its own optimiser group). Two diagnostics
+tell whether a KP-RPE model uses the keypoints: the **keypoint swap** scores it a second time with each test face's
+keypoints replaced by the mean keypoints of the test set (if accuracy does not move, it is a ViT with a learned
+relative-position bias), and the **bias spread** compares how much its attention-bias tables vary over faces (the
+keypoint part) with how much they vary over query tokens (the position part).
 
-Writes ``reports/claims.md`` and ``metrics/claims.json`` (per-seed lists); every number is measured in the run
+Writes ``reports/claims.md`` and ``metrics/claims.json`` (per-run lists); every number is measured in the run
 that writes them.
 """
 
@@ -35,6 +38,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -54,13 +58,21 @@ class Scale:
     test_identities: int = 150
     test_images_per_identity: int = 8
     pairs: int = 6000
-    epochs: int = 10
+    epochs: int = 10  # LVFace's arms (ArcFace and its variants)
+    kprpe_epochs: int = 25  # KP-RPE's arms, with the paper's AdaFace and 3 warmup epochs (KPRPE_RECIPE)
     image_size: int = 64
-    keypoint_lr_scale: float = 10.0  # the KP-RPE arm "kprpe ×s": keypoint map at s × lr
+    keypoint_lr_scale: float = 1.0  # ≠ 1 adds the KP-RPE arm "kprpe ×s": keypoint map at s × lr
     noisy_identities: int = 1000  # LVFace's "noisy" condition: many identities, few images, wrong labels
     noisy_images_per_identity: int = 3
     label_noise: float = 0.15  # share of the noisy condition's training labels moved to another identity
 
+
+# The KP-RPE paper's recipe (Table 6: AdaFace m 0.4, h 0.333, 3 warmup epochs). ArcFace (m 0.5) on these 1,800
+# misaligned faces collapses when trained longer: at 40 epochs its training accuracy rose to 5 % by epoch 3, then fell
+# to chance (0.7 %) while the loss kept falling (22 → 10.6), a verification accuracy of 48.9 %. Its θ + m > π
+# fallback charges a target at θ ≈ π only m·sin m = 0.24 against sin m = 0.48 at θ = π/2, so moving every feature
+# away from every class centre lowers the loss. AdaFace reached 74.4 % and CosFace 75.1 % in the same 40 epochs.
+KPRPE_RECIPE = {"margin": "adaface", "warmup_epochs": 3.0}
 
 CONDITIONS = {
     "aligned": {"aligned": True},
@@ -142,7 +154,23 @@ def score(cfg: FRConfig, data: dict[str, np.ndarray]) -> dict[str, float]:
     out = {"accuracy": accuracy(data["tkp"]), "seconds": float(res.seconds)}
     if needs_keypoints(res.model):
         out["template_accuracy"] = accuracy(np.broadcast_to(data["tkp"].mean(0), data["tkp"].shape).copy())
+        out.update(bias_spread(res.model, data["tkp"]))
     return out
+
+
+def bias_spread(model: Any, keypoints: np.ndarray) -> dict[str, float]:
+    """How much of a KP-RPE model's attention bias depends on the keypoints: ``keypoint_bias_std``, the std over faces
+    of each bias-table entry (layer, head, query token, offset bucket), averaged, against ``position_bias_std``, the
+    std over query tokens of the face-averaged table. The Linear is affine in ``D_i = p_i − k``, so the keypoint part
+    ``−A·k`` is one table over offset buckets per face, shared by every query token: it can reweight offsets
+    (a face seen larger or turned), not move attention to where a shifted feature now lies."""
+    import torch
+
+    with torch.no_grad():
+        kp = torch.from_numpy(np.ascontiguousarray(keypoints[:1024], dtype=np.float32)) / model.img_size
+        tables = model.kprpe.tables(kp)  # (L, B, H, T, buckets)
+    return {"keypoint_bias_std": float(tables.std(dim=1).mean()),
+            "position_bias_std": float(tables.mean(dim=1).std(dim=2).mean())}
 
 
 def mean_std(values: list[float]) -> dict[str, float]:
@@ -159,16 +187,19 @@ def paired(arm: list[float], reference: list[float]) -> dict[str, float]:
 
 def run_claims(seeds: list[int], scale: Scale, only: str | None = None,
                conditions: tuple[str, ...] = ("aligned", "misaligned"),
-               lvface_conditions: tuple[str, ...] = ("aligned", "noisy")) -> dict:
+               lvface_conditions: tuple[str, ...] = ("aligned", "noisy"), data_seeds: tuple[int, ...] = (0,)) -> dict:
+    """Every arm of every claim and condition once per (data seed, seed). Per arm: ``accuracy`` (one per run, data
+    seed major) and ``runs`` ([data seed, seed] of each), mean ± sample std over the runs, ``by_data_seed`` (mean ±
+    std over the seeds of each data seed), and against the claim's first arm the paired per-run difference."""
     base = FRConfig(backbone="vit_tiny", epochs=scale.epochs, batch_size=64)
-    kprpe = dataclasses.replace(base, backbone="vit_tiny_kprpe")
+    vit = dataclasses.replace(base, epochs=scale.kprpe_epochs, **KPRPE_RECIPE)
+    kprpe = dataclasses.replace(vit, backbone="vit_tiny_kprpe")
+    kprpe_arms = {"vit_tiny": vit, "vit_tiny_kprpe": kprpe}
+    if scale.keypoint_lr_scale != 1.0:
+        kprpe_arms[f"vit_tiny_kprpe ×{scale.keypoint_lr_scale:g}"] = dataclasses.replace(
+            kprpe, keypoint_lr_scale=scale.keypoint_lr_scale)
     arms = {
-        "kprpe": {
-            cond: {"vit_tiny": base, "vit_tiny_kprpe": kprpe,
-                   f"vit_tiny_kprpe ×{scale.keypoint_lr_scale:g}": dataclasses.replace(
-                       kprpe, keypoint_lr_scale=scale.keypoint_lr_scale)}
-            for cond in conditions
-        },
+        "kprpe": {cond: kprpe_arms for cond in conditions},
         "lvface": {
             cond: {
                 "arcface": base,
@@ -180,7 +211,8 @@ def run_claims(seeds: list[int], scale: Scale, only: str | None = None,
     }
     results: dict = {}
     wanted = {*(conditions if only != "lvface" else ()), *(lvface_conditions if only != "kprpe" else ())}
-    splits = {cond: make_split(cond, scale) for cond in wanted}
+    splits = {(cond, d): make_split(cond, scale, seed=d) for cond in wanted for d in data_seeds}
+    runs_of = [(d, seed) for d in data_seeds for seed in seeds]
     for claim, conditions in arms.items():
         if only and claim != only:
             continue
@@ -188,12 +220,15 @@ def run_claims(seeds: list[int], scale: Scale, only: str | None = None,
             reference = None
             for name, cfg in models.items():
                 runs = []
-                for seed in seeds:
-                    runs.append(score(dataclasses.replace(cfg, seed=seed), splits[cond]))
-                    log.info("%s/%s/%s seed %d: %s", claim, cond, name, seed,
+                for d, seed in runs_of:
+                    runs.append(score(dataclasses.replace(cfg, seed=seed), splits[cond, d]))
+                    log.info("%s/%s/%s data %d seed %d: %s", claim, cond, name, d, seed,
                              {k: round(v, 4) for k, v in runs[-1].items()})
                 accs = [r["accuracy"] for r in runs]
-                entry = {"accuracy": accs, **mean_std(accs), "seeds": list(seeds), "pairs": scale.pairs,
+                entry = {"accuracy": accs, **mean_std(accs), "seeds": list(seeds), "data_seeds": list(data_seeds),
+                         "runs": [list(r) for r in runs_of], "pairs": scale.pairs,
+                         "by_data_seed": {str(d): mean_std([a for (dd, _), a in zip(runs_of, accs) if dd == d])
+                                          for d in data_seeds},
                          "train_seconds": float(np.mean([r["seconds"] for r in runs]))}
                 if reference is None:
                     reference = accs
@@ -203,6 +238,8 @@ def run_claims(seeds: list[int], scale: Scale, only: str | None = None,
                     swapped = [r["template_accuracy"] for r in runs]
                     entry["template_accuracy"] = swapped
                     entry["swap"] = paired(accs, swapped)  # what the true keypoints add over one template
+                    for key in ("keypoint_bias_std", "position_bias_std"):
+                        entry[key] = [r[key] for r in runs]
                 results.setdefault(claim, {}).setdefault(cond, {})[name] = entry
     return results
 
@@ -211,28 +248,41 @@ def render(results: dict, seeds: list[int], scale: Scale) -> str:
     lines = [
         "# Paper claims at embedded scale",
         "",
-        f"Measured by `python -m experiments.claims` on {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}, "
-        f"seeds {seeds}. Verification accuracy (10-fold, flip TTA) on {scale.pairs} pairs of "
-        f"{scale.test_identities} held-out procedural identities; training on {scale.train_identities} identities × "
-        f"{scale.images_per_identity} images at {scale.image_size}×{scale.image_size} (condition noisy: "
-        f"{scale.noisy_identities} aligned identities × {scale.noisy_images_per_identity} images, "
-        f"{100 * scale.label_noise:g} % of the labels moved to another identity), {scale.epochs} epochs, "
-        "`vit_tiny` dims for every arm; conditions: " + ", ".join(f"{k} = {v}" for k, v in CONDITIONS.items()) +
-        ". Mean ± std over seeds (the seed changes initialisation, data order and "
-        "augmentation; the data are fixed), sample std (ddof 1). \"vs first arm\": paired per-seed difference to "
-        "the first arm of the same claim and condition, mean ± std, and the seeds where it was higher. \"keypoint "
-        "swap\": a KP-RPE model's accuracy with its true test keypoints minus with one mean template for every face "
-        "(≈ 0: the keypoints are not used).",
+        f"Measured by `python -m experiments.claims` on {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}; "
+        "each row lists its own seeds and data seeds. Verification accuracy (10-fold, flip TTA) on "
+        f"{scale.pairs} pairs of {scale.test_identities} held-out procedural identities; training on "
+        f"{scale.train_identities} identities × {scale.images_per_identity} images at {scale.image_size}×"
+        f"{scale.image_size} (condition noisy: {scale.noisy_identities} aligned identities × "
+        f"{scale.noisy_images_per_identity} images, {100 * scale.label_noise:g} % of the labels moved to another "
+        "identity), `vit_tiny` dims for every arm. KP-RPE's arms: the paper's recipe (AdaFace m 0.4, h 0.333, 3 "
+        f"warmup epochs), {scale.kprpe_epochs} epochs; LVFace's: ArcFace and its variants, {scale.epochs} epochs. "
+        "Conditions: " + ", ".join(f"{k} = {v}" for k, v in CONDITIONS.items()) + ". Mean ± sample std (ddof 1) "
+        "over the runs, one per (data seed, seed): the seed changes initialisation, data order and augmentation, "
+        "the data seed the identities rendered and the pairs drawn; \"per data seed\": the mean ± std over the seeds "
+        "of each data seed. \"vs first arm\": paired per-run difference to the first arm of the same claim and "
+        "condition, mean ± std, and the runs where it was higher. \"keypoint swap\": a KP-RPE model's accuracy with "
+        "its true test keypoints minus with one mean template for every face (≈ 0: the keypoints are not used); "
+        "\"bias std\": of its attention-bias tables, the std over faces (what the keypoints change) / the std over "
+        "query tokens (what position changes), in logits, mean over runs.",
         "",
-        "| claim | condition | arm | accuracy | per seed | vs first arm (pp) | keypoint swap (pp) | train s/run | "
-        "seeds × pairs |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| claim | condition | arm | accuracy | per data seed | per run | vs first arm (pp) | keypoint swap (pp) | "
+        "bias std: keypoints / position | train s/run | runs × pairs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def measured(r: dict) -> str:  # rows kept from an earlier run (``--only`` the other claim) say so
         if "seeds" not in r:
             return f"{len(r['accuracy'])} × 1,200, earlier run (population std)"
-        return f"{len(r['seeds'])} × {r['pairs']:,}"
+        return f"{len(r['accuracy'])} × {r['pairs']:,}"
+
+    def by_data(r: dict) -> str:
+        per = r.get("by_data_seed") or {"0": {"mean": r["mean"], "std": r["std"]}}  # older rows: one data seed
+        return ", ".join(f"{d}: {100 * v['mean']:.2f} ± {100 * v['std']:.2f}" for d, v in per.items())
+
+    def spread(r: dict) -> str:
+        if "keypoint_bias_std" not in r:
+            return "—"
+        return f"{np.mean(r['keypoint_bias_std']):.3f} / {np.mean(r['position_bias_std']):.3f}"
 
     def pp(d: dict | None) -> str:
         if d is None:
@@ -243,10 +293,11 @@ def render(results: dict, seeds: list[int], scale: Scale) -> str:
         for cond, arms in conds.items():
             for arm, r in arms.items():
                 lines.append(f"| {claim} | {cond} | `{arm}` | {100 * r['mean']:.2f} ± {100 * r['std']:.2f} % | "
-                             f"{', '.join(f'{100 * a:.1f}' for a in r['accuracy'])} | {pp(r.get('paired'))} | "
-                             f"{pp(r.get('swap'))} | {r['train_seconds']:.0f} | {measured(r)} |")
+                             f"{by_data(r)} | {', '.join(f'{100 * a:.1f}' for a in r['accuracy'])} | "
+                             f"{pp(r.get('paired'))} | {pp(r.get('swap'))} | {spread(r)} | "
+                             f"{r['train_seconds']:.0f} | {measured(r)} |")
     lines += ["", "A difference holds beyond noise when its paired mean exceeds twice its standard error "
-              "(std / √seeds) and the seeds agree in sign.", ""]
+              "(std / √runs) and the runs agree in sign.", ""]
     return "\n".join(lines)
 
 
@@ -254,10 +305,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m experiments.claims", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
-    parser.add_argument("--epochs", type=int, default=Scale.epochs)
+    parser.add_argument("--data-seeds", type=int, nargs="+", default=[0],
+                        help="procedural identities and pairs: each arm runs once per (data seed, seed)")
+    parser.add_argument("--epochs", type=int, default=Scale.epochs, help="LVFace's arms")
+    parser.add_argument("--kprpe-epochs", type=int, default=Scale.kprpe_epochs, help="KP-RPE's arms")
     parser.add_argument("--pairs", type=int, default=Scale.pairs, help="verification pairs (half genuine)")
     parser.add_argument("--keypoint-lr-scale", type=float, default=Scale.keypoint_lr_scale,
-                        help="the keypoint map's lr multiple in the third KP-RPE arm")
+                        help="≠ 1: a third KP-RPE arm with the keypoint map at this multiple of the lr")
     parser.add_argument("--only", choices=["kprpe", "lvface"], default=None)
     parser.add_argument("--conditions", nargs="+", choices=list(CONDITIONS), default=["aligned", "misaligned"],
                         help="KP-RPE's face conditions")
@@ -267,10 +321,11 @@ def main() -> None:
                         help="share of wrong training labels in LVFace's noisy condition")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    scale = Scale(epochs=args.epochs, pairs=args.pairs, keypoint_lr_scale=args.keypoint_lr_scale,
-                  label_noise=args.label_noise)
+    scale = Scale(epochs=args.epochs, kprpe_epochs=args.kprpe_epochs, pairs=args.pairs,
+                  keypoint_lr_scale=args.keypoint_lr_scale, label_noise=args.label_noise)
     start = time.perf_counter()
-    results = run_claims(args.seeds, scale, args.only, tuple(args.conditions), tuple(args.lvface_conditions))
+    results = run_claims(args.seeds, scale, args.only, tuple(args.conditions), tuple(args.lvface_conditions),
+                         tuple(args.data_seeds))
     write_results(results, args.seeds, scale, ROOT, keep_others=bool(args.only))
     log.info("done in %.0fs → reports/claims.md", time.perf_counter() - start)
 

@@ -50,27 +50,31 @@ def test_statistics_are_sample_std_and_paired_per_seed():
 
 @pytest.mark.slow
 def test_claims_flow_writes_report_numbers_and_an_mlflow_run(tmp_path, monkeypatch):
-    """One seed, one epoch, the misaligned condition: three KP-RPE arms, each with its per-seed accuracy; the KP-RPE
-    arms carry the keypoint-swap numbers; the report and the MLflow run hold the same means."""
+    """One seed on two data seeds, one epoch, the misaligned condition: the ViT and KP-RPE arms, each with its per-run
+    accuracy and per-data-seed means; the KP-RPE arm carries the keypoint-swap numbers; the report and the MLflow run
+    hold the same means."""
     import mlflow
 
     from flows.experiments import paper_claims
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    out = paper_claims(seeds=[0], only="kprpe", conditions=["misaligned"], epochs=1, pairs=400,
-                       out_dir=str(tmp_path))
+    out = paper_claims(seeds=[0], only="kprpe", conditions=["misaligned"], data_seeds=[0, 1], kprpe_epochs=1,
+                       pairs=400, out_dir=str(tmp_path))
     results = json.loads((tmp_path / "metrics" / "claims.json").read_text())
     arms = results["kprpe"]["misaligned"]
-    assert list(arms) == ["vit_tiny", "vit_tiny_kprpe", "vit_tiny_kprpe ×10"]
+    assert list(arms) == ["vit_tiny", "vit_tiny_kprpe"]
     assert "swap" not in arms["vit_tiny"] and "paired" not in arms["vit_tiny"]
-    for name in ("vit_tiny_kprpe", "vit_tiny_kprpe ×10"):
-        r = arms[name]
-        assert len(r["accuracy"]) == len(r["template_accuracy"]) == 1
-        assert r["swap"]["mean"] == pytest.approx(r["accuracy"][0] - r["template_accuracy"][0])
-        assert r["paired"]["mean"] == pytest.approx(r["accuracy"][0] - arms["vit_tiny"]["accuracy"][0])
+    vit, kp = arms["vit_tiny"], arms["vit_tiny_kprpe"]
+    assert kp["runs"] == [[0, 0], [1, 0]] and len(kp["accuracy"]) == len(kp["template_accuracy"]) == 2
+    assert kp["by_data_seed"]["1"]["mean"] == pytest.approx(kp["accuracy"][1])
+    assert kp["mean"] == pytest.approx(np.mean(kp["accuracy"]))
+    assert kp["swap"]["mean"] == pytest.approx(np.mean(np.subtract(kp["accuracy"], kp["template_accuracy"])))
+    assert kp["paired"]["mean"] == pytest.approx(np.mean(np.subtract(kp["accuracy"], vit["accuracy"])))
+    assert kp["paired"]["seeds"] == 2
+    assert len(kp["keypoint_bias_std"]) == 2 and all(v >= 0 for v in kp["keypoint_bias_std"])
     report = (tmp_path / "reports" / "claims.md").read_text()
-    assert "keypoint swap" in report and f"{100 * arms['vit_tiny']['mean']:.2f}" in report
+    assert "keypoint swap" in report and f"{100 * vit['mean']:.2f}" in report
+    assert f"1: {100 * kp['by_data_seed']['1']['mean']:.2f}" in report
     run = mlflow.get_run(out["mlflow_run"])
-    assert run.data.metrics["kprpe/misaligned/vit_tiny/mean"] == pytest.approx(arms["vit_tiny"]["mean"])
-    assert run.data.metrics["kprpe/misaligned/vit_tiny_kprpe/swap_mean"] == pytest.approx(
-        arms["vit_tiny_kprpe"]["swap"]["mean"])
+    assert run.data.metrics["kprpe/misaligned/vit_tiny/mean"] == pytest.approx(vit["mean"])
+    assert run.data.metrics["kprpe/misaligned/vit_tiny_kprpe/swap_mean"] == pytest.approx(kp["swap"]["mean"])
