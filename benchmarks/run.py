@@ -88,8 +88,8 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "ingest_recordio": (
         "benchmarks.bench_ingest:bench_ingest_recordio",
         "real-data ingest of a generated RecordIO (112×112 JPEG payloads → 64×64 train/held-out/discovery + real.bin): "
-        "seconds and peak RSS at 10k and 100k images",
-        "peak RSS flat from 10k to 100k",
+        "seconds and peak RSS at 10k, 100k and 500k images",
+        "peak RSS flat from 10k to 500k",
     ),
     "decode_augment_112": (
         "benchmarks.bench_decode:bench_decode_augment_112",
