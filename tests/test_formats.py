@@ -403,6 +403,9 @@ def test_recordio_bad_idx_line(tmp_path):
     (tmp_path / "b.idx").write_text("0\t0\nbogus line\n")
     with pytest.raises(DataError, match=r"b\.idx: line 2"):
         RecordIOReader(tmp_path / "b.rec")
+    (tmp_path / "b.idx").write_text("0\t0\n1\t99999999999999999999\n")  # past int64: corrupt, not a crash
+    with pytest.raises(DataError, match=r"b\.idx: line 2 holds a key or offset beyond 2\^63"):
+        RecordIOReader(tmp_path / "b.rec")
 
 
 def test_recordio_index_duplicate_key_names_both_lines_and_unknown_key_is_refused(tmp_path):

@@ -116,8 +116,8 @@ def unpack_irheader(payload: bytes, *, source: str = "record") -> tuple[IRHeader
 
 
 class _Index:
-    """A ``.idx`` as two int64 arrays (16 bytes a record, where a dict of Python ints took about 130): ``keys`` in file
-    order and the ``offset`` of each; lookups by binary search over a sorted copy."""
+    """A ``.idx`` as int64 arrays (32 bytes a record, where a dict of Python ints took about 130): ``keys`` in file
+    order and the ``offset`` of each; lookups by binary search over a sorted copy of the keys."""
 
     def __init__(self, idx_path: Path) -> None:
         keys, offsets = array("q"), array("q")
@@ -130,8 +130,12 @@ class _Index:
                 if len(parts) != 2 or not all(p.isdigit() for p in parts):
                     raise DataError(f"{idx_path}: line {lineno} is {line!r}, expected 'key<TAB>offset' with "
                                     "non-negative integers; rebuild the .idx from the .rec")
-                keys.append(int(parts[0]))
-                offsets.append(int(parts[1]))
+                try:
+                    keys.append(int(parts[0]))
+                    offsets.append(int(parts[1]))
+                except OverflowError:
+                    raise DataError(f"{idx_path}: line {lineno} holds a key or offset beyond 2^63 ({line!r}); the "
+                                    "index is corrupt: rebuild the .idx from the .rec") from None
         if not keys:
             raise DataError(f"{idx_path}: index is empty; rebuild it from the .rec")
         self.keys = np.frombuffer(keys, dtype=np.int64)  # (N,) file order
