@@ -171,3 +171,6 @@ def test_records_writer_streams_row_groups_and_leaves_nothing_when_aborted(tmp_p
         aborted.add(f"images/a/{i}.png", i)
     aborted.abort()
     assert list(other.iterdir()) == []
+    with pytest.raises(DataError, match=r"gone\.rec: RecordIO file not found"):
+        RecordsWriter(other, tmp_path / "gone.rec")
+    assert list(other.iterdir()) == []

@@ -140,6 +140,8 @@ class RecordsWriter:
         rec_path = Path(rec_path).resolve()
         self.path = Path(dataset_dir) / RECORDS_FILE
         self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        if not rec_path.is_file():
+            raise DataError(f"{rec_path}: RecordIO file not found; fix data.ingest_recordio")
         meta = {_META_REC: str(rec_path).encode(), _META_SIZE: str(rec_path.stat().st_size).encode()}
         schema = pa.schema([("path", pa.string()), ("record", pa.int64())], metadata=meta)
         # the system allocator hands freed pages back to malloc (Arrow's default pool keeps them: see
