@@ -71,7 +71,8 @@ class Scale:
 # misaligned faces collapses when trained longer: at 40 epochs its training accuracy rose to 5 % by epoch 3, then fell
 # to chance (0.7 %) while the loss kept falling (22 → 10.6), a verification accuracy of 48.9 %. Its θ + m > π
 # fallback charges a target at θ ≈ π only m·sin m = 0.24 against sin m = 0.48 at θ = π/2, so moving every feature
-# away from every class centre lowers the loss. AdaFace reached 74.4 % and CosFace 75.1 % in the same 40 epochs (seed 0).
+# away from every class centre lowers the loss. AdaFace reached 74.4 % and CosFace 75.1 % in the same 40 epochs
+# (seed 0).
 KPRPE_RECIPE = {"margin": "adaface", "warmup_epochs": 3.0}
 
 CONDITIONS = {
