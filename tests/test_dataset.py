@@ -129,6 +129,7 @@ def test_writer_streams_the_manifest_in_row_groups_with_the_same_rows(tmp_path, 
     assert [None if v is None else v.tolist() for v in groups] == [None if v is None else v.tolist() for v in
                                                                    whole["landmarks"]]
     assert read_dataset_info(out)["digest"] == read_dataset_info(tmp_path / "whole")["digest"] == dataset_digest(out)
+    assert sorted(p.name for p in out.iterdir()) == ["dataset.json", "images", "manifest.parquet"]  # rows not kept
 
 
 def test_writer_digest_sorts_like_the_paths(tmp_path):

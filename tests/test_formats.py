@@ -422,6 +422,22 @@ def test_recordio_index_duplicate_key_names_both_lines_and_unknown_key_is_refuse
         RecordIOReader(tmp_path / "d.rec")
 
 
+def test_recordio_index_out_of_key_order_reads_each_key(tmp_path):
+    """An ``.idx`` need not be in key order (the reader searches a sorted copy then): every key reads its record."""
+    images = _images(4)
+    write_recordio(tmp_path / "o.rec", images, [0, 1, 2, 3], image_format="png")
+    idx = tmp_path / "o.idx"
+    in_order = idx.read_text().splitlines()
+    with RecordIOReader(tmp_path / "o.rec") as reader:
+        expected = {key: reader.read_raw(key) for key in reader.keys}
+    idx.write_text("\n".join(in_order[::-1]) + "\n")
+    with RecordIOReader(tmp_path / "o.rec") as reader:
+        assert reader.keys == sorted(expected, reverse=True)
+        assert {key: reader.read_raw(key) for key in reader.keys} == expected
+        with pytest.raises(DataError, match=r"o\.rec: key 99 is not in o\.idx"):
+            reader.read_raw(99)
+
+
 def test_write_recordio_is_atomic_on_bad_input(tmp_path):
     rec = tmp_path / "x.rec"
     write_recordio(rec, _images(2), [0, 1], image_format="png")

@@ -27,11 +27,9 @@ annotation changes and not when rows are reordered.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import logging
 import math
-import mmap
 import os
 import shutil
 from collections.abc import Iterable
@@ -254,35 +252,50 @@ def _check_identity(identity: Any) -> str:
     return identity
 
 
-class _Column:
-    """Rows of ``width`` values of one dtype, appended one at a time into anonymous memory (``mmap``) that doubles
-    when full; a replaced or dropped buffer goes back to the OS at once. (Arrays grown by realloc on the malloc heap
-    left it fragmented: about 80 bytes per image more stayed resident after the writer had closed.)"""
+_ROW = np.dtype([  # one image's manifest values as DatasetWriter spills them (the path and labels come at close)
+    ("code", "<i4"), ("split", "<i4"), ("height", "<i4"), ("width", "<i4"), ("sha", "u1", (32,)),
+    ("quality", "<f8"), ("template", "<i8"), ("media", "<i8"), ("known", "u1"),
+    ("landmarks", "<f4", (2 * NUM_LANDMARKS,)),
+])
 
-    def __init__(self, dtype: Any, width: int = 1) -> None:
-        self.dtype, self.width, self.n = np.dtype(dtype), width, 0
-        self._rows = self._allocate(256)
 
-    def _allocate(self, capacity: int) -> np.ndarray:  # (capacity, width); the map lives while a view of it does
-        buffer = mmap.mmap(-1, capacity * self.width * self.dtype.itemsize)
-        return np.frombuffer(buffer, dtype=self.dtype).reshape(capacity, self.width)
+class _RowFile:
+    """Fixed-size rows (``_ROW``) appended to a file a buffer at a time and read back a block or a row at a time:
+    the writer keeps no per-image memory while it writes (the file is in the page cache, not the process)."""
 
-    def append(self, row: Any) -> None:
-        if self.n == len(self._rows):
-            grown = self._allocate(2 * self.n)
-            grown[: self.n] = self._rows
-            self._rows = grown
-        self._rows[self.n] = row
+    def __init__(self, path: Path, buffer_rows: int = 4096) -> None:
+        self.path, self.n = path, 0
+        self._file = path.open("w+b")
+        self._buffer = np.zeros(buffer_rows, dtype=_ROW)
+        self._pending = 0
+
+    def append(self, row: tuple) -> None:
+        self._buffer[self._pending] = row
+        self._pending += 1
         self.n += 1
+        if self._pending == len(self._buffer):
+            self.flush()
+
+    def flush(self) -> None:
+        self._file.write(self._buffer[: self._pending].tobytes())
+        self._file.flush()
+        self._pending = 0
 
     def __len__(self) -> int:
         return self.n
 
-    @property
-    def values(self) -> np.ndarray:
-        """(n, width), or (n,) when the width is 1: a view, valid until the next append."""
-        rows = self._rows[: self.n]
-        return rows.reshape(-1) if self.width == 1 else rows
+    def blocks(self, size: int) -> Iterable[np.ndarray]:
+        """Rows in order, ``size`` at a time (call after :meth:`flush`)."""
+        self._file.seek(0)
+        for lo in range(0, self.n, size):
+            yield np.fromfile(self._file, dtype=_ROW, count=min(size, self.n - lo))
+
+    def row(self, r: int) -> np.void:
+        return np.frombuffer(os.pread(self._file.fileno(), _ROW.itemsize, r * _ROW.itemsize), dtype=_ROW)[0]
+
+    def close(self) -> None:
+        self._file.close()
+        self.path.unlink(missing_ok=True)
 
 
 def _image_path(identity: str, number: int) -> str:
@@ -302,7 +315,9 @@ class DatasetWriter:
     Use as a context manager: an exception inside the ``with`` block removes the temporary directory and
     leaves any existing ``out_dir`` untouched; leaving the block normally calls :meth:`close`.
 
-    Until it closes the writer holds about 70 bytes per image (columns, not row objects) and nothing after.
+    Each image's manifest values go to a file in the temporary directory as it is added (a fixed-size row); the
+    writer's memory does not grow with the images: closing reads the rows back a row group at a time, and holds only
+    each image's identity code and the digest's path order (4 and 8 bytes per image) while it closes.
     """
 
     def __init__(self, out_dir: str | os.PathLike, *, name: str, source: str, aligned: bool,
@@ -331,20 +346,13 @@ class DatasetWriter:
         self._clear()
 
     def _clear(self) -> None:
-        """Empty per-image columns (about 70 bytes per image, no Python object per image); the manifest rows, their
-        paths and the digest lines are made from them only while closing."""
+        """Empty state; per image only the spilled row (``_RowFile``), per identity and split a code and a count."""
         self._identities: dict[str, int] = {}  # identity → code, in order of first appearance
         self._counts: list[int] = []           # images per identity code (the next image's file number)
         self._splits: dict[str, int] = {}      # split → code
-        self._code = _Column(np.int32)         # (N,) identity code of each image
-        self._split = _Column(np.int32)        # (N,) split code
-        self._size = _Column(np.int32, 2)      # (N, 2) height, width
-        self._sha = _Column(np.uint8, 32)      # (N, 32) sha256 of each PNG file
-        self._quality = _Column(np.float64)    # (N,) in [0, 1], NaN where unknown
-        self._template = _Column(np.int64)     # (N,) 0 where unknown (see _known)
-        self._media = _Column(np.int64)
-        self._known = _Column(np.uint8)        # (N,) bits _HAS_LANDMARKS | _HAS_TEMPLATE | _HAS_MEDIA
-        self._landmarks = _Column(np.float32, 2 * NUM_LANDMARKS)  # (images with landmarks, 10) x0, y0, ..., x4, y4
+        self._split_counts: list[int] = []     # images per split code
+        self._sizes: set[tuple[int, int]] = set()  # (height, width) seen, up to two
+        self._rows: _RowFile | None = None
 
     def add(self, image: np.ndarray, *, identity: str, split: str = "train", landmarks: Any = None,
             quality: float | None = None, template: int | None = None, media: int | None = None) -> str:
@@ -372,6 +380,8 @@ class DatasetWriter:
 
         rel = _image_path(identity, number)
         data = encode_image(image, "png")
+        if self._rows is None:
+            self._rows = _RowFile(self.tmp_dir / ".rows")
         file = self.tmp_dir / rel
         file.parent.mkdir(exist_ok=True)
         file.write_bytes(data)
@@ -379,17 +389,19 @@ class DatasetWriter:
             code = self._identities[identity] = len(self._counts)
             self._counts.append(0)
         self._counts[code] += 1
-        self._code.append(code)
-        self._split.append(self._splits.setdefault(split, len(self._splits)))
-        self._size.append(image.shape[:2])
-        self._sha.append(np.frombuffer(hashlib.sha256(data).digest(), dtype=np.uint8))
-        self._quality.append(math.nan if quality is None else float(quality))
-        self._template.append(0 if template is None else int(template))
-        self._media.append(0 if media is None else int(media))
-        self._known.append((_HAS_LANDMARKS if lm is not None else 0) | (_HAS_TEMPLATE if template is not None else 0)
-                           | (_HAS_MEDIA if media is not None else 0))
-        if lm is not None:
-            self._landmarks.append(lm)
+        split_code = self._splits.setdefault(split, len(self._splits))
+        if split_code == len(self._split_counts):
+            self._split_counts.append(0)
+        self._split_counts[split_code] += 1
+        if len(self._sizes) < 2:
+            self._sizes.add(image.shape[:2])
+        self._rows.append((
+            code, split_code, image.shape[0], image.shape[1], np.frombuffer(hashlib.sha256(data).digest(), np.uint8),
+            math.nan if quality is None else float(quality), 0 if template is None else int(template),
+            0 if media is None else int(media),
+            (_HAS_LANDMARKS if lm is not None else 0) | (_HAS_TEMPLATE if template is not None else 0)
+            | (_HAS_MEDIA if media is not None else 0),
+            0.0 if lm is None else lm))
         return rel
 
     def close(self) -> dict:
@@ -400,7 +412,7 @@ class DatasetWriter:
         if self._closed:
             raise RuntimeError(f"DatasetWriter for {self.out_dir} is already closed")
         try:
-            if not len(self._code):
+            if self._rows is None:
                 raise DataError(f"dataset {self.name!r}: no images were added; nothing to write to {self.out_dir}")
             info = self._finish()
         except BaseException:
@@ -413,22 +425,19 @@ class DatasetWriter:
         return info
 
     def _finish(self) -> dict:
-        n = len(self._code)
+        rows = self._rows
+        rows.flush()
+        n = len(rows)
         names = list(self._identities)  # by code
         label_of = np.empty(len(names), dtype=np.int64)  # code → label, 0..K-1 by sorted identity
         label_of[sorted(range(len(names)), key=names.__getitem__)] = np.arange(len(names))
-        codes, split_codes, known = self._code.values, self._split.values, self._known.values
-        sizes = self._size.values.astype(np.int64)  # (N, 2) height, width
-        has_lm = (known & _HAS_LANDMARKS) > 0
-        lm_offsets = np.zeros(n + 1, dtype=np.int32)  # (N + 1,) row r's landmarks in the flattened column
-        np.cumsum(has_lm, out=lm_offsets[1:])
-        lm_offsets *= 2 * NUM_LANDMARKS
+        codes = np.empty(n, dtype=np.int32)  # (N,) identity code of each row, for the digest's path order
+        seen = [0] * len(names)  # next file number per identity code, in row order
 
-        def paths() -> Iterable[str]:  # in row order
-            seen = [0] * len(names)
-            for code in codes:
-                yield _image_path(names[code], seen[code])
-                seen[code] += 1
+        def paths(block_codes: np.ndarray) -> Iterable[str]:
+            for code in block_codes.tolist():
+                seen[code] += 1  # before the yield: the consumer stops at the block's last path
+                yield _image_path(names[code], seen[code] - 1)
 
         pool = pa.system_memory_pool()  # freed to malloc, reusable by numpy and Python (see write_parquet)
 
@@ -441,57 +450,59 @@ class DatasetWriter:
         identities, splits = column(names, type=pa.string()), column(list(self._splits), type=pa.string())
         source = pa.scalar(self.source, type=pa.string())
         landmark_type = SCHEMA.field("landmarks").type
-        row_paths = paths()
 
-        def chunk(lo: int, hi: int) -> pa.RecordBatch:  # manifest rows lo..hi-1
-            sl = slice(lo, hi)
-            offsets = lm_offsets[lo:hi + 1] - lm_offsets[lo]
-            flat = self._landmarks.values.reshape(-1)[lm_offsets[lo]:lm_offsets[hi]]
-            arrays = [
-                column(itertools.islice(row_paths, hi - lo), type=pa.string(), size=hi - lo),
-                lookup(identities, codes[sl]),
-                column(label_of[codes[sl]]),
-                lookup(splits, split_codes[sl]),
-                pa.repeat(source, hi - lo, memory_pool=pool),
-                pa.ListArray.from_arrays(column(offsets), column(flat), type=landmark_type, mask=column(~has_lm[sl]),
-                                         pool=pool),
-                column(self._quality.values[sl], type=pa.float64(), from_pandas=True),
-                column(self._template.values[sl], mask=(known[sl] & _HAS_TEMPLATE) == 0),
-                column(self._media.values[sl], mask=(known[sl] & _HAS_MEDIA) == 0),
-                column(np.ascontiguousarray(sizes[sl, 1])),
-                column(np.ascontiguousarray(sizes[sl, 0])),
-            ]
-            return pa.RecordBatch.from_arrays(arrays, schema=SCHEMA)
+        def batches() -> Iterable[pa.RecordBatch]:  # manifest rows a row group at a time
+            lo = 0
+            for block in rows.blocks(_ROW_GROUP):
+                k, known = len(block), block["known"]
+                codes[lo:lo + k] = block["code"]
+                lo += k
+                has_lm = (known & _HAS_LANDMARKS) > 0
+                offsets = np.zeros(k + 1, dtype=np.int32)
+                np.cumsum(has_lm, out=offsets[1:])
+                offsets *= 2 * NUM_LANDMARKS
+                arrays = [
+                    column(paths(block["code"]), type=pa.string(), size=k),
+                    lookup(identities, block["code"]),
+                    column(label_of[block["code"]]),
+                    lookup(splits, block["split"]),
+                    pa.repeat(source, k, memory_pool=pool),
+                    pa.ListArray.from_arrays(column(offsets), column(block["landmarks"][has_lm].reshape(-1)),
+                                             type=landmark_type, mask=column(~has_lm), pool=pool),
+                    column(block["quality"], type=pa.float64(), from_pandas=True),
+                    column(block["template"], mask=(known & _HAS_TEMPLATE) == 0),
+                    column(block["media"], mask=(known & _HAS_MEDIA) == 0),
+                    column(block["width"].astype(np.int64)),
+                    column(block["height"].astype(np.int64)),
+                ]
+                yield pa.RecordBatch.from_arrays(arrays, schema=SCHEMA)
 
-        write_parquet_batches((chunk(lo, min(lo + _ROW_GROUP, n)) for lo in range(0, n, _ROW_GROUP)), SCHEMA,
-                              self.tmp_dir / MANIFEST_FILE)
+        write_parquet_batches(batches(), SCHEMA, self.tmp_dir / MANIFEST_FILE)
         info = {
             "name": self.name,
             "source": self.source,
-            "image_size": sizes[0].tolist() if (sizes == sizes[0]).all() else None,
+            "image_size": list(next(iter(self._sizes))) if len(self._sizes) == 1 else None,
             "aligned": self.aligned,
             "identity_count": len(names),
             "image_count": n,
-            "splits": dict(sorted(zip(self._splits, np.bincount(split_codes, minlength=len(self._splits)).tolist()))),
+            "splits": dict(sorted(zip(self._splits, self._split_counts))),
             "generator": self.generator,
-            "digest": self._digest(names, label_of, lm_offsets // (2 * NUM_LANDMARKS)),
+            "digest": self._digest(names, label_of, codes),
             "created_by": "faceops",
         }
+        rows.close()  # the spilled rows are not part of the dataset
         (self.tmp_dir / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
         self._move_into_place()
         return info
 
-    def _digest(self, names: list[str], label_of: np.ndarray, lm_row: np.ndarray) -> str:
-        """:func:`dataset_digest` of the directory being written, from the columns (the values a reader of the
+    def _digest(self, names: list[str], label_of: np.ndarray, codes: np.ndarray) -> str:
+        """:func:`dataset_digest` of the directory being written, from the spilled rows (the values a reader of the
         manifest gets back: float32 landmarks, float64 quality, int64 template/media), streamed line by line.
 
         Rows sorted by path without building the paths: an identity's paths ``images/<identity>/...`` are
         contiguous in sorted order and ordered by ``<identity>/`` (an identity holds no ``/``); within one identity
         the file names ``<n>.png`` sort as strings (``1.png`` < ``10.png`` < ``2.png``)."""
-        sha, split_codes, known, sizes = self._sha.values, self._split.values, self._known.values, self._size.values
-        quality, template, media, landmarks = (self._quality.values, self._template.values, self._media.values,
-                                               self._landmarks.values)
-        by_identity = np.argsort(self._code.values, kind="stable")  # rows grouped by identity code, in file order
+        by_identity = np.argsort(codes, kind="stable")  # rows grouped by identity code, in file order
         starts = np.concatenate([[0], np.cumsum(self._counts)[:-1]]).tolist()
         splits = list(self._splits)
         name_order: dict[int, list[int]] = {}  # images of an identity → its file numbers in path order
@@ -500,17 +511,17 @@ class DatasetWriter:
             count = self._counts[code]
             if count not in name_order:
                 name_order[count] = sorted(range(count), key=lambda k: f"{k}.png")
-            rows = by_identity[starts[code]:starts[code] + count].tolist()  # file number k is rows[k]
+            at = by_identity[starts[code]:starts[code] + count].tolist()  # file number k is row at[k]
             for number in name_order[count]:
-                r = rows[number]
-                bits, q = int(known[r]), float(quality[r])
-                h.update(_digest_line(_image_path(names[code], number), sha[r].tobytes().hex(), (
-                    names[code], int(label_of[code]), splits[split_codes[r]], self.source,
-                    landmarks[lm_row[r]].tolist() if bits & _HAS_LANDMARKS else None,
+                row = self._rows.row(at[number])
+                bits, q = int(row["known"]), float(row["quality"])
+                h.update(_digest_line(_image_path(names[code], number), row["sha"].tobytes().hex(), (
+                    names[code], int(label_of[code]), splits[row["split"]], self.source,
+                    row["landmarks"].tolist() if bits & _HAS_LANDMARKS else None,
                     None if math.isnan(q) else q,
-                    int(template[r]) if bits & _HAS_TEMPLATE else None,
-                    int(media[r]) if bits & _HAS_MEDIA else None,
-                    int(sizes[r, 1]), int(sizes[r, 0]))))
+                    int(row["template"]) if bits & _HAS_TEMPLATE else None,
+                    int(row["media"]) if bits & _HAS_MEDIA else None,
+                    int(row["width"]), int(row["height"]))))
         return h.hexdigest()
 
     def _move_into_place(self) -> None:
@@ -535,6 +546,8 @@ class DatasetWriter:
     def abort(self) -> None:
         """Discard everything written so far; ``out_dir`` is left as it was."""
         self._closed = True
+        if self._rows is not None:
+            self._rows.close()
         self._clear()
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
 

@@ -116,8 +116,9 @@ def unpack_irheader(payload: bytes, *, source: str = "record") -> tuple[IRHeader
 
 
 class _Index:
-    """A ``.idx`` as int64 arrays (32 bytes a record, where a dict of Python ints took about 130): ``keys`` in file
-    order and the ``offset`` of each; lookups by binary search over a sorted copy of the keys."""
+    """A ``.idx`` as int64 arrays (16 bytes a record, 32 when the keys are out of order; a dict of Python ints took
+    about 130): ``keys`` in file order and the ``offset`` of each; lookups by binary search over the keys (a sorted
+    copy and its permutation when the file is not in key order)."""
 
     def __init__(self, idx_path: Path) -> None:
         keys, offsets = array("q"), array("q")
@@ -140,8 +141,11 @@ class _Index:
             raise DataError(f"{idx_path}: index is empty; rebuild it from the .rec")
         self.keys = np.frombuffer(keys, dtype=np.int64)  # (N,) file order
         self.offsets = np.frombuffer(offsets, dtype=np.int64)
-        self._order = np.argsort(self.keys, kind="stable")
-        self._sorted = self.keys[self._order]
+        if (self.keys[1:] > self.keys[:-1]).all():  # written in key order, as im2rec and write_recordio do
+            self._order, self._sorted = None, self.keys  # no copy: 16 bytes a record
+        else:
+            self._order = np.argsort(self.keys, kind="stable")
+            self._sorted = self.keys[self._order]
         repeated = np.flatnonzero(self._sorted[1:] == self._sorted[:-1])
         if len(repeated):
             key = int(self._sorted[repeated[0]])
@@ -155,7 +159,9 @@ class _Index:
     def offset(self, key: int) -> int | None:
         """The record's offset, None when ``key`` is not indexed."""
         at = int(np.searchsorted(self._sorted, key))
-        return int(self.offsets[self._order[at]]) if at < len(self._sorted) and self._sorted[at] == key else None
+        if at == len(self._sorted) or self._sorted[at] != key:
+            return None
+        return int(self.offsets[at if self._order is None else self._order[at]])
 
     def missing(self, keys: np.ndarray) -> np.ndarray:
         """The ``keys`` (int64) that are not indexed."""
