@@ -285,7 +285,8 @@ class _RowFile:
         return self.n
 
     def blocks(self, size: int) -> Iterable[np.ndarray]:
-        """Rows in order, ``size`` at a time (call after :meth:`flush`)."""
+        """Rows in order, ``size`` at a time (the buffer is written first, so :meth:`row` reads every row after)."""
+        self.flush()
         self._file.seek(0)
         for lo in range(0, self.n, size):
             yield np.fromfile(self._file, dtype=_ROW, count=min(size, self.n - lo))
@@ -426,7 +427,6 @@ class DatasetWriter:
 
     def _finish(self) -> dict:
         rows = self._rows
-        rows.flush()
         n = len(rows)
         names = list(self._identities)  # by code
         label_of = np.empty(len(names), dtype=np.int64)  # code → label, 0..K-1 by sorted identity
