@@ -8,6 +8,10 @@ code path it replaced, measured in one process so that only the ratio is read.
 - ``caface``: one CAFace training step of the embedded recipe (32 identities × 2 groups × every even prefix
   2..16, vit_tiny feature sizes) with every prefix padded to 16 in one masked cluster-network call (before)
   against one call per prefix length (``ClusterNetwork`` does this for any batch padded at the end).
+- bfloat16 autocast (``precision: auto`` where the CPU computes bfloat16 natively, ``bf16-mixed`` elsewhere) against
+  float32 for the UNet step above, for one FR step (``vit_tiny`` at 64 px, batch 128, ``fr.embedding_dim``, a
+  linear softmax head in float32 as the trainer's margin heads are) and for the CAFace step: ``*_bf16_ratio`` < 1
+  is what autocast saves; ``cpu_has_bf16`` says whether this CPU computes bfloat16 natively.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from ml.train.callbacks import cpu_has_bf16
 
 
 def _best_ms(step: Callable[[], Any], warmup: int, rounds: int, steps: int) -> float:
@@ -44,10 +50,10 @@ def _unet_steps(steps: int, rounds: int) -> dict:
     x0 = torch.randn(cfg.batch_size, cfg.model.in_channels, cfg.model.image_size, cfg.model.image_size, generator=g)
     ids = torch.randn(cfg.batch_size, 128, generator=g)
     out = {}
-    for name in ("loop", "fused"):
+    for name in ("loop", "fused", "bf16"):
         torch.manual_seed(0)
         module = GeneratorModule(IDConditionedUNet(cfg.model), cfg, steps_per_epoch=57, pixel=False)
-        if name == "fused":
+        if name != "loop":
             configured = module.configure_optimizers()
             optimizer = configured["optimizer"] if isinstance(configured, dict) else configured
 
@@ -61,8 +67,9 @@ def _unet_steps(steps: int, rounds: int) -> dict:
                 for key, value in module.model.state_dict().items():
                     state[key].mul_(0.99).add_(value, alpha=0.01)
 
-        def step() -> None:
-            loss = module.diffusion_loss(x0, ids, g)
+        def step(name: str = name) -> None:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name == "bf16"):
+                loss = module.diffusion_loss(x0, ids, g)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -71,7 +78,33 @@ def _unet_steps(steps: int, rounds: int) -> dict:
 
         out[name] = _best_ms(step, 3, rounds, steps)
     return {"unet_loop_ms": out["loop"], "unet_fused_ms": out["fused"], "unet_ratio": out["fused"] / out["loop"],
-            "unet_batch": cfg.batch_size}
+            "unet_bf16_ms": out["bf16"], "unet_bf16_ratio": out["bf16"] / out["fused"], "unet_batch": cfg.batch_size}
+
+
+def _fr_steps(steps: int, rounds: int) -> dict:
+    from ml.models.backbones import build_backbone
+    from ml.train.schedules import adamw
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(128, 3, 64, 64, generator=g)
+    y = torch.randint(0, 200, (128,), generator=g)
+    out = {}
+    for name in ("fp32", "bf16"):
+        torch.manual_seed(0)
+        backbone = build_backbone("vit_tiny", img_size=64, embed_dim=128)
+        head = torch.nn.Linear(128, 200)
+        optimizer = adamw([*backbone.parameters(), *head.parameters()], lr=1e-3, weight_decay=0.05)
+
+        def step(name: str = name) -> None:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name == "bf16"):
+                emb = backbone(x)
+            loss = torch.nn.functional.cross_entropy(head(emb.float()), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        out[name] = _best_ms(step, 2, rounds, steps)
+    return {"fr_fp32_ms": out["fp32"], "fr_bf16_ms": out["bf16"], "fr_bf16_ratio": out["bf16"] / out["fp32"]}
 
 
 def _caface_steps(steps: int, rounds: int) -> dict:
@@ -90,13 +123,14 @@ def _caface_steps(steps: int, rounds: int) -> dict:
     target = torch.nn.functional.normalize(torch.randn(cfg.batch_size, 128, generator=g), dim=-1)
     out = {}
     by_length = ClusterNetwork.forward
-    for name in ("padded", "by_length"):
+    for name in ("padded", "by_length", "bf16"):
         torch.manual_seed(0)
         model = CAFace(feature_dim=128, style_dim=256).train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
 
-        def step() -> None:
-            loss = _batch_loss(model, cfg, feats, styles, target, cfg.prefix_lengths)["train/loss"]
+        def step(name: str = name) -> None:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name == "bf16"):
+                loss = _batch_loss(model, cfg, feats, styles, target, cfg.prefix_lengths)["train/loss"]
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -107,16 +141,19 @@ def _caface_steps(steps: int, rounds: int) -> dict:
         finally:
             ClusterNetwork.forward = by_length
     return {"caface_padded_ms": out["padded"], "caface_by_length_ms": out["by_length"],
-            "caface_ratio": out["by_length"] / out["padded"]}
+            "caface_ratio": out["by_length"] / out["padded"], "caface_bf16_ms": out["bf16"],
+            "caface_bf16_ratio": out["bf16"] / out["by_length"]}
 
 
 def bench_train_step_costs(steps: int = 10, rounds: int = 3, threads: int = 1) -> dict:
     """ms per training step (best of ``rounds`` means over ``steps`` steps) of the UNet and of CAFace, before and
-    after, on ``threads`` torch threads (the stages run one thread each when they share the cores)."""
+    after, and of the UNet, an FR step and CAFace in bfloat16 autocast against float32, on ``threads`` torch threads
+    (the stages run one thread each when they share the cores)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return {**_unet_steps(steps, rounds), **_caface_steps(steps, rounds), "threads": threads}
+        return {**_unet_steps(steps, rounds), **_fr_steps(steps, rounds), **_caface_steps(steps, rounds),
+                "threads": threads, "cpu_has_bf16": cpu_has_bf16()}
     finally:
         torch.set_num_threads(previous)
 
@@ -124,4 +161,6 @@ def bench_train_step_costs(steps: int = 10, rounds: int = 3, threads: int = 1) -
 if __name__ == "__main__":
     r = bench_train_step_costs()
     print(f"UNet {r['unet_loop_ms']:.0f} → {r['unet_fused_ms']:.0f} ms/step ({r['unet_ratio']:.3f}×); "
-          f"CAFace {r['caface_padded_ms']:.0f} → {r['caface_by_length_ms']:.0f} ms/step ({r['caface_ratio']:.3f}×)")
+          f"CAFace {r['caface_padded_ms']:.0f} → {r['caface_by_length_ms']:.0f} ms/step ({r['caface_ratio']:.3f}×); "
+          f"bf16/fp32: UNet {r['unet_bf16_ratio']:.3f}×, FR {r['fr_bf16_ratio']:.3f}×, "
+          f"CAFace {r['caface_bf16_ratio']:.3f}×")

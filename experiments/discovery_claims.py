@@ -160,9 +160,12 @@ def run_claims(seeds: list[int], scale: Scale, data_seeds: list[int] = [0],
                                  **{k: float(out.metrics[k]) for k in KEYS}, **extra})
                     log.info("data %d seed %d %-13s test all %.3f novel %.3f", data_seed, seed, arm,
                              out.metrics["test/all"], out.metrics["test/novel"])
-    return {"recipe": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(recipe).items()
-                       if not isinstance(v, dict)},
-            "runs": runs, "summary": summarise(runs)}
+    from ml.train.callbacks import resolve_precision
+
+    described = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(recipe).items()
+                 if not isinstance(v, dict)}
+    described["precision_trained"] = resolve_precision(recipe.accelerator, recipe.precision)  # "auto" on this machine
+    return {"recipe": described, "runs": runs, "summary": summarise(runs)}
 
 
 def beyond_noise(diff: dict[str, float]) -> bool:
@@ -224,7 +227,8 @@ def render(results: dict, seeds: list[int], data_seeds: list[int], scale: Scale,
         f"`discovery`): {recipe['epochs']} epochs, lr {recipe['lr']:g}, InfoNCE τ {recipe['temperature']:g}, SupCon "
         f"τ {recipe['sup_temperature']:g}, λ {recipe['sup_weight']:g}, P × K = {recipe['labelled_identities_per_batch']} "
         f"× {recipe['images_per_identity']}, last block at {recipe['block_lr_scale']:g} × lr, the best epoch on "
-        f"{recipe['val_per_identity']} held-out labelled images per known identity. Clustering accuracy (%, one "
+        f"{recipe['val_per_identity']} held-out labelled images per known identity, in "
+        f"{recipe.get('precision_trained', recipe.get('precision', '32-true'))}. Clustering accuracy (%, one "
         "Hungarian matching over all identities) after semi-supervised k-means with K = all identities; mean ± sample "
         "std over the runs.",
         "",

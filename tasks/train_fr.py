@@ -219,6 +219,7 @@ def run(cfg: FRConfig, data: DataConfig, paths: Paths, *, source: str = "real", 
         "training_data_path": next((p for p in ingested if p), None),
         "training_identities": int(labels.max()) + 1,
         "training_images": int(len(labels)),
+        "precision": res.precision,  # fr.precision as trained ("auto" resolved for this machine)
         # KP-RPE: where each training dataset's keypoints came from (manifest | aligner); empty for other backbones
         "keypoints_source": {d.relative_to(paths.root).as_posix(): src for d, src in keypoint_sources.items()},
     }

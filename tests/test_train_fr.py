@@ -195,3 +195,30 @@ def test_fixed_size_backbone_rejects_other_sizes(monkeypatch):
     images, labels = separable(per_class=2)
     with pytest.raises(ConfigError, match="64×64.*32×32"):
         train(FRConfig(backbone="fixed64"), images, labels, progress=False)
+
+
+def test_precision_auto_is_bf16_where_the_cpu_computes_it_and_is_recorded(runs, monkeypatch):
+    from ml.train import callbacks
+
+    images, labels, full_precision, *_ = runs
+    for native, expected in ((True, "bf16-mixed"), (False, "32-true")):
+        monkeypatch.setattr(callbacks, "cpu_has_bf16", lambda native=native: native)
+        assert callbacks.resolve_precision("cpu", "auto") == expected
+        assert callbacks.resolve_precision("cpu", "32-true") == "32-true"  # a value set by hand is kept as it is
+        assert callbacks.resolve_precision("cpu", "bf16-mixed") == "bf16-mixed"
+    cfg = dataclasses.replace(CFG, accelerator="cpu", precision="auto")
+    monkeypatch.setattr(callbacks, "cpu_has_bf16", lambda: False)
+    fallback = train(cfg, images, labels, progress=False, backbone_overrides=SMALL)
+    assert fallback.precision == "32-true"
+    if TRAIN_DEVICE == {"accelerator": "cpu", "precision": "32-true"}:  # the same run as the fixture's, bit for bit
+        a, b = fallback.model.state_dict(), full_precision.model.state_dict()
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    monkeypatch.setattr(callbacks, "cpu_has_bf16", lambda: True)
+    mixed = train(cfg, images, labels, progress=False, backbone_overrides=SMALL)
+    assert mixed.precision == "bf16-mixed"
+    assert all(p.dtype == torch.float32 for p in mixed.model.parameters())  # autocast: the weights stay float32
+    losses = [row["train/loss"] for row in mixed.history]
+    assert losses[-1] < 0.7 * losses[0] and mixed.history[-1]["train/accuracy"] > 0.5  # it learns (chance 0.25)
+    assert any(not torch.equal(p, q) for p, q in zip(mixed.model.parameters(), fallback.model.parameters()))
+    with pytest.raises(ConfigError, match=r"fr\.precision 'fp8' is not one of \['auto'"):
+        FRConfig(precision="fp8")

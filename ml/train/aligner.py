@@ -169,7 +169,7 @@ class AlignerConfig:
     num_threads: int = 0  # torch intra-op threads during training; 0 = leave torch's setting
     accelerator: str = "auto"  # | "cpu" | "gpu" | "cuda" | "mps"
     devices: int = 1  # one device: the model and its data are small
-    precision: str = "32-true"  # | "bf16-mixed" | "16-mixed" (GPU only)
+    precision: str = "32-true"  # | "bf16-mixed" | "16-mixed" (GPU only) | "auto" (bf16-mixed where native)
 
     def __post_init__(self) -> None:
         checks = {

@@ -74,7 +74,7 @@ class AutoencoderConfig:
     batch_size: int = 32
     epochs: int = 4
     seed: int = 0
-    precision: str = "32-true"
+    precision: str = "32-true"  # | "16-mixed" (GPU only) | "bf16-mixed" | "auto" (bf16-mixed where native)
     accelerator: str = "auto"
     devices: int = 1
     max_steps: int = -1

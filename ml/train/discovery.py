@@ -125,7 +125,7 @@ class DiscoveryConfig:
     augmentation: AugmentConfig = field(default_factory=_discovery_augmentation)
     accelerator: str = "auto"  # | "cpu" | "gpu"
     devices: int = 1
-    precision: str = "32-true"  # | "16-mixed" (GPU only) | "bf16-mixed"
+    precision: str = "32-true"  # | "16-mixed" (GPU only) | "bf16-mixed" | "auto" (bf16-mixed where native)
     seed: int = 0
 
     def __post_init__(self) -> None:

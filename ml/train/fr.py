@@ -26,7 +26,9 @@ and so the result.
 
 Mixed precision: ``fr.precision`` "16-mixed" needs a GPU and is refused with a ConfigError on the CPU
 (no silent fallback to 32 bits); "bf16-mixed" is allowed everywhere, as Lightning and torch autocast
-support bfloat16 on the CPU.
+support bfloat16 on the CPU. "auto" (the default run's) picks "bf16-mixed" where the hardware computes bfloat16
+natively (a CUDA GPU that supports it; a CPU with AVX512-BF16 or AMX) and "32-true" elsewhere
+(``ml.train.callbacks.resolve_precision``); the model's ``config.json`` records what it trained in.
 
 Layout: this module holds the entry points (``train``, ``embed``), the pre-resume checkpoint check and
 ``FRResult``; ``ml.train.fr_config`` holds ``FRConfig``, ``ml.train.fr_data`` the input checks, normalisation,
@@ -107,6 +109,7 @@ class FRResult:
     seconds: float
     checkpoint: Path | None = None  # last.ckpt when train() was given a checkpoint_dir
     global_rank: int = 0  # this process's rank under DDP: only rank 0 should save the model or log results
+    precision: str = "32-true"  # what it trained in (fr.precision "auto" resolved)
 
 
 def _backbone_kwargs(cfg: FRConfig, size: int, overrides: dict[str, Any] | None) -> dict[str, Any]:
@@ -291,7 +294,7 @@ def train(
     if fitted.history:
         log.info("done in %.1f s; last epoch %s", seconds, fitted.history[-1])
     return FRResult(backbone.eval(), cfg.backbone, kwargs, fitted.history, seconds, fitted.checkpoint,
-                    global_rank=fitted.trainer.global_rank)
+                    global_rank=fitted.trainer.global_rank, precision=fitted.precision)
 
 
 def embed(

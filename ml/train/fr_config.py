@@ -21,7 +21,7 @@ HEAD_MARGINS = (*MARGINS, "adaface")
 SCHEDULES = ("cosine", "step")
 AUGMENT_RECIPES = ("basic", "kprpe")
 STRATEGIES = ("auto", "ddp", "ddp_spawn")
-PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
+PRECISIONS = ("auto", "32-true", "16-mixed", "bf16-mixed")  # auto: ml.train.callbacks.resolve_precision
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class FRConfig:
     augment: bool = True  # batched in torch; which ops: augment_recipe
     num_workers: int = 0
     seed: int = 0
-    precision: str = "32-true"  # | "16-mixed" (GPU only) | "bf16-mixed"
+    precision: str = "32-true"  # | "16-mixed" (GPU only) | "bf16-mixed" | "auto" (bf16-mixed where native)
     accelerator: str = "auto"
     devices: int = 1
     max_steps: int = -1  # -1 = no limit (for smoke runs)

@@ -137,7 +137,7 @@ class FusionConfig:
     seed: int = 0
     accelerator: str = "auto"  # | "cpu" | "gpu"
     devices: int = 1  # one device: the model and its batches fit one GPU
-    precision: str = "32-true"  # | "16-mixed" (GPU only) | "bf16-mixed"
+    precision: str = "32-true"  # | "16-mixed" (GPU only) | "bf16-mixed" | "auto" (bf16-mixed where native)
 
     def __post_init__(self) -> None:
         ints = ("feature_dim", "style_dim", "num_clusters", "epochs", "steps_per_epoch", "per_identity", "group",

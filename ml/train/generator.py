@@ -105,7 +105,7 @@ class GeneratorConfig:
     grad_clip: float = 0.0  # max gradient norm; 0 = off
     seed: int = 0
     num_workers: int = 0
-    precision: str = "32-true"  # | "16-mixed" (GPU only) | "bf16-mixed"
+    precision: str = "32-true"  # | "16-mixed" (GPU only) | "bf16-mixed" | "auto" (bf16-mixed where native)
     accelerator: str = "auto"  # | "cpu" | "gpu"
     devices: int = 1  # one device: the embedded UNet fits one GPU
     max_steps: int = -1  # -1 = no limit (for smoke runs)
