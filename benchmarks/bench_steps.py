@@ -8,7 +8,7 @@ code path it replaced, measured in one process so that only the ratio is read.
 - ``caface``: one CAFace training step of the embedded recipe (32 identities × 2 groups × every even prefix
   2..16, vit_tiny feature sizes) with every prefix padded to 16 in one masked cluster-network call (before)
   against one call per prefix length (``ClusterNetwork`` does this for any batch padded at the end).
-- bfloat16 autocast (``precision: auto`` where the CPU computes bfloat16 natively, ``bf16-mixed`` elsewhere) against
+- bfloat16 autocast (what ``bf16-mixed`` runs, and ``auto`` on a CPU that computes bfloat16 natively) against
   float32 for the UNet step above, for one FR step (``vit_tiny`` at 64 px, batch 128, ``fr.embedding_dim``, a
   linear softmax head in float32 as the trainer's margin heads are) and for the CAFace step: ``*_bf16_ratio`` < 1
   is what autocast saves; ``cpu_has_bf16`` says whether this CPU computes bfloat16 natively.
