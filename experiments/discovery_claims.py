@@ -48,6 +48,7 @@ from ml.data.procedural import ProceduralConfig, ProceduralFaces
 from ml.discovery.protocol import gfd_ssk
 from ml.discovery.split import gfd_split
 from ml.models.io import save_model
+from ml.train.callbacks import resolve_precision
 from ml.train.discovery import DiscoveryConfig, train_discovery
 from ml.train.fr import FRConfig, embed, train
 
@@ -160,8 +161,6 @@ def run_claims(seeds: list[int], scale: Scale, data_seeds: list[int] = [0],
                                  **{k: float(out.metrics[k]) for k in KEYS}, **extra})
                     log.info("data %d seed %d %-13s test all %.3f novel %.3f", data_seed, seed, arm,
                              out.metrics["test/all"], out.metrics["test/novel"])
-    from ml.train.callbacks import resolve_precision
-
     described = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(recipe).items()
                  if not isinstance(v, dict)}
     described["precision_trained"] = resolve_precision(recipe.accelerator, recipe.precision)  # "auto" on this machine

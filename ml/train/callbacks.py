@@ -31,21 +31,25 @@ DEVICE_KEYS = ("accelerator", "devices", "precision")  # where a run trains, not
 def check_device(section: str, accelerator: str, precision: str) -> None:
     """Refuse settings the machine cannot run (params ``<section>.accelerator`` / ``.precision``), instead of
     Lightning silently or obscurely changing them."""
-    cuda = torch.cuda.is_available()
-    mps = torch.backends.mps.is_available()
-    if accelerator in ("gpu", "cuda") and not cuda:
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
         raise ConfigError(f"{section}.accelerator {accelerator!r} but no CUDA GPU is visible; use 'auto' or 'cpu'")
-    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not cuda and not mps)
-    if on_cpu and precision == "16-mixed":
+    if trains_on_cpu(accelerator) and precision == "16-mixed":
         raise ConfigError(
             f"{section}.precision '16-mixed' needs a GPU, but {section}.accelerator {accelerator!r} runs on the CPU "
             "here; use 'bf16-mixed' (bfloat16 autocast works on the CPU) or '32-true'"
         )
 
 
+def trains_on_cpu(accelerator: str) -> bool:
+    """Whether Lightning's ``accelerator`` setting puts the training on the CPU of this machine."""
+    return accelerator == "cpu" or (
+        accelerator == "auto" and not torch.cuda.is_available() and not torch.backends.mps.is_available()
+    )
+
+
 def cpu_has_bf16() -> bool:
     """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX): there bfloat16 autocast makes a step of
-    the embedded ViT and UNet 0.7-0.8× as long; without them it is emulated and slower than float32."""
+    the embedded ViT and UNet about 0.7× as long; without them it is emulated and slower than float32."""
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
 
@@ -55,11 +59,11 @@ def resolve_precision(accelerator: str, precision: str) -> str:
     on a CPU that computes it natively (``cpu_has_bf16``), else "32-true"; any other value is returned as it is."""
     if precision != "auto":
         return precision
-    cuda = torch.cuda.is_available() and accelerator in ("auto", "gpu", "cuda")
-    if cuda:
+    if trains_on_cpu(accelerator):
+        return "bf16-mixed" if cpu_has_bf16() else "32-true"
+    if accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available():
         return "bf16-mixed" if torch.cuda.is_bf16_supported() else "32-true"
-    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.backends.mps.is_available())
-    return "bf16-mixed" if on_cpu and cpu_has_bf16() else "32-true"
+    return "32-true"  # mps
 
 
 def check_device_keys(section: str, accelerator: Any, devices: Any, precision: Any, max_devices: int | None = 1) -> None:
