@@ -10,7 +10,15 @@ The paper's claims, each a paired comparison on the same discovery set, seed and
 Beside them, on request (``--arms ... oracle``), a reference row: ``oracle`` trains FaceGCD with the same recipe on
 the same images with every training image labelled, novel identities included. Above FR + SSK it shows the headroom
 the trainer can reach; at or below it, either the data holds nothing to learn or the trainer cannot learn it even
-from labels (an FR model trained with the discovery identities' labels tells the two apart).
+from labels (an FR model trained with the discovery identities' labels tells the two apart). ``embedding`` is a
+diagnostic: FaceGCD's loss on the embedding SSK clusters (``discovery.loss_on: embedding``, the FR embedding layer
+trainable, no projection head), so the labels reach the features the protocol reads.
+
+Every trained run also records its curves: per epoch the two losses and the selection score (nearest class mean of
+the held-out labelled images of the known identities, ``val/accuracy``), beside the FR features' score on the same
+held-out images ("epoch 0"). Does the supervised term teach the known identities at all (the score rises), and does
+that reach the novel ones (test novel)? The report tabulates the curves and draws them
+(``reports/discovery_claims_curves.png``).
 
 One FR model (``vit_tiny``, ArcFace) is trained on procedural identities. A discovery set is further identities it
 never saw, split the GFD way (half the identities known, half of their training images labelled, 10 % of every
@@ -49,7 +57,7 @@ from ml.discovery.protocol import gfd_ssk
 from ml.discovery.split import gfd_split
 from ml.models.io import save_model
 from ml.train.callbacks import resolve_precision
-from ml.train.discovery import DiscoveryConfig, train_discovery
+from ml.train.discovery import DiscoveryConfig, nearest_mean_accuracy, train_discovery, validation_split
 from ml.train.fr import FRConfig, embed, train
 
 log = logging.getLogger("experiments.discovery_claims")
@@ -78,13 +86,16 @@ ARMS = {
     "gcd": "GCD (no prefixes) + SSK",
     "static_prefix": "static prefix (ablation) + SSK",
     "oracle": "oracle (FaceGCD, every training image labelled: the headroom) + SSK",
+    "embedding": "loss on the embedding (FaceGCD without its head: a diagnostic) + SSK",
 }
-TRAINED = {"facegcd": {}, "gcd": {"prefix_length": 0}, "static_prefix": {"static_prefix": True}, "oracle": {}}
+TRAINED = {"facegcd": {}, "gcd": {"prefix_length": 0}, "static_prefix": {"static_prefix": True}, "oracle": {},
+           "embedding": {"loss_on": "embedding"}}
 ORACLES = frozenset({"oracle"})  # trained with the labels of every training image, the novel identities' too
-CLAIMED = tuple(arm for arm in TRAINED if arm not in ORACLES)  # the arms run unless others are asked for
+REFERENCES = ORACLES | {"embedding"}  # rows that explain the claims rather than make one: run on request
+CLAIMED = tuple(arm for arm in TRAINED if arm not in REFERENCES)  # the arms run unless others are asked for
 # (arm, reference): the claims, each a paired difference per run; the last is the headroom, not a claim
 CLAIMS = (("facegcd", "gcd"), ("gcd", "fr_ssk"), ("facegcd", "fr_ssk"), ("facegcd", "static_prefix"),
-          ("oracle", "fr_ssk"))
+          ("oracle", "fr_ssk"), ("embedding", "fr_ssk"))
 
 
 def _render_set(gen: ProceduralFaces, ids: range, per: int) -> tuple[np.ndarray, np.ndarray]:
@@ -147,12 +158,14 @@ def run_claims(seeds: list[int], scale: Scale, data_seeds: list[int] = [0],
                     cfg = dataclasses.replace(recipe, seed=seed, **TRAINED[arm])
                     start = time.perf_counter()
                     labels, labelled = given[arm in ORACLES]
+                    score0 = initial_score(fr_feats[train_mask], labels, labelled, cfg)
                     res = train_discovery(cfg, data["dx"][train_mask], labels, labelled, init_model_dir=fr_dir,
                                           progress=False)
                     h0, h1 = res.history[0], res.history[-1]
                     feats[arm] = (res.model.embed(data["dx"], flip=True),  # the flip TTA the FR features get
                                   {"seconds": time.perf_counter() - start, "best_epoch": res.best_epoch,
-                                   "epochs": len(res.history),
+                                   "epochs": len(res.history), "val/accuracy/fr": score0,
+                                   "curve": [{k: float(h[k]) for k in CURVE_KEYS if k in h} for h in res.history],
                                    **{f"{k}/{w}": float(h[k]) for k in ("loss/unsup", "loss/sup")
                                       for w, h in (("first", h0), ("last", h1))}})
                 for arm, (f, extra) in feats.items():
@@ -165,6 +178,60 @@ def run_claims(seeds: list[int], scale: Scale, data_seeds: list[int] = [0],
                  if not isinstance(v, dict)}
     described["precision_trained"] = resolve_precision(recipe.accelerator, recipe.precision)  # "auto" on this machine
     return {"recipe": described, "runs": runs, "summary": summarise(runs)}
+
+
+CURVE_KEYS = ("loss/unsup", "loss/sup", "val/accuracy")
+
+
+def initial_score(feats: np.ndarray, labels: np.ndarray, labelled: np.ndarray, cfg: DiscoveryConfig) -> float | None:
+    """The selection score of the starting features: ``nearest_mean_accuracy`` on the held-out labelled images the
+    trainer draws for ``cfg`` (None without a validation split)."""
+    if cfg.val_per_identity <= 0:
+        return None
+    held = validation_split(labels, labelled, cfg.val_per_identity, cfg.seed)
+    keep = labelled & ~held
+    return nearest_mean_accuracy(feats[keep], labels[keep], feats[held], labels[held])
+
+
+def mean_curves(runs: list[dict]) -> dict[str, dict[str, list[float]]]:
+    """Per trained arm: each curve key's mean over the runs, epoch by epoch, with ``val/accuracy`` led by the FR
+    features' score (epoch 0)."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for arm in TRAINED:
+        rows = [r for r in runs if r["arm"] == arm and r.get("curve")]
+        if not rows:
+            continue
+        n = min(len(r["curve"]) for r in rows)
+        curves = {k: [float(np.mean([r["curve"][e][k] for r in rows])) for e in range(n)]
+                  for k in CURVE_KEYS if all(k in r["curve"][0] for r in rows)}
+        if "val/accuracy" in curves and all(r.get("val/accuracy/fr") is not None for r in rows):
+            curves["val/accuracy"] = [float(np.mean([r["val/accuracy/fr"] for r in rows]))] + curves["val/accuracy"]
+        out[arm] = curves
+    return out
+
+
+def plot_curves(curves: dict[str, dict[str, list[float]]], path: Path) -> None:
+    """Three panels (L_unsup, L_sup, val/accuracy from epoch 0) with one line per arm, as a PNG at ``path``."""
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(12, 3.6))
+    titles = {"loss/unsup": "L_unsup (InfoNCE)", "loss/sup": "L_sup (SupCon)",
+              "val/accuracy": "held-out known-identity accuracy\n(epoch 0: the FR features)"}
+    for ax, key in zip(fig.subplots(1, 3), CURVE_KEYS):
+        for arm, c in curves.items():
+            if key in c:
+                first = 0 if key == "val/accuracy" and len(c[key]) > len(c["loss/sup"]) else 1
+                ax.plot(range(first, first + len(c[key])), c[key], marker="o", label=_short(arm))
+        ax.set_title(titles[key])
+        ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    fig.axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    tmp.replace(path)
 
 
 def beyond_noise(diff: dict[str, float]) -> bool:
@@ -241,7 +308,7 @@ def render(results: dict, seeds: list[int], data_seeds: list[int], scale: Scale,
     for key, c in summary["claims"].items():
         arm, ref = key.split("-")
         a, nv = c["test/all"], c["test/novel"]
-        name = f"{_short(arm)} − {_short(ref)}" + (" (headroom)" if arm in ORACLES else "")
+        name = f"{_short(arm)} − {_short(ref)}" + (" (headroom)" if arm in ORACLES else " (diagnostic)" if arm in REFERENCES else "")
         lines.append(f"| {name} | {_pct(a, True)} | {a['higher']}/{a['seeds']} | "
                      f"{_pct(nv, True)} | {nv['higher']}/{nv['seeds']} | {_verdict(a, nv)} |")
     lines += ["", "Training per arm (mean over runs): the epoch kept, the losses of the first and the last epoch.", "",
@@ -254,6 +321,17 @@ def render(results: dict, seeds: list[int], data_seeds: list[int], scale: Scale,
             lines.append(f"| {ARMS[arm]} | {m['best_epoch'] + 1:.1f} ({m['epochs']:.0f}) | {m['loss/unsup/first']:.2f} → "
                          f"{m['loss/unsup/last']:.2f} | {m['loss/sup/first']:.2f} → {m['loss/sup/last']:.2f} | "
                          f"{m['seconds']:.0f} |")
+    curves = mean_curves(runs)
+    if curves:
+        n_ep = max(len(c.get("loss/sup", [])) for c in curves.values())
+        lines += ["", "Curves (mean over runs; `reports/discovery_claims_curves.png`): the selection score — nearest "
+                  "class mean of the held-out labelled images of the known identities, % — at epoch 0 (the FR "
+                  "features) and after each epoch (the oracle's: held-out images of every identity), then L_sup per epoch.", "",
+                  "| arm | " + " | ".join(f"epoch {e}" for e in range(n_ep + 1)) + " |", "|---|" + "---|" * (n_ep + 1)]
+        for arm, c in curves.items():
+            if "val/accuracy" in c:
+                lines.append(f"| {_short(arm)}: score | " + " | ".join(f"{100 * v:.1f}" for v in c["val/accuracy"]) + " |")
+            lines.append(f"| {_short(arm)}: L_sup | | " + " | ".join(f"{v:.2f}" for v in c.get("loss/sup", [])) + " |")
     lines += ["", "Every run (test all / test novel, %):", "", "| data seed | seed | " + " | ".join(
         _short(a) for a in summary["arms"]) + " |", "|---|---|" + "---|" * len(summary["arms"])]
     for ds, s in sorted({(r["data_seed"], r["seed"]) for r in runs}):
@@ -276,6 +354,9 @@ def write_results(results: dict, seeds: list[int], data_seeds: list[int], scale:
     report = out_dir / "reports" / "discovery_claims.md"
     report.parent.mkdir(parents=True, exist_ok=True)
     report.write_text(render(results, seeds, data_seeds, scale, seconds))
+    curves = mean_curves(results["runs"])
+    if curves:
+        plot_curves(curves, report.with_name("discovery_claims_curves.png"))
     return report
 
 
@@ -287,7 +368,8 @@ def main() -> None:
     parser.add_argument("--data-seeds", type=int, nargs="+", default=[0],
                         help="discovery sets: other unseen identities and another GFD split per data seed")
     parser.add_argument("--arms", nargs="+", choices=list(TRAINED), default=list(CLAIMED),
-                        help="trained arms (FR features + SSK always runs; add oracle for the headroom row)")
+                        help="trained arms (FR features + SSK always runs; add oracle for the headroom row, embedding for "
+                             "the loss on the clustered features)")
     parser.add_argument("--epochs", type=int, default=0, help="epochs per trained arm (0: params.yaml discovery.epochs)")
     parser.add_argument("--quick", action="store_true", help="toy size: checks the code end to end, numbers mean nothing")
     args = parser.parse_args()

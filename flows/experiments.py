@@ -75,7 +75,8 @@ def discovery_claims(seeds: list[int] = [0, 1, 2, 3, 4], data_seeds: list[int] =
         seeds: training seeds; every trained arm runs once per seed and data seed (about 3 minutes a seed for the
             three arms on 2 CPU cores).
         data_seeds: discovery sets (other unseen identities, another GFD split).
-        arms: the trained arms (FR features + SSK always runs).
+        arms: the trained arms (FR features + SSK always runs); ``oracle`` adds the headroom row (every training
+            image labelled), ``embedding`` the diagnostic with the loss on the clustered features.
         epochs: epochs per trained arm (0: params.yaml discovery.epochs).
         quick: toy size, to check the code end to end in a minute or two (numbers mean nothing).
         out_dir: writes reports/ and metrics/ under it.
@@ -96,7 +97,8 @@ def discovery_claims(seeds: list[int] = [0, 1, 2, 3, 4], data_seeds: list[int] =
         for key, d in keys.items():
             metrics[f"{claim}/{key}/paired_mean"], metrics[f"{claim}/{key}/higher"] = d["mean"], float(d["higher"])
     run_id = _log_run("discovery_claims", metrics, report, {"seeds": list(seeds), "data_seeds": list(data_seeds),
-                                                            "arms": list(arms), "epochs": epochs, "quick": quick})
+                                                            "arms": list(arms), "epochs": epochs, "quick": quick},
+                      figures=(report.with_name("discovery_claims_curves.png"),))
     get_run_logger().info("discovery claims → %s (MLflow run %s)", report, run_id)
     return {"report": str(report), "mlflow_run": run_id, "claims": results["summary"]["claims"]}
 
@@ -117,8 +119,10 @@ def _log_claims(results: dict, report: Path, params: dict[str, Any]) -> str:
     return _log_run("claims", metrics, report, params)
 
 
-def _log_run(name: str, metrics: dict[str, float], report: Path, params: dict[str, Any]) -> str:
-    """One MLflow run ``name`` (tag ``faceops.stage``) with ``params``, ``metrics`` and the report as an artifact."""
+def _log_run(name: str, metrics: dict[str, float], report: Path, params: dict[str, Any],
+             figures: tuple[Path, ...] = ()) -> str:
+    """One MLflow run ``name`` (tag ``faceops.stage``) with ``params``, ``metrics``, the report and the ``figures``
+    that exist as artifacts."""
     import mlflow
 
     from ops.tracking import configure, mlflow_metric_name
@@ -128,4 +132,7 @@ def _log_run(name: str, metrics: dict[str, float], report: Path, params: dict[st
         mlflow.log_params({k: str(v) for k, v in params.items()})
         mlflow.log_metrics({mlflow_metric_name(k): v for k, v in metrics.items()})
         mlflow.log_artifact(str(report))
+        for figure in figures:
+            if figure.is_file():
+                mlflow.log_artifact(str(figure))
     return run.info.run_id

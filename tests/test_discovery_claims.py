@@ -75,6 +75,39 @@ def test_the_oracle_arm_alone_trains_with_every_training_label(monkeypatch):
     assert "| oracle − FR features (headroom) |" in report
 
 
+def test_curves_average_over_runs_and_lead_with_the_fr_features_score():
+    from experiments.discovery_claims import mean_curves
+
+    def run(seed, fr, curve):
+        return {"arm": "facegcd", "seed": seed, "val/accuracy/fr": fr,
+                "curve": [{"loss/unsup": 4.0, "loss/sup": ls, "val/accuracy": va} for ls, va in curve]}
+
+    runs = [run(0, 0.60, [(4.0, 0.62), (3.0, 0.64)]), run(1, 0.70, [(3.0, 0.66), (2.0, 0.70)]),
+            {"arm": "fr_ssk", "seed": 0}]
+    c = mean_curves(runs)
+    assert list(c) == ["facegcd"]
+    assert c["facegcd"]["val/accuracy"] == pytest.approx([0.65, 0.64, 0.67])  # epoch 0 = the FR features
+    assert c["facegcd"]["loss/sup"] == pytest.approx([3.5, 2.5])
+
+
+def test_initial_score_is_the_trainers_selection_score_on_the_starting_features():
+    import numpy as np
+
+    from experiments.discovery_claims import initial_score
+    from ml.train.discovery import DiscoveryConfig, nearest_mean_accuracy, validation_split
+
+    rng = np.random.default_rng(0)
+    labels = np.repeat(np.arange(6), 5)
+    labelled = labels < 3
+    feats = rng.normal(size=(30, 4)) + labels[:, None]
+    cfg = DiscoveryConfig(val_per_identity=2, seed=3)
+    held = validation_split(np.where(labelled, labels, -1), labelled, 2, 3)
+    keep = labelled & ~held
+    assert held.sum() == 6 and initial_score(feats, np.where(labelled, labels, -1), labelled, cfg) == pytest.approx(
+        nearest_mean_accuracy(feats[keep], labels[keep], feats[held], labels[held]))
+    assert initial_score(feats, labels, labelled, DiscoveryConfig(val_per_identity=0)) is None
+
+
 @pytest.mark.slow
 def test_discovery_claims_flow_writes_runs_claims_report_and_an_mlflow_run(tmp_path, monkeypatch):
     import mlflow
@@ -95,6 +128,10 @@ def test_discovery_claims_flow_writes_runs_claims_report_and_an_mlflow_run(tmp_p
     assert set(results["summary"]["claims"]) == {"facegcd-gcd", "gcd-fr_ssk", "facegcd-fr_ssk"}
     report = (tmp_path / "reports" / "discovery_claims.md").read_text()
     assert "GCD (no prefixes) + SSK" in report and "| data seed | seed |" in report and "holds beyond noise" in report
+    assert "| FaceGCD: score |" in report and (tmp_path / "reports" / "discovery_claims_curves.png").stat().st_size
+    assert all(len(r["curve"]) == 2 and 0 <= r["val/accuracy/fr"] <= 1 for r in trained)
     run = mlflow.get_run(out["mlflow_run"])
+    artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(out["mlflow_run"])}
+    assert {"discovery_claims.md", "discovery_claims_curves.png"} <= artifacts
     assert run.data.metrics["facegcd-gcd/test/novel/paired_mean"] == pytest.approx(claim["mean"])
     assert run.data.metrics["gcd/test/all/mean"] == pytest.approx(results["summary"]["arms"]["gcd"]["test/all"]["mean"])

@@ -142,6 +142,28 @@ def test_block_lr_scale_zero_freezes_the_last_block(tmp_path):
         DiscoveryConfig(block_lr_scale=-1.0)
 
 
+def test_loss_on_the_embedding_trains_the_embedding_layer_and_leaves_the_head(tmp_path):
+    """The diagnostic ``loss_on: embedding``: the loss reads the clustered features, so the FR embedding layer
+    (``vit.feature``) learns at lr × block_lr_scale and the unused projection head stays as built; with the head the
+    embedding layer stays frozen."""
+    images, labels = noisy_patterns(k=4, per=8, sigma=60.0, seed=2)
+    labelled = labels < 2
+    fr = _fr_dir(tmp_path)
+    start = build_facegcd(_cfg(), 32, fr).state_dict()
+    runs = {on: train_discovery(_cfg(epochs=1, loss_on=on), images, labels, labelled, init_model_dir=fr,
+                                progress=False).model.state_dict() for on in ("embedding", "head")}
+    feature = [k for k in start if k.startswith("vit.feature.") and start[k].is_floating_point()
+               and "running" not in k]
+    head = [k for k in start if k.startswith("head.")]
+    assert feature and head
+    assert any(not torch.equal(runs["embedding"][k], start[k]) for k in feature)
+    assert all(torch.equal(runs["embedding"][k], start[k]) for k in head)
+    assert all(torch.equal(runs["head"][k], start[k]) for k in feature)
+    assert any(not torch.equal(runs["head"][k], start[k]) for k in head)
+    with pytest.raises(ConfigError, match="discovery.loss_on 'cls'"):
+        DiscoveryConfig(loss_on="cls")
+
+
 # ---------------------------------------------------------------------------- it learns
 def lit_patterns(k: int, per: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """:func:`noisy_patterns` (σ 40) under a per-image brightness shift (±70) and contrast (0.5-1.3×): a nuisance

@@ -21,9 +21,15 @@ Differences from the reference (FaceGCD App. A.2, GCD's ``contrastive_training.p
 
 - AdamW (lr 1e-3, weight decay 0.05 on matrices only) with a per-step warmup + cosine, instead of SGD (lr 0.1,
   momentum 0.9, weight decay 2e-5), 5 warm-up epochs, cosine with decays at epochs 90 and 180, over 200 epochs.
-- Temperature 0.07 for both terms by default (paper: 1.0 for both; GCD's code: 1.0 and 0.07).
+- Temperature 0.07 for both terms by default (paper: 1.0 for both; GCD's code: 1.0 and 0.07); the stage's recipe
+  in ``params.yaml`` sets InfoNCE τ 1.0, P × K batches, the last block at a tenth of lr and the best epoch on
+  held-out labelled images (``val_per_identity``; the class default 0 returns the last epoch).
 - Both views of a batch go through the model together (the frozen BatchNorms see no batch statistics, so this
-  equals two passes). No model selection on a validation split: the last epoch's model is returned.
+  equals two passes).
+- What is clustered: the embedding (the trainable ViT's output before the projection head), as in the authors'
+  code (``DINO.forward`` in eval mode returns the normalised backbone feature); the paper's text says SSK runs on
+  "the final head H(·)". ``loss_on: embedding`` is a diagnostic, not the method: the loss acts on that embedding
+  directly (no head), so one can see what the labels do to the features the protocol reads.
 - Backbone: the FR model trained in the pipeline (``backbone_init: fr``) instead of a DINO ViT-B/8 pretrained on
   MS1MV3; ``random`` trains from scratch (a smoke test more than a method).
 """
@@ -43,6 +49,7 @@ from typing import Any
 import lightning
 import numpy as np
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
@@ -71,6 +78,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 BACKBONE_INITS = ("fr", "random")
+LOSS_ON = ("head", "embedding")
 
 
 def plain_vits() -> tuple[str, ...]:
@@ -119,6 +127,9 @@ class DiscoveryConfig:
     labelled_identities_per_batch: int = 0  # P: every batch holds P labelled identities × K images; 0 = uniform batches
     images_per_identity: int = 4  # K of the balanced batches (with replacement where an identity has fewer)
     val_per_identity: int = 0  # labelled images per known identity held out for model selection; 0 = last epoch
+    # where the loss acts: "head" (the paper: the projection head's output) | "embedding" (a diagnostic: the
+    # L2-normalised embedding the protocol clusters, the FR embedding layer trainable at lr × block_lr_scale, no head)
+    loss_on: str = "head"
     grad_clip: float = 0.0  # max gradient norm; 0 = off
     gcd_arm: bool = True  # stage train_discovery also trains the GCD control (prefix_length 0, else the same)
     augment: bool = True
@@ -133,6 +144,8 @@ class DiscoveryConfig:
             raise ConfigError(
                 f"discovery.backbone {self.backbone!r} is not a plain ViT backbone; valid: {', '.join(plain_vits())}"
             )
+        if self.loss_on not in LOSS_ON:
+            raise ConfigError(f"discovery.loss_on {self.loss_on!r} is not one of {list(LOSS_ON)}")
         if self.backbone_init not in BACKBONE_INITS:
             raise ConfigError(f"discovery.backbone_init {self.backbone_init!r} is not one of {list(BACKBONE_INITS)}")
         for key in ("learn_base_prefix", "static_prefix", "augment", "gcd_arm"):
@@ -311,23 +324,29 @@ def build_facegcd(cfg: DiscoveryConfig, img_size: int, init_model_dir: str | os.
                     f"{vit.input_contract['size']} images but the data are {img_size}×{img_size}; prepare the data "
                     "at the FR model's size"
                 )
-            return FaceGCD(vit, prefix_seed=cfg.seed, **cfg.model_kwargs())
-        if input_contract(cfg.backbone, img_size=img_size)["size"] != img_size:
-            raise DataError(f"backbone {cfg.backbone!r} cannot take {img_size}×{img_size} images")
-        return FaceGCD(cfg.backbone, backbone_kwargs={"img_size": img_size}, prefix_seed=cfg.seed,
-                       **cfg.model_kwargs())
+            model = FaceGCD(vit, prefix_seed=cfg.seed, **cfg.model_kwargs())
+        else:
+            if input_contract(cfg.backbone, img_size=img_size)["size"] != img_size:
+                raise DataError(f"backbone {cfg.backbone!r} cannot take {img_size}×{img_size} images")
+            model = FaceGCD(cfg.backbone, backbone_kwargs={"img_size": img_size}, prefix_seed=cfg.seed,
+                            **cfg.model_kwargs())
+    if cfg.loss_on == "embedding":  # the loss reads the embedding: its layer trains, the unused head does not
+        model.vit.feature.requires_grad_(True)
+        model.head.requires_grad_(False)
+    return model
 
 
 def _optimizer(model: FaceGCD, cfg: DiscoveryConfig, module: Any = None) -> torch.optim.AdamW:
     """AdamW over the trainable parameters; weight decay on weight matrices, none on biases, norms, prefixes and
-    the layer embedding. The pre-trained last ViT block (``vit.blocks.<last>.``) learns at ``lr × block_lr_scale``
-    (frozen at 0), the new parts at ``lr``; the schedule scales every group alike."""
-    last = f"vit.blocks.{len(model.vit.blocks) - 1}."
+    the layer embedding. The pre-trained parts (the last ViT block ``vit.blocks.<last>.``, and the embedding layer
+    ``vit.feature.`` with ``loss_on: embedding``) learn at ``lr × block_lr_scale`` (frozen at 0), the new parts at
+    ``lr``; the schedule scales every group alike."""
+    pretrained = (f"vit.blocks.{len(model.vit.blocks) - 1}.", "vit.feature.")
     groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        block = name.startswith(last)
+        block = name.startswith(pretrained)
         if block and cfg.block_lr_scale == 0:
             p.requires_grad_(False)  # no gradient wasted on it
             continue
@@ -393,7 +412,10 @@ class DiscoveryModule(lightning.LightningModule):
         if self._view_generator is None:
             self._view_generator = torch.Generator()
         gen = self._view_generator.manual_seed(mix_seed(self.cfg.seed, self.global_step, 2))
-        _, z = self.model(_views(self.model, x, self.cfg, gen))  # (2B, proj_dim)
+        if self.cfg.loss_on == "embedding":
+            z = F.normalize(self.model.forward_features(_views(self.model, x, self.cfg, gen)), dim=-1)  # (2B, emb)
+        else:
+            _, z = self.model(_views(self.model, x, self.cfg, gen))  # (2B, proj_dim)
         z1, z2 = z.chunk(2)
         with torch.autocast(z.device.type, enabled=False):  # logits / τ = 0.07 need float32 under mixed precision
             terms = gcd_loss_terms(z1.float(), z2.float(), labels, labelled, self.cfg.sup_weight,
