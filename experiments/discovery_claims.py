@@ -217,11 +217,11 @@ def plot_curves(curves: dict[str, dict[str, list[float]]], path: Path) -> None:
 
     fig = Figure(figsize=(12, 3.6))
     titles = {"loss/unsup": "L_unsup (InfoNCE)", "loss/sup": "L_sup (SupCon)",
-              "val/accuracy": "held-out known-identity accuracy\n(epoch 0: the FR features)"}
+              "val/accuracy": "held-out accuracy, labelled identities\n(epoch 0: the FR features)"}
     for ax, key in zip(fig.subplots(1, 3), CURVE_KEYS):
         for arm, c in curves.items():
             if key in c:
-                first = 0 if key == "val/accuracy" and len(c[key]) > len(c["loss/sup"]) else 1
+                first = len(c["loss/sup"]) + 1 - len(c[key])  # 0 where the FR features' score leads the curve
                 ax.plot(range(first, first + len(c[key])), c[key], marker="o", label=_short(arm))
         ax.set_title(titles[key])
         ax.set_xlabel("epoch")
@@ -308,7 +308,8 @@ def render(results: dict, seeds: list[int], data_seeds: list[int], scale: Scale,
     for key, c in summary["claims"].items():
         arm, ref = key.split("-")
         a, nv = c["test/all"], c["test/novel"]
-        name = f"{_short(arm)} − {_short(ref)}" + (" (headroom)" if arm in ORACLES else " (diagnostic)" if arm in REFERENCES else "")
+        note = " (headroom)" if arm in ORACLES else " (diagnostic)" if arm in REFERENCES else ""
+        name = f"{_short(arm)} − {_short(ref)}{note}"
         lines.append(f"| {name} | {_pct(a, True)} | {a['higher']}/{a['seeds']} | "
                      f"{_pct(nv, True)} | {nv['higher']}/{nv['seeds']} | {_verdict(a, nv)} |")
     lines += ["", "Training per arm (mean over runs): the epoch kept, the losses of the first and the last epoch.", "",
@@ -326,11 +327,13 @@ def render(results: dict, seeds: list[int], data_seeds: list[int], scale: Scale,
         n_ep = max(len(c.get("loss/sup", [])) for c in curves.values())
         lines += ["", "Curves (mean over runs; `reports/discovery_claims_curves.png`): the selection score — nearest "
                   "class mean of the held-out labelled images of the known identities, % — at epoch 0 (the FR "
-                  "features) and after each epoch (the oracle's: held-out images of every identity), then L_sup per epoch.", "",
+                  "features) and after each epoch (the oracle's: held-out images of every identity), then L_sup per "
+                  "epoch.", "",
                   "| arm | " + " | ".join(f"epoch {e}" for e in range(n_ep + 1)) + " |", "|---|" + "---|" * (n_ep + 1)]
         for arm, c in curves.items():
             if "val/accuracy" in c:
-                lines.append(f"| {_short(arm)}: score | " + " | ".join(f"{100 * v:.1f}" for v in c["val/accuracy"]) + " |")
+                scores = " | ".join(f"{100 * v:.1f}" for v in c["val/accuracy"])
+                lines.append(f"| {_short(arm)}: score | {scores} |")
             lines.append(f"| {_short(arm)}: L_sup | | " + " | ".join(f"{v:.2f}" for v in c.get("loss/sup", [])) + " |")
     lines += ["", "Every run (test all / test novel, %):", "", "| data seed | seed | " + " | ".join(
         _short(a) for a in summary["arms"]) + " |", "|---|---|" + "---|" * len(summary["arms"])]
