@@ -160,14 +160,14 @@ def run_claims(seeds: list[int], scale: Scale, data_seeds: list[int] = [0],
                     labels, labelled = given[arm in ORACLES]
                     score0 = initial_score(fr_feats[train_mask], labels, labelled, cfg)
                     res = train_discovery(cfg, data["dx"][train_mask], labels, labelled, init_model_dir=fr_dir,
-                                          progress=False)
+                                          progress=False, anchor=(first["x"], first["y"]))
                     h0, h1 = res.history[0], res.history[-1]
                     feats[arm] = (res.model.embed(data["dx"], flip=True),  # the flip TTA the FR features get
                                   {"seconds": time.perf_counter() - start, "best_epoch": res.best_epoch,
                                    "epochs": len(res.history), "val/accuracy/fr": score0,
                                    "curve": [{k: float(h[k]) for k in CURVE_KEYS if k in h} for h in res.history],
-                                   **{f"{k}/{w}": float(h[k]) for k in ("loss/unsup", "loss/sup")
-                                      for w, h in (("first", h0), ("last", h1))}})
+                                   **{f"{k}/{w}": float(h[k]) for k in ("loss/unsup", "loss/sup", "loss/anchor")
+                                      for w, h in (("first", h0), ("last", h1)) if k in h}})
                 for arm, (f, extra) in feats.items():
                     out = gfd_ssk(f, data["dy"], data["labelled"], data["known"], data["test"], seed=seed)
                     runs.append({"arm": arm, "data_seed": data_seed, "seed": seed,
@@ -294,7 +294,11 @@ def render(results: dict, seeds: list[int], data_seeds: list[int], scale: Scale,
         f"τ {recipe['sup_temperature']:g}, λ {recipe['sup_weight']:g}, P × K = {recipe['labelled_identities_per_batch']} "
         f"× {recipe['images_per_identity']}, last block at {recipe['block_lr_scale']:g} × lr, the best epoch on "
         f"{recipe['val_per_identity']} held-out labelled images per known identity, in "
-        f"{recipe.get('precision_trained', recipe.get('precision', '32-true'))}. Clustering accuracy (%, one "
+        f"{recipe.get('precision_trained', recipe.get('precision', '32-true'))}"
+        + (f", with the anchor (ArcFace on the embedding over the FR model's {scale.fr_identities} training identities "
+           f"and the known ones, {recipe['anchor_batch']} FR training images per step, weight "
+           f"{recipe['anchor_weight']:g})" if recipe.get("anchor_weight") else ", without the anchor")
+        + ". Clustering accuracy (%, one "
         "Hungarian matching over all identities) after semi-supervised k-means with K = all identities; mean ± sample "
         "std over the runs.",
         "",

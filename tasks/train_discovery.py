@@ -7,6 +7,9 @@ FR model ``models/fr/real`` (``discovery.backbone_init: fr``; ``random`` for a f
 (``plots/train_discovery_history.csv``, ``plots/train_discovery_loss.png``). The model is logged to MLflow and
 registered as a new ``faceops-discovery`` version with alias ``candidate``.
 
+With ``discovery.anchor_weight`` > 0 (the recipe) the trainer's anchor term also reads the FR model's own training
+set (``training_rows`` of the FR source, at most ``discovery.anchor_images`` of its images drawn with the seed).
+
 With ``discovery.gcd_arm`` (default) the same training runs a second time with ``prefix_length: 0`` — GCD (Vaze et
 al. 2022): the last block and the projection head fine-tuned, no prefixes — into ``models/discovery_gcd/``, the
 control of the paper's claim FaceGCD > GCD; its losses are ``train/gcd/*`` (not registered). With the arm off the
@@ -40,7 +43,7 @@ log = logging.getLogger(__name__)
 
 REGISTERED_MODEL = "faceops-discovery"
 FR_SOURCE = "real"  # the FR model whose weights initialise FaceGCD's ViTs
-LOSS_KEYS = ("loss", "loss/unsup", "loss/sup")
+LOSS_KEYS = ("loss", "loss/unsup", "loss/sup", "loss/anchor")
 
 
 def gcd_model_dir(paths: Paths) -> Path:
@@ -75,13 +78,39 @@ def plot_history(history: list[dict], path: Path, gcd_history: list[dict] | None
     fig, ax = plt.subplots(figsize=(5, 3.2))
     for arm, rows, colour in (("", history, None), ("gcd ", gcd_history or [], "0.55")):
         epochs = [h["epoch"] for h in rows]
-        for key, style in (("loss", "-o"), ("loss/unsup", "--"), ("loss/sup", ":")):
-            ax.plot(epochs, [h[key] for h in rows], style, label=arm + key, color=colour, markersize=3)
-    ax.set(xlabel="epoch", ylabel="loss", title="FaceGCD: (1−λ)·L_unsup + λ·L_sup")
+        for key, style in (("loss", "-o"), ("loss/unsup", "--"), ("loss/sup", ":"), ("loss/anchor", "-.")):
+            if rows and key in rows[0]:
+                ax.plot(epochs, [h[key] for h in rows], style, label=arm + key, color=colour, markersize=3)
+    anchor = " + w·L_anchor" if history and "loss/anchor" in history[0] else ""
+    ax.set(xlabel="epoch", ylabel="loss", title=f"FaceGCD: (1−λ)·L_unsup + λ·L_sup{anchor}")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
     save_figure(fig, path)
+
+
+def anchor_set(cfg: DiscoveryConfig, data: DataConfig, paths: Paths) -> tuple[np.ndarray, np.ndarray] | None:
+    """The anchor's (uint8 images, labels): the FR model's training rows, at most ``cfg.anchor_images`` of them;
+    None when the anchor is off."""
+    if cfg.anchor_weight == 0:
+        return None
+    from tasks.train_fr import load_rows, training_rows
+
+    parts, _, _ = training_rows(paths, FR_SOURCE)
+    total = sum(len(rows) for _, rows in parts)
+    rng = np.random.default_rng(cfg.seed)
+    keep = np.sort(rng.choice(total, cfg.anchor_images, replace=False)) if 0 < cfg.anchor_images < total else None
+    images, labels, start = [], [], 0
+    for dataset, rows in parts:
+        end = start + len(rows)
+        if keep is not None:
+            rows = rows.iloc[keep[(keep >= start) & (keep < end)] - start].reset_index(drop=True)
+        start = end
+        images.append(load_rows(dataset, rows, data, progress=True))
+        labels.append(rows["label"].to_numpy(np.int64))
+    log.info("discovery anchor: %d FR training images of %d identities", sum(map(len, labels)),
+             len(np.unique(np.concatenate(labels))))
+    return np.concatenate(images), np.concatenate(labels)
 
 
 def run(cfg: DiscoveryConfig, data: DataConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
@@ -100,13 +129,14 @@ def run(cfg: DiscoveryConfig, data: DataConfig, paths: Paths, *, tracker: Any = 
         if not (init / "config.json").is_file():
             raise DataError(f"discovery.backbone_init is 'fr' but {init} holds no model: run `dvc repro train_fr@real` "
                             "first, or set discovery.backbone_init: random.")
+    anchor = anchor_set(cfg, data, paths)
     res = train_discovery(cfg, images, labels, labelled, init_model_dir=init, progress=True,
-                          callbacks=core_share_callbacks())
+                          callbacks=core_share_callbacks(), anchor=anchor)
     gcd_dir = gcd_model_dir(paths)
     gcd = None
     if cfg.gcd_arm:  # the control: the same data, seed and recipe without prefixes
         gcd = train_discovery(dataclasses.replace(cfg, prefix_length=0), images, labels, labelled,
-                              init_model_dir=init, progress=True, callbacks=core_share_callbacks())
+                              init_model_dir=init, progress=True, callbacks=core_share_callbacks(), anchor=anchor)
     info = read_dataset_info(dataset)
     extra = {
         "registered_name": REGISTERED_MODEL,
@@ -115,6 +145,7 @@ def run(cfg: DiscoveryConfig, data: DataConfig, paths: Paths, *, tracker: Any = 
         "labelled_images": int(labelled.sum()),
         "known_identities": int(train.loc[train["known"], "identity"].nunique()),
         "backbone_init": cfg.backbone_init,
+        "anchor_images": 0 if anchor is None else int(len(anchor[1])),
     }
     save_facegcd(res.model, paths.discovery_model, extra={**extra, "best_epoch": res.best_epoch})
     if gcd is not None:
@@ -135,7 +166,8 @@ def run(cfg: DiscoveryConfig, data: DataConfig, paths: Paths, *, tracker: Any = 
         result.metrics[f"{prefix}/best_epoch"] = float(arm.best_epoch)
     write_json(paths.metrics / "train_discovery.json", result.metrics)
     write_history_csv(paths.plots / "train_discovery_history.csv", res.history,
-                      ["epoch", *LOSS_KEYS, *(["val/accuracy"] if cfg.val_per_identity else [])])
+                      ["epoch", *(k for k in LOSS_KEYS if k in res.history[0]),
+                       *(["val/accuracy"] if cfg.val_per_identity else [])])
     plot_history(res.history, paths.plots / "train_discovery_loss.png", gcd.history if gcd is not None else None)
     result.summary = (
         f"FaceGCD ({cfg.backbone}, init {cfg.backbone_init}) trained on {len(train)} images "

@@ -30,6 +30,12 @@ Differences from the reference (FaceGCD App. A.2, GCD's ``contrastive_training.p
   code (``DINO.forward`` in eval mode returns the normalised backbone feature); the paper's text says SSK runs on
   "the final head H(·)". ``loss_on: embedding`` is a diagnostic, not the method: the loss acts on that embedding
   directly (no head), so one can see what the labels do to the features the protocol reads.
+- The anchor (``anchor_weight`` > 0; not in the paper, set by the stage's recipe): an ArcFace term (s 32, m 0.5) on
+  the embedding over the FR model's own training identities (``anchor_batch`` of its training images per step) and
+  the known identities (the batch's labelled images), class centres starting at the class means of the starting
+  features and learnt at ``lr``. The paper fine-tunes a self-supervised DINO ViT that never saw an identity label;
+  ours starts from an ArcFace model, and without the anchor GCD's losses moved it off what ArcFace taught (even the
+  oracle, every image labelled, ended below its starting features; ``reports/discovery_claims.md``).
 - Backbone: the FR model trained in the pipeline (``backbone_init: fr``) instead of a DINO ViT-B/8 pretrained on
   MS1MV3; ``random`` trains from scratch (a smoke test more than a method).
 """
@@ -55,6 +61,7 @@ from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 from ml.errors import ConfigError, DataError
 from ml.losses.contrastive import gcd_loss_terms
+from ml.losses.margin import CombinedMarginLoss
 from ml.models.backbones import BACKBONES, input_contract
 from ml.models.backbones.vit import ViT
 from ml.models.discovery.facegcd import FaceGCD
@@ -67,6 +74,7 @@ from ml.train.schedules import adamw, lambda_schedule, warmup_cosine
 
 __all__ = [
     "DISCOVERY_AUGMENTATION",
+    "Anchor",
     "BalancedBatchSampler",
     "DiscoveryConfig",
     "DiscoveryModule",
@@ -79,6 +87,7 @@ log = logging.getLogger(__name__)
 
 BACKBONE_INITS = ("fr", "random")
 LOSS_ON = ("head", "embedding")
+ANCHOR_SCALE, ANCHOR_MARGIN = 32.0, 0.5  # the anchor's ArcFace s and additive angular margin m
 
 
 def plain_vits() -> tuple[str, ...]:
@@ -130,6 +139,11 @@ class DiscoveryConfig:
     # where the loss acts: "head" (the paper: the projection head's output) | "embedding" (a diagnostic: the
     # L2-normalised embedding the protocol clusters, the FR embedding layer trainable at lr × block_lr_scale, no head)
     loss_on: str = "head"
+    # ArcFace on the embedding over the FR model's training identities + the known ones, weighted beside GCD's loss
+    # (a deviation, see the module docstring); 0 = off, the paper. Needs train_discovery(anchor=...)
+    anchor_weight: float = 0.0
+    anchor_batch: int = 64  # FR training images per step in the anchor term
+    anchor_images: int = 20000  # the stage keeps at most this many FR training images for the anchor (0 = all)
     grad_clip: float = 0.0  # max gradient norm; 0 = off
     gcd_arm: bool = True  # stage train_discovery also trains the GCD control (prefix_length 0, else the same)
     augment: bool = True
@@ -154,7 +168,7 @@ class DiscoveryConfig:
         ints = {
             "prefix_length": 0, "bottleneck": 0, "hyper_hidden": 0, "proj_dim": 1, "proj_hidden": 1,
             "proj_bottleneck": 1, "epochs": 1, "batch_size": 2, "seed": 0, "labelled_identities_per_batch": 0,
-            "images_per_identity": 1, "val_per_identity": 0,
+            "images_per_identity": 1, "val_per_identity": 0, "anchor_batch": 1, "anchor_images": 0,
         }
         for key, low in ints.items():
             value = getattr(self, key)
@@ -169,6 +183,7 @@ class DiscoveryConfig:
             "sup_temperature": (lambda v: v > 0, "> 0"),
             "sup_weight": (lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
             "grad_clip": (lambda v: v >= 0, "≥ 0 (0 = off)"),
+            "anchor_weight": (lambda v: v >= 0, "≥ 0 (0 = off)"),
         }
         for key, (ok, need) in ranges.items():
             value = getattr(self, key)
@@ -200,8 +215,8 @@ class DiscoveryConfig:
 @dataclass
 class DiscoveryResult:
     """The trained model (eval mode, on the CPU) and one dict per epoch: epoch (from 0), loss, loss/unsup, loss/sup,
-    lr (of the epoch's last step), seconds, and ``val/accuracy`` with a validation split. ``best_epoch``: the epoch
-    whose weights ``model`` holds (the last one without a validation split)."""
+    loss/anchor (with the anchor), lr (of the epoch's last step), seconds, and ``val/accuracy`` with a validation
+    split. ``best_epoch``: the epoch whose weights ``model`` holds (the last one without a validation split)."""
 
     model: FaceGCD
     history: list[dict[str, float]]
@@ -295,9 +310,9 @@ def nearest_mean_accuracy(train_feats: np.ndarray, train_labels: np.ndarray, val
     return float((classes[(val_feats @ means.T).argmax(1)] == val_labels).mean())
 
 
-def _digest(images: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> str:
+def _digest(*tensors: torch.Tensor) -> str:
     h = hashlib.blake2b(digest_size=16)
-    for t in (images, labels, mask):
+    for t in tensors:
         h.update(t.numpy().tobytes())
     return h.hexdigest()
 
@@ -336,11 +351,12 @@ def build_facegcd(cfg: DiscoveryConfig, img_size: int, init_model_dir: str | os.
     return model
 
 
-def _optimizer(model: FaceGCD, cfg: DiscoveryConfig, module: Any = None) -> torch.optim.AdamW:
+def _optimizer(model: FaceGCD, cfg: DiscoveryConfig, module: Any = None,
+               centres: Sequence[torch.nn.Parameter] = ()) -> torch.optim.AdamW:
     """AdamW over the trainable parameters; weight decay on weight matrices, none on biases, norms, prefixes and
     the layer embedding. The pre-trained parts (the last ViT block ``vit.blocks.<last>.``, and the embedding layer
     ``vit.feature.`` with ``loss_on: embedding``) learn at ``lr × block_lr_scale`` (frozen at 0), the new parts at
-    ``lr``; the schedule scales every group alike."""
+    ``lr``; the schedule scales every group alike. ``centres``: the anchor's class centres, at ``lr`` without decay."""
     pretrained = (f"vit.blocks.{len(model.vit.blocks) - 1}.", "vit.feature.")
     groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
     for name, p in model.named_parameters():
@@ -351,11 +367,46 @@ def _optimizer(model: FaceGCD, cfg: DiscoveryConfig, module: Any = None) -> torc
             p.requires_grad_(False)  # no gradient wasted on it
             continue
         groups.setdefault((block, p.ndim == 2 and not name.endswith("layer_embed")), []).append(p)
+    if centres:
+        groups.setdefault((False, False), []).extend(centres)
     return adamw(
         [{"params": ps, "lr": cfg.lr * (cfg.block_lr_scale if block else 1.0),
           "weight_decay": cfg.weight_decay if decay else 0.0} for (block, decay), ps in sorted(groups.items())],
         module, lr=cfg.lr,
     )
+
+
+class Anchor(torch.nn.Module):
+    """The anchor term: ArcFace (``ANCHOR_SCALE``, ``ANCHOR_MARGIN``) on the embedding over the FR training classes
+    (``images`` uint8 (M, 3, S, S), ``labels`` (M,)) and the labelled discovery identities, whose ids ``known`` maps
+    to the classes after the FR ones (−1 elsewhere). The centres start at the class means of ``model``'s
+    L2-normalised embedding; the images stay plain tensors (not in the checkpoint, which keeps the centres)."""
+
+    def __init__(self, model: FaceGCD, images: torch.Tensor, labels: torch.Tensor, train_x: torch.Tensor,
+                 train_y: torch.Tensor, labelled: torch.Tensor) -> None:
+        super().__init__()
+        fr_ids, fr_classes = torch.unique(labels, return_inverse=True)
+        ids = torch.unique(train_y[labelled])
+        self.images, self.labels = images, fr_classes
+        self.known = torch.full((int(train_y.max().clamp(min=0)) + 1,), -1, dtype=torch.long)
+        self.known[ids] = torch.arange(len(ids)) + len(fr_ids)
+        nhwc = lambda t: t.permute(0, 2, 3, 1).numpy()  # noqa: E731
+        feats = torch.from_numpy(np.concatenate([model.embed(nhwc(images)), model.embed(nhwc(train_x[labelled]))]))
+        classes = torch.cat([fr_classes, self.known[train_y[labelled]]])
+        self.head = CombinedMarginLoss(feats.shape[1], len(fr_ids) + len(ids), s=ANCHOR_SCALE, m2=ANCHOR_MARGIN)
+        with torch.no_grad():  # class means of unit vectors (the sums' directions, at the experiments' scale)
+            counts = torch.bincount(classes, minlength=len(self.head.weight)).clamp(min=1)
+            self.head.weight.zero_().index_add_(0, classes, feats).div_(counts[:, None])
+
+    def forward(self, model: FaceGCD, x: torch.Tensor, labels: torch.Tensor, labelled: torch.Tensor, count: int,
+                generator: torch.Generator) -> torch.Tensor:
+        """The term on ``count`` FR training images drawn with ``generator`` and the batch's labelled images."""
+        pick = torch.randint(len(self.images), (count,), generator=generator)
+        xs = torch.cat([self.images[pick].to(x.device), x[labelled]])
+        ys = torch.cat([self.labels[pick], self.known[labels[labelled].cpu()]]).to(x.device)
+        emb = model.forward_features(model.normalize(xs.float() / 255.0))
+        with torch.autocast(emb.device.type, enabled=False):
+            return self.head(emb.float(), ys)
 
 
 def _views(model: FaceGCD, x: torch.Tensor, cfg: DiscoveryConfig, gen: torch.Generator) -> torch.Tensor:
@@ -373,9 +424,11 @@ class DiscoveryModule(lightning.LightningModule):
     """FaceGCD under GCD's loss: two views per image, ``(1 − λ)·L_u + λ·L_s``, AdamW with warmup + cosine per step."""
 
     def __init__(self, model: FaceGCD, cfg: DiscoveryConfig, steps_per_epoch: int,
-                 val: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
+                 val: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
+                 anchor: Anchor | None = None) -> None:
         super().__init__()
         self.model = model
+        self.anchor = anchor
         self.cfg = cfg
         self.steps_per_epoch = steps_per_epoch
         self.val = val  # (labelled train images, their labels, val images, val labels); uint8 (N, S, S, 3)
@@ -421,20 +474,27 @@ class DiscoveryModule(lightning.LightningModule):
             terms = gcd_loss_terms(z1.float(), z2.float(), labels, labelled, self.cfg.sup_weight,
                                    self.cfg.temperature, self.cfg.sup_temperature)
         loss = terms["loss"]
+        if self.anchor is not None:
+            terms["anchor"] = self.anchor(self.model, x, labels, labelled, self.cfg.anchor_batch,
+                                          gen.manual_seed(mix_seed(self.cfg.seed, self.global_step, 5)))
+            loss = loss + self.cfg.anchor_weight * terms["anchor"]
         if not bool(torch.isfinite(loss)):
             raise non_finite_loss(self, float(loss.detach()), batch_idx, what="discovery loss",
                                   entry="train_discovery",
                                   advice="Lower discovery.lr or raise discovery.temperature.")
         b = x.shape[0]
-        for key, name in (("loss", "loss"), ("unsup", "loss/unsup"), ("sup", "loss/sup")):
-            self.log(name, terms[key].detach(), on_step=False, on_epoch=True, prog_bar=key == "loss", batch_size=b)
+        for key, name in (("loss", "loss"), ("unsup", "loss/unsup"), ("sup", "loss/sup"), ("anchor", "loss/anchor")):
+            if key in terms:
+                self.log(name, terms[key].detach(), on_step=False, on_epoch=True, prog_bar=key == "loss",
+                         batch_size=b)
         self.log("lr", self.optimizers().param_groups[0]["lr"], on_step=True, on_epoch=False, batch_size=b)
         return loss
 
     def configure_optimizers(self) -> Any:
         total = self.cfg.epochs * self.steps_per_epoch
         warmup = round(self.cfg.warmup_epochs * self.steps_per_epoch)
-        return lambda_schedule(_optimizer(self.model, self.cfg, self),
+        centres = [self.anchor.head.weight] if self.anchor is not None else []
+        return lambda_schedule(_optimizer(self.model, self.cfg, self, centres),
                                partial(warmup_cosine, warmup_steps=warmup, total_steps=total))
 
 
@@ -463,17 +523,32 @@ def train_discovery(
     resume: bool = False,
     progress: bool = True,
     callbacks: Sequence[Callback] = (),
+    anchor: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> DiscoveryResult:
     """Fit FaceGCD on uint8 RGB ``images`` (N, S, S, 3); ``labels`` (N,) are read where ``labelled_mask`` (N,) is true.
 
     ``init_model_dir``: the FR model for ``backbone_init: fr``. ``checkpoint_dir``: where ``last.ckpt`` is written
     after every epoch (an existing one is an error unless ``resume``); with ``resume`` the run continues from it
     (a missing checkpoint starts afresh). ``callbacks``: extra Lightning callbacks (e.g. the core share).
+    ``anchor``: the FR model's training images (uint8 (M, S, S, 3)) and identity labels (M,), which the anchor term
+    reads when ``cfg.anchor_weight`` > 0 (required then, ignored otherwise).
     """
     x_all, y_all, m_all = _check_data(images, labels, labelled_mask)
     n, size = len(x_all), x_all.shape[-1]
+    anchor_data: tuple[torch.Tensor, ...] = ()
+    if cfg.anchor_weight > 0:
+        if anchor is None:
+            raise ConfigError("discovery.anchor_weight > 0 needs the FR model's training images and labels "
+                              "(train_discovery(anchor=(images, labels))); or set discovery.anchor_weight: 0")
+        ax, ay, _ = _check_data(anchor[0], anchor[1], np.ones(len(anchor[1]), bool))
+        if ax.shape[-1] != size:
+            raise DataError(f"train_discovery: the anchor images are {ax.shape[-1]}×{ax.shape[-1]} but the "
+                            f"discovery images {size}×{size}; prepare both at data.image_size")
+        if not bool(m_all.any()):
+            raise DataError("train_discovery: discovery.anchor_weight > 0 but no image is labelled")
+        anchor_data = (ax, ay)
     ckpt_path = resume_path(checkpoint_dir, resume, LAST_CHECKPOINT, "train_discovery")
-    info = {"config": dataclasses.asdict(cfg), "data_digest": _digest(x_all, y_all, m_all)}
+    info = {"config": dataclasses.asdict(cfg), "data_digest": _digest(x_all, y_all, m_all, *anchor_data)}
     if ckpt_path is not None:
         _check_checkpoint(ckpt_path, info)
     model = build_facegcd(cfg, size, init_model_dir)
@@ -496,14 +571,15 @@ def train_discovery(
         loader = DataLoader(dataset, batch_sampler=batches)
     else:
         loader = DataLoader(dataset, batch_size=batch, sampler=EpochSampler(n, cfg.seed), drop_last=True)
-    module = DiscoveryModule(model, cfg, steps_per_epoch, val)
+    head = Anchor(model, *anchor_data, x_all, y_all, m_all) if anchor_data else None
+    module = DiscoveryModule(model, cfg, steps_per_epoch, val, head)
     log.info("training FaceGCD (%s, %d trainable parameters) on %d images (%d labelled): %d steps/epoch × %d epochs%s",
              cfg.backbone, sum(p.numel() for p in model.parameters() if p.requires_grad), n, int(m_all.sum()),
              steps_per_epoch, cfg.epochs, f", resuming {ckpt_path}" if ckpt_path else "")
     with torch.random.fork_rng(devices=rng_devices(cfg.accelerator)):  # per-step reseeding leaves the caller's RNG
         fitted = fit(
             module, loader, section="discovery", epochs=cfg.epochs, steps_per_epoch=steps_per_epoch,
-            history=EpochHistory(("loss", "loss/unsup", "loss/sup", "lr"), timed=True),
+            history=EpochHistory(("loss", "loss/unsup", "loss/sup", "loss/anchor", "lr"), timed=True),
             accelerator=cfg.accelerator, devices=cfg.devices, precision=cfg.precision, grad_clip=cfg.grad_clip,
             run_info=(CHECKPOINT_KEY, info), checkpoint_dir=checkpoint_dir, last_checkpoint=LAST_CHECKPOINT,
             ckpt_path=ckpt_path, callbacks=callbacks, progress=progress,
