@@ -34,6 +34,8 @@ def test_claims_are_paired_per_run_with_sign_counts_and_a_noise_rule():
     d = s["claims"]["facegcd-gcd"]["test/all"]
     assert d["mean"] == pytest.approx(0.025) and (d["higher"], d["seeds"]) == (3, 4)
     assert "facegcd-static_prefix" not in s["claims"]  # an arm that did not run makes no claim
+    d = s["claims"]["facegcd-gcd"]["transductive/novel"]  # the third claim column: 0.5 in every run, no difference
+    assert (d["mean"], d["higher"], d["beyond_noise"]) == (pytest.approx(0), 0, False)
     assert beyond_noise({"mean": 0.021, "std": 0.02, "seeds": 4}) and not beyond_noise({"mean": 0.019, "std": 0.02,
                                                                                          "seeds": 4})
     assert not beyond_noise({"mean": 0.5, "std": 0.0, "seeds": 1})  # one run says nothing about noise
@@ -46,7 +48,7 @@ def test_the_oracle_arm_alone_trains_with_every_training_label(monkeypatch):
 
     import experiments.discovery_claims as dc
 
-    calls = []
+    calls, anchors = [], []
 
     class Trained:
         history, best_epoch = [{"loss/unsup": 1.0, "loss/sup": 1.0}], 0
@@ -58,6 +60,7 @@ def test_the_oracle_arm_alone_trains_with_every_training_label(monkeypatch):
 
     def fake_train(cfg, images, labels, labelled, **kwargs):
         calls.append((images, labels, labelled))
+        anchors.append(kwargs["anchor"])
         return Trained
 
     monkeypatch.setattr(dc, "train_discovery", fake_train)
@@ -69,6 +72,9 @@ def test_the_oracle_arm_alone_trains_with_every_training_label(monkeypatch):
     np.testing.assert_array_equal(l_f, data["labelled"][train])
     np.testing.assert_array_equal(y_f, np.where(data["labelled"], data["dy"], -1)[train])
     assert l_o.all() and (~l_f).any()
+    for fr_x, fr_y in anchors:  # every arm's anchor: the FR model's own training set
+        np.testing.assert_array_equal(fr_x, data["x"])
+        np.testing.assert_array_equal(fr_y, data["y"])
     np.testing.assert_array_equal(y_o, data["dy"][train])
     assert "oracle-fr_ssk" in results["summary"]["claims"]
     report = dc.render(results, [0], [0], dc.QUICK, 1.0)
