@@ -3,6 +3,8 @@ selection, the last block's learning rate, and that training beats the features 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -186,7 +188,8 @@ def test_anchor_centres_start_at_the_class_means(tmp_path):
 
 
 def test_anchor_needs_the_fr_set_and_resumes_exactly(tmp_path):
-    """With ``anchor_weight`` > 0: refused without the FR images or at another size; the anchor's loss is recorded;
+    """With ``anchor_weight`` > 0: refused without the FR images or at another size; the anchor's loss is recorded
+    and moves the weights (the same run with weight 0 ends elsewhere);
     an interrupted run resumes to the uninterrupted one's weights and losses (the centres travel in the checkpoint),
     and a checkpoint is refused for another anchor set."""
     images, labels = noisy_patterns(k=4, per=8, sigma=40.0, seed=5)
@@ -206,7 +209,10 @@ def test_anchor_needs_the_fr_set_and_resumes_exactly(tmp_path):
     a, b = full.model.state_dict(), resumed.model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [h["loss/anchor"] for h in resumed.history] == [h["loss/anchor"] for h in full.history]
-    assert all(np.isfinite(h["loss/anchor"]) and h["loss"] > h["loss/anchor"] > 0 for h in full.history)
+    assert all(np.isfinite(h["loss/anchor"]) and h["loss/anchor"] > 0 for h in full.history)
+    off = train_discovery(dataclasses.replace(cfg, anchor_weight=0.0), images, labels, labelled, **run)
+    assert "loss/anchor" not in off.history[0]
+    assert any(not torch.equal(a[k], off.model.state_dict()[k]) for k in a)  # the term moves the weights
     with pytest.raises(DataError, match="other images"):
         train_discovery(cfg, images, labels, labelled, checkpoint_dir=tmp_path / "b", resume=True,
                         init_model_dir=fr, progress=False, anchor=(fr_x[::-1].copy(), fr_y[::-1].copy()))
@@ -217,8 +223,6 @@ def test_anchor_needs_the_fr_set_and_resumes_exactly(tmp_path):
 def test_the_stage_reads_the_fr_training_set_for_the_anchor(tmp_path):
     """``tasks.train_discovery.anchor_set``: the FR source's training rows (the ``val`` split left out), at most
     ``anchor_images`` of them, pixels and labels as written; None with the anchor off."""
-    import dataclasses
-
     from ml.data.dataset import DatasetWriter
     from tasks.common import Paths
     from tasks.prepare import DataConfig
