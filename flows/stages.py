@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -131,6 +132,9 @@ class _CoreShare:
             path = self._files.pop(key, None)
             if path is not None:
                 path.unlink(missing_ok=True)
+            if not self._files and self._dir is not None:  # the last stage left: no folder stays behind in /tmp
+                shutil.rmtree(self._dir, ignore_errors=True)
+                self._dir = None
             self._rewrite()
 
     def _rewrite(self) -> None:

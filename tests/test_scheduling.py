@@ -131,6 +131,12 @@ def test_core_share_is_rewritten_as_stages_start_and_finish(monkeypatch):
     assert threads_b == 4 and file_a.read_text() == "4" and file_b.read_text() == "4"
     share.leave("a")
     assert not file_a.exists() and file_b.read_text() == "8"  # left alone: b takes a's cores
+    share.leave("b")
+    assert not file_b.parent.exists()  # the last one out removes the folder
+    threads_c, file_c = share.enter("c")  # a later run gets a new one
+    assert threads_c == 8 and file_c.read_text() == "8"
+    share.leave("c")
+    assert not file_c.parent.exists()
 
 
 def test_follow_core_share_applies_the_file_and_ignores_garbage(tmp_path):
