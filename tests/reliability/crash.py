@@ -129,7 +129,9 @@ def _train_discovery(checkpoint_dir: Path | None, resume: bool) -> tuple[dict[st
     cfg = DiscoveryConfig(backbone_init="fr", prefix_length=3, warmup_epochs=0.0, batch_size=16, lr=2e-3, epochs=4,
                           learn_base_prefix=False, proj_dim=32, proj_hidden=64, proj_bottleneck=16)
     images, labels = _separable(4, 8, 32, 1)
-    with tempfile.TemporaryDirectory(prefix="faceops-crash-fr-") as tmp:
+    # beside the checkpoints (the test's own tmp_path) when there are any: a killed worker cannot clean up
+    scratch = checkpoint_dir.parent if checkpoint_dir is not None else None
+    with tempfile.TemporaryDirectory(prefix="faceops-crash-fr-", dir=scratch) as tmp:
         torch.manual_seed(0)
         save_model(Path(tmp) / "fr", vit_tiny(**vit_kwargs).eval(), backbone="vit_tiny", kwargs=vit_kwargs)
         result = train_discovery(cfg, images, labels, labels < 2, init_model_dir=Path(tmp) / "fr",
