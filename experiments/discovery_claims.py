@@ -234,9 +234,9 @@ def plot_curves(curves: dict[str, dict[str, list[float]]], path: Path) -> None:
     tmp.replace(path)
 
 
-# test all / novel: held-out images; transductive novel: the novel identities' unlabelled training images (GCD's own
-# protocol, and 9× the images of test novel)
-CLAIM_KEYS = ("test/all", "test/novel", "transductive/novel")
+# metric → its name in the verdict column. test all / novel: held-out images; transductive novel: the novel
+# identities' unlabelled training images (GCD's own protocol, and 9× the images of test novel)
+CLAIM_KEYS = {"test/all": "test all", "test/novel": "test novel", "transductive/novel": "transd. novel"}
 
 
 def beyond_noise(diff: dict[str, float]) -> bool:
@@ -275,9 +275,8 @@ def _short(arm: str) -> str:
 def _verdict(*diffs: dict) -> str:
     """Whether a claim holds beyond noise on each of ``CLAIM_KEYS``, and whether the reverse does."""
     holds = [d["beyond_noise"] and d["mean"] > 0 for d in diffs]
-    names = ("test all", "test novel", "transd. novel")
     text = "yes" if all(holds) else "no: within noise" if not any(holds) else ", ".join(
-        f"{n}: {'yes' if h else 'no'}" for n, h in zip(names, holds))
+        f"{n}: {'yes' if h else 'no'}" for n, h in zip(CLAIM_KEYS.values(), holds))
     if any(d["beyond_noise"] and d["mean"] < 0 for d in diffs):
         text += " (the reverse beyond noise)"
     return text
