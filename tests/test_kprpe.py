@@ -149,6 +149,12 @@ def test_bias_is_the_table_gathered_by_bucket_layer_major():
     kp = torch.rand(2, 5, 2)
     e, bias = m.tables(kp), m(kp)
     assert e.shape == (layers, 2, heads, 16, nb)
+    # Built from its two terms (W·P_i + b, the same for every face; W·K, the same for every token), the table is
+    # the Linear of D_i = concat_j (p_i − k_j), laid out layer-major.
+    direct = m.linear(m.relative_keypoints(kp)).view(2, 16, layers, heads, nb).permute(2, 0, 3, 1, 4)
+    torch.testing.assert_close(e, direct)
+    static, per_face = m.parts(kp)
+    assert static.shape == (layers, heads, 16, nb) and per_face.shape == (layers, 2, heads, nb)
     for l, b, h, i, j in [(0, 0, 0, 0, 0), (2, 1, 1, 5, 14), (1, 0, 1, 15, 3)]:
         assert bias[l, b, h, i, j] == e[l, b, h, i, m.buckets[i, j]]
 
