@@ -131,7 +131,8 @@ def patch_centres(img_size: int, patch_size: int) -> torch.Tensor:
 class KPRPE(nn.Module):
     """Keypoints → per-layer, per-head attention biases over the patch grid.
 
-    ``tables(k)``: ``(L, B, H, T, NB)`` with ``E = Linear(concat_j (p_i − k_j))``;
+    ``tables(k)``: ``(L, B, H, T, NB)`` with ``E = Linear(concat_j (p_i − k_j))``, built from ``parts(k)``, its
+    face-independent and token-independent terms (the model builds one layer's table at a time from them);
     ``forward(k)``: the full biases ``(L, B, H, T, T)``, ``bias[l,b,h,i,j] = E[l,b,h,i,bucket(i,j)]``.
     The Linear starts at zero, so every bias starts at exactly 0.
     """
