@@ -8,10 +8,11 @@ code path it replaced, measured in one process so that only the ratio is read.
 - ``caface``: one CAFace training step of the embedded recipe (32 identities × 2 groups × every even prefix
   2..16, vit_tiny feature sizes) with every prefix padded to 16 in one masked cluster-network call (before)
   against one call per prefix length (``ClusterNetwork`` does this for any batch padded at the end).
-- bfloat16 autocast (what ``bf16-mixed`` runs, and ``auto`` on a CPU that computes bfloat16 natively) against
-  float32 for the UNet step above, for one FR step (``vit_tiny`` at 64 px, batch 128, ``fr.embedding_dim``, a
-  linear softmax head in float32 as the trainer's margin heads are) and for the CAFace step: ``*_bf16_ratio`` < 1
-  is what autocast saves; ``cpu_has_bf16`` says whether this CPU computes bfloat16 natively.
+- bfloat16 autocast (what ``bf16-mixed`` runs, and ``auto`` on a CPU where it pays) against float32 for the UNet
+  step above, for one FR step (``vit_tiny`` at 64 px, batch 128, ``fr.embedding_dim``, a linear softmax head in
+  float32 as the trainer's margin heads are) and for the CAFace step: ``*_bf16_ratio`` < 1 is what autocast saves;
+  ``cpu_has_bf16`` says whether this CPU has bfloat16 instructions, ``cpu_has_amx`` whether it has AMX tiles, and
+  ``probe_bf16_ratio`` is what ``precision: auto`` decides by (``ml.train.callbacks.cpu_bf16_step_ratio``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from ml.train.callbacks import cpu_has_bf16
+from ml.train.callbacks import cpu_bf16_step_ratio, cpu_has_bf16
 
 
 def _best_ms(step: Callable[[], Any], warmup: int, rounds: int, steps: int) -> float:
@@ -153,7 +154,9 @@ def bench_train_step_costs(steps: int = 10, rounds: int = 3, threads: int = 1) -
     torch.set_num_threads(threads)
     try:
         return {**_unet_steps(steps, rounds), **_fr_steps(steps, rounds), **_caface_steps(steps, rounds),
-                "threads": threads, "cpu_has_bf16": cpu_has_bf16()}
+                "threads": threads, "cpu_has_bf16": cpu_has_bf16(),
+                "cpu_has_amx": bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()),
+                "probe_bf16_ratio": cpu_bf16_step_ratio()}
     finally:
         torch.set_num_threads(previous)
 

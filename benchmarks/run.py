@@ -67,7 +67,8 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
         "ms per training step, one thread: the latent UNet with the fused AdamW and foreach EMA vs the per-tensor "
         "loops, CAFace with one cluster-network call per prefix length vs every prefix padded to 16; bfloat16 autocast vs "
         "float32 for the UNet, an FR step (vit_tiny 64 px, batch 128) and CAFace",
-        "both ratios < 1.0×; bf16 ratios < 1.0× for the trainers set to precision auto (FR, UIFace)",
+        "both ratios < 1.0×; precision auto picks bf16 (probe_bf16_ratio ≤ 0.9) only where the FR and UNet bf16 "
+        "ratios are < 1.0×",
     ),
     "aligner_throughput": (
         "benchmarks.bench_aligner:bench_aligner_throughput",

@@ -197,12 +197,24 @@ def test_fixed_size_backbone_rejects_other_sizes(monkeypatch):
         train(FRConfig(backbone="fixed64"), images, labels, progress=False)
 
 
-def test_precision_auto_is_bf16_where_the_cpu_computes_it_and_is_recorded(runs, monkeypatch):
+def test_bf16_probe_measures_a_step_ratio_once():
+    from ml.train import callbacks
+
+    callbacks.cpu_bf16_step_ratio.cache_clear()
+    ratio = callbacks.cpu_bf16_step_ratio()
+    assert 0.05 < ratio < 20  # a time ratio, whichever way this CPU goes
+    assert callbacks.cpu_bf16_step_ratio() == ratio and callbacks.cpu_bf16_step_ratio.cache_info().hits == 1
+
+
+def test_precision_auto_is_bf16_where_the_cpu_computes_it_faster_and_is_recorded(runs, monkeypatch):
     from ml.train import callbacks
 
     images, labels, full_precision, *_ = runs
-    for native, expected in ((True, "bf16-mixed"), (False, "32-true")):
+    # bfloat16 where the CPU has the instructions and autocast makes the step faster there (the probe's ratio).
+    for native, ratio, expected in ((True, 0.7, "bf16-mixed"), (True, 1.5, "32-true"), (True, 0.95, "32-true"),
+                                    (False, 0.7, "32-true")):
         monkeypatch.setattr(callbacks, "cpu_has_bf16", lambda native=native: native)
+        monkeypatch.setattr(callbacks, "cpu_bf16_step_ratio", lambda ratio=ratio: ratio)
         assert callbacks.resolve_precision("cpu", "auto") == expected
         assert callbacks.resolve_precision("cpu", "32-true") == "32-true"  # a value set by hand is kept as it is
         assert callbacks.resolve_precision("cpu", "bf16-mixed") == "bf16-mixed"
@@ -214,6 +226,7 @@ def test_precision_auto_is_bf16_where_the_cpu_computes_it_and_is_recorded(runs, 
         a, b = fallback.model.state_dict(), full_precision.model.state_dict()
         assert all(torch.equal(a[k], b[k]) for k in a)
     monkeypatch.setattr(callbacks, "cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(callbacks, "cpu_bf16_step_ratio", lambda: 0.7)
     mixed = train(cfg, images, labels, progress=False, backbone_overrides=SMALL)
     assert mixed.precision == "bf16-mixed"
     assert all(p.dtype == torch.float32 for p in mixed.model.parameters())  # autocast: the weights stay float32

@@ -6,6 +6,7 @@ of the CPU cores that changes while training runs."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import warnings
@@ -48,19 +49,51 @@ def trains_on_cpu(accelerator: str) -> bool:
 
 
 def cpu_has_bf16() -> bool:
-    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX): there bfloat16 autocast makes a step of
-    the embedded ViT and UNet about 0.7× as long; without them it is emulated and slower than float32."""
+    """Whether this CPU has bfloat16 instructions (AVX512-BF16 or AMX). Having them is not enough for bfloat16
+    autocast to pay: ``cpu_bf16_step_ratio`` measures whether it does."""
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
 
 
+BF16_FASTER = 0.9  # "auto" picks bfloat16 autocast on the CPU only where a step takes at most this share of float32's
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_bf16_step_ratio(repeats: int = 3) -> float:
+    """Time of a small training step (an MLP and two 3×3 convolutions, forward and backward) in bfloat16 autocast
+    over the same step in float32, best of ``repeats`` interleaved runs each (about 0.2 s; measured once a process).
+
+    The instructions alone do not decide it: on the cores of one machine with bfloat16 instructions the step of the
+    embedded FR ViT took 0.68× and the latent UNet's 0.74× the float32 one, on another's (AVX512-BF16, no AMX) 1.94×
+    and 1.64× (``train_step_costs`` in ``benchmarks/results.md``, where the probe's ratio is recorded too: 1.56 on
+    the second)."""
+    from torch import nn
+
+    gen = torch.Generator().manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
+    conv = nn.Sequential(nn.Conv2d(32, 64, 3, padding=1), nn.SiLU(), nn.Conv2d(64, 32, 3, padding=1))
+    x, y = torch.randn(512, 256, generator=gen), torch.randn(16, 32, 16, 16, generator=gen)
+
+    def step(bf16: bool) -> float:
+        start = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = mlp(x).float().square().mean() + conv(y).float().square().mean()
+        loss.backward()
+        return time.perf_counter() - start
+
+    step(False), step(True)  # warm-up: allocator, kernel selection
+    times = [(step(False), step(True)) for _ in range(max(1, repeats))]  # interleaved: load hits both alike
+    return min(b for _, b in times) / min(f for f, _ in times)
+
+
 def resolve_precision(accelerator: str, precision: str) -> str:
     """``precision`` as Lightning takes it: "auto" becomes "bf16-mixed" on a CUDA GPU that supports bfloat16 and
-    on a CPU that computes it natively (``cpu_has_bf16``), else "32-true"; any other value is returned as it is."""
+    on a CPU with bfloat16 instructions (``cpu_has_bf16``) where autocast makes a step faster
+    (``cpu_bf16_step_ratio`` ≤ ``BF16_FASTER``), else "32-true"; any other value is returned as it is."""
     if precision != "auto":
         return precision
     if trains_on_cpu(accelerator):
-        return "bf16-mixed" if cpu_has_bf16() else "32-true"
+        return "bf16-mixed" if cpu_has_bf16() and cpu_bf16_step_ratio() <= BF16_FASTER else "32-true"
     if accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available():
         return "bf16-mixed" if torch.cuda.is_bf16_supported() else "32-true"
     return "32-true"  # mps
@@ -296,7 +329,11 @@ def fit(
     check_device(section, accelerator, precision)
     if precision == "auto":
         precision = resolve_precision(accelerator, precision)
-        log.info("%s.precision auto: training in %s", section, precision)
+        if trains_on_cpu(accelerator) and cpu_has_bf16():
+            log.info("%s.precision auto: training in %s (a bfloat16 autocast step takes %.2f× the float32 one on "
+                     "this CPU; bfloat16 where ≤ %.2f×)", section, precision, cpu_bf16_step_ratio(), BF16_FASTER)
+        else:
+            log.info("%s.precision auto: training in %s", section, precision)
     own: list[Callback] = [history]
     if run_info is not None:
         own.append(RunInfo(*run_info))
