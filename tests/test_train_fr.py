@@ -201,7 +201,11 @@ def test_bf16_probe_measures_a_step_ratio_once():
     from ml.train import callbacks
 
     callbacks.cpu_bf16_step_ratio.cache_clear()
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
     ratio = callbacks.cpu_bf16_step_ratio()
+    assert torch.equal(torch.rand(3), expected)  # a seeded training's random stream is left as it was
     assert 0.05 < ratio < 20  # a time ratio, whichever way this CPU goes
     assert callbacks.cpu_bf16_step_ratio() == ratio and callbacks.cpu_bf16_step_ratio.cache_info().hits == 1
 

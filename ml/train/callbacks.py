@@ -72,8 +72,9 @@ def cpu_bf16_step_ratio(repeats: int = 5) -> float:
     from torch import nn
 
     gen = torch.Generator().manual_seed(0)
-    mlp = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
-    conv = nn.Sequential(nn.Conv2d(32, 64, 3, padding=1), nn.SiLU(), nn.Conv2d(64, 32, 3, padding=1))
+    with torch.random.fork_rng(devices=[]):  # the layers' init draws: leave the caller's seeded state as it was
+        mlp = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
+        conv = nn.Sequential(nn.Conv2d(32, 64, 3, padding=1), nn.SiLU(), nn.Conv2d(64, 32, 3, padding=1))
     x, y = torch.randn(512, 256, generator=gen), torch.randn(16, 32, 16, 16, generator=gen)
 
     def step(bf16: bool) -> float:
