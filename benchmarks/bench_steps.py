@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from ml.train.callbacks import cpu_bf16_step_ratio, cpu_has_bf16
+from ml.train.callbacks import cpu_bf16_step_ratio, cpu_has_amx, cpu_has_bf16
 
 
 def _best_ms(step: Callable[[], Any], warmup: int, rounds: int, steps: int) -> float:
@@ -155,7 +155,7 @@ def bench_train_step_costs(steps: int = 10, rounds: int = 3, threads: int = 1) -
     try:
         return {**_unet_steps(steps, rounds), **_fr_steps(steps, rounds), **_caface_steps(steps, rounds),
                 "threads": threads, "cpu_has_bf16": cpu_has_bf16(),
-                "cpu_has_amx": bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()),
+                "cpu_has_amx": cpu_has_amx(),
                 "probe_bf16_ratio": cpu_bf16_step_ratio()}
     finally:
         torch.set_num_threads(previous)

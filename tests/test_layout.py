@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import networkx
+
 import tasks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,45 +78,10 @@ def _import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
 
 
 def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan, iterative)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    circles: list[list[str]] = []
-    for start in graph:
-        if start in index:
-            continue
-        work = [(start, iter(sorted(graph[start])))]
-        index[start] = low[start] = len(index)
-        stack.append(start)
-        on_stack.add(start)
-        while work:
-            node, children = work[-1]
-            child = next(children, None)
-            if child is not None:
-                if child not in index:
-                    index[child] = low[child] = len(index)
-                    stack.append(child)
-                    on_stack.add(child)
-                    work.append((child, iter(sorted(graph[child]))))
-                elif child in on_stack:
-                    low[node] = min(low[node], index[child])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[node])
-            if low[node] == index[node]:
-                component = []
-                while True:
-                    member = stack.pop()
-                    on_stack.discard(member)
-                    component.append(member)
-                    if member == node:
-                        break
-                if len(component) > 1:
-                    circles.append(sorted(component))
-    return circles
+    """Groups of more than one module that reach each other (networkx's strongly connected components; networkx
+    comes with DVC)."""
+    g = networkx.DiGraph([(a, b) for a, targets in graph.items() for b in targets])
+    return sorted(sorted(c) for c in networkx.strongly_connected_components(g) if len(c) > 1)
 
 
 def test_circle_finder_finds_a_circle_and_nothing_else():

@@ -48,11 +48,20 @@ def trains_on_cpu(accelerator: str) -> bool:
     )
 
 
+def _cpu_supports(check: str) -> bool:
+    """``torch.cpu._is_<feature>_supported()``; False on a torch build without that check."""
+    return bool(getattr(torch.cpu, check, lambda: False)())
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles (recorded beside the bfloat16 probe in the ``train_step_costs`` benchmark)."""
+    return _cpu_supports("_is_amx_tile_supported")
+
+
 def cpu_has_bf16() -> bool:
     """Whether this CPU has bfloat16 instructions (AVX512-BF16 or AMX). Having them is not enough for bfloat16
     autocast to pay: ``cpu_bf16_step_ratio`` measures whether it does."""
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+    return _cpu_supports("_is_avx512_bf16_supported") or cpu_has_amx()
 
 
 BF16_FASTER = 0.9  # "auto" picks bfloat16 autocast on the CPU only where a step takes at most this share of float32's
