@@ -50,8 +50,8 @@ import yaml
 from ml.config import from_mapping
 from ml.errors import ConfigError
 from ml.models.backbones import input_contract
-from ml.train.callbacks import ACCELERATORS
-from ml.train.fr_config import PRECISIONS
+from ml.train.device import ACCELERATORS
+from ml.train.device import PRECISIONS
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ code path it replaced, measured in one process so that only the ratio is read.
   step above, for one FR step (``vit_tiny`` at 64 px, batch 128, ``fr.embedding_dim``, a linear softmax head in
   float32 as the trainer's margin heads are) and for the CAFace step: ``*_bf16_ratio`` < 1 is what autocast saves;
   ``cpu_has_bf16`` says whether this CPU has bfloat16 instructions, ``cpu_has_amx`` whether it has AMX tiles, and
-  ``probe_bf16_ratio`` is what ``precision: auto`` decides by (``ml.train.callbacks.cpu_bf16_step_ratio``).
+  ``probe_bf16_ratio`` is what ``faceops doctor`` recommends by (``ml.train.device.bf16_step_ratio``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from ml.train.callbacks import cpu_bf16_step_ratio, cpu_has_amx, cpu_has_bf16
+from ml.train.device import bf16_step_ratio, cpu_has_amx, cpu_has_bf16
 
 
 def _best_ms(step: Callable[[], Any], warmup: int, rounds: int, steps: int) -> float:
@@ -156,7 +156,7 @@ def bench_train_step_costs(steps: int = 10, rounds: int = 3, threads: int = 1) -
         return {**_unet_steps(steps, rounds), **_fr_steps(steps, rounds), **_caface_steps(steps, rounds),
                 "threads": threads, "cpu_has_bf16": cpu_has_bf16(),
                 "cpu_has_amx": cpu_has_amx(),
-                "probe_bf16_ratio": cpu_bf16_step_ratio()}
+                "probe_bf16_ratio": bf16_step_ratio()}
     finally:
         torch.set_num_threads(previous)
 

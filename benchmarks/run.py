@@ -67,8 +67,8 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
         "ms per training step, one thread: the latent UNet with the fused AdamW and foreach EMA vs the per-tensor "
         "loops, CAFace with one cluster-network call per prefix length vs every prefix padded to 16; bfloat16 autocast vs "
         "float32 for the UNet, an FR step (vit_tiny 64 px, batch 128) and CAFace",
-        "both ratios < 1.0×; precision auto picks bf16 (probe_bf16_ratio ≤ 0.9) only where the FR and UNet bf16 "
-        "ratios are < 1.0×",
+        "both ratios < 1.0×; `faceops doctor` recommends bf16 (probe_bf16_ratio ≤ 0.9) only where the FR and UNet "
+        "bf16 ratios are < 1.0×",
     ),
     "aligner_throughput": (
         "benchmarks.bench_aligner:bench_aligner_throughput",
@@ -116,6 +116,18 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
         "`fr.seed` 0 → 1 → 0; seconds of the stage's task when its cmd runs vs when it is restored)",
         "restored, cmd not run, outputs byte-identical; restore in seconds",
     ),
+    "make_run": (
+        "benchmarks.bench_default_run:bench_make_run",
+        "`make run` from a fresh clone (installing included) with nothing else running: wall minutes, CPU seconds, "
+        "each stage's seconds, the machine facts that decide the run's numerics",
+        "≤ 20 min on 2 cores",
+    ),
+    "reproducibility": (
+        "benchmarks.bench_default_run:bench_reproducibility",
+        "a second fresh-clone `make run` beside a busy process per core against the `make_run` one: metric values "
+        "(wall-clock keys aside) and model/dataset hashes in dvc.lock that differ",
+        "0 differing: two runs of a commit on one machine give the same bits",
+    ),
     "gpu_trainers": (
         "benchmarks.bench_gpu:bench_gpu_trainers",
         "each trainer (FR vit_tiny 64 px and the real-112 ViT, DFA aligner, CAFace, FaceGCD, UIFace autoencoder and "
@@ -142,6 +154,10 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
 }
 
 
+# benchmarks that run the whole default pipeline (tens of minutes each): only when named
+ON_REQUEST = frozenset({"make_run", "reproducibility"})
+
+
 def _load(spec: str) -> Callable[[], dict[str, Any]]:
     module, func = spec.split(":")
     return getattr(importlib.import_module(module), func)
@@ -149,11 +165,12 @@ def _load(spec: str) -> Callable[[], dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
-    parser.add_argument("names", nargs="*", help=f"benchmarks to run (default: all): {', '.join(BENCHMARKS)}")
+    parser.add_argument("names", nargs="*", help=f"benchmarks to run (default: all but {', '.join(sorted(ON_REQUEST))}, "
+                                                  f"which run only when named): {', '.join(BENCHMARKS)}")
     parser.add_argument("--out", type=Path, default=HERE / "results.json",
                         help="results file, read and updated (the markdown table is written beside it, .md)")
     args = parser.parse_args(argv)
-    names = args.names or list(BENCHMARKS)
+    names = args.names or [n for n in BENCHMARKS if n not in ON_REQUEST]
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
         parser.error(f"unknown benchmark(s) {unknown}; choose from {list(BENCHMARKS)}")

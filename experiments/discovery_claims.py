@@ -56,7 +56,7 @@ from ml.data.procedural import ProceduralConfig, ProceduralFaces
 from ml.discovery.protocol import gfd_ssk
 from ml.discovery.split import gfd_split
 from ml.models.io import save_model
-from ml.train.callbacks import resolve_precision
+from ml.train.device import resolve_precision
 from ml.train.discovery import DiscoveryConfig, nearest_mean_accuracy, train_discovery, validation_split
 from ml.train.fr import FRConfig, embed, train
 

@@ -35,6 +35,7 @@ app = typer.Typer(
         "* `faceops run --preset smoke` — the whole DAG at toy size in under two minutes\n\n"
         "* `faceops stage train_fr@real` — run one stage's code directly (what `dvc repro` calls)\n\n"
         "* `faceops ls` — stages and their status, datasets, models and registry versions\n\n"
+        "* `faceops doctor` — this machine's facts, what `precision: auto` and the thread counts resolve to here\n\n"
         "* `faceops export models/fr/real fr.onnx` — ONNX export with a parity check"
     ),
 )
@@ -99,7 +100,7 @@ def run(
     preset: Annotated[Optional[str], typer.Option(help="named delta from presets.yaml, e.g. `smoke`")] = None,
     stage: Annotated[list[str], typer.Option("--stage", help="only this stage and what it needs (repeatable)")] = [],
     force: Annotated[bool, typer.Option(help="rerun stages even if DVC finds them up to date")] = False,
-    jobs: Annotated[int, typer.Option("--jobs", "-j", help="independent stages run at once (1 = one after another)")] = 2,
+    jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", help="independent stages run at once (1 = one after another); the same as `--set pipeline.jobs=N`, and like it a new value reruns the stages: each stage's thread count follows it [default: params.yaml's pipeline.jobs]", show_default=False)] = None,
 ) -> None:
     """Reproduce the pipeline as a Prefect flow, one task per `dvc.yaml` stage.
 
@@ -129,6 +130,8 @@ def run(
         try:
             delta = load_preset(preset, root) if preset else {}
             delta.update(parse_assignments(set_))
+            if jobs is not None:
+                delta["pipeline.jobs"] = jobs
             if delta:  # keys, types and input paths checked before params.yaml is written
                 for key, (old, new) in apply_delta(params_path, delta).items():
                     typer.echo(f"params.yaml: {key}: {old!r} → {new!r}")
@@ -150,7 +153,7 @@ def run(
 
         _quiet_prefect_console()
         try:
-            results = run_pipeline(root=str(root), stages=stage or None, force=force, jobs=jobs)
+            results = run_pipeline(root=str(root), stages=stage or None, force=force)
         except StageFailed as exc:
             fail(str(exc), code=1)
     typer.echo("")
@@ -186,7 +189,7 @@ def stage_cmd(name: Annotated[str, typer.Argument(help="stage name from dvc.yaml
         fail(f"unknown stage '{name}'. Stages: {', '.join(STAGES)} (foreach stages as NAME@ITEM, e.g. train_fr@real).")
     quiet_env()
     main = importlib.import_module(STAGES[base]).main
-    stage_main((lambda: main(item)) if item else main)
+    stage_main((lambda: main(item)) if item else main, name)
 
 
 @app.command("export")
@@ -330,6 +333,10 @@ app.command("sweep")(sweep_command)
 from faceops.promote import promote_cmd  # noqa: E402
 
 app.command("promote")(promote_cmd)
+
+from faceops.doctor import doctor_cmd  # noqa: E402
+
+app.command("doctor")(doctor_cmd)
 
 from faceops.stack_cli import stack_app  # noqa: E402
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows.pipeline import pipeline
+from flows.pipeline import pipeline, with_jobs
 from flows.routing import apply_params, moving_aliases, yaml_value
 from flows.stages import stage_order
 from ml.errors import ConfigError
@@ -58,23 +58,23 @@ def area_stages(area: str, all_stages: Iterable[str], only: list[str] | None = N
 
 
 def _run_area(area: str | None, root: str, only: list[str] | None, params_delta: dict[str, str] | None,
-              preset: str | None, force: bool, jobs: int, register_candidates: bool | None = None
+              preset: str | None, force: bool, jobs: int | None, register_candidates: bool | None = None
               ) -> list[dict[str, Any]]:
     logger = get_run_logger()
     root_path = Path(root).resolve()
-    apply_params(root_path, preset, params_delta, logger)
+    apply_params(root_path, preset, with_jobs(params_delta, jobs), logger)
     stages = area_stages(area, stage_order(root_path), only) if area else only
     move = register_candidates if register_candidates is not None else preset not in TOY_PRESETS
     with moving_aliases(move):
         if not move:
             logger.info("new model versions are registered without @candidate (preset %s; set "
                         "register_candidates to true to move the aliases)", preset)
-        return pipeline(root=str(root_path), stages=stages, force=force, jobs=jobs)
+        return pipeline(root=str(root_path), stages=stages, force=force)
 
 
 @flow(name="pipeline")
 def whole_pipeline(params_delta: dict[str, str] | None = None, preset: str | None = None,
-                   stages: list[str] | None = None, force: bool = False, jobs: int = 2,
+                   stages: list[str] | None = None, force: bool = False, jobs: int | None = None,
                    register_candidates: bool | None = None, root: str = ".") -> list[dict[str, Any]]:
     """The whole DAG (or some stages and what they need); DVC skips the stages whose inputs did not change.
 
@@ -85,7 +85,7 @@ def whole_pipeline(params_delta: dict[str, str] | None = None, preset: str | Non
             size in a few minutes).
         stages: only these dvc.yaml stages and what they need, e.g. ["evaluate"]; empty: all of them.
         force: rerun the stages even when DVC finds them up to date.
-        jobs: how many independent stages run at once.
+        jobs: how many independent stages run at once (params pipeline.jobs); empty: params.yaml's.
         register_candidates: make the models trained `@candidate` in the MLflow registry (what the promote
             deployment judges); empty: yes, except with preset smoke (toy models).
         root: the repository root (on a worker: the clone its pull steps made).
@@ -95,7 +95,7 @@ def whole_pipeline(params_delta: dict[str, str] | None = None, preset: str | Non
 
 @flow(name="synthesize")
 def synthesize(params_delta: dict[str, str] | None = None, preset: str | None = None, force: bool = False,
-               jobs: int = 2, register_candidates: bool | None = None, root: str = ".") -> list[dict[str, Any]]:
+               jobs: int | None = None, register_candidates: bool | None = None, root: str = ".") -> list[dict[str, Any]]:
     """Train the UIFace generator and synthesize a face set (and whatever they need that is out of date).
 
     Args:
@@ -103,7 +103,7 @@ def synthesize(params_delta: dict[str, str] | None = None, preset: str | None = 
             {"synthesize.identities": "200"}.
         preset: a named delta from presets.yaml applied before params_delta, e.g. smoke.
         force: rerun the stages even when DVC finds them up to date.
-        jobs: how many independent stages run at once.
+        jobs: how many independent stages run at once (params pipeline.jobs); empty: params.yaml's.
         register_candidates: make the models trained `@candidate` in the MLflow registry (what the promote
             deployment judges); empty: yes, except with preset smoke (toy models).
         root: the repository root (on a worker: the clone its pull steps made).
@@ -113,7 +113,7 @@ def synthesize(params_delta: dict[str, str] | None = None, preset: str | None = 
 
 @flow(name="train")
 def train(stages: list[str] | None = None, params_delta: dict[str, str] | None = None, preset: str | None = None,
-          force: bool = False, jobs: int = 2, register_candidates: bool | None = None, root: str = "."
+          force: bool = False, jobs: int | None = None, register_candidates: bool | None = None, root: str = "."
           ) -> list[dict[str, Any]]:
     """Train the models: every training stage, or some of them, and whatever they need that is out of date.
 
@@ -123,7 +123,7 @@ def train(stages: list[str] | None = None, params_delta: dict[str, str] | None =
             {"fr.epochs": "20", "fr.backbone": "vit_s"}.
         preset: a named delta from presets.yaml applied before params_delta, e.g. smoke.
         force: rerun the stages even when DVC finds them up to date.
-        jobs: how many independent stages run at once.
+        jobs: how many independent stages run at once (params pipeline.jobs); empty: params.yaml's.
         register_candidates: make the models trained `@candidate` in the MLflow registry (what the promote
             deployment judges); empty: yes, except with preset smoke (toy models).
         root: the repository root (on a worker: the clone its pull steps made).
@@ -133,7 +133,7 @@ def train(stages: list[str] | None = None, params_delta: dict[str, str] | None =
 
 @flow(name="evaluate")
 def evaluate(ingest_folder: str = "", ingest_recordio: str = "", params_delta: dict[str, str] | None = None,
-             preset: str | None = None, force: bool = False, jobs: int = 2, register_candidates: bool | None = None,
+             preset: str | None = None, force: bool = False, jobs: int | None = None, register_candidates: bool | None = None,
              root: str = ".") -> list[dict[str, Any]]:
     """Benchmark every model (FR, fusion, discovery, the synthetic set), training whatever is out of date.
 
@@ -145,7 +145,7 @@ def evaluate(ingest_folder: str = "", ingest_recordio: str = "", params_delta: d
             {"evaluate.fars": "[0.0001, 0.001]"}.
         preset: a named delta from presets.yaml applied before params_delta, e.g. smoke.
         force: rerun the stages even when DVC finds them up to date.
-        jobs: how many independent stages run at once.
+        jobs: how many independent stages run at once (params pipeline.jobs); empty: params.yaml's.
         register_candidates: make the models trained `@candidate` in the MLflow registry (what the promote
             deployment judges); empty: yes, except with preset smoke (toy models).
         root: the repository root (on a worker: the clone its pull steps made).

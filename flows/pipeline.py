@@ -4,7 +4,8 @@ There is no second DAG: ``flows.stages.stage_graph`` reads DVC's own stage graph
 (``flows.routing.reproduce_stage``) that does what ``dvc repro --single-item <stage>`` does (``flows/stages.py``), in
 this process or, for a GPU stage when a GPU work pool is configured, on that pool (``flows/routing.py``). A stage
 starts as soon as the stages it depends on have finished, so independent stages (``train_aligner`` beside
-``train_fr@real``; discovery, fusion and the generator after it) run at the same time, up to ``jobs`` at once.
+``train_fr@real``; discovery, fusion and the generator after it) run at the same time, up to params
+``pipeline.jobs`` at once; the stages in ``pipeline.exclusive`` run alone, on every core (``tasks.pipeline``).
 Prefect adds the flow run, one visible task per stage, retries and logs; MLflow gets a parent run per flow run under
 which each stage's run nests.
 """
@@ -46,28 +47,34 @@ def publish_benchmark(root: Path) -> None:
 
 
 @flow(name="faceops-pipeline")
-def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = False, jobs: int = 1,
+def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = False, jobs: int | None = None,
              params_delta: dict[str, str] | None = None, preset: str | None = None) -> list[dict[str, Any]]:
     """Reproduce the DVC pipeline (all stages, or ``stages`` and what they need); a stage starts as soon as the
-    stages it depends on have finished, up to ``jobs`` at once (the critical path first when more are ready),
-    sharing the cores; an out-of-date stage whose run DVC's run-cache holds is restored from it unless ``force``.
-    ``preset`` then ``params_delta`` (e.g. ``{"fr.epochs": "2"}``) are written into params.yaml first
-    (``flows.routing.apply_params``). GPU stages run on the GPU work pool when ``FACEOPS_GPU_DEPLOYMENT`` is set.
-    The run ends with a ``benchmark`` artifact.
+    stages it depends on have finished, up to params ``pipeline.jobs`` at once (the critical path first when more
+    are ready; ``pipeline.exclusive`` stages alone); an out-of-date stage whose run DVC's run-cache holds is restored
+    from it unless ``force``. ``preset`` then ``params_delta`` (e.g. ``{"fr.epochs": "2"}``) are written into
+    params.yaml first (``flows.routing.apply_params``). GPU stages run on the GPU work pool when
+    ``FACEOPS_GPU_DEPLOYMENT`` is set. The run ends with a ``benchmark`` artifact.
 
     Args:
         root: the repository root.
         stages: only these dvc.yaml stages and what they need, e.g. ["evaluate"]; empty: all of them.
         force: rerun the stages even when DVC finds them up to date (no run-cache restore either).
-        jobs: how many independent stages run at once.
+        jobs: how many independent stages run at once (params pipeline.jobs; each stage's thread count follows it,
+            so a new value reruns the stages); empty: params.yaml's.
         params_delta: dotted params key → YAML value, as `faceops run --set` takes them, e.g. {"fr.epochs": "20"}.
         preset: a named delta from presets.yaml applied before params_delta, e.g. smoke.
     """
     import mlflow
 
+    from ml.config import from_mapping
+    from tasks.common import load_params
+    from tasks.pipeline import PipelineConfig
+
     logger = get_run_logger()
     root_path = Path(root).resolve()
-    routing.apply_params(root_path, preset, params_delta, logger)
+    routing.apply_params(root_path, preset, with_jobs(params_delta, jobs), logger)
+    schedule = from_mapping(PipelineConfig, load_params(root_path / "params.yaml").get("pipeline") or {}, "pipeline")
     if deployment := routing.gpu_deployment():
         logger.info("GPU stages run on deployment %s", deployment)
     if publish := routing.publish_requested():  # a throw-away clone: no remote, nothing of this run would survive
@@ -81,7 +88,7 @@ def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = Fal
         keep = _with_upstream(graph, stages)
         order = [s for s in order if s in keep]
     logger.info("stages in dependency order: %s", " → ".join(order))
-    limit_jobs(jobs, {s: [u for u in graph[s] if u in order] for s in order})
+    limit_jobs(schedule.jobs, {s: [u for u in graph[s] if u in order] for s in order}, schedule.exclusive)
     tracking.configure(root_path)
     with mlflow.start_run(run_name="pipeline", tags={
         "prefect.flow_run_id": str(flow_run.id), "faceops.kind": "pipeline", "git.commit": tracking.git_commit(root_path),
@@ -120,14 +127,20 @@ def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = Fal
     return results
 
 
-def run_pipeline(root: str = ".", stages: list[str] | None = None, force: bool = False, jobs: int = 2
+def run_pipeline(root: str = ".", stages: list[str] | None = None, force: bool = False, jobs: int | None = None
                  ) -> list[dict[str, Any]]:
-    """``pipeline`` with up to ``jobs`` independent stages at once (1 = one after another). The task runner has a
-    thread per stage (a task waiting for its upstream stages must not hold up a ready one); ``jobs`` slots limit
-    how many run."""
-    jobs = max(1, jobs)
+    """``pipeline`` with a thread per stage in the task runner (a task waiting for its upstream stages must not
+    hold up a ready one); params ``pipeline.jobs`` slots limit how many run."""
     return pipeline.with_options(task_runner=ThreadPoolTaskRunner(max_workers=64))(
         root=root, stages=stages, force=force, jobs=jobs)
+
+
+def with_jobs(params_delta: dict[str, str] | None, jobs: int | None) -> dict[str, str] | None:
+    """``params_delta`` with ``pipeline.jobs`` set to ``jobs`` when one is given (the flows' ``jobs`` parameter
+    is a shortcut for that params key)."""
+    if jobs is None:
+        return params_delta
+    return {**(params_delta or {}), "pipeline.jobs": str(jobs)}
 
 
 def _with_upstream(graph: dict[str, list[str]], stages: list[str]) -> set[str]:

@@ -46,7 +46,7 @@ import yaml
 from prefect import flow, get_run_logger, task
 from prefect.runtime import flow_run
 
-from flows.stages import DVC_LOCK, StageFailed, flat_items, read_lock, reproduce_here, stage_status
+from flows.stages import DVC_LOCK, StageFailed, flat_items, read_lock, reproduce_here, stage_slot, stage_status
 from ml.errors import ConfigError
 from ops import tracking
 
@@ -372,10 +372,12 @@ def reproduce_stage(stage: str, root: str, parent_run_id: str | None = None, for
     (``dispatch_stage``), else in this process (``flows.stages.reproduce_here``: nothing runs when DVC finds it up to
     date, an out-of-date stage whose run DVC's run-cache holds is restored from it unless ``force``, and its MLflow
     run is relayed through this process by ``ops.tracking.StageRelay``). → ``{"stage", "ran": its cmd ran,
-    "restored": its outputs came from the run-cache, "seconds"}``. A dispatched stage takes no local slot."""
+    "restored": its outputs came from the run-cache, "seconds"}``. A dispatched stage holds its slot while it runs
+    on the pool, so params ``pipeline.jobs`` and ``pipeline.exclusive`` hold across pools."""
     deployment = dispatch_target(stage)
     if deployment is not None:
-        return dispatch_stage(stage, Path(root), deployment, parent_run_id, force)
+        with stage_slot(stage):
+            return dispatch_stage(stage, Path(root), deployment, parent_run_id, force)
     return reproduce_here(stage, Path(root), parent_run_id, force)
 
 

@@ -8,7 +8,9 @@ not run (``restore_stage``; ``force`` skips the lookup, as ``dvc repro --force``
 runs and DVC commits the result (outputs into its cache, hashes into ``dvc.lock``, the run into the run-cache). DVC
 stays the truth for what is up to date and what was produced. Unlike ``dvc repro``, DVC's repository lock is held
 only for the status check, the restore and the commit, not while the stage runs, so independent stages run at the
-same time: up to ``jobs`` at once (``limit_jobs``), the critical path first, sharing the cores. The stage's MLflow run
+same time: up to ``jobs`` at once (``limit_jobs``), the critical path first; a stage params ``pipeline.exclusive``
+lists waits until it can run alone. Each stage fixes its own thread count when it starts (``tasks.pipeline``), so what
+runs beside it never changes its numerics. The stage's MLflow run
 nests under the pipeline's (a restored stage's run is tagged ``dvc.restored=true`` and carries the metrics of its
 restored metrics files). ``stage_graph`` is DVC's own stage graph: the flows have no second DAG.
 """
@@ -18,10 +20,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -36,7 +36,6 @@ from prefect.runtime import flow_run
 
 from ml.errors import ConfigError
 from ops import tracking
-from tasks.common import ENV_CORE_SHARE
 
 # one DVC operation at a time in this process: DVC's Repo is not thread-safe (the file lock guards other processes)
 DVC_LOCK = threading.Lock()
@@ -46,18 +45,21 @@ class StageFailed(RuntimeError):
     pass
 
 
-# ── how many stages at once, and their cores ──
+# ── how many stages at once ──
 
 
 class _Slots:
-    """At most ``n`` stages in progress at once. A freed slot goes to the ready stage with the longest chain of
-    stages still to come after it (the critical path first; ties: first come). A stage whose upstream stages have
-    all just finished counts as ready before its task arrives (Prefect starts it a moment later), so a stage that
-    was already waiting with a shorter chain cannot take the slot from under it; that expectation lapses after
-    ``grace`` seconds."""
+    """At most ``n`` stages in progress at once; an ``exclusive`` stage takes all ``n`` (it runs alone). A freed
+    slot goes to the ready stage with the longest chain of stages still to come after it (the critical path first;
+    ties: first come); while the head of the queue is an exclusive stage waiting for the others to finish, no other
+    stage starts. A stage whose upstream stages have all just finished counts as ready before its task arrives
+    (Prefect starts it a moment later), so a stage that was already waiting with a shorter chain cannot take the
+    slot from under it; that expectation lapses after ``grace`` seconds."""
 
-    def __init__(self, n: int, graph: dict[str, list[str]] | None = None, grace: float = 30.0) -> None:
-        self._free = max(1, n)
+    def __init__(self, n: int, graph: dict[str, list[str]] | None = None, grace: float = 30.0,
+                 exclusive: frozenset[str] = frozenset()) -> None:
+        self._n = self._free = max(1, n)
+        self._exclusive = exclusive
         self._graph = graph or {}
         self._priority = _chain_lengths(self._graph) if self._graph else {}
         self._grace = grace
@@ -80,10 +82,11 @@ class _Slots:
             ticket = (-self._priority.get(stage, 0), float(self._arrivals), stage)
             self._arrivals += 1
             self._waiting.append(ticket)
-            while not (self._free > 0 and min(self._queue()) == ticket):
+            need = self._n if stage in self._exclusive else 1
+            while not (self._free >= need and min(self._queue()) == ticket):
                 self._cond.wait(timeout=1.0)  # re-check: expectations lapse
             self._waiting.remove(ticket)
-            self._free -= 1
+            self._free -= need
             self._cond.notify_all()
         finished = False
         try:
@@ -91,7 +94,7 @@ class _Slots:
             finished = True
         finally:
             with self._cond:
-                self._free += 1
+                self._free += need
                 if finished:
                     self._finish(stage)
                 self._cond.notify_all()
@@ -103,57 +106,20 @@ class _Slots:
                 self._expected[down] = time.monotonic() + self._grace
 
 
-class _CoreShare:
-    """The cores split between the stage commands running at once, at most ``jobs`` of them: each stage gets a
-    file holding its share (``tasks.common.ENV_CORE_SHARE``), rewritten whenever a stage starts or finishes; the
-    trainers re-read it (``ml.train.callbacks.FollowCoreShare``), so a stage left running alone takes all the
-    cores. The share is also the stage's starting ``OMP_NUM_THREADS``. A user's ``OMP_NUM_THREADS`` wins."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._files: dict[str, Path] = {}
-        self._dir: Path | None = None
-        self.jobs = 1
-
-    def _share(self) -> int:
-        cores = os.cpu_count() or 1
-        return max(1, cores // max(1, min(len(self._files), self.jobs)))
-
-    def enter(self, key: str) -> tuple[int, Path]:
-        with self._lock:
-            if self._dir is None:
-                self._dir = Path(tempfile.mkdtemp(prefix="faceops-cores-"))
-            self._files[key] = self._dir / f"{key}.threads"
-            self._rewrite()
-            return self._share(), self._files[key]
-
-    def leave(self, key: str) -> None:
-        with self._lock:
-            path = self._files.pop(key, None)
-            if path is not None:
-                path.unlink(missing_ok=True)
-            if not self._files and self._dir is not None:  # the last stage left: no folder stays behind in /tmp
-                shutil.rmtree(self._dir, ignore_errors=True)
-                self._dir = None
-            self._rewrite()
-
-    def _rewrite(self) -> None:
-        share = str(self._share())
-        for path in self._files.values():
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(share)
-            os.replace(tmp, path)
-
-
 _SLOTS = {"pool": _Slots(1)}
-_CORES = _CoreShare()
 
 
-def limit_jobs(jobs: int, graph: dict[str, list[str]]) -> None:
+def limit_jobs(jobs: int, graph: dict[str, list[str]], exclusive: tuple[str, ...] = ()) -> None:
     """From now on, at most ``jobs`` stages of ``graph`` (``{stage: [upstream stages]}``) run at once, the critical path
-    first (``_Slots``), sharing the cores (``_CoreShare``)."""
-    _SLOTS["pool"] = _Slots(jobs, graph)
-    _CORES.jobs = max(1, jobs)
+    first, and each stage in ``exclusive`` alone (``_Slots``)."""
+    _SLOTS["pool"] = _Slots(jobs, graph, exclusive=frozenset(exclusive))
+
+
+@contextlib.contextmanager
+def stage_slot(stage: str) -> Iterator[None]:
+    """Hold ``stage``'s slot (``limit_jobs``) while the block runs it, here or on a work pool."""
+    with _SLOTS["pool"].hold(stage):
+        yield
 
 
 def _chain_lengths(graph: dict[str, list[str]]) -> dict[str, int]:
@@ -298,7 +264,7 @@ def read_lock(root: Path) -> dict[str, Any]:
 def reproduce_here(stage: str, root: Path, parent_run_id: str | None, force: bool) -> dict[str, Any]:
     """Reproduce ``stage`` in this process (see the module docstring) once a slot is free (``limit_jobs``);
     → ``{"stage", "ran": its cmd ran, "restored": its outputs came from the run-cache, "seconds"}``."""
-    with _SLOTS["pool"].hold(stage):
+    with stage_slot(stage):
         return _reproduce(stage, root, parent_run_id, force)
 
 
@@ -338,15 +304,8 @@ def _reproduce(stage: str, root: Path, parent_run_id: str | None, force: bool) -
             logger.info("%s: restored from DVC's run-cache in %.1fs, its cmd did not run (%s); MLflow run %s", stage,
                         seconds, "; ".join(reasons), run_id)
             return {"stage": stage, "ran": False, "restored": True, "seconds": seconds}
-    key = f"{stage}-{uuid.uuid4().hex[:8]}"
-    threads, share_file = _CORES.enter(key)
-    try:
-        logger.info("%s: running `%s` (%s) with %d thread(s) to start", stage, cmd, "; ".join(reasons) or "--force",
-                    threads)
-        rc, tail, relay = run_relayed(["/bin/sh", "-c", cmd], root, parent_run_id, logger, threads=threads,
-                                      share_file=share_file)
-    finally:
-        _CORES.leave(key)
+    logger.info("%s: running `%s` (%s)", stage, cmd, "; ".join(reasons) or "--force")
+    rc, tail, relay = run_relayed(["/bin/sh", "-c", cmd], root, parent_run_id, logger)
     if rc != 0:
         errors = [l for l in tail if l.startswith(("error:", "ERROR"))]
         raise StageFailed(f"stage '{stage}' failed (exit {rc}): {(errors or tail[-1:] or ['no output'])[-1]}"
@@ -366,21 +325,12 @@ def _reproduce(stage: str, root: Path, parent_run_id: str | None, force: bool) -
     return {"stage": stage, "ran": True, "restored": False, "seconds": seconds}
 
 
-def run_relayed(
-    cmd: list[str], root: Path, parent_run_id: str | None, logger: Any, threads: int | None = None,
-    share_file: Path | None = None,
-) -> tuple[int, list[str], tracking.StageRelay]:
+def run_relayed(cmd: list[str], root: Path, parent_run_id: str | None, logger: Any
+                ) -> tuple[int, list[str], tracking.StageRelay]:
     """Run a stage command with its output streamed to ``logger`` and its MLflow run relayed through this
-    process; → (exit code, the last 40 lines, the relay). ``threads`` caps the stage's BLAS/OpenMP (torch)
-    threads at start and ``share_file`` holds its share as it changes (see ``_CoreShare``), so stages running side
-    by side do not oversubscribe the cores; a user's OMP_NUM_THREADS overrides both."""
+    process; → (exit code, the last 40 lines, the relay). The stage fixes its own threads (``tasks.pipeline``)."""
     with tracking.StageRelay(root, parent_run_id, logger) as relay:
         env = {**stage_env(root, uuid.uuid4().hex, parent_run_id), **relay.env}
-        if "OMP_NUM_THREADS" not in os.environ:
-            if threads:
-                env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-            if share_file is not None:
-                env[ENV_CORE_SHARE] = str(share_file)
         rc, tail = run_logged(cmd, root, env, logger)
     return rc, tail, relay
 

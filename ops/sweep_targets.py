@@ -62,7 +62,6 @@ def _fr_trainer(paths: Paths, params: Mapping[str, Any], metric: str) -> TrialTr
     from ml.data.dataset import landmarks_array, load_images, read_manifest
     from ml.train.fr import train
     from ops.tracking import lightning_logger
-    from tasks.common import core_share_callbacks
     from tasks.prepare import DataConfig
 
     data = from_mapping(DataConfig, section(params, "data"), "data")
@@ -85,7 +84,7 @@ def _fr_trainer(paths: Paths, params: Mapping[str, Any], metric: str) -> TrialTr
                               f"{cfg.num_nodes}); scale a sweep out with more workers on one study instead")
         pruning = _fr_pruning(trial, metric)
         train(cfg, images, labels, loggers=[lightning_logger(tracker)], keypoints=keypoints, progress=False,
-              callbacks=[pruning, *core_share_callbacks()], val=val)
+              callbacks=[pruning], val=val)
         values = pruning.values
         if not values:
             raise TrainingError(f"the trial reported no {metric}: training ran no epoch")

@@ -24,6 +24,7 @@ import math
 import os
 import re
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -370,6 +371,9 @@ def _stage_tags(stage: str, root: Path) -> dict[str, str]:
         tags["faceops.invocation"] = os.environ[ENV_INVOCATION]
     if os.environ.get(ENV_FLOW_RUN):
         tags["prefect.flow_run_id"] = os.environ[ENV_FLOW_RUN]
+    torch = sys.modules.get("torch")  # the stage's thread count, as tasks.common.fix_stage_threads fixed it
+    if torch is not None:
+        tags["faceops.threads"] = str(torch.get_num_threads())
     return tags
 
 

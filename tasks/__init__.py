@@ -28,7 +28,7 @@ PARAM_SECTIONS: dict[str, str] = {
     "fusion": "tasks.train_fusion:FusionStageConfig",
     "generator": "tasks.train_generator:GeneratorStageConfig",
     "synthesize": "tasks.synthesize:SynthesizeConfig",
-    "pipeline": "tasks.train_fr:PipelineConfig",
+    "pipeline": "tasks.pipeline:PipelineConfig",
     "evaluate": "tasks.evaluate:EvaluateConfig",
     "sweep": "ops.sweep:SweepConfig",
     "promote": "ops.promote:PromoteConfig",

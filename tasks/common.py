@@ -243,16 +243,31 @@ def atomic_path(target: Path | str) -> Iterator[Path]:
 
 
 def stage_cores() -> int:
-    """The cores this stage may use: ``OMP_NUM_THREADS`` when the pipeline (or the user) set it — stages running
-    side by side share the machine — otherwise the cores this process may run on."""
+    """The cores this stage may use: its thread count as ``stage_main`` fixed it (``OMP_NUM_THREADS``: stages
+    running side by side share the machine), otherwise the cores this process may run on."""
     try:
         return max(1, int(os.environ.get("OMP_NUM_THREADS", "")))
     except ValueError:
         return max(1, len(os.sched_getaffinity(0)))
 
 
-# the file holding this stage's current share of the cores, written by flows.stages while stages run side by side
-ENV_CORE_SHARE = "FACEOPS_CORE_SHARE_FILE"
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+@contextlib.contextmanager
+def single_threaded_children() -> Iterator[None]:
+    """Processes started inside the block compute on one thread each (their BLAS/OpenMP pools read the environment
+    when they start); the environment is put back afterwards."""
+    before = {var: os.environ.get(var) for var in THREAD_ENV}
+    os.environ.update({var: "1" for var in THREAD_ENV})
+    try:
+        yield
+    finally:
+        for var, value in before.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
 
 
 def launch_rank(devices: int = 1) -> int:
@@ -263,17 +278,6 @@ def launch_rank(devices: int = 1) -> int:
     if os.environ.get("RANK", "").strip():
         return int(os.environ["RANK"])
     return int(os.environ.get("NODE_RANK") or 0) * max(devices, 1) + int(os.environ.get("LOCAL_RANK") or 0)
-
-
-def core_share_callbacks() -> list[Any]:
-    """Lightning callbacks that keep a training at its current share of the cores (``ENV_CORE_SHARE``): when
-    the stages beside it finish, it takes their cores. Empty outside the pipeline flow."""
-    path = os.environ.get(ENV_CORE_SHARE)
-    if not path:
-        return []
-    from ml.train.callbacks import FollowCoreShare
-
-    return [FollowCoreShare(path)]
 
 
 def pyplot() -> Any:
@@ -347,8 +351,33 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
 
 
-def stage_main(main: Any) -> None:
-    """Run a stage's ``main()`` as a command: logging on, one clear line and exit 2 on a FaceopsError."""
+def fix_stage_threads(stage: str, params_path: Path | str = PARAMS_FILE) -> int:
+    """Fix this process's torch threads for ``stage`` from params ``pipeline`` and the cores it may use
+    (``tasks.pipeline.stage_threads``), before it computes anything; → the count, also in ``OMP_NUM_THREADS`` for
+    the processes it starts and the stage's MLflow tags."""
+    from ml.config import from_mapping
+    from ml.train.device import available_cores, set_threads
+    from tasks.pipeline import PipelineConfig, stage_threads
+
+    cfg = from_mapping(PipelineConfig, load_params(params_path).get("pipeline") or {}, "pipeline")
+    threads = stage_threads(stage, cfg, available_cores())
+    set_threads(threads)
+    return threads
+
+
+def numerics(accelerator: str, precision: str) -> dict[str, Any]:
+    """What a trainer computed in, for its model's ``config.json``: ``precision`` ("auto" resolved: a function of
+    params and the machine's instruction set) and the torch ``threads`` this stage fixed."""
+    import torch
+
+    from ml.train.device import resolve_precision
+
+    return {"precision": resolve_precision(accelerator, precision), "threads": torch.get_num_threads()}
+
+
+def stage_main(main: Any, stage: str | None = None) -> None:
+    """Run a stage's ``main()`` as a command: logging on, the threads of ``stage`` fixed (``fix_stage_threads``),
+    one clear line and exit 2 on a FaceopsError."""
     import logging
     import sys
 
@@ -362,6 +391,10 @@ def stage_main(main: Any) -> None:
     # MLflow's schema-inference hints about our manifests are noise for a pipeline log
     warnings.filterwarnings("ignore", category=UserWarning, module=r"mlflow(\..*)?")
     try:
+        if stage is not None:
+            threads = fix_stage_threads(stage)
+            logging.getLogger(__name__).info("%s: %d thread(s) (params pipeline.jobs, pipeline.exclusive)", stage,
+                                             threads)
         main()
     except FaceopsError as exc:
         print(f"error: {exc}", file=sys.stderr)

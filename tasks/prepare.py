@@ -51,7 +51,9 @@ from ml.config import from_mapping
 from ml.data.procedural import ProceduralConfig, ProceduralFaces
 from ml.data.surveillance import SurveillanceConfig
 from ml.errors import ConfigError, DataError
-from tasks.common import Paths, StageResult, atomic_path, load_params, section, stage_cores, stage_main
+from tasks.common import (
+    Paths, StageResult, atomic_path, load_params, section, single_threaded_children, stage_cores, stage_main,
+)
 from tasks.prepare_sets import (
     fusion_set, ingest_real, procedural_split, template_set, unaligned_set, video_set, write_gfd_split, write_pairs_bin,
 )
@@ -288,9 +290,10 @@ def _prepare_parts(cfg: DataConfig, out: Path, workers: int) -> dict[str, float]
         for name in parts:
             metrics.update(_prepare_part(name, cfg, out))
         return metrics
-    # spawn: the parent may hold threads (tracking, BLAS) that a fork would copy mid-lock
+    # spawn: the parent may hold threads (tracking, BLAS) that a fork would copy mid-lock. One thread each: the
+    # processes are the parallelism, and a part's bits must not depend on how many cores the stage had.
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+    with single_threaded_children(), ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
         futures = {pool.submit(_prepare_part, name, cfg, out, False): name for name in parts}
         with tqdm(total=len(parts), desc=f"prepare ({workers} processes)", unit="part") as bar:
             try:
@@ -345,4 +348,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    stage_main(main)
+    stage_main(main, "prepare")

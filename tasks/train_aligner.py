@@ -42,7 +42,7 @@ from ml.errors import ConfigError
 from ml.train.aligner import AlignerConfig
 from ops.tracking import registered_note
 from tasks.common import (
-    Paths, StageResult, core_share_callbacks, load_params, section, stage_main, write_json, write_history_csv,
+    Paths, StageResult, load_params, numerics, section, stage_main, write_json, write_history_csv,
 )
 
 log = logging.getLogger(__name__)
@@ -123,11 +123,12 @@ def run(cfg: AlignerStageConfig, paths: Paths, *, tracker: Any = None) -> StageR
     test_rows = manifest[manifest["split"] == "test"].reset_index(drop=True)
     x, lm = load_images(paths.unaligned_set, train_rows, progress=True), landmarks_array(train_rows)
     tx, tlm = load_images(paths.unaligned_set, test_rows, progress=True), landmarks_array(test_rows)
-    res = train_aligner(cfg.train, x, lm, val=(tx, tlm), progress=True, callbacks=core_share_callbacks())
+    res = train_aligner(cfg.train, x, lm, val=(tx, tlm), progress=True)
     info = read_dataset_info(paths.unaligned_set)
     save_aligner(paths.aligner_model, res.model, extra={"registered_name": REGISTERED_MODEL,
                                                         "training_data_digest": info["digest"],
-                                                        "face_score_trained": cfg.train.nonfaces_per_batch > 0})
+                                                        "face_score_trained": cfg.train.nonfaces_per_batch > 0,
+                                                        **numerics(cfg.train.accelerator, cfg.train.precision)})
     n_neg = min(cfg.score_nonfaces, len(tx))
     nonfaces = (nonface_crops(cfg.train.seed, HELDOUT_NONFACE_START, n_neg, tx.shape[1], progress=True)
                 if n_neg else None)
@@ -194,4 +195,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    stage_main(main)
+    stage_main(main, "train_aligner")

@@ -34,7 +34,7 @@ from ml.errors import DataError
 from ml.train.discovery import DiscoveryConfig
 from ops.tracking import registered_note
 from tasks.common import (
-    Paths, StageResult, core_share_callbacks, load_params, section, stage_main, write_json, pyplot, save_figure,
+    Paths, StageResult, load_params, numerics, section, stage_main, write_json, pyplot, save_figure,
     write_history_csv,
 )
 from tasks.prepare import DataConfig
@@ -131,12 +131,12 @@ def run(cfg: DiscoveryConfig, data: DataConfig, paths: Paths, *, tracker: Any = 
                             "first, or set discovery.backbone_init: random.")
     anchor = anchor_set(cfg, data, paths)
     res = train_discovery(cfg, images, labels, labelled, init_model_dir=init, progress=True,
-                          callbacks=core_share_callbacks(), anchor=anchor)
+                          anchor=anchor)
     gcd_dir = gcd_model_dir(paths)
     gcd = None
     if cfg.gcd_arm:  # the control: the same data, seed and recipe without prefixes
         gcd = train_discovery(dataclasses.replace(cfg, prefix_length=0), images, labels, labelled,
-                              init_model_dir=init, progress=True, callbacks=core_share_callbacks(), anchor=anchor)
+                              init_model_dir=init, progress=True, anchor=anchor)
     info = read_dataset_info(dataset)
     extra = {
         "registered_name": REGISTERED_MODEL,
@@ -146,6 +146,7 @@ def run(cfg: DiscoveryConfig, data: DataConfig, paths: Paths, *, tracker: Any = 
         "known_identities": int(train.loc[train["known"], "identity"].nunique()),
         "backbone_init": cfg.backbone_init,
         "anchor_images": 0 if anchor is None else int(len(anchor[1])),
+        **numerics(cfg.accelerator, cfg.precision),
     }
     save_facegcd(res.model, paths.discovery_model, extra={**extra, "best_epoch": res.best_epoch})
     if gcd is not None:
@@ -204,4 +205,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    stage_main(main)
+    stage_main(main, "train_discovery")

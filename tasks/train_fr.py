@@ -19,7 +19,6 @@ and ``train/keypoints_from_aligner`` the share of training images whose keypoint
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ from ml.errors import ConfigError, DataError
 from ml.train.fr import FRConfig
 from ops.tracking import registered_note
 from tasks.common import (
-    Paths, StageResult, core_share_callbacks, launch_rank, load_params, pyplot, save_figure, section, stage_main,
+    Paths, StageResult, launch_rank, numerics, load_params, pyplot, save_figure, section, stage_main,
     write_history_csv, write_json,
 )
 from tasks.prepare import DataConfig
@@ -37,28 +36,6 @@ log = logging.getLogger(__name__)
 
 REGISTERED_MODEL = "faceops-fr"
 SOURCES = ("real", "synthetic", "mixed")
-
-
-SOURCE_DEPS = {"real": "data/prepared/train", "synthetic": "data/synthetic", "mixed": "data/synthetic"}
-
-
-@dataclass(frozen=True)
-class PipelineConfig:
-    """``params.yaml`` section ``pipeline``: ``fr_sources`` maps each ``train_fr@<source>`` stage ``dvc.yaml``
-    declares (a ``foreach`` over it) to the dataset DVC tracks for it besides the real training set."""
-
-    fr_sources: dict[str, str] = field(default_factory=lambda: {k: SOURCE_DEPS[k] for k in ("real", "synthetic")})
-
-    def __post_init__(self) -> None:
-        if "real" not in self.fr_sources:
-            raise ConfigError("pipeline.fr_sources must keep `real` (the discovery, fusion and evaluate stages read it)")
-        for source, dep in self.fr_sources.items():
-            if source not in SOURCE_DEPS:
-                raise ConfigError(f"pipeline.fr_sources.{source}: unknown training source; "
-                                  f"available: {', '.join(SOURCE_DEPS)}")
-            if dep != SOURCE_DEPS[source]:
-                raise ConfigError(f"pipeline.fr_sources.{source} = {dep!r}: must be {SOURCE_DEPS[source]!r}, the "
-                                  "dataset that source reads (DVC tracks it as the stage's dependency)")
 
 
 def source_datasets(paths: Paths, source: str) -> list[Path]:
@@ -203,7 +180,7 @@ def run(cfg: FRConfig, data: DataConfig, paths: Paths, *, source: str = "real", 
         val_rows = pd.concat([r for _, r in val_parts], ignore_index=True)
         val = (np.concatenate([load_rows(d, r, data) for d, r in val_parts]),
                val_rows["label"].to_numpy(), *([training_keypoints(paths, val_parts)[0]] if kprpe else []))
-    res = train(cfg, images, labels, loggers=loggers, keypoints=keypoints, callbacks=core_share_callbacks(), val=val)
+    res = train(cfg, images, labels, loggers=loggers, keypoints=keypoints, val=val)
     if res.global_rank != 0:  # DDP: every rank trains; rank 0 alone writes the model, metrics and registry entry
         return StageResult(f"train_fr@{source}", outputs=[],
                            summary=f"rank {res.global_rank} done; rank 0 saves and logs the model")
@@ -219,7 +196,7 @@ def run(cfg: FRConfig, data: DataConfig, paths: Paths, *, source: str = "real", 
         "training_data_path": next((p for p in ingested if p), None),
         "training_identities": int(labels.max()) + 1,
         "training_images": int(len(labels)),
-        "precision": res.precision,  # fr.precision as trained ("auto" resolved for this machine)
+        **numerics(cfg.accelerator, cfg.precision),  # precision ("auto" resolved for this machine) and threads
         # KP-RPE: where each training dataset's keypoints came from (manifest | aligner); empty for other backbones
         "keypoints_source": {d.relative_to(paths.root).as_posix(): src for d, src in keypoint_sources.items()},
     }
@@ -284,4 +261,4 @@ def main(source: str = "real") -> None:
 if __name__ == "__main__":
     import sys
 
-    stage_main(lambda: main(*sys.argv[1:2]))
+    stage_main(lambda: main(*sys.argv[1:2]), f"train_fr@{(sys.argv[1:2] or ['real'])[0]}")

@@ -44,7 +44,7 @@ from ml.errors import ConfigError, DataError
 from ml.train.fusion import FusionConfig
 from ops.tracking import registered_note
 from tasks.common import (
-    Paths, StageResult, core_share_callbacks, load_params, section, stage_main, write_json, pyplot, save_figure,
+    Paths, StageResult, load_params, numerics, section, stage_main, write_json, pyplot, save_figure,
     write_history_csv,
 )
 from tasks.prepare import DataConfig
@@ -225,14 +225,15 @@ def run(cfg: FusionStageConfig, data: DataConfig, paths: Paths, *, tracker: Any 
         raise DataError(f"{paths.fusion_set} holds no dataset: CAFace trains on it when no real faces are ingested; "
                         "run `dvc repro prepare`.")
     res = train_fusion(train_cfg, material.features, material.styles, material.labels, sources=material.sources,
-                       centres=material.centres, progress=True, callbacks=core_share_callbacks())
+                       centres=material.centres, progress=True)
     info = read_dataset_info(material.dataset)
     identities = len(material.centres)
     extra = {"registered_name": REGISTERED_MODEL, "fr_model": str(fr_dir.relative_to(paths.root)),
              "fr_data_digest": fr_config.get("extra", {}).get("training_data_digest", ""),
              "training_data": material.kind, "training_data_digest": info["digest"],
              "training_features": int(len(material.features)), "training_identities": identities,
-             "training_sources": int(np.unique(material.sources).size), "recipe": train_cfg.to_dict()}
+             "training_sources": int(np.unique(material.sources).size), "recipe": train_cfg.to_dict(),
+             **numerics(train_cfg.accelerator, train_cfg.precision)}
     save_caface(res.model, paths.fusion_model, extra=extra)
 
     last = res.history[-1] if res.history else {}
@@ -273,4 +274,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    stage_main(main)
+    stage_main(main, "train_fusion")

@@ -36,7 +36,7 @@ from ml.train.autoencoder import AutoencoderConfig
 from ml.train.generator import GeneratorConfig
 from ops.tracking import registered_note
 from tasks.common import (
-    Paths, StageResult, atomic_path, core_share_callbacks, load_params, pyplot, save_figure, section, stage_main,
+    Paths, StageResult, atomic_path, load_params, numerics, pyplot, save_figure, section, stage_main,
     write_history_csv, write_json,
 )
 
@@ -219,7 +219,7 @@ def run(cfg: GeneratorStageConfig, paths: Paths, *, tracker: Any = None) -> Stag
         ae_cfg = cfg.autoencoder_train
         autoencoder, ae_history, ae_seconds = train_autoencoder(
             ae_cfg, faces, contexts, fr if ae_cfg.fr_weight > 0 else None, face_landmarks,
-            callbacks=core_share_callbacks(), progress=True)
+            progress=True)
         metrics["autoencoder/seconds"] = float(ae_seconds)
         write_history_csv(paths.plots / "train_autoencoder_history.csv", ae_history,
                           ["epoch", "train/loss", "train/pixel", "train/fr_cosine"])
@@ -229,14 +229,13 @@ def run(cfg: GeneratorStageConfig, paths: Paths, *, tracker: Any = None) -> Stag
             autoencoder, fr, faces[:report_rows], contexts[:report_rows],
             None if face_landmarks is None else face_landmarks[:report_rows],
             paths.plots / "autoencoder_reconstructions.png"))
-    res = train_generator(train_cfg, faces, contexts, autoencoder=autoencoder, progress=True,
-                          callbacks=core_share_callbacks())
+    res = train_generator(train_cfg, faces, contexts, autoencoder=autoencoder, progress=True)
     info = read_dataset_info(paths.train_set)
     extra = {"registered_name": REGISTERED_MODEL, "fr_model": str(fr_dir.relative_to(paths.root)),
              "fr_data_digest": fr_config.get("extra", {}).get("training_data_digest", ""),
              "training_data_digest": info["digest"], "training_images": int(len(rows)),
              "autoencoder": cfg.autoencoder or "", "autoencoder_kind": cfg.autoencoder_kind if cfg.autoencoder else "",
-             "context_size": int(size)}
+             "context_size": int(size), **numerics(train_cfg.accelerator, train_cfg.precision)}
     if trained_autoencoder:
         extra["autoencoder"] = str((paths.generator_model / AUTOENCODER_DIR).relative_to(paths.root))
         extra["autoencoder_kind"] = "kl"
@@ -282,4 +281,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    stage_main(main)
+    stage_main(main, "train_generator")

@@ -494,4 +494,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    stage_main(main)
+    stage_main(main, "validate")

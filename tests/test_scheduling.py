@@ -1,5 +1,5 @@
-"""Scheduling inside the pipeline flow: which ready stage gets a free slot, and how the cores are shared between
-stages running side by side, including a training that takes the cores a finished stage leaves."""
+"""Scheduling inside the pipeline flow: which ready stage gets a free slot, exclusive stages running alone, and each
+stage's thread count fixed from params whatever runs beside it."""
 
 from __future__ import annotations
 
@@ -7,11 +7,14 @@ import contextlib
 import threading
 import time
 
+import pytest
 import torch
+import yaml
 
-from flows.stages import _chain_lengths, _CoreShare, _Slots
-from ml.train.callbacks import FollowCoreShare
-from tasks.common import core_share_callbacks, ENV_CORE_SHARE, stage_cores
+from flows.stages import _chain_lengths, _Slots
+from ml.errors import ConfigError
+from tasks.common import fix_stage_threads, single_threaded_children, stage_cores
+from tasks.pipeline import PipelineConfig, stage_threads
 
 
 def test_chain_lengths_put_the_critical_path_first():
@@ -121,47 +124,67 @@ def test_slots_let_at_most_n_stages_in_at_once():
     assert inside["max"] == 2
 
 
-def test_core_share_is_rewritten_as_stages_start_and_finish(monkeypatch):
-    monkeypatch.setattr("os.cpu_count", lambda: 8)
-    share = _CoreShare()
-    share.jobs = 2
-    threads_a, file_a = share.enter("a")
-    assert threads_a == 8 and file_a.read_text() == "8"  # alone: every core
-    threads_b, file_b = share.enter("b")
-    assert threads_b == 4 and file_a.read_text() == "4" and file_b.read_text() == "4"
-    share.leave("a")
-    assert not file_a.exists() and file_b.read_text() == "8"  # left alone: b takes a's cores
-    share.leave("b")
-    assert not file_b.parent.exists()  # the last one out removes the folder
-    threads_c, file_c = share.enter("c")  # a later run gets a new one
-    assert threads_c == 8 and file_c.read_text() == "8"
-    share.leave("c")
-    assert not file_c.parent.exists()
+def test_an_exclusive_stage_waits_to_run_alone_and_holds_back_the_rest():
+    graph = {"a": [], "b": [], "solo": [], "c": []}
+    slots = _Slots(2, graph, grace=0.0, exclusive=frozenset({"solo"}))
+    inside: list[set[str]] = []
+    now: set[str] = set()
+    lock = threading.Lock()
+
+    def work(stage: str, seconds: float) -> None:
+        with slots.hold(stage):
+            with lock:
+                now.add(stage)
+                inside.append(set(now))
+            time.sleep(seconds)
+            with lock:
+                now.discard(stage)
+
+    threads = [_start(work, "a", 0.3), _start(work, "b", 0.3)]
+    time.sleep(0.05)
+    threads += [_start(work, "solo", 0.2)]
+    time.sleep(0.05)
+    threads += [_start(work, "c", 0.05)]  # arrives after solo: waits behind it, though a slot frees first
+    for t in threads:
+        t.join(5)
+    assert {"solo"} in inside and all(s == {"solo"} or "solo" not in s for s in inside)
+    solo_at = inside.index({"solo"})
+    assert all("c" not in s for s in inside[:solo_at])
 
 
-def test_follow_core_share_applies_the_file_and_ignores_garbage(tmp_path):
+def test_thread_counts_follow_params_and_cores_only():
+    cfg = PipelineConfig(jobs=2, exclusive=("prepare", "train_fr@synthetic"))
+    assert stage_threads("train_fr@real", cfg, 8) == 4 and stage_threads("train_fr@synthetic", cfg, 8) == 8
+    assert stage_threads("prepare", cfg, 2) == 2 and stage_threads("train_fusion", cfg, 2) == 1
+    assert stage_threads("train_fusion", cfg, 1) == 1  # never 0
+    assert stage_threads("train_fusion", PipelineConfig(jobs=1), 8) == 8  # one at a time: every stage alone
+    assert stage_threads("train_fusion", PipelineConfig(jobs=3), 8) == 2
+    with pytest.raises(ConfigError, match="pipeline.exclusive: 'train_frr@real' is not a stage"):
+        PipelineConfig(exclusive=("train_frr@real",))
+    with pytest.raises(ConfigError, match="pipeline.jobs = 0"):
+        PipelineConfig(jobs=0)
+
+
+def test_a_stage_fixes_its_threads_at_start_from_params(tmp_path, monkeypatch):
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"pipeline": {"jobs": 2, "exclusive": ["evaluate"]}}))
+    monkeypatch.setattr("ml.train.device.available_cores", lambda: 4)
     before = torch.get_num_threads()
-    path = tmp_path / "share"
-    follow = FollowCoreShare(path, interval=0.0)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.setenv(var, "7")  # what a caller left in the environment does not count
     try:
-        assert follow.poll() == before  # no file yet: nothing changes
-        path.write_text("1\n")
-        assert follow.poll() == 1
-        path.write_text("not a number")
-        assert follow.poll() == 1
-        path.write_text("2")
-        assert follow.poll() == 2
+        assert fix_stage_threads("train_fusion", params) == 2 and torch.get_num_threads() == 2
+        assert stage_cores() == 2  # what the stage fans out to (prepare's processes) follows it
+        assert fix_stage_threads("evaluate", params) == 4 and torch.get_num_threads() == 4
     finally:
         torch.set_num_threads(before)
 
 
-def test_stage_side_reads_the_share_from_the_environment(monkeypatch, tmp_path):
-    monkeypatch.delenv(ENV_CORE_SHARE, raising=False)
-    assert core_share_callbacks() == []
-    monkeypatch.setenv(ENV_CORE_SHARE, str(tmp_path / "share"))
-    (callback,) = core_share_callbacks()
-    assert isinstance(callback, FollowCoreShare) and callback.path == tmp_path / "share"
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert stage_cores() == 3
-    monkeypatch.setenv("OMP_NUM_THREADS", "")
-    assert stage_cores() >= 1
+def test_children_started_in_the_block_get_one_thread(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    with single_threaded_children():
+        import os
+
+        assert os.environ["OMP_NUM_THREADS"] == os.environ["OPENBLAS_NUM_THREADS"] == "1"
+    assert os.environ["OMP_NUM_THREADS"] == "2" and "OPENBLAS_NUM_THREADS" not in os.environ

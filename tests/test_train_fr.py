@@ -2,6 +2,8 @@
 
 import csv
 import dataclasses
+import multiprocessing
+import time
 
 import lightning
 import numpy as np
@@ -63,6 +65,19 @@ def test_same_seed_same_weights(runs):
     assert first.history == second.history
     a, b = first.model.state_dict(), second.model.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_dataloader_workers_do_not_change_the_bits(runs):
+    """Every random draw (order, augmentation, head init) is keyed by (seed, epoch, step) in the main process, so
+    decoding in worker processes gives the same model bit for bit."""
+    images, labels, first, *_ = runs
+    if TRAIN_DEVICE != {"accelerator": "cpu", "precision": "32-true"}:
+        pytest.skip("bit-for-bit comparison with the fixture's CPU float32 run")
+    cfg = dataclasses.replace(CFG, num_workers=2, **TRAIN_DEVICE)
+    workers = train(cfg, images, labels, progress=False, backbone_overrides=SMALL)
+    assert workers.history == first.history
+    a, b = workers.model.state_dict(), first.model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_metrics_reach_the_logger(runs):
@@ -197,40 +212,63 @@ def test_fixed_size_backbone_rejects_other_sizes(monkeypatch):
         train(FRConfig(backbone="fixed64"), images, labels, progress=False)
 
 
-def test_bf16_probe_measures_a_step_ratio_once():
-    from ml.train import callbacks
+def test_bf16_probe_measures_a_step_ratio_and_leaves_the_random_stream():
+    from ml.train import device
 
-    callbacks.cpu_bf16_step_ratio.cache_clear()
     torch.manual_seed(7)
     expected = torch.rand(3)
     torch.manual_seed(7)
-    ratio = callbacks.cpu_bf16_step_ratio()
+    ratio = device.bf16_step_ratio(repeats=2)
     assert torch.equal(torch.rand(3), expected)  # a seeded training's random stream is left as it was
     assert 0.05 < ratio < 20  # a time ratio, whichever way this CPU goes
-    assert callbacks.cpu_bf16_step_ratio() == ratio and callbacks.cpu_bf16_step_ratio.cache_info().hits == 1
 
 
-def test_precision_auto_is_bf16_where_the_cpu_computes_it_faster_and_is_recorded(runs, monkeypatch):
-    from ml.train import callbacks
+def _busy(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+def test_precision_auto_is_decided_from_the_instruction_set_not_a_clock(monkeypatch):
+    from ml.train import device
+
+    def no_clock(*_a, **_k):
+        raise AssertionError("precision auto measured something")
+
+    monkeypatch.setattr(device, "bf16_step_ratio", no_clock)
+    monkeypatch.setattr(device.time, "process_time", no_clock)
+    monkeypatch.setattr(device.time, "perf_counter", no_clock)
+    here = device.resolve_precision("cpu", "auto")
+    assert here == ("bf16-mixed" if device.cpu_has_amx() else "32-true")
+    # under load (every core busy in other processes) the answer is the same
+    ctx = multiprocessing.get_context("spawn")
+    hogs = [ctx.Process(target=_busy, args=(3.0,)) for _ in range(device.available_cores())]
+    for h in hogs:
+        h.start()
+    try:
+        assert [device.resolve_precision("cpu", "auto") for _ in range(3)] == [here] * 3
+    finally:
+        for h in hogs:
+            h.join()
+
+
+def test_precision_auto_is_bf16_with_amx_and_is_recorded(runs, monkeypatch):
+    from ml.train import device
 
     images, labels, full_precision, *_ = runs
-    # bfloat16 where the CPU has the instructions and autocast makes the step faster there (the probe's ratio).
-    for native, ratio, expected in ((True, 0.7, "bf16-mixed"), (True, 1.5, "32-true"), (True, 0.95, "32-true"),
-                                    (False, 0.7, "32-true")):
-        monkeypatch.setattr(callbacks, "cpu_has_bf16", lambda native=native: native)
-        monkeypatch.setattr(callbacks, "cpu_bf16_step_ratio", lambda ratio=ratio: ratio)
-        assert callbacks.resolve_precision("cpu", "auto") == expected
-        assert callbacks.resolve_precision("cpu", "32-true") == "32-true"  # a value set by hand is kept as it is
-        assert callbacks.resolve_precision("cpu", "bf16-mixed") == "bf16-mixed"
+    for amx, expected in ((True, "bf16-mixed"), (False, "32-true")):
+        monkeypatch.setattr(device, "cpu_has_amx", lambda amx=amx: amx)
+        assert device.resolve_precision("cpu", "auto") == expected
+        assert device.resolve_precision("cpu", "32-true") == "32-true"  # a value set by hand is kept as it is
+        assert device.resolve_precision("cpu", "bf16-mixed") == "bf16-mixed"
+    monkeypatch.setattr(device, "cpu_has_amx", lambda: False)
     cfg = dataclasses.replace(CFG, accelerator="cpu", precision="auto")
-    monkeypatch.setattr(callbacks, "cpu_has_bf16", lambda: False)
     fallback = train(cfg, images, labels, progress=False, backbone_overrides=SMALL)
     assert fallback.precision == "32-true"
     if TRAIN_DEVICE == {"accelerator": "cpu", "precision": "32-true"}:  # the same run as the fixture's, bit for bit
         a, b = fallback.model.state_dict(), full_precision.model.state_dict()
         assert all(torch.equal(a[k], b[k]) for k in a)
-    monkeypatch.setattr(callbacks, "cpu_has_bf16", lambda: True)
-    monkeypatch.setattr(callbacks, "cpu_bf16_step_ratio", lambda: 0.7)
+    monkeypatch.setattr(device, "cpu_has_amx", lambda: True)
     mixed = train(cfg, images, labels, progress=False, backbone_overrides=SMALL)
     assert mixed.precision == "bf16-mixed"
     assert all(p.dtype == torch.float32 for p in mixed.model.parameters())  # autocast: the weights stay float32

@@ -12,7 +12,8 @@ from ml.errors import ConfigError, DataError
 from tasks.common import Paths
 from tasks.evaluate import synthetic_gap
 from tasks.synthesize import SynthesizeConfig, per_identity_consistency
-from tasks.train_fr import PipelineConfig, source_datasets, training_rows
+from tasks.pipeline import PipelineConfig
+from tasks.train_fr import source_datasets, training_rows
 from tasks.train_generator import GeneratorStageConfig, resize_faces
 
 

@@ -117,9 +117,8 @@ from ml.train.aligner_data import AlignerBatches, check_images, check_landmarks,
 from ml.train.aligner_eval import evaluate_aligner
 from ml.train.aligner_losses import landmark_loss, score_losses
 from ml.train.augment import AugmentConfig, augment_kprpe
-from ml.train.callbacks import (
-    EpochBatches, EpochHistory, OnEpochEnd, check_device, check_device_keys, fit, non_finite_loss,
-)
+from ml.train.callbacks import EpochBatches, EpochHistory, OnEpochEnd, fit, non_finite_loss
+from ml.train.device import check_device, check_device_keys
 from ml.train.checkpoint import mix_seed, read_checkpoint, resume_path
 from ml.train.schedules import adamw, lambda_schedule, warmup_cosine
 

@@ -43,7 +43,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ml.errors import ConfigError, DataError
-from ml.train.callbacks import EpochHistory, check_device, check_device_keys, fit, non_finite_loss
+from ml.train.callbacks import EpochHistory, fit, non_finite_loss
+from ml.train.device import check_device, check_device_keys
 from ml.train.checkpoint import mix_seed, resume_path
 from ml.train.fr import EpochSampler
 from ml.train.fr_data import check_keypoints, needs_keypoints

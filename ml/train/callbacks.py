@@ -1,12 +1,10 @@
 """What the five Lightning trainers (FR, UIFace generator, DFA aligner, CAFace fusion, FaceGCD discovery) share:
 ``fit`` (one ``lightning.Trainer`` set up the same way for all, with the per-epoch ``last.ckpt`` and exact resume),
-per-epoch history that survives a resume, the run description written into every checkpoint, the refusal of
-device settings the machine cannot run, a sampler of whole batches keyed by (epoch, step), and following a share
-of the CPU cores that changes while training runs."""
+per-epoch history that survives a resume, the run description written into every checkpoint and a sampler of whole
+batches keyed by (epoch, step). Device keys and numerics: ``ml.train.device``."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 import warnings
@@ -16,123 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import lightning
-import torch
 from lightning.pytorch.callbacks import Callback, Checkpoint, ModelCheckpoint
 from torch.utils.data import DataLoader, Sampler
 
-from ml.errors import ConfigError, TrainingError
-from ml.train.fr_config import PRECISIONS
+from ml.errors import TrainingError
+from ml.train.device import check_device, deterministic_algorithms, resolve_precision
 
 log = logging.getLogger(__name__)
-
-ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
-DEVICE_KEYS = ("accelerator", "devices", "precision")  # where a run trains, not what: may change on resume
-
-
-def check_device(section: str, accelerator: str, precision: str) -> None:
-    """Refuse settings the machine cannot run (params ``<section>.accelerator`` / ``.precision``), instead of
-    Lightning silently or obscurely changing them."""
-    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"{section}.accelerator {accelerator!r} but no CUDA GPU is visible; use 'auto' or 'cpu'")
-    if trains_on_cpu(accelerator) and precision == "16-mixed":
-        raise ConfigError(
-            f"{section}.precision '16-mixed' needs a GPU, but {section}.accelerator {accelerator!r} runs on the CPU "
-            "here; use 'bf16-mixed' (bfloat16 autocast works on the CPU) or '32-true'"
-        )
-
-
-def trains_on_cpu(accelerator: str) -> bool:
-    """Whether Lightning's ``accelerator`` setting puts the training on the CPU of this machine."""
-    return accelerator == "cpu" or (
-        accelerator == "auto" and not torch.cuda.is_available() and not torch.backends.mps.is_available()
-    )
-
-
-def _cpu_supports(check: str) -> bool:
-    """``torch.cpu._is_<feature>_supported()``; False on a torch build without that check."""
-    return bool(getattr(torch.cpu, check, lambda: False)())
-
-
-def cpu_has_amx() -> bool:
-    """Whether this CPU has AMX tiles (recorded beside the bfloat16 probe in the ``train_step_costs`` benchmark)."""
-    return _cpu_supports("_is_amx_tile_supported")
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU has bfloat16 instructions (AVX512-BF16 or AMX). Having them is not enough for bfloat16
-    autocast to pay: ``cpu_bf16_step_ratio`` measures whether it does."""
-    return _cpu_supports("_is_avx512_bf16_supported") or cpu_has_amx()
-
-
-BF16_FASTER = 0.9  # "auto" picks bfloat16 autocast on the CPU only where a step takes at most this share of float32's
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_bf16_step_ratio(repeats: int = 5) -> float:
-    """CPU time of a small training step (an MLP and two 3×3 convolutions, forward and backward) in bfloat16
-    autocast over the same step in float32, best of ``repeats`` interleaved runs each (about 0.3 s; measured once a
-    process). CPU time, not wall time: a stage measures while others share the cores, and a wall clock there put
-    this CPU's ratio anywhere from 1.04 to 1.62 (0.70 once, in a default run), the process's CPU time at 1.36–1.68.
-
-    The instructions alone do not decide it: on the cores of one machine with bfloat16 instructions the step of the
-    embedded FR ViT took 0.68× and the latent UNet's 0.74× the float32 one, on another's (AVX512-BF16, no AMX) 1.94×
-    and 1.64× (``train_step_costs`` in ``benchmarks/results.md``, where the probe's ratio is recorded too: 1.56 on
-    the second)."""
-    from torch import nn
-
-    gen = torch.Generator().manual_seed(0)
-    with torch.random.fork_rng(devices=[]):  # the layers' init draws: leave the caller's seeded state as it was
-        mlp = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
-        conv = nn.Sequential(nn.Conv2d(32, 64, 3, padding=1), nn.SiLU(), nn.Conv2d(64, 32, 3, padding=1))
-    x, y = torch.randn(512, 256, generator=gen), torch.randn(16, 32, 16, 16, generator=gen)
-
-    def step(bf16: bool) -> float:
-        start = time.process_time()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = mlp(x).float().square().mean() + conv(y).float().square().mean()
-        loss.backward()
-        return time.process_time() - start
-
-    step(False), step(True)  # warm-up: allocator, kernel selection
-    times = [(step(False), step(True)) for _ in range(max(1, repeats))]  # interleaved: load hits both alike
-    return min(b for _, b in times) / min(f for f, _ in times)
-
-
-def resolve_precision(accelerator: str, precision: str) -> str:
-    """``precision`` as Lightning takes it: "auto" becomes "bf16-mixed" on a CUDA GPU that supports bfloat16 and
-    on a CPU with bfloat16 instructions (``cpu_has_bf16``) where autocast makes a step faster
-    (``cpu_bf16_step_ratio`` ≤ ``BF16_FASTER``), else "32-true"; any other value is returned as it is."""
-    if precision != "auto":
-        return precision
-    if trains_on_cpu(accelerator):
-        return "bf16-mixed" if cpu_has_bf16() and cpu_bf16_step_ratio() <= BF16_FASTER else "32-true"
-    if accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available():
-        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "32-true"
-    return "32-true"  # mps
-
-
-def check_device_keys(section: str, accelerator: Any, devices: Any, precision: Any, max_devices: int | None = 1) -> None:
-    """Config-time check of a trainer's ``accelerator`` / ``devices`` / ``precision`` keys (values, not the machine:
-    ``check_device`` does that when training starts). ``max_devices`` None allows any number (DDP)."""
-    if accelerator not in ACCELERATORS:
-        raise ConfigError(f"{section}.accelerator {accelerator!r} is not one of {list(ACCELERATORS)}")
-    if precision not in PRECISIONS:
-        raise ConfigError(f"{section}.precision {precision!r} is not one of {list(PRECISIONS)}")
-    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
-        raise ConfigError(f"{section}.devices = {devices!r}: need an integer ≥ 1")
-    if max_devices is not None and devices > max_devices:
-        raise ConfigError(
-            f"{section}.devices = {devices}: this trainer runs on one device (its model and data fit one GPU); "
-            "only fr.devices spreads training over several with DDP"
-        )
-
-
-def rng_devices(accelerator: str) -> list[int]:
-    """The CUDA devices whose random state a training on ``accelerator`` may reseed (for ``torch.random.fork_rng``,
-    so that the caller's state is left as it was)."""
-    if accelerator == "cpu" or not torch.cuda.is_available():
-        return []
-    return list(range(torch.cuda.device_count()))
 
 
 def last_good_checkpoint(trainer: lightning.Trainer | None) -> str | None:
@@ -158,35 +46,6 @@ def non_finite_loss(module: lightning.LightningModule, value: float, batch_idx: 
         f"{what} became {value} at global step {module.global_step} (epoch {module.current_epoch}, step "
         f"{batch_idx}); training stopped before that step's update. Last good checkpoint: {where}. {advice}"
     )
-
-
-class FollowCoreShare(Callback):
-    """Keep torch's intra-op threads at the number written in ``path`` (one integer), re-read at most every
-    ``interval`` seconds between training steps. Whoever schedules several trainings on one machine writes each
-    its share of the cores there (``flows.stages`` does), so a training left running alone takes all the cores
-    instead of keeping the share it started with. A missing or unreadable file changes nothing."""
-
-    def __init__(self, path: str | Path, interval: float = 2.0) -> None:
-        self.path = Path(path)
-        self.interval = interval
-        self._checked = float("-inf")
-
-    def poll(self) -> int:
-        """Apply the current share if it is due and changed; → the threads torch uses now."""
-        now = time.monotonic()
-        if now - self._checked >= self.interval:
-            self._checked = now
-            try:
-                threads = int(self.path.read_text().strip())
-            except (OSError, ValueError):
-                threads = 0
-            if threads > 0 and threads != torch.get_num_threads():
-                torch.set_num_threads(threads)
-        return torch.get_num_threads()
-
-    def on_train_batch_start(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
-        self.poll()
 
 
 class EpochHistory(Callback):
@@ -341,11 +200,8 @@ def fit(
     check_device(section, accelerator, precision)
     if precision == "auto":
         precision = resolve_precision(accelerator, precision)
-        if trains_on_cpu(accelerator) and cpu_has_bf16():
-            log.info("%s.precision auto: training in %s (a bfloat16 autocast step takes %.2f× the float32 one on "
-                     "this CPU; bfloat16 where ≤ %.2f×)", section, precision, cpu_bf16_step_ratio(), BF16_FASTER)
-        else:
-            log.info("%s.precision auto: training in %s", section, precision)
+        log.info("%s.precision auto: training in %s", section, precision)
+    deterministic_algorithms()
     own: list[Callback] = [history]
     if run_info is not None:
         own.append(RunInfo(*run_info))

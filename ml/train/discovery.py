@@ -67,7 +67,8 @@ from ml.models.backbones.vit import ViT
 from ml.models.discovery.facegcd import FaceGCD
 from ml.models.io import load_model
 from ml.train.augment import AugmentConfig, augment_kprpe
-from ml.train.callbacks import DEVICE_KEYS, EpochHistory, check_device_keys, fit, non_finite_loss, rng_devices
+from ml.train.callbacks import EpochHistory, fit, non_finite_loss
+from ml.train.device import DEVICE_KEYS, check_device_keys, rng_devices
 from ml.train.checkpoint import mix_seed, read_checkpoint, resume_path
 from ml.train.fr_data import EpochSampler
 from ml.train.schedules import adamw, lambda_schedule, warmup_cosine

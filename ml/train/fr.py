@@ -28,7 +28,7 @@ Mixed precision: ``fr.precision`` "16-mixed" needs a GPU and is refused with a C
 (no silent fallback to 32 bits); "bf16-mixed" is allowed everywhere, as Lightning and torch autocast
 support bfloat16 on the CPU. "auto" (the default run's) picks "bf16-mixed" where the hardware computes bfloat16
 natively (a CUDA GPU that supports it; a CPU with AVX512-BF16 or AMX) and "32-true" elsewhere
-(``ml.train.callbacks.resolve_precision``); the model's ``config.json`` records what it trained in.
+(``ml.train.device.resolve_precision``); the model's ``config.json`` records what it trained in.
 
 Layout: this module holds the entry points (``train``, ``embed``), the pre-resume checkpoint check and
 ``FRResult``; ``ml.train.fr_config`` holds ``FRConfig``, ``ml.train.fr_data`` the input checks, normalisation,
@@ -60,7 +60,8 @@ from tqdm.auto import tqdm
 from ml.errors import ConfigError, DataError
 from ml.models.backbones import BACKBONES, build_backbone, input_contract
 from ml.train.augment import FLIP_LANDMARK_ORDER, flip_keypoints
-from ml.train.callbacks import EpochHistory, check_device, fit
+from ml.train.callbacks import EpochHistory, fit
+from ml.train.device import check_device
 from ml.train.checkpoint import read_checkpoint, resume_path
 
 # Not all of these are used here: the choice constants and ``normalize`` stay importable from ml.train.fr too.

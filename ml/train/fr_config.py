@@ -3,7 +3,7 @@
 Every bad value raises a ConfigError naming the ``fr.<key>`` and what it must be, when the config is built, so a
 training run never starts on settings it would reject later (e.g. AdaFace with PartialFC, an LVFace switch epoch
 past the last epoch). Mixed precision: "16-mixed" passes here and is refused on the CPU by the trainer
-(``ml.train.callbacks.check_device``); "bf16-mixed" runs everywhere.
+(``ml.train.device.check_device``); "bf16-mixed" runs everywhere.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from ml.errors import ConfigError
 from ml.losses.margin import MARGINS
 from ml.models.backbones import BACKBONES
 from ml.train.augment import AugmentConfig
+from ml.train.device import PRECISIONS
 
 __all__ = ["AUGMENT_RECIPES", "HEAD_MARGINS", "PRECISIONS", "SCHEDULES", "STRATEGIES", "FRConfig"]
 
@@ -21,7 +22,6 @@ HEAD_MARGINS = (*MARGINS, "adaface")
 SCHEDULES = ("cosine", "step")
 AUGMENT_RECIPES = ("basic", "kprpe")
 STRATEGIES = ("auto", "ddp", "ddp_spawn")
-PRECISIONS = ("auto", "32-true", "16-mixed", "bf16-mixed")  # auto: ml.train.callbacks.resolve_precision
 
 
 @dataclass(frozen=True)

@@ -97,9 +97,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from ml.errors import ConfigError, DataError
 from ml.models.fusion.caface import CAFace, FusionState
-from ml.train.callbacks import (
-    DEVICE_KEYS, EpochBatches, EpochHistory, check_device_keys, fit, non_finite_loss, rng_devices,
-)
+from ml.train.callbacks import EpochBatches, EpochHistory, fit, non_finite_loss
+from ml.train.device import DEVICE_KEYS, check_device_keys, rng_devices
 from ml.train.checkpoint import mix_seed, read_checkpoint, resume_path
 from ml.train.schedules import adamw, lambda_schedule, multistep
 

@@ -63,7 +63,8 @@ from ml.models.generator.uiface import (
     encode_images,
     save_generator,
 )
-from ml.train.callbacks import EpochHistory, check_device, check_device_keys, fit, non_finite_loss
+from ml.train.callbacks import EpochHistory, fit, non_finite_loss
+from ml.train.device import check_device, check_device_keys
 from ml.train.checkpoint import mix_seed, read_checkpoint, resume_path
 from ml.train.schedules import adamw, lambda_schedule, warmup_cosine
 from ml.train.fr import EpochSampler

@@ -304,7 +304,6 @@ def _worker_env() -> dict[str, str]:
     """One thread everywhere, quiet, offline; the repository importable as the working directory."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0",
            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), "HF_HUB_OFFLINE": "1"}
-    env.pop("FACEOPS_CORE_SHARE_FILE", None)
     return env
 
 

@@ -1,0 +1,129 @@
+"""The default run as a user gets it: ``make run`` from a fresh clone of this commit, timed, and compared with a
+second fresh-clone run made while other work loads every core.
+
+- ``make_run``: wall time (installing included), CPU time of everything it started, each stage's seconds as the
+  command's summary prints them, and the machine facts that decide the run's numerics (cores, AMX).
+- ``reproducibility``: a second fresh clone runs ``make run`` beside a busy process per core; its
+  ``metrics/*.json`` (wall-clock keys aside) and the output hashes in ``dvc.lock`` are compared with the first
+  run's. The first run is ``make_run``'s (kept under ``benchmarks/.runs/``) when it is of the same commit.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import re
+import resource
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+RUNS = REPO / "benchmarks" / ".runs"
+TIME_KEYS = ("seconds", "per_s", "throughput", "elapsed")  # wall-clock metric keys, as the reproducibility test has
+STAGE_LINE = re.compile(r"^\s+(\S+)\s+(ran|restored|up to date)\s+([\d.]+)s$")
+
+
+def _head() -> str:
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def _clone(dst: Path) -> Path:
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["git", "clone", "-q", str(REPO), str(dst)], check=True)
+    subprocess.run(["git", "checkout", "-q", _head()], cwd=dst, check=True)
+    return dst
+
+
+def _make_run(root: Path) -> dict:
+    """``make run`` in ``root``: wall and CPU seconds, each stage's seconds from the summary table."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "MLFLOW_", "PREFECT_API"))}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    out = subprocess.run(["make", "run"], cwd=root, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    (root / "make_run.log").write_text(out.stdout + out.stderr)
+    if out.returncode != 0:
+        raise RuntimeError(f"make run failed in {root} (exit {out.returncode}); log: {root / 'make_run.log'}")
+    stages = {m[1]: float(m[3]) for m in map(STAGE_LINE.match, out.stdout.splitlines()) if m}
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"wall_s": round(wall, 1), "minutes": round(wall / 60, 1), "core_s": round(cpu, 1), "stage_s": stages}
+
+
+def _machine() -> dict:
+    from faceops.doctor import _cpu_name
+    from ml.train.device import available_cores, cpu_has_amx, cpu_has_bf16
+
+    return {"cpu": _cpu_name(), "cores": available_cores(), "cpu_has_bf16": cpu_has_bf16(), "cpu_has_amx": cpu_has_amx()}
+
+
+def bench_make_run() -> dict:
+    """``make run`` from a fresh clone of HEAD with nothing else running (the workspace is kept for
+    ``bench_reproducibility``)."""
+    root = _clone(RUNS / "alone")
+    return {"commit": _head()[:12], **_make_run(root), **_machine()}
+
+
+def _hog(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    x = 0
+    while time.monotonic() < end:
+        x = (x * 31 + 7) % 1_000_003
+
+
+def _untimed(tree: dict, prefix: str = "") -> dict:
+    flat: dict = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_untimed(value, f"{name}/"))
+        elif not any(t in name for t in TIME_KEYS):
+            flat[name] = value
+    return flat
+
+
+def compare_runs(a: Path, b: Path) -> dict:
+    """What differs between two finished workspaces: metric values (wall-clock keys aside) over every
+    ``metrics/*.json``, and the output hashes ``dvc.lock`` records, models and datasets apart."""
+    values = differ = 0
+    for path in sorted((a / "metrics").glob("*.json")):
+        ma, mb = (_untimed(json.loads(p.read_text())) for p in (path, b / "metrics" / path.name))
+        values += len(ma)
+        differ += sum(ma.get(k) != mb.get(k) for k in set(ma) | set(mb))
+
+    def outs(root: Path) -> dict[str, str]:
+        lock = yaml.safe_load((root / "dvc.lock").read_text())["stages"]
+        return {o["path"]: o["md5"] for e in lock.values() for o in e.get("outs", [])}
+
+    oa, ob = outs(a), outs(b)
+    models = [p for p in oa if p.startswith(("models/", "data/"))]
+    return {"metric_values": values, "metric_values_differing": differ, "models_and_datasets": len(models),
+            "models_and_datasets_differing": sorted(p for p in models if oa[p] != ob.get(p))}
+
+
+def bench_reproducibility() -> dict:
+    """A second fresh-clone ``make run`` beside a busy process per core, compared with one made alone."""
+    alone = RUNS / "alone"
+    if not (alone / "dvc.lock").is_file() or subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=alone, capture_output=True, text=True).stdout.strip() != _head():
+        bench_make_run()
+    loaded = _clone(RUNS / "loaded")
+    cores = os.cpu_count() or 1
+    ctx = multiprocessing.get_context("spawn")
+    hogs = [ctx.Process(target=_hog, args=(6 * 3600,), daemon=True) for _ in range(cores)]
+    for h in hogs:
+        h.start()
+    try:
+        run = _make_run(loaded)
+    finally:
+        for h in hogs:
+            h.terminate()
+    return {"commit": _head()[:12], "loaded_minutes": run["minutes"], "busy_processes_beside": cores,
+            **compare_runs(alone, loaded), **_machine()}
