@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ml.data.unaligned import unaligned_faces
-from ml.train.aligner import AlignerConfig, train_aligner
+from ml.aligner.train import AlignerConfig, train_aligner
 
 
 class TrainTimer(lightning.Callback):

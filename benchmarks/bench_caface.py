@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from ml.models.backbones import build_backbone
-from ml.models.fusion import CAFace
+from ml.fr.backbones import build_backbone
+from ml.fusion import CAFace
 
 STATUS = Path("/proc/self/status")
 CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -198,7 +198,7 @@ def bench_caface_training(
     import numpy as np
 
     from benchmarks.bench_aligner import TrainTimer
-    from ml.train.fusion import FusionConfig, train_fusion
+    from ml.fusion.train import FusionConfig, train_fusion
 
     rng = np.random.default_rng(seed)
     n = identities * sources * copies

@@ -37,7 +37,7 @@ from ml.data.formats import decode_image, encode_image, write_recordio
 from ml.data.procedural import ProceduralConfig, ProceduralFaces
 from ml.data.records import RecordIODataset
 from ml.train.augment import AugmentConfig, augment_kprpe
-from ml.train.fr_data import augment_batch, normalize
+from ml.fr.data import augment_batch, normalize
 
 n, root = int(sys.argv[1]), sys.argv[2]
 gen = ProceduralFaces(ProceduralConfig(image_size=112), seed=0)

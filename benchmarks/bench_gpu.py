@@ -49,7 +49,7 @@ import yaml
 
 from ml.config import from_mapping
 from ml.errors import ConfigError
-from ml.models.backbones import input_contract
+from ml.fr.backbones import input_contract
 from ml.train.device import ACCELERATORS
 from ml.train.device import PRECISIONS
 
@@ -156,7 +156,7 @@ def _random_images(n: int, size: int, seed: int) -> np.ndarray:
 
 
 def _fr_fit(run: _Run, fr: dict[str, Any], size: int, section: str, batch_cap: int | None = None) -> StepClock:
-    from ml.train.fr import FRConfig, train
+    from ml.fr.train import FRConfig, train_fr
 
     cfg = from_mapping(FRConfig, fr, section)
     batch = min(cfg.batch_size, batch_cap or cfg.batch_size)
@@ -167,7 +167,7 @@ def _fr_fit(run: _Run, fr: dict[str, Any], size: int, section: str, batch_cap: i
     n = batch * per_epoch
     labels = np.arange(n) % min(run.params["data"]["train_identities"], n // 2)
     clock = StepClock(run.warmup, run.steps, _leading)
-    train(cfg, _random_images(n, size, 0), labels, callbacks=[clock], progress=False)
+    train_fr(cfg, _random_images(n, size, 0), labels, callbacks=[clock], progress=False)
     return clock
 
 
@@ -192,7 +192,7 @@ def _fr112(run: _Run) -> StepClock:
 def _dfa(run: _Run) -> StepClock:
     """The DFA aligner at params.yaml ``aligner.train`` (96² input, batch 14 faces + 2 non-face crops), one epoch."""
     from ml.data.unaligned import unaligned_faces
-    from ml.train.aligner import AlignerConfig, train_aligner
+    from ml.aligner.train import AlignerConfig, train_aligner
 
     cfg = dataclasses.replace(from_mapping(AlignerConfig, run.params["aligner"]["train"], "aligner.train"), epochs=1,
                               **_device_keys(run))
@@ -206,7 +206,7 @@ def _dfa(run: _Run) -> StepClock:
 def _caface(run: _Run) -> StepClock:
     """CAFace at params.yaml ``fusion.train`` (32 identities × 32 features per step, every even prefix) on random
     features of the embedded FR model's sizes."""
-    from ml.train.fusion import FusionConfig, train_fusion
+    from ml.fusion.train import FusionConfig, train_fusion
 
     fr, data = run.params["fr"], run.params["data"]
     contract = input_contract(fr["backbone"], embed_dim=fr["embedding_dim"])
@@ -230,7 +230,7 @@ def _caface(run: _Run) -> StepClock:
 def _facegcd(run: _Run) -> StepClock:
     """FaceGCD at params.yaml ``discovery`` (vit_tiny, 10 prefix tokens, batch 64 × 2 views) from a random ViT; no
     validation split (its per-epoch evaluation is no step cost, and holding images out would shorten the epoch)."""
-    from ml.train.discovery import DiscoveryConfig, train_discovery
+    from ml.discovery.train import DiscoveryConfig, train_discovery
 
     cfg = dataclasses.replace(from_mapping(DiscoveryConfig, run.params["discovery"], "discovery"), epochs=1,
                               backbone_init="random", val_per_identity=0, gcd_arm=False, **_device_keys(run))
@@ -246,8 +246,8 @@ def _facegcd(run: _Run) -> StepClock:
 def _generator_faces(run: _Run) -> tuple[Any, Any, np.ndarray, np.ndarray]:
     """(autoencoder config, generator config, random faces at the generator's face size, unit identity contexts of
     the embedded FR model's size), one per image of ``total`` UNet batches."""
-    from ml.train.autoencoder import AutoencoderConfig
-    from ml.train.generator import GeneratorConfig
+    from ml.generator.autoencoder import AutoencoderConfig
+    from ml.generator.train import GeneratorConfig
 
     section = run.params["generator"]
     ae = from_mapping(AutoencoderConfig, section["autoencoder_train"], "generator.autoencoder_train")
@@ -264,8 +264,8 @@ def _generator_faces(run: _Run) -> tuple[Any, Any, np.ndarray, np.ndarray]:
 def _uiface_ae(run: _Run) -> StepClock:
     """UIFace's latent autoencoder at params.yaml ``generator.autoencoder_train`` (a diffusers ``AutoencoderKL``
     on 32-px faces, batch 16, with the identity term through a randomly initialised FR model of the ``fr`` section)."""
-    from ml.models.backbones import build_backbone
-    from ml.train.autoencoder import train_autoencoder
+    from ml.fr.backbones import build_backbone
+    from ml.generator.autoencoder import train_autoencoder
 
     ae, _, faces, ids = _generator_faces(run)
     if ae is None:
@@ -284,8 +284,8 @@ def _uiface(run: _Run) -> StepClock:
     """The UIFace generator at params.yaml ``generator.train`` (the UNet on the 4 × 8 × 8 latent of 32-px faces
     through an untrained autoencoder of ``generator.autoencoder_train``'s shape, batch 64, EMA; in pixel space when
     ``generator.space`` is pixel), its identity contexts of the embedded FR model's embedding size."""
-    from ml.train.autoencoder import build_autoencoder
-    from ml.train.generator import train_generator
+    from ml.generator.autoencoder import build_autoencoder
+    from ml.generator.train import train_generator
 
     ae, cfg, faces, ids = _generator_faces(run)
     autoencoder = None if ae is None else build_autoencoder(ae, faces.shape[1]).eval().requires_grad_(False)
@@ -386,7 +386,7 @@ def bench_caface_paths() -> dict:
         ``{"device", "precision", "masked_items_per_s", "by_length_items_per_s"`` (lists, one per repeat),
         ``"by_length_over_masked"`` (ratio of the means)}.
     """
-    from ml.models.fusion.caface import ClusterNetwork
+    from ml.fusion.caface import ClusterNetwork
 
     run = _env_run()
     default = ClusterNetwork.by_length_devices

@@ -20,7 +20,7 @@ CHILD = r"""
 import json, resource, sys, time
 from pathlib import Path
 from tasks.prepare import DataConfig
-from tasks.prepare_sets import ingest_real
+from tasks.prepare.sets import ingest_real
 
 n, root = int(sys.argv[1]), Path(sys.argv[2])
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

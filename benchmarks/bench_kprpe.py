@@ -6,8 +6,8 @@ import time
 
 import torch
 
-from ml.models.backbones.kprpe import KPRPEViT
-from ml.models.backbones.vit import ViT
+from ml.fr.backbones.kprpe import KPRPEViT
+from ml.fr.backbones.vit import ViT
 
 # vit_s sizes (112 px, patch 9 → 144 tokens, dim 512, depth 12, 8 heads); drop_path is off in eval anyway.
 VIT_S = dict(img_size=112, patch_size=9, dim=512, depth=12, heads=8, embed_dim=512)

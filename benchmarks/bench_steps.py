@@ -41,8 +41,8 @@ def _best_ms(step: Callable[[], Any], warmup: int, rounds: int, steps: int) -> f
 def _unet_steps(steps: int, rounds: int) -> dict:
     from benchmarks.bench_synth import _generator_params
     from ml.config import from_mapping
-    from ml.models.generator.uiface import IDConditionedUNet
-    from ml.train.generator import GeneratorConfig, GeneratorModule
+    from ml.generator.uiface import IDConditionedUNet
+    from ml.generator.train import GeneratorConfig, GeneratorModule
 
     spec = dict(_generator_params()["train"])
     spec["model"] = {**spec["model"], "id_dim": 128}  # the embedded FR model's embedding size
@@ -83,7 +83,7 @@ def _unet_steps(steps: int, rounds: int) -> dict:
 
 
 def _fr_steps(steps: int, rounds: int) -> dict:
-    from ml.models.backbones import build_backbone
+    from ml.fr.backbones import build_backbone
     from ml.train.schedules import adamw
 
     g = torch.Generator().manual_seed(0)
@@ -109,9 +109,9 @@ def _fr_steps(steps: int, rounds: int) -> dict:
 
 
 def _caface_steps(steps: int, rounds: int) -> dict:
-    from ml.models.fusion import CAFace
-    from ml.models.fusion.caface import ClusterNetwork
-    from ml.train.fusion import FusionConfig, _batch_loss
+    from ml.fusion import CAFace
+    from ml.fusion.caface import ClusterNetwork
+    from ml.fusion.train import FusionConfig, _batch_loss
 
     from tasks.common import load_params, section
 

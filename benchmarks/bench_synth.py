@@ -16,7 +16,7 @@ def _generator_params() -> dict:
 
 
 def _model():
-    from ml.models.generator.uiface import GeneratorModelConfig, IDConditionedUNet
+    from ml.generator.uiface import GeneratorModelConfig, IDConditionedUNet
 
     # the embedded default's UNet (params.yaml generator.train.model: the 4×8×8 latent one), random weights
     spec = dict(_generator_params().get("train", {}).get("model", {}))
@@ -28,7 +28,7 @@ def _model():
 def _autoencoder(latent_side: int):
     """The embedded default's autoencoder (params.yaml generator.autoencoder_train), random weights; None in pixel
     space."""
-    from ml.train.autoencoder import AutoencoderConfig, build_autoencoder
+    from ml.generator.autoencoder import AutoencoderConfig, build_autoencoder
 
     params = _generator_params()
     if params.get("space", "pixel") != "latent":
@@ -48,7 +48,7 @@ def bench_sampler_cost(batch: int = 32, steps: int = 25, rounds: int = 2) -> dic
     nothing about a trained model's; the public config's hard switch at t = 500 bounds stage 1 from below and is
     measured too. ``evals`` = UNet evaluations per face (stage 1: one per step, stage 2: two).
     """
-    from ml.synth.sampler import SamplerConfig, sample
+    from ml.generator.sampler import SamplerConfig, sample
 
     model = _model()
     m = model.config
@@ -84,8 +84,8 @@ def bench_synthesis_throughput(batch: int = 64, steps: int = 25) -> dict:
     """Faces per second of the embedded default's sampler (two_stage_fixed at t0 = 500 + injection, 25 DDIM steps)
     at the embedded UNet size, decoded through the default's autoencoder (latent space), one batch of ``batch``
     identities."""
-    from ml.models.generator.uiface import decode_latents
-    from ml.synth.sampler import SamplerConfig, sample
+    from ml.generator.uiface import decode_latents
+    from ml.generator.sampler import SamplerConfig, sample
 
     model = _model()
     m = model.config

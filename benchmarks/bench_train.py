@@ -10,7 +10,7 @@ import torch
 
 from ml.data.procedural import ProceduralFaces
 from ml.train.augment import augment_kprpe
-from ml.train.fr import FRConfig, augment_batch, train
+from ml.fr.train import FRConfig, augment_batch, train_fr
 
 
 class _StepTimer(lightning.Callback):
@@ -58,7 +58,7 @@ def bench_train_throughput(
     Returns:
         ``{"images_per_s"`` (trained images / time inside on_train_start→end), ``"outside_step_fraction"``,
         ``"augment_fraction"`` (the augmentation alone, re-timed on the same batches, inside the step share),
-        ``"step_ms"``, ``"steps"``, ``"train_call_s"`` (the whole ``train()`` call), ``"threads"}``.
+        ``"step_ms"``, ``"steps"``, ``"train_call_s"`` (the whole ``train_fr()`` call), ``"threads"}``.
     """
     images, labels = _faces(identities, per_identity)
     previous = torch.get_num_threads()
@@ -73,7 +73,7 @@ def bench_train_throughput(
 def _measure(images: np.ndarray, labels: np.ndarray, epochs: int, batch_size: int, recipe: str) -> dict:
     cfg = FRConfig(epochs=epochs, batch_size=batch_size, accelerator="cpu", augment_recipe=recipe)
     timer = _StepTimer()
-    result = train(cfg, images, labels, callbacks=[timer], progress=False)
+    result = train_fr(cfg, images, labels, callbacks=[timer], progress=False)
     trained = timer.steps * batch_size
 
     # The augmentation alone, on a batch of the same size, as FRModule runs it.

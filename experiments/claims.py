@@ -44,8 +44,8 @@ import numpy as np
 
 from ml.data.procedural import ProceduralConfig, ProceduralFaces
 from ml.eval.metrics import verification_accuracy
-from ml.train.fr import FRConfig, embed, train
-from ml.train.fr_data import needs_keypoints
+from ml.fr.train import FRConfig, embed, train_fr
+from ml.fr.data import needs_keypoints
 
 log = logging.getLogger("experiments.claims")
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,7 +145,7 @@ def held_out_pairs(labels: np.ndarray, n: int, rng: np.random.Generator) -> tupl
 def score(cfg: FRConfig, data: dict[str, np.ndarray]) -> dict[str, float]:
     """``accuracy`` on the held-out pairs and training ``seconds``; a KP-RPE model also gets ``template_accuracy``
     (every test face given the test set's mean keypoints: the keypoint-swap diagnostic)."""
-    res = train(cfg, data["x"], data["y"], keypoints=data["kp"], progress=False)
+    res = train_fr(cfg, data["x"], data["y"], keypoints=data["kp"], progress=False)
     a, b = data["pairs"][:, 0], data["pairs"][:, 1]
 
     def accuracy(keypoints: np.ndarray) -> float:

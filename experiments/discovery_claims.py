@@ -57,8 +57,8 @@ from ml.discovery.protocol import gfd_ssk
 from ml.discovery.split import gfd_split
 from ml.models.io import save_model
 from ml.train.device import resolve_precision
-from ml.train.discovery import DiscoveryConfig, nearest_mean_accuracy, train_discovery, validation_split
-from ml.train.fr import FRConfig, embed, train
+from ml.discovery.train import DiscoveryConfig, nearest_mean_accuracy, train_discovery, validation_split
+from ml.fr.train import FRConfig, embed, train_fr
 
 log = logging.getLogger("experiments.discovery_claims")
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,7 +140,7 @@ def run_claims(seeds: list[int], scale: Scale, data_seeds: list[int] = [0],
     """Every trained arm for every (data seed, seed); → {"recipe", "runs": one row per run and arm, "summary"}."""
     recipe = default_recipe(scale)
     first = make_data(scale, data_seeds[0])
-    fr = train(FRConfig(backbone=recipe.backbone, epochs=scale.fr_epochs, batch_size=64), first["x"], first["y"],
+    fr = train_fr(FRConfig(backbone=recipe.backbone, epochs=scale.fr_epochs, batch_size=64), first["x"], first["y"],
                progress=False)
     runs: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -37,8 +37,8 @@ import numpy as np
 from experiments.discovery_claims import Scale, make_data
 from ml.discovery.protocol import gfd_ssk
 from ml.models.io import save_model
-from ml.train.discovery import DiscoveryConfig, train_discovery
-from ml.train.fr import FRConfig, embed, train
+from ml.discovery.train import DiscoveryConfig, train_discovery
+from ml.fr.train import FRConfig, embed, train_fr
 
 log = logging.getLogger("experiments.discovery_recipes")
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +65,7 @@ def run(recipes: list[str], seeds: list[int], scale: Scale, out: Path) -> list[d
     """Train every recipe for every seed; → one row per (recipe, seed) with its and FR + SSK's metrics."""
     data = make_data(scale)
     dev = device_keys()
-    fr = train(FRConfig(backbone="vit_tiny", epochs=scale.fr_epochs, batch_size=64, **dev), data["x"], data["y"],
+    fr = train_fr(FRConfig(backbone="vit_tiny", epochs=scale.fr_epochs, batch_size=64, **dev), data["x"], data["y"],
                progress=False)
     train_mask = ~data["test"]
     labels = np.where(data["labelled"], data["dy"], -1)[train_mask]

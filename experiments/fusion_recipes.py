@@ -10,13 +10,13 @@ scores each on the same probes.
 - Material: ``tasks.train_fusion`` (``data/prepared/fusion``, or degraded copies of the ingested faces); probes:
   ``data/prepared/videos``, features without flip as in ``evaluate``.
 - Per run: single-gallery rank-1 of the mated probes, its paired difference to plain averaging (bootstrap 95 %
-  interval, ``ml.eval.fusion_diagnostics.paired_difference``), the last epoch's ``Lt`` against averaging's, and
+  interval, ``ml.fusion.diagnostics.paired_difference``), the last epoch's ``Lt`` against averaging's, and
   CAFace's frame-weight diagnostics (weight–quality Spearman, weight CV, effective clusters).
 - Per variant: mean ± sample std over seeds of the gain over averaging; per seed, the paired difference to the
   first variant (same seed), so a recipe is judged seed by seed, not by its best seed.
 
 Writes ``reports/fusion_recipes.md`` (``--out``). The measurement behind ``fusion.train.lambda_u`` (docstring of
-``ml/train/fusion.py``) is ``--variants '{"lambda_u": 0}' '{"lambda_u": 0.3}' --seeds 0 1 2`` after ``make run``:
+``ml/fusion/train.py``) is ``--variants '{"lambda_u": 0}' '{"lambda_u": 0.3}' --seeds 0 1 2`` after ``make run``:
 six trainings of 600 steps, about 30 minutes on 2 cores.
 """
 
@@ -34,7 +34,7 @@ from ml.config import from_mapping
 from ml.errors import ConfigError, DataError
 from tasks.common import Paths, load_params, section, write_text
 from tasks.prepare import DataConfig
-from tasks.sets_eval import VideoSplit
+from tasks.evaluate.fusion import VideoSplit
 from tasks.train_fusion import FusionStageConfig
 
 __all__ = ["compare_recipes", "render", "main"]
@@ -42,9 +42,9 @@ __all__ = ["compare_recipes", "render", "main"]
 
 def load_probes(paths: Paths, data: DataConfig, fr_model: Any, batch_size: int = 256) -> VideoSplit:
     """``data/prepared/videos`` embedded by ``fr_model`` (as the ``evaluate`` stage does, manifest landmarks) and
-    split into probes and galleries by ``tasks.sets_eval.split_videos``."""
+    split into probes and galleries by ``tasks.evaluate.fusion.split_videos``."""
     from ml.data.dataset import read_manifest
-    from tasks.sets_eval import _frames, split_videos
+    from tasks.evaluate.fusion import _frames, split_videos
 
     manifest = paths.video_set / "manifest.parquet"
     if not manifest.is_file():
@@ -67,10 +67,10 @@ def compare_recipes(paths: Paths, data: DataConfig, stage: FusionStageConfig, va
                     seeds: list[int], progress: bool = False) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """Train CAFace per (variant, seed) on the run's material and score it on its video probes → (one row per run,
     the baselines' rank-1: ``average``, ``norm_weighted``, ``quality_oracle``)."""
-    from ml.eval.fusion_diagnostics import caface_diagnostics, paired_difference, rank1_hits
-    from ml.eval.sets import fuse_templates
+    from ml.fusion.diagnostics import caface_diagnostics, paired_difference, rank1_hits
+    from ml.fusion.sets import fuse_templates
     from ml.models.io import load_model
-    from ml.train.fusion import train_fusion
+    from ml.fusion.train import train_fusion
     from tasks.train_fusion import procedural_material, real_material
 
     if not variants or not seeds:

@@ -88,7 +88,7 @@ def through_bottleneck(images: np.ndarray, scale: Scale) -> np.ndarray:
 
 def verification(model: Any, tx: np.ndarray, data: dict[str, np.ndarray]) -> float:
     from ml.eval.metrics import verification_accuracy
-    from ml.train.fr import embed
+    from ml.fr.train import embed
 
     feats = embed(model, tx)
     a, b = data["pairs"][:, 0], data["pairs"][:, 1]
@@ -96,17 +96,17 @@ def verification(model: Any, tx: np.ndarray, data: dict[str, np.ndarray]) -> flo
 
 
 def fit_fr(images: np.ndarray, labels: np.ndarray, scale: Scale, seed: int, batch_size: int) -> Any:
-    from ml.train.fr import FRConfig, train
+    from ml.fr.train import FRConfig, train_fr
 
     cfg = FRConfig(backbone="vit_tiny", epochs=scale.fr_epochs, batch_size=batch_size, seed=seed)
-    return train(cfg, images, labels, progress=False)
+    return train_fr(cfg, images, labels, progress=False)
 
 
 def train_once(scale: Scale, data: dict[str, np.ndarray]) -> tuple[Any, Any, Any, dict[str, Any]]:
     """Teacher FR, autoencoder (latent runs) and generator, seed 0: (teacher, generator result, autoencoder or
     None, setup numbers)."""
-    from ml.models.generator.uiface import GeneratorModelConfig
-    from ml.train.generator import GeneratorConfig, train_generator
+    from ml.generator.uiface import GeneratorModelConfig
+    from ml.generator.train import GeneratorConfig, train_generator
     from tasks.train_generator import identity_embeddings, resize_faces
 
     log.info("[setup] training the teacher FR model on %d faces (%d identities), %d epochs",
@@ -123,7 +123,7 @@ def train_once(scale: Scale, data: dict[str, np.ndarray]) -> tuple[Any, Any, Any
     contexts = identity_embeddings(teacher.model, x32, None)  # (N, 128) unit rows
     autoencoder, faces = None, x32
     if scale.latent:  # as the pipeline's train_generator: the autoencoder first, on the same faces
-        from ml.train.autoencoder import AutoencoderConfig, reconstruct, train_autoencoder
+        from ml.generator.autoencoder import AutoencoderConfig, reconstruct, train_autoencoder
 
         ae_cfg = AutoencoderConfig(block_out_channels=scale.ae_channels, epochs=scale.ae_epochs,
                                    batch_size=scale.ae_batch_size, lr=scale.ae_lr, seed=0)
@@ -160,7 +160,7 @@ def train_once(scale: Scale, data: dict[str, np.ndarray]) -> tuple[Any, Any, Any
 
 
 def sampler_configs(scale: Scale, extra: dict[str, Any]) -> dict[str, Any]:
-    from ml.synth.sampler import SamplerConfig
+    from ml.generator.sampler import SamplerConfig
     from tasks.synthesize import sampler_for
 
     base = sampler_for(SamplerConfig(steps=scale.steps, t0=scale.fixed_t0), extra)
@@ -178,7 +178,7 @@ def switch_profile(model: Any, contexts: np.ndarray, cfg: Any, seed: int) -> dic
     median and 10/90 % quantiles over the faces, to read against the threshold."""
     import torch
 
-    from ml.synth.sampler import sample
+    from ml.generator.sampler import sample
 
     m = model.config
     with torch.no_grad():
@@ -193,8 +193,8 @@ def switch_profile(model: Any, contexts: np.ndarray, cfg: Any, seed: int) -> dic
 def run_seed(seed: int, scale: Scale, data: dict[str, np.ndarray], teacher: Any, gen: Any,
              autoencoder: Any = None) -> dict[str, Any]:
     from ml.errors import DataError
-    from ml.eval.diversity import diversity_report
-    from ml.synth.contexts import select_identity_contexts
+    from ml.generator.diversity import diversity_report
+    from ml.generator.contexts import select_identity_contexts
     from tasks.synthesize import generate
     from tasks.train_generator import identity_embeddings, resize_faces
 
@@ -282,14 +282,14 @@ def probe(scale: Scale) -> dict[str, float]:
     import torch
 
     from ml.data.procedural import ProceduralConfig, ProceduralFaces
-    from ml.models.generator.uiface import GeneratorModelConfig, IDConditionedUNet
+    from ml.generator.uiface import GeneratorModelConfig, IDConditionedUNet
 
     start = time.perf_counter()
     gen = ProceduralFaces(ProceduralConfig(image_size=scale.image_size), seed=0)
     for j in range(8):
         gen.sample(0, j)
     render_s = (time.perf_counter() - start) / 8
-    from ml.train.autoencoder import AutoencoderConfig
+    from ml.generator.autoencoder import AutoencoderConfig
 
     channels, side = (AutoencoderConfig().latent_channels if scale.latent else 3), scale.unet_side
     model = IDConditionedUNet(GeneratorModelConfig(
@@ -319,7 +319,7 @@ def probe(scale: Scale) -> dict[str, float]:
     rates = {"render_s_per_face": render_s, "gen_train_s_per_image": train_s,
              "unet_s_per_eval": 1.3 * min(times[1:]) / n}  # ×1.3: attention processors and DDIM bookkeeping
     if scale.latent:
-        from ml.train.autoencoder import build_autoencoder
+        from ml.generator.autoencoder import build_autoencoder
 
         ae = build_autoencoder(AutoencoderConfig(block_out_channels=scale.ae_channels), scale.gen_size)
         opt = torch.optim.AdamW(ae.parameters(), lr=scale.ae_lr)

@@ -338,7 +338,7 @@ from faceops.doctor import doctor_cmd  # noqa: E402
 
 app.command("doctor")(doctor_cmd)
 
-from faceops.stack_cli import stack_app  # noqa: E402
+from faceops.stack.cli import stack_app  # noqa: E402
 
 app.add_typer(stack_app, name="stack")
 

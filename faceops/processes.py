@@ -3,7 +3,7 @@
 Each server is started in its own session and process group, so stopping it (SIGTERM to the group, SIGKILL after
 a grace period) also stops any children it forked, and a closed terminal does not take it down. A recorded PID is
 paired with its start time, so a PID reused by another program is never taken for ours. ``faceops stack``
-(``faceops/stack.py``) and the integration tests' servers (``tests/servers.py``) share these helpers.
+(``faceops/stack``) and the integration tests' servers (``tests/servers.py``) share these helpers.
 POSIX only (sessions, process groups).
 """
 

@@ -1,6 +1,6 @@
 """The promotion flow: judge a registered model's ``@candidate`` against ``@champion`` and move the aliases.
 
-Reads like the steps it takes (the work is in ``ops/promote.py``):
+Reads like the steps it takes (the work is in ``ops/promote``):
 
 1. read the ``promote`` params section and check the model's whole gate against what its benchmarks produce —
    before anything is downloaded or written;

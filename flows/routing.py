@@ -195,7 +195,7 @@ def checkout_commit(root: Path, commit: str) -> None:
 
 def write_lock_entries(root: Path, entries: Mapping[str, Any]) -> None:
     """Set these stages' entries in ``root``'s dvc.lock (DVC's own format; other entries kept)."""
-    from tasks.common import atomic_path
+    from ml.atomic import atomic_path
 
     if not entries:
         return
@@ -347,7 +347,7 @@ def _uncached_files(root: Path, paths: list[str]) -> dict[str, str]:
 
 def adopt_result(root: Path, stage: str, result: Mapping[str, Any]) -> None:
     """Make ``root`` as if ``stage`` had run there: its lock entry, its uncached files, its pulled outputs."""
-    from tasks.common import atomic_path
+    from ml.atomic import atomic_path
 
     root = root.resolve()
     for rel, text in result["files"].items():

@@ -1,7 +1,7 @@
-"""Cleaning up after writers killed mid-write.
+"""The one atomic writer (``atomic_path``) and the cleaning up after writers killed mid-write.
 
-Every atomic writer in faceops (``tasks.common.atomic_path``, ``ml.data.dataset.DatasetWriter`` and
-``write_manifest``, ``ml.models.io.write_model_dir``) writes to a hidden
+Every output faceops writes (a file or a whole directory; ``ml.data.dataset.DatasetWriter`` and
+``ml.models.io.write_model_dir`` build on it the same way) is written to a hidden
 sibling ``.<name>.<pid>.<...>.tmp`` (or moves the old version aside to ``.<name>.<pid>.old``) and renames it into
 place. A SIGKILL between the two leaves that sibling behind, as large as the output (a whole dataset for
 ``prepare``) and outside anything DVC tracks or cleans; the next writer of the same target removes it when the
@@ -10,12 +10,14 @@ process named in it is gone.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
 import os
 import re
 import shutil
-from collections.abc import Callable
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -46,16 +48,31 @@ def remove_dead_temporaries(path: Path) -> None:
             tmp.unlink(missing_ok=True)
 
 
-def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
-    """``write(tmp)`` to a hidden sibling of ``path`` (``.<name>.<pid>.tmp``), renamed onto ``path`` on success and
-    removed on failure; a dead writer's leftover is cleaned first."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_dead_temporaries(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+@contextlib.contextmanager
+def atomic_path(target: Path | str) -> Iterator[Path]:
+    """Yield a temporary sibling path; on success move it onto ``target``, on error delete it.
+
+    Works for files and directories: whatever the body creates at the yielded path replaces
+    ``target`` in one rename, so readers never see half-written output.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    remove_dead_temporaries(target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp", dir=target.parent))
+    tmp.rmdir()  # the body decides whether it is a file or a directory
     try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        yield tmp
+        if not tmp.exists():
+            raise RuntimeError(f"nothing was written for {target}")
+        if target.is_dir() and not target.is_symlink():
+            old = target.with_name(f".{target.name}.{os.getpid()}.old")
+            os.replace(target, old)
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif tmp.exists():
+            tmp.unlink()

@@ -77,7 +77,7 @@ class FaceEmbedder(mlflow.pyfunc.PythonModel):
         model_dir = Path(context.artifacts["model_dir"])
         self.architecture = json.loads((model_dir / "config.json").read_text()).get("architecture", "backbone")
         if self.architecture == "facegcd":
-            from ml.models.discovery.facegcd import load_facegcd
+            from ml.discovery.facegcd import load_facegcd
 
             self.model, self.config = load_facegcd(model_dir)
         else:
@@ -90,7 +90,7 @@ class FaceEmbedder(mlflow.pyfunc.PythonModel):
         images = check_images(model_input, self.size)
         if self.architecture == "facegcd":  # the discovery model's clustering features (no flip TTA in FaceGCD)
             return self.model.embed(images)
-        from ml.train.fr import embed
+        from ml.fr.train import embed
 
         feats = embed(self.model, images, flip=True)
         return feats / np.linalg.norm(feats, axis=1, keepdims=True).clip(1e-12)

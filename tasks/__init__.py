@@ -22,9 +22,9 @@ STAGES: dict[str, str] = {
 PARAM_SECTIONS: dict[str, str] = {
     "data": "tasks.prepare:DataConfig",
     "validate": "tasks.validate:ValidateConfig",
-    "fr": "ml.train.fr_config:FRConfig",
+    "fr": "ml.fr.config:FRConfig",
     "aligner": "tasks.train_aligner:AlignerStageConfig",
-    "discovery": "ml.train.discovery:DiscoveryConfig",
+    "discovery": "ml.discovery.train:DiscoveryConfig",
     "fusion": "tasks.train_fusion:FusionStageConfig",
     "generator": "tasks.train_generator:GeneratorStageConfig",
     "synthesize": "tasks.synthesize:SynthesizeConfig",

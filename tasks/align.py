@@ -2,7 +2,7 @@
 
 Reads the unaligned faces the aligner never trained on (``data/prepared/unaligned`` split ``test``), predicts 5
 landmarks, warps each face onto the ArcFace template at ``data.image_size`` with the differentiable similarity
-solve + ``grid_sample`` (ml/models/aligner/align.py), and writes ``data/aligned/`` (images, manifest with the
+solve + ``grid_sample`` (ml/aligner/align.py), and writes ``data/aligned/`` (images, manifest with the
 predicted landmarks in the aligned crop — the keypoints KP-RPE reads; ``quality`` is left empty because DFA's face
 score head is not trained on the embedded data, which has no non-face crops).
 Metrics: how far the *ground-truth* landmarks land from the template after alignment with the predicted ones
@@ -27,8 +27,9 @@ from typing import Any
 
 import numpy as np
 
+from ml.atomic import atomic_path
 from ml.config import from_mapping
-from tasks.common import Paths, StageResult, atomic_path, load_params, section, stage_main, write_json
+from tasks.common import Paths, StageResult, load_params, section, stage_main, write_json
 from tasks.prepare import DataConfig
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ def align_images(model: Any, images: np.ndarray, size: int, batch_size: int = 12
     matrices input→crop (N, 2, 3))."""
     import torch
 
-    from ml.models.aligner.align import align_faces, transform_points
+    from ml.aligner.align import align_faces, transform_points
 
     pred, scores = model.predict(images, batch_size=batch_size)
     out, lms, mats = [], [], []
@@ -87,7 +88,7 @@ def predict_real_landmarks(model: Any, paths: Paths, out: Path, image_size: int)
     from ml.data.dataset import landmarks_array, load_images, read_dataset_info, read_manifest
     from ml.data.formats import read_verification_bin
     from ml.data.landmarks import write_predicted
-    from ml.models.aligner.align import template_for
+    from ml.aligner.align import template_for
 
     predictions, digests = {}, {}
     for name in REAL_DATASETS:
@@ -131,8 +132,8 @@ def run(data: DataConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
     import torch
 
     from ml.data.dataset import DatasetWriter, landmarks_array, load_images, read_manifest
-    from ml.models.aligner.align import template_for, transform_points
-    from ml.models.aligner.dfa import load_aligner
+    from ml.aligner.align import template_for, transform_points
+    from ml.aligner.dfa import load_aligner
 
     model, _ = load_aligner(paths.aligner_model)
     manifest = read_manifest(paths.unaligned_set / "manifest.parquet")

@@ -6,8 +6,6 @@ import contextlib
 import json
 import re
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +14,7 @@ from typing import Any
 import yaml
 
 from ml.errors import ConfigError
-from ml.atomic import remove_dead_temporaries
+from ml.atomic import atomic_path
 
 PARAMS_FILE = "params.yaml"
 
@@ -211,37 +209,6 @@ def redact(text: str) -> str:
     return text
 
 
-@contextlib.contextmanager
-def atomic_path(target: Path | str) -> Iterator[Path]:
-    """Yield a temporary sibling path; on success move it onto ``target``, on error delete it.
-
-    Works for files and directories: whatever the body creates at the yielded path replaces
-    ``target`` in one rename, so readers never see half-written output.
-    """
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # what a writer killed mid-write left beside it (a whole dataset for `prepare`) lies outside what DVC tracks
-    remove_dead_temporaries(target)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp", dir=target.parent))
-    tmp.rmdir()  # the body decides whether it is a file or a directory
-    try:
-        yield tmp
-        if not tmp.exists():
-            raise RuntimeError(f"nothing was written for {target}")
-        if target.is_dir() and not target.is_symlink():
-            old = target.with_name(f".{target.name}.{os.getpid()}.old")
-            os.replace(target, old)
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-    finally:
-        if tmp.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
-        elif tmp.exists():
-            tmp.unlink()
-
-
 def stage_cores() -> int:
     """The cores this stage may use: its thread count as ``stage_main`` fixed it (``OMP_NUM_THREADS``: stages
     running side by side share the machine), otherwise the cores this process may run on."""
@@ -312,6 +279,33 @@ def coinciding(curves: Mapping[str, Mapping[Any, float]], atol: float = 1e-9) ->
         else:
             groups.append([name])
     return groups
+
+
+# one curve of a history panel: (legend label, EpochHistory rows, the key plotted, optional matplotlib style)
+Curve = tuple  # (str, list[dict], str) or (str, list[dict], str, dict)
+
+
+def plot_history(path: Path | str, panels: list[dict[str, Any]], width: float = 5.2) -> Path:
+    """A trainer's per-epoch curves as a PNG, one panel per entry of ``panels`` ({"title", "ylabel", "curves":
+    [Curve, ...], optional "ylim"}); a curve whose rows lack its key is left out, and a panel's legend is drawn
+    when it holds more than one curve. Every stage draws its history through this one function."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(width * len(panels), 3.3), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        drawn = 0
+        for label, rows, key, *style in panel["curves"]:
+            if rows and key in rows[0]:
+                ax.plot([r["epoch"] for r in rows], [r.get(key, float("nan")) for r in rows], marker="o",
+                        markersize=3, label=label, **(style[0] if style else {}))
+                drawn += 1
+        ax.set(xlabel="epoch", ylabel=panel.get("ylabel", ""), title=panel["title"])
+        if "ylim" in panel:
+            ax.set_ylim(*panel["ylim"])
+        if drawn > 1:
+            ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return save_figure(fig, path)
 
 
 def write_history_csv(path: Path | str, history: list[dict], fields: list[str] | None = None) -> Path:

@@ -1,9 +1,15 @@
 """Params deltas: ``--set fr.epochs=2`` and named presets, checked before anything runs.
 
-A delta is applied to ``params.yaml`` in place, exactly like ``dvc exp run -S``: DVC then sees the changed params
-and reruns the stages that read them. ``git checkout params.yaml`` undoes it. Only the lines of the keys being set
-change; every other line (comments, ``null``, quoting, alignment) is kept byte for byte. The paths the stages
-read (``INPUT_PATHS``) must exist before the delta is written.
+A delta is applied to ``params.yaml`` in place, as ``dvc exp run -S`` applies one: DVC then sees the changed params
+and reruns the stages that read them; ``git checkout params.yaml`` undoes it. ``KEY=VALUE`` takes a YAML value, as
+DVC's override does for these forms; DVC's ``+KEY`` / ``~KEY`` (add or delete a key) are refused, since every key
+is already declared by its section's dataclass.
+
+Why not DVC's own writer (``dvc.utils.hydra.apply_overrides``): it re-serialises the whole file, so one ``-S``
+rewrites every flow-style list, ``null`` and quoted string of params.yaml (about 60 lines for ``fr.epochs=2``) and
+the diff no longer shows the experiment. Here only the lines of the keys being set change; comments, ``null``,
+quoting and alignment are kept byte for byte. The paths the stages read (``INPUT_PATHS``) must exist before the delta
+is written.
 """
 
 from __future__ import annotations
@@ -16,10 +22,11 @@ from typing import Any
 
 import yaml
 
+from ml.atomic import atomic_path
 from ml.config import from_mapping
 from ml.errors import ConfigError
 from tasks import PARAM_SECTIONS
-from tasks.common import ParamsLoader, atomic_path, load_yaml, yaml_error
+from tasks.common import ParamsLoader, load_yaml, yaml_error
 
 PRESETS_FILE = "presets.yaml"
 
@@ -43,6 +50,9 @@ def parse_assignments(items: list[str]) -> dict[str, Any]:
     for item in items:
         key, sep, raw = item.partition("=")
         key = key.strip()
+        if key[:1] in ("+", "~"):
+            raise ConfigError(f"--set '{item}': adding or deleting a key (DVC's +KEY / ~KEY) is not supported: every "
+                              "params key is declared by its section; set an existing one, e.g. --set fr.epochs=2")
         if not sep or not key or "." not in key:
             raise ConfigError(f"--set '{item}': expected SECTION.KEY=VALUE, e.g. --set fr.epochs=2")
         try:
@@ -64,15 +74,15 @@ def load_preset(name: str, root: Path) -> dict[str, Any]:
 # Params naming a file or folder that must exist before any stage starts: key → (kind, what it must hold, value
 # that turns it off). Each is read by the stage in the comment; "" / null means "not used".
 INPUT_PATHS: dict[str, tuple[str, str, str]] = {
-    "data.ingest_folder": ("dir", "an image folder laid out as <identity>/<image>", '""'),  # tasks/prepare.py
-    "data.ingest_recordio": ("file", "an InsightFace train.rec with train.idx beside it", '""'),  # tasks/prepare.py
+    "data.ingest_folder": ("dir", "an image folder laid out as <identity>/<image>", '""'),  # tasks/prepare
+    "data.ingest_recordio": ("file", "an InsightFace train.rec with train.idx beside it", '""'),  # tasks/prepare
     "aligner.reference_faces": ("dir", "a folder <identity>/<image> of real aligned faces", '""'),  # train_aligner
     "generator.autoencoder": ("dir", "a diffusers VQModel/AutoencoderKL folder (save_pretrained)",
                               "null"),  # tasks/train_generator.py
     "evaluate.bin_dir": ("dir", "a folder of InsightFace verification .bin files (lfw.bin, ...)",
-                         '""'),  # tasks/evaluate.py
+                         '""'),  # tasks/evaluate
     "evaluate.ijb_dir": ("dir", "an IJB-B/C folder (meta/ + loose_crop/) or the folder holding IJBB/ and IJBC/",
-                         '""'),  # tasks/evaluate.py
+                         '""'),  # tasks/evaluate
 }
 
 

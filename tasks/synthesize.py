@@ -2,10 +2,10 @@
 
 1. **Identity contexts.** ``synthesize.candidates`` faces are sampled with the learnable empty context only (random
    identities), embedded by the FR model ``models/fr/<synthesize.fr_source>``, and filtered greedily so that no two
-   kept contexts are closer than ``synthesize.max_cosine`` (DCFace-style; ml/synth/contexts.py) until
+   kept contexts are closer than ``synthesize.max_cosine`` (DCFace-style; ml/generator/contexts.py) until
    ``synthesize.identities`` are found. Fewer found: a clear error, or with ``allow_fewer`` the dataset is made
    with what was found (the count is in the metrics).
-2. **Sampling.** ``synthesize.images_per_identity`` faces per context with ml/synth/sampler.py in the mode
+2. **Sampling.** ``synthesize.images_per_identity`` faces per context with ml/generator/sampler.py in the mode
    ``synthesize.sampler.mode`` (``baseline`` | ``two_stage_fixed`` | ``two_stage_adaptive``) with or without
    attention injection; batches mix identities.
 3. **Export.** Faces are resized to ``data.image_size`` and written as a dataset (source ``synthetic``) to
@@ -40,11 +40,12 @@ from typing import Any
 
 import numpy as np
 
+from ml.atomic import atomic_path
 from ml.config import from_mapping
 from ml.errors import ConfigError, DataError
-from ml.synth.sampler import SamplerConfig
+from ml.generator.sampler import SamplerConfig
 from tasks.common import (
-    Paths, StageResult, atomic_path, load_params, pyplot, save_figure, section, stage_main, write_json,
+    Paths, StageResult, load_params, pyplot, save_figure, section, stage_main, write_json,
 )
 from tasks.prepare import DataConfig
 
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SynthesizeConfig:
-    """``params.yaml`` section ``synthesize``; ``sampler`` holds ml/synth/sampler.py's SamplerConfig keys (its noise
+    """``params.yaml`` section ``synthesize``; ``sampler`` holds ml/generator/sampler.py's SamplerConfig keys (its noise
     schedule is the generator's, whatever is written there)."""
 
     fr_source: str = "real"             # FR model embedding candidate faces into identity contexts
@@ -87,7 +88,7 @@ class SynthesizeConfig:
 
 def load_generator_for(paths: Paths, generator_cfg: Any) -> tuple[Any, dict[str, Any], Any]:
     """(EMA generator in eval mode, its saved ``extra``, autoencoder or None) from ``models/generator``."""
-    from ml.models.generator.uiface import load_generator
+    from ml.generator.uiface import load_generator
     from ml.models.io import read_model_config
     from tasks.train_generator import generator_autoencoder
 
@@ -116,8 +117,8 @@ def generate(model: Any, contexts: Any | None, count_per_context: int, cfg: Samp
     import torch
     from tqdm.auto import tqdm
 
-    from ml.models.generator.uiface import decode_latents
-    from ml.synth.sampler import sample
+    from ml.generator.uiface import decode_latents
+    from ml.generator.sampler import sample
 
     m = model.config
     with torch.no_grad():
@@ -205,8 +206,8 @@ def plot_t0(t0: np.ndarray, steps_t: int, path: Path) -> None:
 
 
 def per_identity_consistency(emb: np.ndarray, labels: np.ndarray) -> dict[int, float]:
-    """Mean pairwise cosine within each identity (``ml.eval.diversity.per_class_consistency``)."""
-    from ml.eval.diversity import per_class_consistency
+    """Mean pairwise cosine within each identity (``ml.generator.diversity.per_class_consistency``)."""
+    from ml.generator.diversity import per_class_consistency
 
     return per_class_consistency(emb, labels)
 
@@ -216,10 +217,10 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
     import pandas as pd
 
     from ml.data.dataset import DatasetWriter, landmarks_array, load_images, read_manifest
-    from ml.eval.diversity import diversity_report, identity_gap, nearest_real
-    from ml.eval.image_diversity import adjacent_pixel_correlation, ssim_diversity
-    from ml.models.aligner.dfa import load_aligner
-    from ml.synth.contexts import select_identity_contexts
+    from ml.generator.diversity import diversity_report, identity_gap, nearest_real
+    from ml.generator.image_diversity import adjacent_pixel_correlation, ssim_diversity
+    from ml.aligner.dfa import load_aligner
+    from ml.generator.contexts import select_identity_contexts
     from tasks.train_generator import identity_embeddings, load_fr, resize_faces
     from tasks.validate import ValidateConfig, validate_manifests
 

@@ -6,14 +6,14 @@ measures on split ``test`` (identities never seen), against the trivial mean-lan
 - inter-pupil (the distance between the two eye landmarks; 5 points have no outer eye corners): ``test/nme``,
   ``test/failure@0.1``, ``test/auc@0.1``;
 - face box, as RetinaFace and the DFA paper report it (error / √(W·H) of the face box, the box estimated from the
-  ground-truth landmarks by ``ml.eval.alignment.face_box_size``; about 2.3× smaller numbers): ``test/nme_box``,
+  ground-truth landmarks by ``ml.aligner.metrics.face_box_size``; about 2.3× smaller numbers): ``test/nme_box``,
   ``test/failure_box@0.05``, ``test/failure_box@0.07``, ``test/auc_box@0.07``.
 
 The paper's claim that pooling beats one detection: ``test/nme_box_top_anchor`` (and ``test/nme_top_anchor``,
 ``test/failure_box@0.05_top_anchor``) read the same model's best-scoring anchor instead of the mixer-pooled
 landmarks. ``plots/aligner_ced.png`` shows the cumulative error distributions in both conventions. Measured at the
 embedded default on the 400 test faces (seeds 0–2 on one thread, 0–1 on two): ``test/nme_box`` 0.039–0.043
-(top anchor 0.041–0.046, mean shape 0.198), ``test/nme`` 0.092–0.100; ``ml/train/aligner.py`` has the details.
+(top anchor 0.041–0.046, mean shape 0.198), ``test/nme`` 0.092–0.100; ``ml/aligner/train.py`` has the details.
 
 Face score: the test faces against as many held-out non-face crops (``render_nonface`` at indices from
 ``HELDOUT_NONFACE_START``, never trained on; at most ``aligner.score_nonfaces``): ROC AUC of the pooled score and
@@ -39,7 +39,7 @@ import numpy as np
 
 from ml.config import from_mapping
 from ml.errors import ConfigError
-from ml.train.aligner import AlignerConfig
+from ml.aligner.train import AlignerConfig
 from ops.tracking import registered_note
 from tasks.common import (
     Paths, StageResult, load_params, numerics, section, stage_main, write_json, write_history_csv,
@@ -52,7 +52,7 @@ REGISTERED_MODEL = "faceops-aligner"
 
 @dataclass(frozen=True)
 class AlignerStageConfig:
-    """``params.yaml`` section ``aligner``; ``train`` holds ml/train/aligner.py's AlignerConfig keys."""
+    """``params.yaml`` section ``aligner``; ``train`` holds ml/aligner/train.py's AlignerConfig keys."""
 
     train: AlignerConfig = field(default_factory=AlignerConfig)
     reference_faces: str = ""   # folder <identity>/<image> of real aligned faces for the YuNet comparison; "" = off
@@ -85,8 +85,8 @@ def render_quality_faces(count: int, size: int, seed: int) -> tuple[np.ndarray, 
 def reference_comparison(model: Any, folder: str, max_images: int) -> dict[str, Any]:
     """NME between DFA and YuNet landmarks on real faces (normalised by YuNet's inter-pupil distance)."""
     from ml.data.formats import decode_image, ingest_image_folder
-    from ml.eval.alignment import failure_rate, nme
-    from ml.eval.yunet import yunet_available, yunet_landmarks
+    from ml.aligner.metrics import failure_rate, nme
+    from ml.aligner.yunet import yunet_available, yunet_landmarks
 
     if not folder:
         return {"skipped": "aligner.reference_faces is empty"}
@@ -112,11 +112,11 @@ def reference_comparison(model: Any, folder: str, max_images: int) -> dict[str, 
 
 def run(cfg: AlignerStageConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
     from ml.data.dataset import landmarks_array, load_images, read_dataset_info, read_manifest
-    from ml.eval.alignment import auc_at, failure_rate, nme, nme_box, plot_ced
-    from ml.models.aligner.dfa import save_aligner
-    from ml.train.aligner import train_aligner
-    from ml.train.aligner_data import HELDOUT_NONFACE_START, nonface_crops
-    from ml.train.aligner_eval import evaluate_aligner
+    from ml.aligner.metrics import auc_at, failure_rate, nme, nme_box, plot_ced
+    from ml.aligner.dfa import save_aligner
+    from ml.aligner.train import train_aligner
+    from ml.aligner.data import HELDOUT_NONFACE_START, nonface_crops
+    from ml.aligner.evaluate import evaluate_aligner
 
     manifest = read_manifest(paths.unaligned_set / "manifest.parquet")
     train_rows = manifest[manifest["split"] == "train"].reset_index(drop=True)

@@ -31,11 +31,10 @@ import pandas as pd
 
 from ml.config import from_mapping
 from ml.errors import DataError
-from ml.train.discovery import DiscoveryConfig
+from ml.discovery.train import DiscoveryConfig
 from ops.tracking import registered_note
 from tasks.common import (
-    Paths, StageResult, load_params, numerics, section, stage_main, write_json, pyplot, save_figure,
-    write_history_csv,
+    Paths, StageResult, load_params, numerics, plot_history, section, stage_main, write_history_csv, write_json,
 )
 from tasks.prepare import DataConfig
 
@@ -71,24 +70,6 @@ def gfd_rows(paths: Paths) -> tuple[Path, pd.DataFrame]:
     return dataset, rows
 
 
-def plot_history(history: list[dict], path: Path, gcd_history: list[dict] | None = None) -> None:
-    """FaceGCD's loss and its parts per epoch; the GCD control's in grey beside them when given."""
-    plt = pyplot()
-
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    for arm, rows, colour in (("", history, None), ("gcd ", gcd_history or [], "0.55")):
-        epochs = [h["epoch"] for h in rows]
-        for key, style in (("loss", "-o"), ("loss/unsup", "--"), ("loss/sup", ":"), ("loss/anchor", "-.")):
-            if rows and key in rows[0]:
-                ax.plot(epochs, [h[key] for h in rows], style, label=arm + key, color=colour, markersize=3)
-    anchor = " + w·L_anchor" if history and "loss/anchor" in history[0] else ""
-    ax.set(xlabel="epoch", ylabel="loss", title=f"FaceGCD: (1−λ)·L_unsup + λ·L_sup{anchor}")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    save_figure(fig, path)
-
-
 def anchor_set(cfg: DiscoveryConfig, data: DataConfig, paths: Paths) -> tuple[np.ndarray, np.ndarray] | None:
     """The anchor's (uint8 images, labels): the FR model's training rows, at most ``cfg.anchor_images`` of them;
     None when the anchor is off."""
@@ -115,8 +96,8 @@ def anchor_set(cfg: DiscoveryConfig, data: DataConfig, paths: Paths) -> tuple[np
 
 def run(cfg: DiscoveryConfig, data: DataConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
     from ml.data.dataset import load_images, read_dataset_info
-    from ml.models.discovery.facegcd import save_facegcd
-    from ml.train.discovery import train_discovery
+    from ml.discovery.facegcd import save_facegcd
+    from ml.discovery.train import train_discovery
 
     dataset, rows = gfd_rows(paths)
     train = rows[rows["subset"] == "train"].reset_index(drop=True)
@@ -169,7 +150,12 @@ def run(cfg: DiscoveryConfig, data: DataConfig, paths: Paths, *, tracker: Any = 
     write_history_csv(paths.plots / "train_discovery_history.csv", res.history,
                       ["epoch", *(k for k in LOSS_KEYS if k in res.history[0]),
                        *(["val/accuracy"] if cfg.val_per_identity else [])])
-    plot_history(res.history, paths.plots / "train_discovery_loss.png", gcd.history if gcd is not None else None)
+    parts = ("loss", "loss/unsup", "loss/sup", "loss/anchor")
+    anchor = " + w·L_anchor" if res.history and "loss/anchor" in res.history[0] else ""
+    plot_history(paths.plots / "train_discovery_loss.png", [{
+        "title": f"FaceGCD: (1−λ)·L_unsup + λ·L_sup{anchor}", "ylabel": "loss",
+        "curves": [(k, res.history, k) for k in parts]
+        + [(f"gcd {k}", gcd.history if gcd is not None else [], k, {"color": "0.55"}) for k in parts]}])
     result.summary = (
         f"FaceGCD ({cfg.backbone}, init {cfg.backbone_init}) trained on {len(train)} images "
         f"({int(labelled.sum())} labelled) in {result.metrics['train/seconds']:.0f}s → {paths.discovery_model}"

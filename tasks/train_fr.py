@@ -24,11 +24,11 @@ from typing import Any
 
 from ml.config import from_mapping
 from ml.errors import ConfigError, DataError
-from ml.train.fr import FRConfig
+from ml.fr.train import FRConfig
 from ops.tracking import registered_note
 from tasks.common import (
-    Paths, StageResult, launch_rank, numerics, load_params, pyplot, save_figure, section, stage_main,
-    write_history_csv, write_json,
+    Paths, StageResult, launch_rank, load_params, numerics, plot_history, section, stage_main, write_history_csv,
+    write_json,
 )
 from tasks.prepare import DataConfig
 
@@ -132,29 +132,10 @@ def training_keypoints(paths: Paths, parts: list[tuple[Path, Any]]) -> tuple[Any
     return np.concatenate(out), sources
 
 
-def plot_history(history: list[dict], path: Path) -> None:
-    plt = pyplot()
-
-    epochs = [h["epoch"] for h in history]
-    fig, ax = plt.subplots(1, 2, figsize=(9, 3.2))
-    ax[0].plot(epochs, [h["train/loss"] for h in history], marker="o")
-    ax[0].set(xlabel="epoch", ylabel="loss", title="train/loss")
-    ax[1].plot(epochs, [h["train/accuracy"] for h in history], marker="o", color="tab:green", label="train")
-    if any("val/accuracy" in h for h in history):
-        ax[1].plot(epochs, [h.get("val/accuracy", float("nan")) for h in history], marker="s", color="tab:orange",
-                   label="val (images not trained on)")
-        ax[1].legend(loc="lower right")
-    ax[1].set(xlabel="epoch", ylabel="accuracy", title="accuracy (closed set, cosine arg-max)", ylim=(0, 1))
-    for a in ax:
-        a.grid(alpha=0.3)
-    fig.tight_layout()
-    save_figure(fig, path)
-
-
 def run(cfg: FRConfig, data: DataConfig, paths: Paths, *, source: str = "real", tracker: Any = None) -> StageResult:
-    from ml.models.backbones import input_contract
+    from ml.fr.backbones import input_contract
     from ml.models.io import save_model
-    from ml.train.fr import train
+    from ml.fr.train import train_fr
 
     import numpy as np
     import pandas as pd
@@ -180,7 +161,7 @@ def run(cfg: FRConfig, data: DataConfig, paths: Paths, *, source: str = "real", 
         val_rows = pd.concat([r for _, r in val_parts], ignore_index=True)
         val = (np.concatenate([load_rows(d, r, data) for d, r in val_parts]),
                val_rows["label"].to_numpy(), *([training_keypoints(paths, val_parts)[0]] if kprpe else []))
-    res = train(cfg, images, labels, loggers=loggers, keypoints=keypoints, val=val)
+    res = train_fr(cfg, images, labels, loggers=loggers, keypoints=keypoints, val=val)
     if res.global_rank != 0:  # DDP: every rank trains; rank 0 alone writes the model, metrics and registry entry
         return StageResult(f"train_fr@{source}", outputs=[],
                            summary=f"rank {res.global_rank} done; rank 0 saves and logs the model")
@@ -217,7 +198,11 @@ def run(cfg: FRConfig, data: DataConfig, paths: Paths, *, source: str = "real", 
     write_json(paths.metrics / f"train_fr_{source}.json", result.metrics)
     write_history_csv(paths.plots / f"train_fr_{source}_history.csv", res.history,
                       ["epoch", "train/loss", "train/accuracy", *(["val/accuracy"] if "val/accuracy" in last else [])])
-    plot_history(res.history, paths.plots / f"train_fr_{source}_loss.png")
+    h = res.history
+    plot_history(paths.plots / f"train_fr_{source}_loss.png", [
+        {"title": "train/loss", "ylabel": "loss", "curves": [("train/loss", h, "train/loss")]},
+        {"title": "accuracy (closed set, cosine arg-max)", "ylabel": "accuracy", "ylim": (0, 1),
+         "curves": [("train", h, "train/accuracy"), ("val (images not trained on)", h, "val/accuracy")]}])
     result.summary = (
         f"{res.backbone} trained on {len(labels)} images of {extra['training_identities']} identities in "
         f"{res.seconds:.0f}s (train/accuracy {result.metrics['train/accuracy']:.3f}"

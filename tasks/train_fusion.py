@@ -5,7 +5,7 @@ from sets like them. It trains on the reference recipe (``mk-minchul/caface``): 
 identity is the mean L2-normalised feature of *clean* images of it, and the set items are heavily degraded copies
 of 1–3 *source* images of it. Which faces, depending on ``data``:
 
-- procedural (the default): ``data/prepared/fusion`` (tasks/prepare.py, ``ml.data.surveillance.fusion_faces``):
+- procedural (the default): ``data/prepared/fusion`` (tasks/prepare, ``ml.data.surveillance.fusion_faces``):
   ``data.fusion_identities`` identities no other set uses. Set items: the ``degraded`` rows, ``data.fusion_sources``
   source poses per identity (``template`` = the source), each rendered ``data.fusion_copies`` times under
   surveillance degradations (``data.surveillance``: usable with probability ``usable_fraction``, heavy otherwise).
@@ -22,7 +22,7 @@ Features and styles (per-channel mean/std of two intermediate layers: IResNet la
 statistics) come from the FR model ``models/fr/<fusion.fr_source>`` (set items without flip, as the evaluation
 embeds probe frames). CAFace learns ``Lt + λp·Lp`` for ``epochs × steps_per_epoch`` steps, each step drawing an
 identity's items from 1..``fusion.train.max_sources`` of its sources, with Lightning on ``fusion.train.accelerator``
-(ml/train/fusion.py), following the stage's share of the CPU cores. Writes ``models/fusion/``,
+(ml/fusion/train.py), following the stage's share of the CPU cores. Writes ``models/fusion/``,
 ``metrics/train_fusion.json`` (the last epoch's ``train/*`` losses, ``train/features``: set items,
 ``train/identities``, ``train/steps``: optimiser steps) and the loss curve; the model is registered as
 ``faceops-fusion`` with alias ``candidate``.
@@ -41,11 +41,10 @@ import numpy as np
 from ml.config import from_mapping
 from ml.data.surveillance import SurveillanceConfig
 from ml.errors import ConfigError, DataError
-from ml.train.fusion import FusionConfig
+from ml.fusion.train import FusionConfig
 from ops.tracking import registered_note
 from tasks.common import (
-    Paths, StageResult, load_params, numerics, section, stage_main, write_json, pyplot, save_figure,
-    write_history_csv,
+    Paths, StageResult, load_params, numerics, plot_history, section, stage_main, write_history_csv, write_json,
 )
 from tasks.prepare import DataConfig
 
@@ -57,7 +56,7 @@ FEATURE_BATCH = 256  # images per FR forward pass
 
 @dataclass(frozen=True)
 class FusionStageConfig:
-    """``params.yaml`` section ``fusion``; ``train`` holds ml/train/fusion.py's FusionConfig keys (its feature and
+    """``params.yaml`` section ``fusion``; ``train`` holds ml/fusion/train.py's FusionConfig keys (its feature and
     style sizes are taken from the FR model, whatever is written there)."""
 
     fr_source: str = "real"
@@ -85,8 +84,8 @@ def clean_centres(model: Any, images: np.ndarray, keypoints: np.ndarray | None, 
     """``f_GT`` (K, D): per-identity mean of the unit features ``f(x) + f(flip x)`` of clean ``images``, unit norm."""
     import torch
 
-    from ml.eval.sets import features_and_styles
-    from ml.train.fusion import identity_centres
+    from ml.fusion.sets import features_and_styles
+    from ml.fusion.train import identity_centres
 
     feats, _ = features_and_styles(model, images, keypoints=keypoints, batch_size=batch_size, flip=True,
                                    progress=True)
@@ -115,7 +114,7 @@ def degraded_features(model: Any, images: np.ndarray, keypoints: np.ndarray | No
     O(batch), not O(N·copies)); the same rows whatever ``batch_size``."""
     from tqdm.auto import tqdm
 
-    from ml.eval.sets import features_and_styles
+    from ml.fusion.sets import features_and_styles
 
     rng = np.random.default_rng([seed, 93])
     per = max(1, batch_size // copies)  # source images per chunk: about batch_size copies
@@ -133,8 +132,8 @@ def procedural_material(model: Any, paths: Paths, data: DataConfig) -> FusionMat
     """Set items and targets from ``data/prepared/fusion`` (split ``degraded``: items, ``template`` = source;
     split ``clean``: the targets, with flip)."""
     from ml.data.dataset import landmarks_array, load_images, read_manifest
-    from ml.eval.sets import features_and_styles
-    from ml.train.fr import needs_keypoints
+    from ml.fusion.sets import features_and_styles
+    from ml.fr.train import needs_keypoints
 
     path = paths.fusion_set / "manifest.parquet"
     manifest = read_manifest(path)
@@ -168,7 +167,7 @@ def real_material(model: Any, paths: Paths, data: DataConfig, seed: int) -> Fusi
     """Set items and targets from the real training faces (``data/prepared/train``, split ``train``): each image is
     a source (``data.fusion_copies`` degraded copies) and a clean image for its identity's target."""
     from ml.data.dataset import landmarks_array, load_images, read_manifest
-    from ml.train.fr import needs_keypoints
+    from ml.fr.train import needs_keypoints
 
     manifest = read_manifest(paths.train_set / "manifest.parquet")
     rows = manifest[manifest["split"] == "train"].reset_index(drop=True)
@@ -185,26 +184,11 @@ def real_material(model: Any, paths: Paths, data: DataConfig, seed: int) -> Fusi
                           paths.train_set, "real-degraded")
 
 
-def plot_history(history: list[dict], path: Path) -> None:
-    plt = pyplot()
-
-    epochs = [h["epoch"] for h in history]
-    fig, ax = plt.subplots(figsize=(5.2, 3.3))
-    for key, style in (("train/loss", "-o"), ("train/lt", "--"), ("train/lp", ":"), ("train/lt_average", "-.")):
-        if history and key in history[0]:
-            ax.plot(epochs, [h[key] for h in history], style, label=key)
-    ax.set(xlabel="epoch", ylabel="loss", title="CAFace: Lt + λp·Lp (Lt of plain averaging for reference)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    save_figure(fig, path)
-
-
 def run(cfg: FusionStageConfig, data: DataConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
     from ml.data.dataset import read_dataset_info
-    from ml.models.fusion.caface import save_caface
+    from ml.fusion.caface import save_caface
     from ml.models.io import load_model
-    from ml.train.fusion import train_fusion
+    from ml.fusion.train import train_fusion
 
     fr_dir = paths.fr_model(cfg.fr_source)
     if not (fr_dir / "config.json").is_file():
@@ -243,7 +227,9 @@ def run(cfg: FusionStageConfig, data: DataConfig, paths: Paths, *, tracker: Any 
                            "train/steps": float(res.steps)})
     write_json(paths.metrics / "train_fusion.json", result.metrics)
     write_history_csv(paths.plots / "train_fusion_history.csv", res.history)
-    plot_history(res.history, paths.plots / "train_fusion_loss.png")
+    plot_history(paths.plots / "train_fusion_loss.png", [{
+        "title": "CAFace: Lt + λp·Lp (Lt of plain averaging for reference)", "ylabel": "loss",
+        "curves": [(k, res.history, k) for k in ("train/loss", "train/lt", "train/lp", "train/lt_average")]}])
     result.summary = (f"CAFace trained {res.steps} steps on {len(material.features)} degraded faces of {identities} "
                       f"identities ({material.kind}: {material.dataset.relative_to(paths.root)}) with features of "
                       f"{fr_dir.name} → {paths.fusion_model}")

@@ -2,12 +2,12 @@
 
 Each training face (``data/prepared/train``, split ``train``) is embedded by the FR model
 ``models/fr/<generator.fr_source>``; the L2-normalised embedding is the face's identity context. The generator
-(ml/models/generator/uiface.py, trained by ml/train/generator.py) learns ε-prediction on (face, context) pairs,
+(ml/generator/uiface.py, trained by ml/generator/train.py) learns ε-prediction on (face, context) pairs,
 with the context dropped element-wise (0.25) and replaced by the learnable empty context ``c_e`` with
 probability 0.2. The embedded default runs in pixel space at ``generator.train.model.image_size`` (faces are
 resized to it); ``generator.autoencoder`` names a local diffusers ``VQModel``/``AutoencoderKL`` directory for
 latent-space runs (faces are resized to the size whose latent matches the UNet); ``generator.space: latent``
-without one trains a small diffusers ``AutoencoderKL`` first on the same faces (ml/train/autoencoder.py: pixel
+without one trains a small diffusers ``AutoencoderKL`` first on the same faces (ml/generator/autoencoder.py: pixel
 losses plus an FR-embedding cosine term), saved with the UNet in ``models/generator/autoencoder`` and reported as
 ``autoencoder/psnr`` and ``autoencoder/fr_cosine`` (plots/autoencoder_reconstructions.png).
 
@@ -29,14 +29,15 @@ from typing import Any
 
 import numpy as np
 
+from ml.atomic import atomic_path
 from ml.config import from_mapping
 from ml.errors import ConfigError, DataError
-from ml.models.generator.uiface import GeneratorModelConfig
-from ml.train.autoencoder import AutoencoderConfig
-from ml.train.generator import GeneratorConfig
+from ml.generator.uiface import GeneratorModelConfig
+from ml.generator.autoencoder import AutoencoderConfig
+from ml.generator.train import GeneratorConfig
 from ops.tracking import registered_note
 from tasks.common import (
-    Paths, StageResult, atomic_path, load_params, numerics, pyplot, save_figure, section, stage_main,
+    Paths, StageResult, load_params, numerics, plot_history, pyplot, save_figure, section, stage_main,
     write_history_csv, write_json,
 )
 
@@ -50,7 +51,7 @@ AUTOENCODER_DIR = "autoencoder"  # models/generator/autoencoder: the autoencoder
 
 @dataclass(frozen=True)
 class GeneratorStageConfig:
-    """``params.yaml`` section ``generator``; ``train`` holds ml/train/generator.py's GeneratorConfig keys (the
+    """``params.yaml`` section ``generator``; ``train`` holds ml/generator/train.py's GeneratorConfig keys (the
     context size ``train.model.id_dim`` is taken from the FR model, whatever is written there)."""
 
     fr_source: str = "real"            # the FR model whose embeddings are the identity contexts
@@ -108,7 +109,7 @@ def load_fr(paths: Paths, source: str, key: str) -> tuple[Any, dict[str, Any], P
 def identity_embeddings(model: Any, images: np.ndarray, landmarks: np.ndarray | None) -> np.ndarray:
     """L2-normalised FR embeddings (flip TTA) of uint8 faces at the FR model's input size; KP-RPE models get
     ``landmarks`` (N, 5, 2) in the images' pixels, rescaled with the images."""
-    from ml.train.fr import embed, needs_keypoints
+    from ml.fr.train import embed, needs_keypoints
 
     size = int(model.input_contract["size"])
     kp = None
@@ -122,7 +123,7 @@ def identity_embeddings(model: Any, images: np.ndarray, landmarks: np.ndarray | 
 
 def load_autoencoder_for(cfg: GeneratorStageConfig, paths: Paths) -> Any:
     """The autoencoder ``generator.autoencoder`` names (frozen), or None when the stage trains one or runs in pixels."""
-    from ml.models.generator.uiface import load_autoencoder
+    from ml.generator.uiface import load_autoencoder
 
     if not cfg.autoencoder:
         return None
@@ -135,7 +136,7 @@ def generator_autoencoder(paths: Paths, extra: dict[str, Any], cfg: GeneratorSta
     """The autoencoder a saved generator (``model_dir``, default ``models/generator``) samples through: the one
     trained with it (``<model_dir>/autoencoder``), else the one its config names (``extra["autoencoder"]``, then
     ``generator.autoencoder``); None for a pixel-space generator."""
-    from ml.models.generator.uiface import load_autoencoder
+    from ml.generator.uiface import load_autoencoder
 
     if extra.get("space", "pixel") == "pixel":
         return None
@@ -155,7 +156,7 @@ def reconstruction_report(autoencoder: Any, fr: Any, images: np.ndarray, context
                           landmarks: np.ndarray | None, path: Path) -> dict[str, float]:
     """PSNR (dB, faces in [0, 255]) and mean FR cosine between faces and their reconstructions from the posterior
     means; a picture of faces over their reconstructions goes to ``path``."""
-    from ml.train.autoencoder import reconstruct
+    from ml.generator.autoencoder import reconstruct
 
     recon, _ = reconstruct(autoencoder, images)
     mse = ((recon.astype(np.float64) - images.astype(np.float64)) ** 2).mean(axis=(1, 2, 3))
@@ -176,19 +177,9 @@ def reconstruction_report(autoencoder: Any, fr: Any, images: np.ndarray, context
     return {"autoencoder/psnr": psnr, "autoencoder/fr_cosine": cosine}
 
 
-def plot_history(history: list[dict], path: Path) -> None:
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.plot([h["epoch"] for h in history], [h["train/loss"] for h in history], "-o")
-    ax.set(xlabel="epoch", ylabel="‖ε − ε_θ(x_t, t, c)‖²", title="UIFace generator: ε-prediction loss")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    save_figure(fig, path)
-
-
 def run(cfg: GeneratorStageConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
     from ml.data.dataset import landmarks_array, load_images, read_dataset_info, read_manifest
-    from ml.train.generator import train_generator
+    from ml.generator.train import train_generator
 
     fr, fr_config, fr_dir = load_fr(paths, cfg.fr_source, "generator.fr_source")
     model_cfg = dataclasses.replace(cfg.train.model, id_dim=int(fr_config["input_contract"]["embedding_dim"]))
@@ -214,7 +205,7 @@ def run(cfg: GeneratorStageConfig, paths: Paths, *, tracker: Any = None) -> Stag
     # autoencoder's identity term aims at the same embeddings (what a perfect reconstruction of these faces gives)
     contexts = identity_embeddings(fr, faces, face_landmarks)
     if trained_autoencoder:  # phase 1: the latent space, from the same faces at the generator's face size
-        from ml.train.autoencoder import train_autoencoder
+        from ml.generator.autoencoder import train_autoencoder
 
         ae_cfg = cfg.autoencoder_train
         autoencoder, ae_history, ae_seconds = train_autoencoder(
@@ -252,7 +243,9 @@ def run(cfg: GeneratorStageConfig, paths: Paths, *, tracker: Any = None) -> Stag
                       "train/images": float(len(rows)), **metrics}
     write_json(paths.metrics / "train_generator.json", result.metrics)
     write_history_csv(paths.plots / "train_generator_history.csv", res.history, ["epoch", "train/loss"])
-    plot_history(res.history, paths.plots / "train_generator_loss.png")
+    plot_history(paths.plots / "train_generator_loss.png", [{
+        "title": "UIFace generator: ε-prediction loss", "ylabel": "‖ε − ε_θ(x_t, t, c)‖²",
+        "curves": [("train/loss", res.history, "train/loss")]}])
     result.summary = (f"UIFace generator ({res.space} space, {size}px faces) trained on {len(rows)} faces with "
                       f"{fr_dir.name} contexts in {res.seconds:.0f}s → {paths.generator_model}")
     if tracker is not None:

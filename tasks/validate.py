@@ -29,9 +29,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ml.atomic import atomic_path
 from ml.config import from_mapping
 from ml.errors import DataError
-from tasks.common import Paths, StageResult, atomic_path, load_params, section, stage_main, write_json, write_text
+from tasks.common import Paths, StageResult, load_params, section, stage_main, write_json, write_text
 from tasks.prepare import DataConfig
 
 log = logging.getLogger(__name__)

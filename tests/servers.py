@@ -15,8 +15,8 @@ import pytest
 # free_port, wait_healthy and stop are the ones `faceops stack` uses (stop: SIGTERM to the process group,
 # then SIGKILL after 20 s); re-exported here for the tests
 from faceops.processes import free_port, spawn, stop, wait_healthy
-from faceops.stack_servers import QUIET_ENV as QUIET
-from faceops.stack_servers import mlflow_command, prefect_command, prefect_server_env
+from faceops.stack.servers import QUIET_ENV as QUIET
+from faceops.stack.servers import mlflow_command, prefect_command, prefect_server_env
 
 BIN = Path(sys.executable).parent
 

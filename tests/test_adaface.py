@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ml.errors import ConfigError
-from ml.losses import AdaFaceLoss
+from ml.fr.losses import AdaFaceLoss
 
 
 def toy_head(mean: float = 20.0, std: float = 10.0, **kwargs: float) -> AdaFaceLoss:

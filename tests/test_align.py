@@ -10,7 +10,7 @@ import torch
 
 from ml.data.procedural import ARCFACE_TEMPLATE_112
 from ml.errors import DataError
-from ml.models.aligner.align import (
+from ml.aligner.align import (
     ARCFACE_TEMPLATE,
     align_faces,
     invert_affine,

@@ -14,12 +14,12 @@ import torch
 from ml.data.procedural import NONFACE_KINDS, ProceduralConfig, nonface_kind, render_nonface, render_nonfaces
 from ml.data.unaligned import unaligned_faces
 from ml.errors import ConfigError, DataError
-from ml.eval.alignment import score_auc, spearman
-from ml.models.aligner.dfa import build_aligner, save_aligner
-from ml.train.aligner import LAST_CHECKPOINT, AlignerConfig, train_aligner
-from ml.train.aligner_data import HELDOUT_NONFACE_START, nonface_crops
-from ml.train.aligner_eval import evaluate_aligner
-from ml.train.aligner_losses import hard_negatives, score_losses
+from ml.aligner.metrics import score_auc, spearman
+from ml.aligner.dfa import build_aligner, save_aligner
+from ml.aligner.train import LAST_CHECKPOINT, AlignerConfig, train_aligner
+from ml.aligner.data import HELDOUT_NONFACE_START, nonface_crops
+from ml.aligner.evaluate import evaluate_aligner
+from ml.aligner.losses import hard_negatives, score_losses
 
 # Tiny but complete: 64-px input (168 anchors), narrow FPN, one mixer block (as in test_dfa.py).
 TINY = dict(input_size=64, fpn_channels=16, mixer_depth=1, mixer_dim=8, mixer_token_hidden=8,
@@ -282,7 +282,7 @@ def _rows(n: int, size: int) -> pd.DataFrame:
 
 def test_sets_eval_uses_the_saved_aligner_when_present(tmp_path):
     from tasks.common import Paths
-    from tasks.sets_eval import face_inputs, face_inputs_note, load_frame_aligner
+    from tasks.evaluate.fusion import face_inputs, face_inputs_note, load_frame_aligner
 
     paths = Paths(root=tmp_path)
     rows = _rows(3, 64)
@@ -338,7 +338,7 @@ def test_train_aligner_stage_writes_the_face_score_metrics(tmp_path):
     import json
 
     from ml.data.dataset import DatasetWriter
-    from ml.models.aligner.dfa import load_aligner
+    from ml.aligner.dfa import load_aligner
     from tasks.common import Paths
     from tasks.evaluate import aligner_section
     from tasks.train_aligner import AlignerStageConfig, run

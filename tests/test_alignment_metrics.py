@@ -7,7 +7,7 @@ import pytest
 
 from ml.errors import DataError
 from ml.data.procedural import ARCFACE_TEMPLATE_112
-from ml.eval.alignment import (
+from ml.aligner.metrics import (
     FACE_BOX_112, auc_at, ced_curve, face_box_size, failure_rate, inter_pupil, nme, nme_box, plot_ced, score_auc,
     spearman, template_scale,
 )

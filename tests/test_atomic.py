@@ -5,9 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 
-from ml.atomic import remove_dead_temporaries
+from ml.atomic import atomic_path, remove_dead_temporaries
 from ml.data.dataset import DatasetWriter
-from tasks.common import atomic_path
 
 
 def _dead_pid() -> int:

@@ -38,7 +38,7 @@ from ml.train.augment import (
     solarize,
     solarize_threshold,
 )
-from ml.train.fr import FRConfig
+from ml.fr.train import FRConfig
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ml.errors import ConfigError, DataError, TrainingError
-from ml.models.fusion import (
+from ml.fusion import (
     ARCFACE_TEMPLATE_112,
     CAFace,
     FusionState,
@@ -22,8 +22,8 @@ from ml.models.fusion import (
     norm_weighted_fusion,
     save_caface,
 )
-from ml.models.fusion.caface import assign_average, sinusoid_table
-from ml.train.fusion import FusionConfig, fuse_sets, step_lr, train_fusion, usage_loss
+from ml.fusion.caface import assign_average, sinusoid_table
+from ml.fusion.train import FusionConfig, fuse_sets, step_lr, train_fusion, usage_loss
 
 from .conftest import TRAIN_DEVICE, caface_toy, spread_caface
 
@@ -413,7 +413,7 @@ def test_resume_equals_uninterrupted(tmp_path) -> None:
     with pytest.raises(ConfigError, match="steps_per_epoch"):
         train_fusion(FusionConfig(**{**small, "epochs": 3, "steps_per_epoch": 5}), feats, styles, labels,
                      checkpoint_dir=tmp_path, resume=True, progress=False)
-    with pytest.raises(DataError, match="other features"):
+    with pytest.raises(DataError, match="trained on other data \(data "):
         train_fusion(cfg, feats * 2, styles, labels, checkpoint_dir=tmp_path, resume=True, progress=False)
     resumed = train_fusion(cfg, feats, styles, labels, checkpoint_dir=tmp_path, resume=True, progress=False)
     assert resumed.history == full.history and [row["epoch"] for row in full.history] == [0, 1, 2]
@@ -453,7 +453,7 @@ def test_device_keys_are_checked() -> None:
 
 
 def test_non_finite_loss_names_the_step(monkeypatch) -> None:
-    import ml.train.fusion as fusion
+    import ml.fusion.train as fusion
 
     real, calls = fusion._batch_loss, []
 

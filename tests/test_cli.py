@@ -160,7 +160,7 @@ def test_outside_repository(tmp_path):
 
 
 def test_export_command_writes_onnx_with_parity(tmp_path):
-    from ml.models.backbones import build_backbone
+    from ml.fr.backbones import build_backbone
     from ml.models.io import save_model
 
     kwargs = {"depth": 1, "dim": 32, "heads": 2, "embed_dim": 16}

@@ -11,8 +11,8 @@ import torch
 
 from ml.data.unaligned import unaligned_faces
 from ml.errors import ConfigError, DataError
-from ml.eval.alignment import face_box_size, nme, nme_box
-from ml.models.aligner.dfa import (
+from ml.aligner.metrics import face_box_size, nme, nme_box
+from ml.aligner.dfa import (
     ALIGNERS,
     DFA,
     DFAConfig,
@@ -26,8 +26,8 @@ from ml.models.aligner.dfa import (
     to_normalised,
     to_pixels,
 )
-from ml.train.aligner import LAST_CHECKPOINT, AlignerConfig, train_aligner
-from ml.train.aligner_eval import evaluate_aligner
+from ml.aligner.train import LAST_CHECKPOINT, AlignerConfig, train_aligner
+from ml.aligner.evaluate import evaluate_aligner
 
 from .conftest import TRAIN_DEVICE
 
@@ -256,9 +256,9 @@ def test_resume_equals_uninterrupted(faces, tmp_path):
     for key, value in full.model.state_dict().items():
         torch.testing.assert_close(resumed.model.state_dict()[key], value, rtol=0, atol=0, msg=key)
     other = AlignerConfig(**{**TINY, "fpn_channels": 32}, epochs=2, batch_size=32, seed=5)
-    with pytest.raises(ConfigError, match="another architecture"):
+    with pytest.raises(ConfigError, match="aligner.train.fpn_channels"):
         train_aligner(other, images, landmarks, checkpoint_dir=tmp_path, resume=True, progress=False)
-    with pytest.raises(DataError, match="trained on 64 images, these are 48"):
+    with pytest.raises(DataError, match="num_images 64, these are 48"):
         train_aligner(cfg, images[:48], landmarks[:48], checkpoint_dir=tmp_path, resume=True, progress=False)
 
 
@@ -360,7 +360,7 @@ def test_face_box_estimate_matches_the_renderers_box():
     np.testing.assert_array_equal(again[0], images)  # asking for the box size changes nothing else
     assert size.shape == (60,) and size.dtype == np.float32
     ratio = size / face_box_size(landmarks)
-    # measured here: 1.02 ± 0.04; on 600 128-px faces 1.006 ± 0.056 (ml/eval/alignment.py)
+    # measured here: 1.02 ± 0.04; on 600 128-px faces 1.006 ± 0.056 (ml/aligner/metrics.py)
     assert 0.95 < ratio.mean() < 1.06 and ratio.std() < 0.08, (ratio.mean(), ratio.std())
     # the box is in pixels of the rendered size: twice the size, twice the box
     big = unaligned_faces(2, 2, size=128, seed=3, first_identity=20_000, return_face_size=True)[3]
@@ -377,7 +377,7 @@ def test_unaligned_faces_rejects_impossible_requests():
 
 
 def test_near_anchors_select_the_face_region():
-    from ml.train.aligner_losses import near_anchors
+    from ml.aligner.losses import near_anchors
 
     priors = prior_boxes(160)
     target = torch.tensor([[[0.4, 0.4], [0.6, 0.4], [0.5, 0.5], [0.42, 0.6], [0.58, 0.6]]])

@@ -100,7 +100,7 @@ def test_initial_score_is_the_trainers_selection_score_on_the_starting_features(
     import numpy as np
 
     from experiments.discovery_claims import initial_score
-    from ml.train.discovery import DiscoveryConfig, nearest_mean_accuracy, validation_split
+    from ml.discovery.train import DiscoveryConfig, nearest_mean_accuracy, validation_split
 
     rng = np.random.default_rng(0)
     labels = np.repeat(np.arange(6), 5)

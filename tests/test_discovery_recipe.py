@@ -1,4 +1,4 @@
-"""The discovery training recipe (ml/train/discovery.py): balanced labelled batches, the validation split and model
+"""The discovery training recipe (ml/discovery/train.py): balanced labelled batches, the validation split and model
 selection, the last block's learning rate, and that training beats the features it starts from on held-out data."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 
 from ml.discovery.protocol import gfd_ssk
 from ml.errors import ConfigError, DataError
-from ml.models.backbones.vit import vit_tiny
+from ml.fr.backbones.vit import vit_tiny
 from ml.models.io import save_model
-from ml.train.discovery import (
+from ml.discovery.train import (
     Anchor, BalancedBatchSampler, DiscoveryConfig, build_facegcd, nearest_mean_accuracy, train_discovery, validation_split,
 )
 
@@ -213,7 +213,7 @@ def test_anchor_needs_the_fr_set_and_resumes_exactly(tmp_path):
     off = train_discovery(dataclasses.replace(cfg, anchor_weight=0.0), images, labels, labelled, **run)
     assert "loss/anchor" not in off.history[0]
     assert any(not torch.equal(a[k], off.model.state_dict()[k]) for k in a)  # the term moves the weights
-    with pytest.raises(DataError, match="other images"):
+    with pytest.raises(DataError, match="trained on other data \(data_digest"):
         train_discovery(cfg, images, labels, labelled, checkpoint_dir=tmp_path / "b", resume=True,
                         init_model_dir=fr, progress=False, anchor=(fr_x[::-1].copy(), fr_y[::-1].copy()))
     with pytest.raises(ConfigError, match="anchor_weight"):

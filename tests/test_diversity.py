@@ -1,4 +1,4 @@
-"""ml/eval/diversity.py and ml/eval/image_diversity.py: identity consistency, diversity, class separation,
+"""ml/generator/diversity.py and ml/generator/image_diversity.py: identity consistency, diversity, class separation,
 improved precision / recall and LPIPS, against hand-computed values and brute-force references."""
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ import torch
 import torch.nn.functional as F
 
 from ml.errors import ConfigError, DataError
-from ml.eval import diversity
-from ml.eval.diversity import (
+from ml.generator import diversity
+from ml.generator.diversity import (
     diversity_report,
     embedding_diversity,
     identity_consistency,
     improved_precision_recall,
     inter_class_separation,
 )
-from ml.eval.image_diversity import LPIPS, load_lpips, lpips_distance
+from ml.generator.image_diversity import LPIPS, load_lpips, lpips_distance
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -355,7 +355,7 @@ def test_lpips_image_errors(lpips_model, a, b, match):
 
 # ---------------------------------------------------------------------------------------- identity gap, pixels
 def test_identity_gap_matches_hand_computed_pairs() -> None:
-    from ml.eval.diversity import identity_gap
+    from ml.generator.diversity import identity_gap
 
     e = np.array([[1, 0], [0.8, 0.6], [0, 1], [0.6, 0.8], [-1, 0]], dtype=np.float64)
     labels = np.array([0, 0, 1, 1, 1])
@@ -370,7 +370,7 @@ def test_identity_gap_matches_hand_computed_pairs() -> None:
 
 
 def test_adjacent_pixel_correlation_tells_faces_from_noise() -> None:
-    from ml.eval.image_diversity import adjacent_pixel_correlation
+    from ml.generator.image_diversity import adjacent_pixel_correlation
 
     rng = np.random.default_rng(0)
     noise = rng.integers(0, 256, (4, 16, 16, 3)).astype(np.uint8)
@@ -381,7 +381,7 @@ def test_adjacent_pixel_correlation_tells_faces_from_noise() -> None:
 
 
 def test_nearest_real_finds_the_copied_identity_and_face() -> None:
-    from ml.eval.diversity import nearest_real
+    from ml.generator.diversity import nearest_real
 
     rng = np.random.default_rng(1)
     real = rng.normal(size=(12, 8))
@@ -394,7 +394,7 @@ def test_nearest_real_finds_the_copied_identity_and_face() -> None:
 
 
 def test_ssim_diversity_zero_for_copies_positive_for_variation() -> None:
-    from ml.eval.image_diversity import ssim_diversity
+    from ml.generator.image_diversity import ssim_diversity
 
     rng = np.random.default_rng(2)
     face = rng.integers(0, 256, (1, 16, 16, 3)).astype(np.uint8)

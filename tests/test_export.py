@@ -15,7 +15,7 @@ import torch
 
 from ml.errors import ConfigError, DataError
 from ml.models import export as export_module
-from ml.models.backbones import build_backbone, input_contract
+from ml.fr.backbones import build_backbone, input_contract
 from ml.models.export import (
     EMBEDDINGS,
     IMAGES,

@@ -11,12 +11,12 @@ import torch.nn.functional as F
 
 from ml.config import from_mapping
 from ml.errors import ConfigError, DataError
-from ml.losses.contrastive import gcd_loss, gcd_loss_terms, supcon_loss, unsup_contrastive_loss
-from ml.models.backbones.vit import ViT, vit_tiny
-from ml.models.discovery import FaceGCD, load_facegcd, save_facegcd
-from ml.models.discovery.facegcd import prefixed_block
+from ml.discovery.contrastive import gcd_loss, gcd_loss_terms, supcon_loss, unsup_contrastive_loss
+from ml.fr.backbones.vit import ViT, vit_tiny
+from ml.discovery.facegcd import FaceGCD, load_facegcd, save_facegcd
+from ml.discovery.facegcd import prefixed_block
 from ml.models.io import CONFIG, save_model
-from ml.train.discovery import DiscoveryConfig, train_discovery
+from ml.discovery.train import DiscoveryConfig, train_discovery
 from tests.conftest import separable, stop_after
 
 # 32 px, patch 8 → 16 tokens; dim 32, 2 heads → head_dim 16, bottleneck 4
@@ -275,7 +275,7 @@ def test_resume_gives_the_uninterrupted_weights(tmp_path):
     with pytest.raises(ConfigError, match="lr"):
         train_discovery(_cfg(epochs=2, learn_base_prefix=False, lr=1e-4), images, labels, mask, init_model_dir=fr,
                         checkpoint_dir=tmp_path / "b", resume=True, progress=False)
-    with pytest.raises(DataError, match="other images"):
+    with pytest.raises(DataError, match="trained on other data \(data_digest"):
         train_discovery(cfg, images[::-1].copy(), labels[::-1].copy(), mask[::-1].copy(), init_model_dir=fr,
                         checkpoint_dir=tmp_path / "b", resume=True, progress=False)
     with pytest.raises(ConfigError, match="resume=True"):

@@ -11,8 +11,8 @@ import torch
 
 from ml.data.procedural import ProceduralFaces
 from ml.errors import ConfigError, DataError
-from ml.models.backbones import build_backbone
-from ml.train.fr import FLIP_LANDMARK_ORDER, FRConfig, augment_batch, embed, flip_keypoints, images_to_tensor, train
+from ml.fr.backbones import build_backbone
+from ml.fr.train import FLIP_LANDMARK_ORDER, FRConfig, augment_batch, embed, flip_keypoints, images_to_tensor, train_fr
 
 COLOURS = torch.tensor([[1.0, 0, 0], [0, 1.0, 0], [0, 0, 1.0], [1.0, 1.0, 0], [0, 1.0, 1.0]])
 
@@ -62,12 +62,12 @@ def test_kprpe_training_uses_keypoints_and_refuses_without():
     images, labels, kp = _faces()
     cfg = FRConfig(backbone="vit_tiny_kprpe", epochs=2, batch_size=16)
     with pytest.raises(DataError, match="needs 5 landmarks"):
-        train(cfg, images, labels, progress=False, backbone_overrides={"depth": 1})
+        train_fr(cfg, images, labels, progress=False, backbone_overrides={"depth": 1})
     bad = kp.copy()
     bad[3] = np.nan
     with pytest.raises(DataError, match="rows \\[3\\]"):
-        train(cfg, images, labels, keypoints=bad, progress=False, backbone_overrides={"depth": 1})
-    result = train(cfg, images, labels, keypoints=kp, progress=False, backbone_overrides={"depth": 1})
+        train_fr(cfg, images, labels, keypoints=bad, progress=False, backbone_overrides={"depth": 1})
+    result = train_fr(cfg, images, labels, keypoints=kp, progress=False, backbone_overrides={"depth": 1})
     table = result.model.kprpe.linear.weight
     assert table.abs().sum() > 0  # the zero-initialised keypoint table received gradient steps
     feats = embed(result.model, images[:4], keypoints=kp[:4])
@@ -82,7 +82,7 @@ def test_keypoint_map_learns_at_its_own_rate():
     cfg = FRConfig(backbone="vit_tiny_kprpe", epochs=1, batch_size=16, augment=False, warmup_epochs=0.0)
     moved = {}
     for scale in (1.0, 10.0):
-        result = train(dataclasses.replace(cfg, keypoint_lr_scale=scale), images, labels, keypoints=kp,
+        result = train_fr(dataclasses.replace(cfg, keypoint_lr_scale=scale), images, labels, keypoints=kp,
                        progress=False, backbone_overrides={"depth": 1})
         moved[scale] = float(result.model.kprpe.linear.weight.detach().abs().sum())
     assert moved[10.0] > 3.0 * moved[1.0] > 0.0

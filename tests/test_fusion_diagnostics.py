@@ -1,4 +1,4 @@
-"""ml/eval/fusion_diagnostics.py: rank-1 hits, the Wilson interval and the paired bootstrap against hand values, and
+"""ml/fusion/diagnostics.py: rank-1 hits, the Wilson interval and the paired bootstrap against hand values, and
 CAFace's frame-weight diagnostics on a tiny untrained model (finite, in range)."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from ml.errors import DataError
-from ml.eval.fusion_diagnostics import (
+from ml.fusion.diagnostics import (
     caface_diagnostics,
     caface_frame_weights,
     paired_difference,
     rank1_hits,
     wilson_interval,
 )
-from ml.models.fusion import CAFace
+from ml.fusion import CAFace
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,6 +1,6 @@
 """The fusion stages at toy size: ``train_fusion`` on the procedural fusion set (clean targets, degraded sources) and on
 degraded copies of the real training faces, and the set evaluation's oracle, intervals, CAFace diagnostics and
-report lines (tasks/train_fusion.py, tasks/sets_eval.py)."""
+report lines (tasks/train_fusion.py, tasks/evaluate/fusion.py)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import torch
 from ml.data.dataset import read_dataset_info, read_manifest
 from ml.data.surveillance import SurveillanceConfig
 from ml.errors import ConfigError
-from ml.models.backbones.vit import vit_tiny
+from ml.fr.backbones.vit import vit_tiny
 from ml.models.io import load_model, save_model
-from ml.train.fusion import FusionConfig
-from tasks import sets_eval
+from ml.fusion.train import FusionConfig
+from tasks.evaluate import fusion as sets_eval
 from tasks.common import Paths
 from tasks.evaluate import EvaluateConfig
 from tasks.prepare import DataConfig, _prepare_part

@@ -10,7 +10,7 @@ import torch
 from diffusers import AutoencoderKL, VQModel
 
 from ml.errors import ConfigError, DataError
-from ml.models.generator import (
+from ml.generator.uiface import (
     GeneratorModelConfig,
     IDConditionedUNet,
     check_latent_shape,
@@ -266,7 +266,7 @@ def test_time_context_makes_the_identity_reach_the_time_embedding(tmp_path) -> N
 def test_sampler_feeds_the_time_context_route() -> None:
     """The UIFace sampler gives a ``time_context`` UNet the flattened context: samples of two identities differ
     even when every cross-attention output is zeroed."""
-    from ml.synth.sampler import SamplerConfig, sample
+    from ml.generator.sampler import SamplerConfig, sample
 
     model = _tiny(seed=4, context_tokens=2, time_context=True).eval()
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""IJB-style meta files: round trips, the IJB release layout, tasks/prepare.py's files, and every bad line."""
+"""IJB-style meta files: round trips, the IJB release layout, tasks/prepare's files, and every bad line."""
 
 from __future__ import annotations
 
@@ -81,11 +81,11 @@ def test_reads_the_ijb_release_layout(tmp_path):
 
 
 def test_reads_what_tasks_prepare_writes(tmp_path):
-    """The template set of tasks/prepare_sets.py (its exact writer, on a tiny config) reads back consistently."""
+    """The template set of tasks/prepare/sets.py (its exact writer, on a tiny config) reads back consistently."""
     from ml.data.dataset import read_manifest
     from ml.data.procedural import ProceduralFaces
     from tasks.prepare import DataConfig
-    from tasks.prepare_sets import template_set
+    from tasks.prepare.sets import template_set
 
     cfg = DataConfig(template_identities=2, templates_per_identity=2, frames_per_template=2, heldout_identities=2)
     gen = ProceduralFaces(cfg.procedural_config(), seed=0)

@@ -125,7 +125,7 @@ def test_template_fusion_weights_by_score_then_averages_media_then_templates():
 
 
 def test_alignment_puts_the_landmarks_on_the_template_in_a_non_square_crop():
-    from ml.models.aligner.align import template_for
+    from ml.aligner.align import template_for
 
     # five bright dots at the landmarks of a rotated, scaled face in a 70×90 (H×W) loose crop
     template = template_for(112).numpy().astype(np.float64)
@@ -182,7 +182,7 @@ def test_a_model_that_separates_identities_beats_one_that_does_not(ijbb):
 
 
 def test_real_backbones_from_their_model_dirs_including_kprpe(ijbb, tmp_path):
-    from ml.models.backbones import build_backbone
+    from ml.fr.backbones import build_backbone
     from ml.models.io import load_model, save_model
 
     sets = load_ijb_sets(ijbb)

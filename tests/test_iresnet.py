@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from ml.errors import ConfigError, DataError
-from ml.models.backbones import BACKBONES, build_backbone, input_contract
-from ml.models.backbones.iresnet import (
+from ml.fr.backbones import BACKBONES, build_backbone, input_contract
+from ml.fr.backbones.iresnet import (
     INPUT_CONTRACT,
     IResNet,
     iresnet18,

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from ml.errors import ConfigError, DataError
-from ml.models.backbones import BACKBONES, input_contract
-from ml.models.backbones import vit as vit_module
-from ml.models.backbones.kprpe import (
+from ml.fr.backbones import BACKBONES, input_contract
+from ml.fr.backbones import vit as vit_module
+from ml.fr.backbones.kprpe import (
     KPRPE,
     KPRPEViT,
     patch_centres,

@@ -1,4 +1,4 @@
-"""experiments/long_probes*.py and ``ml.eval.sets.FusionStream``: streamed fusion equals all-at-once fusion, the
+"""experiments/long_probes*.py and ``ml.fusion.sets.FusionStream``: streamed fusion equals all-at-once fusion, the
 streamed frames equal ``surveillance_sequence`` and ``ProceduralFaces.sequence``, the experiment runs end to end at
 toy size (one process and two) on surveillance probes with the true-quality oracle, and bad arguments give one clear
 error."""
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from experiments.long_probes import parse_args, run_experiment
-from experiments.long_probes_setup import (
+from experiments.long_probes.setup import (
     LABELS,
     METHODS,
     LongProbesConfig,
@@ -26,7 +26,7 @@ from experiments.long_probes_setup import (
     procedural_config,
     surveillance_config,
 )
-from experiments.long_probes_stream import stream_sequence
+from experiments.long_probes.stream import stream_sequence
 from ml.data.procedural import ProceduralConfig, ProceduralFaces
 from ml.data.surveillance import (
     SurveillanceConfig,
@@ -34,9 +34,9 @@ from ml.data.surveillance import (
     surveillance_sequence,
 )
 from ml.errors import ConfigError, DataError
-from ml.eval.sets import FusionStream, features_and_styles, fuse_templates
-from ml.models.fusion import ARCFACE_TEMPLATE_112, CAFace
-from ml.models.fusion.caface import save_caface
+from ml.fusion.sets import FusionStream, features_and_styles, fuse_templates
+from ml.fusion import ARCFACE_TEMPLATE_112, CAFace
+from ml.fusion.caface import save_caface
 
 from .conftest import REPO, spread_caface
 
@@ -192,7 +192,7 @@ def test_probe_lengths_are_stratified_log_uniform_and_seeded():
 
 
 def test_the_experiment_knows_every_streamed_fusion_method():
-    from ml.eval.sets import STREAM_METHODS  # the experiment streams every probe, the quality oracle included
+    from ml.fusion.sets import STREAM_METHODS  # the experiment streams every probe, the quality oracle included
 
     assert METHODS == STREAM_METHODS and set(LABELS) == set(STREAM_METHODS)
 
@@ -233,12 +233,12 @@ def test_the_command_prints_one_error_line_and_exits_2():
 @pytest.fixture(scope="module")
 def toy_models(tmp_path_factory) -> dict[str, Path]:
     """A random 32-px ViT (16-d features, 64 style channels), a CAFace for it and a random DFA, on disk."""
-    from ml.models.aligner.dfa import build_aligner, save_aligner
+    from ml.aligner.dfa import build_aligner, save_aligner
     from ml.models.io import save_model
 
     root = tmp_path_factory.mktemp("long_probe_models")
     torch.manual_seed(0)
-    from ml.models.backbones.vit import vit_tiny
+    from ml.fr.backbones.vit import vit_tiny
 
     kwargs = dict(img_size=32, patch_size=8, dim=32, depth=4, heads=2, embed_dim=16)
     save_model(root / "fr", vit_tiny(**kwargs).eval(), backbone="vit_tiny", kwargs=kwargs)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ml.errors import ConfigError
-from ml.losses import ARCFACE, CombinedMarginLoss, LVFaceSchedule, PartialFC
+from ml.fr.losses import ARCFACE, CombinedMarginLoss, LVFaceSchedule, PartialFC
 
 DIM = 8
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ml.errors import ConfigError
-from ml.losses import ARCFACE, COSFACE, CombinedMarginLoss
+from ml.fr.losses import ARCFACE, COSFACE, CombinedMarginLoss
 
 
 def toy_head(s: float = 64.0, **margins: float) -> CombinedMarginLoss:

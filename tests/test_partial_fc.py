@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from ml.errors import ConfigError, DataError
-from ml.losses import ARCFACE, CombinedMarginLoss, LVFaceSchedule, PartialFC, distributed_cross_entropy, shard_bounds
+from ml.fr.losses import ARCFACE, CombinedMarginLoss, LVFaceSchedule, PartialFC, distributed_cross_entropy, shard_bounds
 
 DIM = 16
 # (num_classes, batch sizes per rank): an even split and an uneven one (classes 7 = 3 + 4, batch 3 + 2)

@@ -23,7 +23,7 @@ import yaml
 
 from ml.errors import ConfigError, DataError
 from ops import promote as p
-from ops import promote_registry
+from ops.promote import registry as promote_registry
 from tasks.common import Paths
 
 from .servers import closed_port_url, mlflow_model_server, prefect_server
@@ -56,7 +56,7 @@ def write_params(root: Path, **promote) -> None:
 
 
 def save_fr(model_dir: Path, seed: int) -> Path:
-    from ml.models.backbones import build_backbone
+    from ml.fr.backbones import build_backbone
     from ml.models.io import save_model
 
     torch.manual_seed(seed)
@@ -204,11 +204,11 @@ def test_gate_naming_an_unknown_metric_lists_what_the_benchmarks_produce(ws):
 
 def tiny_model(benchmark: str, model_dir: Path, fr_dir: Path) -> Path:
     """A random tiny model of the kind ``benchmark`` measures, fitted to the FR model's feature sizes."""
-    from ml.models.aligner.dfa import build_aligner, save_aligner
-    from ml.models.backbones import build_backbone
-    from ml.models.discovery.facegcd import FaceGCD, save_facegcd
-    from ml.models.fusion.caface import CAFace, save_caface
-    from ml.models.generator.uiface import GeneratorModelConfig, IDConditionedUNet, save_generator
+    from ml.aligner.dfa import build_aligner, save_aligner
+    from ml.fr.backbones import build_backbone
+    from ml.discovery.facegcd import FaceGCD, save_facegcd
+    from ml.fusion.caface import CAFace, save_caface
+    from ml.generator.uiface import GeneratorModelConfig, IDConditionedUNet, save_generator
     from ml.models.io import read_model_config
 
     contract = read_model_config(fr_dir, what="FR model")["input_contract"]
@@ -419,7 +419,7 @@ def test_fusion_gate_embeds_faces_with_the_fr_champion(lifecycle, ws, tmp_path):
 
 
 def test_aligner_first_candidate_registered_as_run_artifact(ws, tmp_path):
-    from ml.models.aligner.dfa import build_aligner, save_aligner
+    from ml.aligner.dfa import build_aligner, save_aligner
 
     torch.manual_seed(0)
     model_dir = save_aligner(tmp_path / "aligner", build_aligner(input_size=64))
@@ -473,7 +473,7 @@ def _expected(ws, images: np.ndarray) -> np.ndarray:
     from mlflow import MlflowClient
 
     from ml.models.io import load_model
-    from ml.train.fr import embed
+    from ml.fr.train import embed
 
     version = str(MlflowClient().get_model_version_by_alias("faceops-fr", "champion").version)
     feats = embed(load_model(ws["versions"][version])[0], images, flip=True)

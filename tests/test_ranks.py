@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from ml.train.fr import FRConfig, FRResult
+from ml.fr.train import FRConfig, FRResult
 from tasks import train_fr
 from tasks.common import Paths, launch_rank
 from tasks.prepare import DataConfig
@@ -53,7 +53,7 @@ def test_a_non_zero_rank_trains_but_writes_and_logs_nothing(tmp_path, monkeypatc
         trained.append(len(labels))
         return FRResult(torch.nn.Linear(1, 1), "vit_tiny", {}, [{"epoch": 0, "train/loss": 1.0}], 1.0, global_rank=1)
 
-    monkeypatch.setattr("ml.train.fr.train", fake_train)
+    monkeypatch.setattr("ml.fr.train.train_fr", fake_train)
     result = train_fr.run(FRConfig(), DataConfig(image_size=32), paths, tracker=_Tracker())
     assert trained == [4] and result.outputs == [] and "rank 1" in result.summary
     assert not paths.fr_model("real").exists() and not (paths.metrics / "train_fr_real.json").exists()

@@ -25,7 +25,7 @@ def ingested(tmp_path_factory):
     """A workspace whose prepared sets hold 40 ingested faces (no landmarks) and an (untrained) tiny aligner."""
     import torch
 
-    from ml.models.aligner.dfa import DFA, DFAConfig, save_aligner
+    from ml.aligner.dfa import DFA, DFAConfig, save_aligner
     from tasks.prepare import run as prepare
 
     root = tmp_path_factory.mktemp("ws")
@@ -68,7 +68,7 @@ def test_ingested_faces_have_no_landmarks_until_align_predicts_them(ingested):
 
 
 def test_kprpe_trains_on_the_predicted_landmarks_and_records_it(ingested):
-    from ml.train.fr import FRConfig
+    from ml.fr.train import FRConfig
     from tasks.align import run as align
     from tasks.train_fr import run as train_fr
 

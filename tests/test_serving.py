@@ -31,9 +31,9 @@ GCD_HEAD = dict(proj_dim=32, proj_hidden=64, proj_bottleneck=16, prefix_length=3
 def store(tmp_path_factory):
     """An MLflow SQLite store holding a tiny FR model as ``faceops-fr@candidate`` and a tiny FaceGCD as
     ``faceops-discovery@candidate``, registered the way the stages do."""
-    from ml.models.backbones import build_backbone
-    from ml.models.backbones.vit import vit_tiny
-    from ml.models.discovery import FaceGCD, save_facegcd
+    from ml.fr.backbones import build_backbone
+    from ml.fr.backbones.vit import vit_tiny
+    from ml.discovery.facegcd import FaceGCD, save_facegcd
     from ml.models.io import save_model
     from ops.tracking import stage_run
 
@@ -59,7 +59,7 @@ def _faces(n: int, size: int = 64, seed: int = 0) -> np.ndarray:
 
 def _expected(model_dir: Path, images: np.ndarray) -> np.ndarray:
     from ml.models.io import load_model
-    from ml.train.fr import embed
+    from ml.fr.train import embed
 
     feats = embed(load_model(model_dir)[0], images, flip=True)
     return feats / np.linalg.norm(feats, axis=1, keepdims=True)

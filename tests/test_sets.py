@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ml.errors import ConfigError, DataError
 from ml.eval.metrics import template_features
-from ml.eval.sets import (
+from ml.fusion.sets import (
     FUSERS,
     FusionStream,
     features_and_styles,
@@ -26,11 +26,11 @@ from ml.eval.sets import (
     template_verification,
     video_identification,
 )
-from ml.models.backbones.iresnet import iresnet18
-from ml.models.backbones.kprpe import vit_tiny_kprpe
-from ml.models.backbones.vit import vit_tiny
-from ml.models.fusion import ARCFACE_TEMPLATE_112, CAFace, average_fusion, landmark_score_fusion, norm_weighted_fusion
-from ml.train.fusion import fuse_sets
+from ml.fr.backbones.iresnet import iresnet18
+from ml.fr.backbones.kprpe import vit_tiny_kprpe
+from ml.fr.backbones.vit import vit_tiny
+from ml.fusion import ARCFACE_TEMPLATE_112, CAFace, average_fusion, landmark_score_fusion, norm_weighted_fusion
+from ml.fusion.train import fuse_sets
 
 from .conftest import spread_caface
 
@@ -121,7 +121,7 @@ def test_landmarks_outside_the_image_weigh_nothing_and_all_zero_groups_fall_back
     landmarks = np.stack([np.asarray(ARCFACE_TEMPLATE_112, np.float32), np.full((5, 2), 500.0, np.float32)])
     out = fuse_templates("landmark_score", feats, np.array([0, 0]), landmarks=landmarks)
     np.testing.assert_allclose(out, [[1.0, 0.0]], atol=1e-7)  # the outside image gets weight 0
-    with caplog.at_level(logging.WARNING, logger="ml.eval.sets"):
+    with caplog.at_level(logging.WARNING, logger="ml.fusion.sets"):
         out = fuse_templates("landmark_score", feats, np.array([0, 0]), landmarks=landmarks[[1, 1]])
     r = 1 / math.sqrt(2)
     np.testing.assert_allclose(out, [[r, r]], atol=1e-7)
@@ -149,7 +149,7 @@ def test_zero_quality_groups_fall_back_to_the_average_and_no_template_is_nan(cap
     every method: the oracle's tiny weights still give a direction, and all-zero weights fall back to the average."""
     f, s, g = _random_sets([5, 4, 3], d=32)
     quality = np.where(g == 0, 0.0, np.where(g == 1, 0.01 + 0.03 * (np.arange(g.size) % 2), 0.9)).astype(np.float32)
-    with caplog.at_level(logging.WARNING, logger="ml.eval.sets"):
+    with caplog.at_level(logging.WARNING, logger="ml.fusion.sets"):
         out = fuse_templates("quality_oracle", f, g, quality=quality)
     assert "1 group(s) have quality 0" in caplog.text and "plain average" in caplog.text
     average = fuse_templates("average", f, g)
@@ -546,7 +546,7 @@ def test_procedural_video_probes_end_to_end():
 
 
 def test_caface_batches_bound_items_and_attention():
-    from ml.eval.sets.fusion import MAX_ATTENTION, MAX_SETS, _caface_batches
+    from ml.fusion.sets.fusion import MAX_ATTENTION, MAX_SETS, _caface_batches
 
     counts = np.array([300] * 10 + [5] * 400 + [70_000])
     batches = _caface_batches(counts, lambda c: c, max_items=1 << 16)

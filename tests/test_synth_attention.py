@@ -12,7 +12,7 @@ from diffusers.models.attention_processor import Attention, AttnProcessor, AttnP
 
 from .conftest import tiny_unet
 from ml.errors import ConfigError, DataError
-from ml.synth.attention import (
+from ml.generator.attention import (
     AttentionControl,
     AttentionRecord,
     Injection,

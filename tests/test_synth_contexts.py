@@ -1,4 +1,4 @@
-"""ml/synth/contexts.py: DCFace-style greedy inter-class filtering of identity contexts."""
+"""ml/generator/contexts.py: DCFace-style greedy inter-class filtering of identity contexts."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ml.errors import ConfigError, DataError
-from ml.synth.contexts import IdentityShortfall, select_identity_contexts
+from ml.generator.contexts import IdentityShortfall, select_identity_contexts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -118,7 +118,7 @@ def test_shortfall_error_fields_and_message():
 
 
 def test_allow_fewer_returns_what_was_found_with_a_warning(caplog):
-    with caplog.at_level(logging.WARNING, logger="ml.synth.contexts"):
+    with caplog.at_level(logging.WARNING, logger="ml.generator.contexts"):
         kept = select_identity_contexts(HAND, 5, BOUND, allow_fewer=True)
     assert kept.tolist() == [0, 2, 3, 5]
     assert "found 4 identity contexts of the 5 asked" in caplog.text

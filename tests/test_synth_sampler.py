@@ -14,7 +14,7 @@ from diffusers.models.attention_processor import Attention, AttnProcessor, AttnP
 
 from .conftest import tiny_unet
 from ml.errors import ConfigError, DataError, TrainingError
-from ml.synth.sampler import DISTANCES, SamplerConfig, ddim_scheduler, sample
+from ml.generator.sampler import DISTANCES, SamplerConfig, ddim_scheduler, sample
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from ml.errors import ConfigError, DataError, TrainingError
-from ml.losses import AdaFaceLoss, LVFaceSchedule, PartialFC
-from ml.models.backbones import build_backbone
-from ml.train.fr import EpochSampler, FRConfig, FRModule, build_head, train, warmup_step_decay
+from ml.fr.losses import AdaFaceLoss, LVFaceSchedule, PartialFC
+from ml.fr.backbones import build_backbone
+from ml.fr.train import EpochSampler, FRConfig, FRModule, build_head, train_fr, warmup_step_decay
 
 from .conftest import separable, stop_after
 
@@ -63,12 +63,12 @@ def resumed(tmp_path_factory):
     images, labels = separable(16, 4)
     val = (images[::4], labels[::4])  # measured after every epoch: must not change what training does
     probe = Probe()
-    full = train(RESUME_CFG, images, labels, progress=False, backbone_overrides=RESUME_OVERRIDES, callbacks=[probe],
+    full = train_fr(RESUME_CFG, images, labels, progress=False, backbone_overrides=RESUME_OVERRIDES, callbacks=[probe],
                  val=val)
     ckpt_dir = tmp_path_factory.mktemp("ckpt")
-    first = train(RESUME_CFG, images, labels, progress=False, backbone_overrides=RESUME_OVERRIDES,
+    first = train_fr(RESUME_CFG, images, labels, progress=False, backbone_overrides=RESUME_OVERRIDES,
                   checkpoint_dir=ckpt_dir, callbacks=[stop_after(2)], val=val)
-    second = train(RESUME_CFG, images, labels, progress=False, backbone_overrides=RESUME_OVERRIDES,
+    second = train_fr(RESUME_CFG, images, labels, progress=False, backbone_overrides=RESUME_OVERRIDES,
                    checkpoint_dir=ckpt_dir, resume=True, val=val)
     return images, labels, full, first, second, ckpt_dir, probe
 
@@ -104,38 +104,38 @@ def test_resume_refuses_other_architecture_classes_or_head(resumed):
     images, labels, *_, ckpt_dir, _ = resumed
     last = str(ckpt_dir / "last.ckpt")
     with pytest.raises(ConfigError, match="backbone") as err:
-        train(RESUME_CFG, images, labels, progress=False, backbone_overrides={"depth": 2, "mask_ratio": 0.25},
+        train_fr(RESUME_CFG, images, labels, progress=False, backbone_overrides={"depth": 2, "mask_ratio": 0.25},
               checkpoint_dir=ckpt_dir, resume=True)
-    assert last in str(err.value) and "'depth': 2" in str(err.value)
+    assert last in str(err.value) and "fr.backbone_kwargs.depth: 1 → 2" in str(err.value)
     keep = labels < 15
-    with pytest.raises(DataError, match="16 identities.*15") as err:
-        train(RESUME_CFG, images[keep], labels[keep], progress=False, backbone_overrides=RESUME_OVERRIDES,
+    with pytest.raises(DataError, match="num_classes 16, these are 15") as err:
+        train_fr(RESUME_CFG, images[keep], labels[keep], progress=False, backbone_overrides=RESUME_OVERRIDES,
               checkpoint_dir=ckpt_dir, resume=True)
     assert last in str(err.value)
     other_head = dataclasses.replace(RESUME_CFG, sample_rate=1.0)
     with pytest.raises(ConfigError, match="head"):
-        train(other_head, images, labels, progress=False, backbone_overrides=RESUME_OVERRIDES,
+        train_fr(other_head, images, labels, progress=False, backbone_overrides=RESUME_OVERRIDES,
               checkpoint_dir=ckpt_dir, resume=True)
     with pytest.raises(ConfigError, match="resume=True"):  # an existing last.ckpt is not silently overwritten
-        train(RESUME_CFG, images, labels, progress=False, backbone_overrides=RESUME_OVERRIDES, checkpoint_dir=ckpt_dir)
+        train_fr(RESUME_CFG, images, labels, progress=False, backbone_overrides=RESUME_OVERRIDES, checkpoint_dir=ckpt_dir)
 
 
 def test_nan_loss_stops_naming_step_and_last_checkpoint(tmp_path):
     images, labels = separable(4, 16)
     cfg = FRConfig(epochs=3, batch_size=16, embedding_dim=32, accelerator="cpu")  # 4 steps per epoch
     with pytest.raises(TrainingError, match="global step 6") as err:
-        train(cfg, images, labels, progress=False, backbone_overrides=TINY, checkpoint_dir=tmp_path,
+        train_fr(cfg, images, labels, progress=False, backbone_overrides=TINY, checkpoint_dir=tmp_path,
               callbacks=[Poison(6)])
     assert str(tmp_path / "last.ckpt") in str(err.value)
     with pytest.raises(TrainingError, match="global step 1.*no checkpoint was saved"):
-        train(cfg, images, labels, progress=False, backbone_overrides=TINY, callbacks=[Poison(1)])
+        train_fr(cfg, images, labels, progress=False, backbone_overrides=TINY, callbacks=[Poison(1)])
 
 
 def test_adaface_head_trains_on_unnormalised_embeddings():
     images, labels = separable(4, 16)
     probe = Probe()
     cfg = FRConfig(epochs=2, batch_size=16, embedding_dim=32, accelerator="cpu", margin="adaface")
-    result = train(cfg, images, labels, progress=False, backbone_overrides=TINY, callbacks=[probe])
+    result = train_fr(cfg, images, labels, progress=False, backbone_overrides=TINY, callbacks=[probe])
     assert isinstance(probe.head, AdaFaceLoss)
     assert float(probe.head.batch_mean) != 20.0  # the norm EMA saw the raw feature norms
     assert all(math.isfinite(r["train/loss"]) for r in result.history)
@@ -144,9 +144,9 @@ def test_adaface_head_trains_on_unnormalised_embeddings():
 def test_precision_needs_a_gpu_for_fp16_but_bf16_runs_on_cpu():
     images, labels = separable(4, 8)
     with pytest.raises(ConfigError, match="needs a GPU"):
-        train(FRConfig(precision="16-mixed", accelerator="cpu"), images, labels, progress=False)
+        train_fr(FRConfig(precision="16-mixed", accelerator="cpu"), images, labels, progress=False)
     cfg = FRConfig(epochs=1, batch_size=16, embedding_dim=32, accelerator="cpu", precision="bf16-mixed", max_steps=2)
-    result = train(cfg, images, labels, progress=False, backbone_overrides=TINY)
+    result = train_fr(cfg, images, labels, progress=False, backbone_overrides=TINY)
     assert math.isfinite(result.history[-1]["train/loss"])
 
 
@@ -170,7 +170,7 @@ def test_bf16_mixed_trains_the_kprpe_recipe_with_every_op_drawn(margin):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 seen.append(module._loss(x, torch.arange(4) % 4)[0].dtype)
 
-    result = train(cfg, images, labels, progress=False, backbone_overrides=TINY, callbacks=[HeadDtype()])
+    result = train_fr(cfg, images, labels, progress=False, backbone_overrides=TINY, callbacks=[HeadDtype()])
     assert math.isfinite(result.history[-1]["train/loss"])
     assert seen and all(d == torch.float32 for d in seen)
 
@@ -192,7 +192,7 @@ def test_config_rejects_inconsistent_options():
             FRConfig(**bad)
     assert FRConfig(lvface=True, epochs=6).switch_epoch == 3
     with pytest.raises(ConfigError, match="checkpoint_dir"):
-        train(FRConfig(), *separable(2, 4), resume=True)
+        train_fr(FRConfig(), *separable(2, 4), resume=True)
 
 
 def test_warmup_step_decay():
@@ -229,14 +229,14 @@ def test_ddp_checkpoint_holds_every_class_and_resumes_in_one_process(tmp_path):
     cfg = FRConfig(epochs=1, batch_size=8, embedding_dim=32, accelerator="cpu", devices=2, strategy="ddp_spawn",
                    sample_rate=0.5, lvface=True, lvface_switch_epoch=0)
     # val/accuracy of the sharded head: each rank gathers all 16 class centres
-    train(cfg, images, labels, progress=False, backbone_overrides=TINY, checkpoint_dir=tmp_path,
+    train_fr(cfg, images, labels, progress=False, backbone_overrides=TINY, checkpoint_dir=tmp_path,
           val=(images[::4], labels[::4]))
     ckpt = torch.load(tmp_path / "last.ckpt", map_location="cpu", weights_only=True)
     state = ckpt["state_dict"]
     assert state["head.head.weight"].shape == (16, 32) and state["head.prototypes"].shape == (16, 32)
     assert {tuple(s["exp_avg"].shape) for s in ckpt["optimizer_states"][0]["state"].values()} >= {(16, 32)}
     single = dataclasses.replace(cfg, devices=1, strategy="auto", epochs=2)
-    result = train(single, images, labels, progress=False, backbone_overrides=TINY, checkpoint_dir=tmp_path,
+    result = train_fr(single, images, labels, progress=False, backbone_overrides=TINY, checkpoint_dir=tmp_path,
                    resume=True)
     assert [r["epoch"] for r in result.history] == [0, 1]
     assert math.isfinite(result.history[-1]["train/loss"])

@@ -13,10 +13,10 @@ from lightning.pytorch.loggers import CSVLogger
 
 from ml.config import from_mapping
 from ml.errors import ConfigError, DataError
-from ml.models import backbones
-from ml.models.backbones.vit import vit_tiny
+from ml.fr import backbones
+from ml.fr.backbones.vit import vit_tiny
 from ml.models.io import load_model, save_model
-from ml.train.fr import FRConfig, embed, images_to_tensor, train, warmup_cosine
+from ml.fr.train import FRConfig, embed, images_to_tensor, train_fr, warmup_cosine
 
 from .conftest import TRAIN_DEVICE, separable
 
@@ -42,9 +42,9 @@ def runs(tmp_path_factory):
     logdir = tmp_path_factory.mktemp("logs")
     counter = CountSteps()
     cfg = dataclasses.replace(CFG, **TRAIN_DEVICE)
-    first = train(cfg, images, labels, progress=False, backbone_overrides=SMALL,
+    first = train_fr(cfg, images, labels, progress=False, backbone_overrides=SMALL,
                   loggers=[CSVLogger(logdir, name="fr")], callbacks=[counter])
-    second = train(cfg, images, labels, progress=False, backbone_overrides=SMALL)
+    second = train_fr(cfg, images, labels, progress=False, backbone_overrides=SMALL)
     return images, labels, first, second, logdir, counter
 
 
@@ -74,7 +74,7 @@ def test_dataloader_workers_do_not_change_the_bits(runs):
     if TRAIN_DEVICE != {"accelerator": "cpu", "precision": "32-true"}:
         pytest.skip("bit-for-bit comparison with the fixture's CPU float32 run")
     cfg = dataclasses.replace(CFG, num_workers=2, **TRAIN_DEVICE)
-    workers = train(cfg, images, labels, progress=False, backbone_overrides=SMALL)
+    workers = train_fr(cfg, images, labels, progress=False, backbone_overrides=SMALL)
     assert workers.history == first.history
     a, b = workers.model.state_dict(), first.model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -91,7 +91,7 @@ def test_metrics_reach_the_logger(runs):
 def test_val_accuracy_each_epoch_in_history_and_at_the_steps_of_train_metrics(tmp_path):
     images, labels = separable(per_class=40)
     held = np.arange(len(labels)) % 40 >= 32  # the last 8 images of each class: same identities, not trained on
-    result = train(CFG, images[~held], labels[~held], progress=False, backbone_overrides=SMALL,
+    result = train_fr(CFG, images[~held], labels[~held], progress=False, backbone_overrides=SMALL,
                    loggers=[CSVLogger(tmp_path, name="fr")], val=(images[held], labels[held]))
     accuracies = [row["val/accuracy"] for row in result.history]
     assert len(accuracies) == 5 and all(0.0 <= a <= 1.0 for a in accuracies)
@@ -109,9 +109,9 @@ def test_val_accuracy_each_epoch_in_history_and_at_the_steps_of_train_metrics(tm
 def test_val_must_hold_training_identities_at_the_training_size():
     images, labels = separable(per_class=4)
     with pytest.raises(DataError, match=r"validation labels must be 2 integers in \[0, 4\)"):
-        train(CFG, images, labels, progress=False, val=(images[:2], np.array([0, 9])))
+        train_fr(CFG, images, labels, progress=False, val=(images[:2], np.array([0, 9])))
     with pytest.raises(DataError, match="validation images must be 32×32"):
-        train(CFG, images, labels, progress=False, val=(images[:2, :16, :16], labels[:2]))
+        train_fr(CFG, images, labels, progress=False, val=(images[:2, :16, :16], labels[:2]))
 
 
 def test_embed_flip_is_sum_of_both_views_and_survives_save_load(runs, tmp_path):
@@ -195,11 +195,11 @@ def test_fr_config_from_params_section():
 def test_bad_labels_and_images_raise_data_error():
     images, labels = separable(per_class=2)
     with pytest.raises(DataError, match="contiguous"):
-        train(CFG, images, np.where(labels == 1, 7, labels), progress=False)
+        train_fr(CFG, images, np.where(labels == 1, 7, labels), progress=False)
     with pytest.raises(DataError, match="uint8"):
-        train(CFG, images.astype(np.float32), labels, progress=False)
+        train_fr(CFG, images.astype(np.float32), labels, progress=False)
     with pytest.raises(DataError, match="square"):
-        train(CFG, images[:, :, :16], labels, progress=False)
+        train_fr(CFG, images[:, :, :16], labels, progress=False)
 
 
 def test_fixed_size_backbone_rejects_other_sizes(monkeypatch):
@@ -209,7 +209,7 @@ def test_fixed_size_backbone_rejects_other_sizes(monkeypatch):
     monkeypatch.setitem(backbones.BACKBONES, "fixed64", fixed64)
     images, labels = separable(per_class=2)
     with pytest.raises(ConfigError, match="64×64.*32×32"):
-        train(FRConfig(backbone="fixed64"), images, labels, progress=False)
+        train_fr(FRConfig(backbone="fixed64"), images, labels, progress=False)
 
 
 def test_bf16_probe_measures_a_step_ratio_and_leaves_the_random_stream():
@@ -263,13 +263,13 @@ def test_precision_auto_is_bf16_with_amx_and_is_recorded(runs, monkeypatch):
         assert device.resolve_precision("cpu", "bf16-mixed") == "bf16-mixed"
     monkeypatch.setattr(device, "cpu_has_amx", lambda: False)
     cfg = dataclasses.replace(CFG, accelerator="cpu", precision="auto")
-    fallback = train(cfg, images, labels, progress=False, backbone_overrides=SMALL)
+    fallback = train_fr(cfg, images, labels, progress=False, backbone_overrides=SMALL)
     assert fallback.precision == "32-true"
     if TRAIN_DEVICE == {"accelerator": "cpu", "precision": "32-true"}:  # the same run as the fixture's, bit for bit
         a, b = fallback.model.state_dict(), full_precision.model.state_dict()
         assert all(torch.equal(a[k], b[k]) for k in a)
     monkeypatch.setattr(device, "cpu_has_amx", lambda: True)
-    mixed = train(cfg, images, labels, progress=False, backbone_overrides=SMALL)
+    mixed = train_fr(cfg, images, labels, progress=False, backbone_overrides=SMALL)
     assert mixed.precision == "bf16-mixed"
     assert all(p.dtype == torch.float32 for p in mixed.model.parameters())  # autocast: the weights stay float32
     losses = [row["train/loss"] for row in mixed.history]

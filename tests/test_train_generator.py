@@ -13,9 +13,9 @@ import torch
 
 from ml.config import from_mapping
 from ml.errors import ConfigError, DataError, TrainingError
-from ml.models.generator import GeneratorModelConfig, IDConditionedUNet, load_autoencoder, load_generator
+from ml.generator.uiface import GeneratorModelConfig, IDConditionedUNet, load_autoencoder, load_generator
 from ml.models.io import read_model_config
-from ml.train.generator import GeneratorConfig, ema_decay_at, make_noise_scheduler, train_generator
+from ml.generator.train import GeneratorConfig, ema_decay_at, make_noise_scheduler, train_generator
 
 from .conftest import TRAIN_DEVICE, separable, stop_after
 from .test_generator_model import tiny_kl, tiny_vq
@@ -133,10 +133,10 @@ def test_resume_after_an_epoch_equals_an_uninterrupted_run(runs) -> None:
 def test_resume_refuses_another_model_and_unasked_overwrites(runs) -> None:
     images, ids, *_, ckpt_dir, _ = runs
     wider = dataclasses.replace(CFG, model=dataclasses.replace(TINY, block_out_channels=(8, 32)))
-    with pytest.raises(ConfigError, match="generator.model") as err:
+    with pytest.raises(ConfigError, match=r"generator.train.model.block_out_channels: \[8, 16\] → \[8, 32\]") as err:
         train_generator(wider, images, ids, checkpoint_dir=ckpt_dir, resume=True, progress=False)
     assert str(ckpt_dir / "last.ckpt") in str(err.value)
-    with pytest.raises(DataError, match="shape"):
+    with pytest.raises(DataError, match=r"trained on other data \(data \["):
         train_generator(CFG, images[:16], ids[:16], checkpoint_dir=ckpt_dir, resume=True, progress=False)
     with pytest.raises(ConfigError, match="resume=True"):
         train_generator(CFG, images, ids, checkpoint_dir=ckpt_dir, progress=False)
@@ -222,7 +222,7 @@ def test_config_section_noise_schedule_and_ema_warmup() -> None:
 def test_autoencoder_reconstructs_held_out_faces_better_than_the_mean_face(seed) -> None:
     """The phase-1 autoencoder learns: on faces it never saw, its reconstructions beat the trivial answer (the
     training set's mean face) in PSNR, for every seed; its latent scale is set to unit std."""
-    from ml.train.autoencoder import AutoencoderConfig, reconstruct, train_autoencoder
+    from ml.generator.autoencoder import AutoencoderConfig, reconstruct, train_autoencoder
 
     images, _ = separable(4, 24, size=16, seed=seed)
     train, held = images[::2], images[1::2]
@@ -243,7 +243,7 @@ def test_autoencoder_reconstructs_held_out_faces_better_than_the_mean_face(seed)
 
 
 def test_autoencoder_identity_term_needs_the_fr_model() -> None:
-    from ml.train.autoencoder import AutoencoderConfig, train_autoencoder
+    from ml.generator.autoencoder import AutoencoderConfig, train_autoencoder
 
     images, _ = separable(2, 4, size=16)
     with pytest.raises(ConfigError, match="fr_weight"):
@@ -258,8 +258,8 @@ def test_autoencoder_identity_term_gives_a_kprpe_fr_model_its_landmarks(size) ->
     landmarks (it cannot embed a face without them) and refuses to start when none are given. Faces smaller than
     the FR model's input (the default latent space works on 32-px faces, the FR model on 64) reach it resized to
     its input, their landmarks scaled with them."""
-    from ml.models.backbones import build_backbone
-    from ml.train.autoencoder import AutoencoderConfig, train_autoencoder
+    from ml.fr.backbones import build_backbone
+    from ml.generator.autoencoder import AutoencoderConfig, train_autoencoder
 
     images, _ = separable(2, 4, size=size)
     fr = build_backbone("vit_tiny_kprpe", depth=1).eval()

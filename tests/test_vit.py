@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from ml.errors import ConfigError, DataError
-from ml.models.backbones import BACKBONES, build_backbone, input_contract
-from ml.models.backbones.vit import INPUT_CONTRACT, ViT, vit_t, vit_tiny
+from ml.fr.backbones import BACKBONES, build_backbone, input_contract
+from ml.fr.backbones.vit import INPUT_CONTRACT, ViT, vit_t, vit_tiny
 from ml.models.io import CONFIG, WEIGHTS, load_model, save_model
 
 # Small enough for the CPU, but each entry keeps its own image and patch size.

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from ml.errors import ConfigError
-from ml.models.backbones import build_backbone, input_contract
-from ml.models.backbones.kprpe import vit_tiny_kprpe
-from ml.models.backbones.vit import ViT, default_style_layers, token_style, vit_t, vit_tiny
+from ml.fr.backbones import build_backbone, input_contract
+from ml.fr.backbones.kprpe import vit_tiny_kprpe
+from ml.fr.backbones.vit import ViT, default_style_layers, token_style, vit_t, vit_tiny
 from ml.models.io import CONFIG, load_model, save_model
 
 TINY = dict(depth=4, dim=32, heads=2, embed_dim=16, drop_path=0.0)
@@ -83,7 +83,7 @@ def test_styles_are_the_token_mean_and_std_of_the_tapped_blocks():
 
 
 def test_token_style_matches_the_iresnet_definition_on_a_grid():
-    from ml.models.backbones.iresnet import channel_style
+    from ml.fr.backbones.iresnet import channel_style
 
     x = torch.randn(2, 5, 4, 4)  # (B, C, H, W) feature map
     tokens = x.flatten(2).transpose(1, 2)  # (B, H·W, C), the ViT's token layout

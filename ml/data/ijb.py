@@ -11,7 +11,7 @@ InsightFace's ``recognition/_evaluation_/ijb`` reads:
   ArcFace order: left eye, right eye, nose, left mouth corner, right mouth corner) and the detector's
   faceness score. ``read_landmark_scores`` → ``(paths, landmarks (N, 5, 2) float32, scores (N,) float32)``.
 
-``tasks/prepare.py`` writes the first two for the procedural template set (``images/<identity>/<k>.png tid
+``tasks/prepare`` writes the first two for the procedural template set (``images/<identity>/<k>.png tid
 mid`` and ``tid1 tid2 label``); they read back with these functions.
 
 Rules. Fields are separated by any run of spaces or tabs; blank lines are skipped; ids are integers in the
@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ml.atomic import atomic_write
+from ml.atomic import atomic_path
 from ml.errors import DataError
 
 __all__ = [
@@ -153,9 +153,10 @@ def read_landmark_scores(path: str | os.PathLike) -> tuple[list[str], np.ndarray
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _atomic_write(path: str | os.PathLike, lines: list[str]) -> Path:
+def _write_lines(path: str | os.PathLike, lines: list[str]) -> Path:
     path = Path(path)
-    atomic_write(path, lambda tmp: tmp.write_text("".join(lines), encoding="utf-8", newline="\n"))
+    with atomic_path(path) as tmp:
+        tmp.write_text("".join(lines), encoding="utf-8", newline="\n")
     return path
 
 
@@ -201,7 +202,7 @@ def write_tid_mid(path: str | os.PathLike, table: pd.DataFrame) -> Path:
     paths = _check_paths(table["path"].tolist(), target)
     templates = _check_ids(table["template"].to_numpy(), n, target, "template")
     media = _check_ids(table["media"].to_numpy(), n, target, "media")
-    return _atomic_write(target, [f"{p} {t} {m}\n" for p, t, m in zip(paths, templates.tolist(), media.tolist())])
+    return _write_lines(target, [f"{p} {t} {m}\n" for p, t, m in zip(paths, templates.tolist(), media.tolist())])
 
 
 def write_template_pairs(path: str | os.PathLike, pairs: np.ndarray, labels: np.ndarray) -> Path:
@@ -219,7 +220,7 @@ def write_template_pairs(path: str | os.PathLike, pairs: np.ndarray, labels: np.
     if bad.size:
         raise DataError(f"cannot write {target}: label {labels[bad[0]].item()!r} of pair {int(bad[0])} must be 0 or 1")
     lab = labels.astype(np.int64).tolist()
-    return _atomic_write(target, [f"{a} {b} {c}\n" for (a, b), c in zip(pairs.astype(np.int64).tolist(), lab)])
+    return _write_lines(target, [f"{a} {b} {c}\n" for (a, b), c in zip(pairs.astype(np.int64).tolist(), lab)])
 
 
 def write_landmark_scores(
@@ -238,4 +239,4 @@ def write_landmark_scores(
         " ".join([name, *(str(v) for v in row), str(s)]) + "\n"  # str(np.float32): shortest round-trip form
         for name, row, s in zip(names, points, score)
     ]
-    return _atomic_write(target, lines)
+    return _write_lines(target, lines)

@@ -26,7 +26,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ml.atomic import atomic_write
+from ml.atomic import atomic_path
 from ml.errors import DataError
 
 __all__ = ["PREDICTED_INFO", "PREDICTED_TABLE", "manifest_keypoints", "read_predicted", "write_predicted"]
@@ -57,12 +57,13 @@ def write_predicted(folder: str | os.PathLike, predictions: dict[str, tuple[pd.D
     table = pa.Table.from_arrays([pa.array(names, pa.string()), pa.array(paths, pa.string()),
                                   pa.array(values, pa.list_(pa.float32())), pa.array(scores, pa.float32())],
                                  schema=_SCHEMA)
-    atomic_write(folder / PREDICTED_TABLE, lambda tmp: pq.write_table(table, tmp))
+    with atomic_path(folder / PREDICTED_TABLE) as tmp:
+        pq.write_table(table, tmp)
     info = {"aligner": aligner,
             "datasets": {name: {"digest": digests[name], "images": len(rows)}
                          for name, (rows, _, _) in predictions.items()}}
-    atomic_write(folder / PREDICTED_INFO,
-                  lambda tmp: tmp.write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8"))
+    with atomic_path(folder / PREDICTED_INFO) as tmp:
+        tmp.write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
 
 
 def read_predicted(folder: str | os.PathLike) -> tuple[pd.DataFrame, dict]:

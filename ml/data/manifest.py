@@ -20,7 +20,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ml.atomic import atomic_write
+from ml.atomic import atomic_path
 from ml.errors import DataError
 
 MANIFEST_COLUMNS: tuple[str, ...] = (
@@ -107,12 +107,13 @@ def write_manifest(df: pd.DataFrame, path: str | os.PathLike) -> None:
 
 
 def write_parquet(table: pa.Table, path: Path) -> None:
-    """``table`` to ``path`` atomically (``ml.atomic.atomic_write``).
+    """``table`` to ``path`` atomically (``ml.atomic.atomic_path``).
 
     Arrow's default allocator (mimalloc) keeps the pages the Parquet writer freed resident, some hundreds of bytes
     per row, which later numpy arrays cannot reuse: they are handed back after the write (a fraction of a
     millisecond; ``benchmarks/bench_ingest.py``)."""
-    atomic_write(path, lambda tmp: pq.write_table(table, tmp))
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp)
     pa.default_memory_pool().release_unused()
 
 
@@ -126,7 +127,8 @@ def write_parquet_batches(batches: Iterable[pa.RecordBatch], schema: pa.Schema, 
             for batch in batches:
                 writer.write_batch(batch)
 
-    atomic_write(path, write)
+    with atomic_path(path) as tmp:
+        write(tmp)
 
 
 def read_manifest(path: str | os.PathLike) -> pd.DataFrame:

@@ -19,7 +19,7 @@ top of the forehead to the chin), and the depth warp and the similarity scale it
 along the face's own axes (the box of the upright face, rotated with it: an in-plane rotation does not change
 it; the jaw taper and the ears are not in it). ``√(W·H) = 2·√(face_w·face_h) · ppu`` with ``ppu`` the
 renderer's output pixels per canonical unit at depth 0. This is the normaliser of the box-convention NME
-(``ml.eval.alignment.nme_box``), which estimates it from the 5 landmarks when only those are stored.
+(``ml.aligner.metrics.nme_box``), which estimates it from the 5 landmarks when only those are stored.
 
 Rejection is deterministic: identity ``i`` takes its sample indices 0, 1, 2, … in order and keeps the
 first ``per_identity`` whose 5 landmarks all lie at least ``margin`` (fraction of the side) inside the

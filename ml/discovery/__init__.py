@@ -1,3 +1,7 @@
-"""Generalized category / face discovery (GCD, GFD): semi-supervised k-means, clustering baselines and
-the known/unknown identity split. Metrics live in ``ml.eval.metrics`` (``cluster_accuracy``,
-``nearest_neighbor_consistency``)."""
+"""FaceGCD: generalized face discovery, recognising known identities and clustering unknown ones.
+
+``facegcd`` holds the model (hypernetwork-generated attention prefixes on a face ViT), ``train`` and
+``contrastive`` its training, ``ssk`` the semi-supervised k-means inference, ``split`` the known/unknown identity
+split, ``protocol`` and ``baselines`` the evaluation and the label-free clustering baselines. Metrics live in
+``ml.eval.metrics`` (``cluster_accuracy``, ``nearest_neighbor_consistency``).
+"""

@@ -14,7 +14,7 @@ The meta files are read by ``ml.data.ijb``. Pipeline:
    pair names templates that have images), before anything is embedded.
 2. ``ijb_image_features``: images streamed in batches (decoded in a thread pool, one batch ahead), each crop
    aligned on its 5 landmarks to the ArcFace template at the model's ``input_contract['size']``
-   (``ml.models.aligner.align``), embedded by ``ml.train.fr.embed`` (``f(x) + f(flip x)`` with flip TTA; KP-RPE
+   (``ml.aligner.align``), embedded by ``ml.fr.train.embed`` (``f(x) + f(flip x)`` with flip TTA; KP-RPE
    models get the landmarks in the aligned crop). Only the features (N, D) float32 are kept: 0.96 GB for IJB-C's
    469,375 images at D = 512; decoded images never outlive their batch.
 3. ``ijb_template_features`` (``ml.eval.metrics.template_features`` weighted by the scores): for template ``t``
@@ -23,7 +23,7 @@ The meta files are read by ``ml.data.ijb``. Pipeline:
        v_m = (1/|m|) Σ_{i∈m} s_i·x_i,        f_t = normalise( (1/M_t) Σ_{m∈t} v_m )
 
    A video counts as much as a still; a confident detection counts more than a doubtful one.
-4. ``ml.eval.sets.template_verification``: cosine of each listed template pair, TAR at FAR 1e-5 … 1e-1 with
+4. ``ml.fusion.sets.template_verification``: cosine of each listed template pair, TAR at FAR 1e-5 … 1e-1 with
    ``ml.eval.metrics.tar_at_far``.
 
 Every bad input is a ``DataError`` naming the file (and line) and what to do: a folder without ``meta/`` or
@@ -38,7 +38,7 @@ weighting, flip test):
   scores after normalisation).
 - Alignment: the reference fits skimage's ``SimilarityTransform`` and warps with ``cv2.warpAffine`` (bilinear, black
   border); here the closed-form Umeyama fit and ``grid_sample`` (bilinear, zero border) of
-  ``ml.models.aligner.align``: pixel values may differ by about one grey level.
+  ``ml.aligner.align``: pixel values may differ by about one grey level.
 - The reference pairs landmark rows with ``face_tid_mid`` rows by line order; here by image name, so a reordered
   file still works and a missing row is an error instead of a silent shift. An image listed twice is embedded
   once (the reference embeds each line).
@@ -64,10 +64,10 @@ from tqdm.auto import tqdm
 from ml.data.ijb import read_landmark_scores, read_template_pairs, read_tid_mid
 from ml.errors import DataError
 from ml.eval.metrics import template_features
-from ml.eval.sets import index_pairs, template_verification
-from ml.models.aligner.align import align_faces, transform_points
-from ml.models.backbones import input_contract
-from ml.train.fr import embed
+from ml.fusion.sets import index_pairs, template_verification
+from ml.aligner.align import align_faces, transform_points
+from ml.fr.backbones import input_contract
+from ml.fr.train import embed
 
 __all__ = [
     "IJB_FARS",
@@ -305,7 +305,7 @@ def ijb_image_features(
     workers: int = 4,
 ) -> np.ndarray:
     """float32 (U, D) features of the distinct images of ``ijb``, in ``ijb.images`` order: each loose crop aligned
-    to ``model``'s input size, then ``ml.train.fr.embed`` (``f(x) + f(flip x)`` when ``flip``, not normalised).
+    to ``model``'s input size, then ``ml.fr.train.embed`` (``f(x) + f(flip x)`` when ``flip``, not normalised).
     Images are decoded ``batch_size`` at a time by ``workers`` threads, the next batch while this one embeds."""
     if batch_size < 1 or workers < 1:
         raise DataError(f"ijb_image_features: batch_size ({batch_size}) and workers ({workers}) must be ≥ 1")

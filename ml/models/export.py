@@ -40,7 +40,7 @@ from torch import nn
 
 from ml.data.procedural import arcface_template
 from ml.errors import ConfigError, DataError
-from ml.models.backbones import input_contract
+from ml.fr.backbones import input_contract
 from ml.models.io import CONFIG, WEIGHTS, load_model
 
 log = logging.getLogger(__name__)

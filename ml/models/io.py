@@ -27,7 +27,7 @@ from torch import nn
 
 from ml.atomic import remove_dead_temporaries
 from ml.errors import ConfigError, DataError
-from ml.models.backbones import BACKBONES, build_backbone, input_contract
+from ml.fr.backbones import BACKBONES, build_backbone, input_contract
 
 log = logging.getLogger(__name__)
 

@@ -1,2 +1,2 @@
-"""Training loops: ``ml.train.fr`` fits face-recognition backbones; ``ml.train.augment`` holds the batched,
+"""Training loops: ``ml.fr.train`` fits face-recognition backbones; ``ml.train.augment`` holds the batched,
 landmark-aware augmentations they use."""

@@ -153,7 +153,7 @@ class Context:
         """A valid tiny FR model directory (``config.json`` + ``model.safetensors``)."""
         out = self.cache / "model"
         if not (out / "config.json").is_file():
-            from ml.models.backbones import build_backbone
+            from ml.fr.backbones import build_backbone
             from ml.models.io import save_model
 
             kwargs = {"depth": 1, "dim": 32, "heads": 2, "embed_dim": 16}

@@ -76,12 +76,12 @@ def _separable(k: int, per_class: int, size: int, seed: int) -> tuple[np.ndarray
 def _train_fr(checkpoint_dir: Path | None, resume: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """A one-block ViT with PartialFC + LVFace and token masking (the model's own randomness must resume too):
     16 identities × 4 images, batches of 8 → 8 steps per epoch, 3 epochs."""
-    from ml.train.fr import FRConfig, train
+    from ml.fr.train import FRConfig, train_fr
 
     cfg = FRConfig(epochs=3, batch_size=8, lr=2e-3, embedding_dim=32, accelerator="cpu", warmup_epochs=1.0,
                    augment_recipe="kprpe", sample_rate=0.5, lvface=True, grad_clip=5.0)
     images, labels = _separable(16, 4, 32, 0)
-    result = train(cfg, images, labels, progress=False, backbone_overrides={"depth": 1, "mask_ratio": 0.25},
+    result = train_fr(cfg, images, labels, progress=False, backbone_overrides={"depth": 1, "mask_ratio": 0.25},
                    checkpoint_dir=checkpoint_dir, resume=resume)
     return result.model.state_dict(), {"losses": [row["train/loss"] for row in result.history]}
 
@@ -89,8 +89,8 @@ def _train_fr(checkpoint_dir: Path | None, resume: bool) -> tuple[dict[str, Any]
 def _train_generator(checkpoint_dir: Path | None, resume: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """A 2-level UNet (8/16 channels) on 16 px images with FR-like embeddings: 32 images, batches of 8 → 4 steps
     per epoch, 3 epochs. The weights compared are the EMA ones (what is saved)."""
-    from ml.models.generator import GeneratorModelConfig
-    from ml.train.generator import GeneratorConfig, train_generator
+    from ml.generator.uiface import GeneratorModelConfig
+    from ml.generator.train import GeneratorConfig, train_generator
 
     model = GeneratorModelConfig(image_size=16, block_out_channels=(8, 16), attention_heads=2, norm_num_groups=4,
                                  context_dim=16)
@@ -106,7 +106,7 @@ def _train_generator(checkpoint_dir: Path | None, resume: bool) -> tuple[dict[st
 
 def _train_fusion(checkpoint_dir: Path | None, resume: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """CAFace on 16 identities: sets of 4, 4 identities per step, 4 steps per epoch, 4 epochs (LR step at 3)."""
-    from ml.train.fusion import FusionConfig, train_fusion
+    from ml.fusion.train import FusionConfig, train_fusion
     from tests.conftest import caface_toy
 
     cfg = FusionConfig(feature_dim=32, style_dim=8, epochs=4, steps_per_epoch=4, lr=3e-3, per_identity=8, group=4,
@@ -121,9 +121,9 @@ def _train_discovery(checkpoint_dir: Path | None, resume: bool) -> tuple[dict[st
     resume too): 32 images, batches of 16 → 2 steps per epoch, 4 epochs."""
     import torch
 
-    from ml.models.backbones.vit import vit_tiny
+    from ml.fr.backbones.vit import vit_tiny
     from ml.models.io import save_model
-    from ml.train.discovery import DiscoveryConfig, train_discovery
+    from ml.discovery.train import DiscoveryConfig, train_discovery
 
     vit_kwargs = dict(img_size=32, patch_size=8, dim=32, depth=2, heads=2, embed_dim=16, drop_path=0.0)
     cfg = DiscoveryConfig(backbone_init="fr", prefix_length=3, warmup_epochs=0.0, batch_size=16, lr=2e-3, epochs=4,

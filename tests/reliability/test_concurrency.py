@@ -147,8 +147,8 @@ def test_second_faceops_run_at_once_is_refused_and_changes_nothing(project):
     params = (project / "params.yaml").read_text()
     env = _env()
     env.pop("PREFECT_API_URL", None)  # each run on its own temporary Prefect server, as on a laptop
-    first = subprocess.Popen([sys.executable, "-m", "faceops.cli", "run", "--stage", "prepare", "--force", "--jobs",
-                              "1"], cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = subprocess.Popen([sys.executable, "-m", "faceops.cli", "run", "--stage", "prepare", "--force"],
+                             cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
     while not (lock.is_file() and f"pid {first.pid}" in lock.read_text()) and first.poll() is None:
         assert time.monotonic() < deadline, "the first run never took the run lock"

@@ -2,7 +2,7 @@
 
 All readers return RGB uint8 images of shape (H, W, 3) and raise :class:`ml.errors.DataError` with one
 message naming the file (and record, key or index) and what to do. All writers are atomic: they write
-to a temporary file beside the target and ``os.replace`` it on success (``ml.atomic.atomic_write``).
+to a temporary file beside the target and ``os.replace`` it on success (``ml.atomic.atomic_path``).
 
 Verification ``.bin`` (e.g. ``lfw.bin``): a pickle of ``(bins, issame_list)``; ``bins`` holds 2P encoded
 images (pair ``i`` is ``bins[2i], bins[2i+1]``), ``issame_list`` P booleans.

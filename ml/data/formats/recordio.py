@@ -14,7 +14,7 @@ from typing import IO
 
 import numpy as np
 
-from ml.atomic import atomic_write
+from ml.atomic import atomic_path
 from ml.data.formats.images import _check_image, decode_image, encode_image
 from ml.errors import DataError
 
@@ -309,7 +309,8 @@ class RecordIOReader:
                 read_record_at(f, offset, key=key)
                 lines.append(f"{key}\t{offset}\n")
                 key += 1
-        atomic_write(idx_path, lambda tmp: tmp.write_bytes("".join(lines).encode("ascii")))
+        with atomic_path(idx_path) as tmp:
+            tmp.write_bytes("".join(lines).encode("ascii"))
         return idx_path
 
 
@@ -377,6 +378,8 @@ def write_recordio(
                 lines.append(f"{key}\t{write_record(rec_f, pack_irheader([s + 1, e + 1], id=key))}\n")
         idx_path.unlink(missing_ok=True)  # the new .rec never sits beside the old index
 
-    atomic_write(rec_path, write_rec)
-    atomic_write(idx_path, lambda tmp: tmp.write_bytes("".join(lines).encode("ascii")))
+    with atomic_path(rec_path) as tmp:
+        write_rec(tmp)
+    with atomic_path(idx_path) as tmp:
+        tmp.write_bytes("".join(lines).encode("ascii"))
     logger.info("wrote %s: %d images, %d identities", rec_path, n, k)

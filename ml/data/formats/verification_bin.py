@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ml.atomic import atomic_write
+from ml.atomic import atomic_path
 from ml.data.formats.images import _check_image, decode_image, encode_image
 from ml.errors import DataError
 
@@ -181,4 +181,5 @@ def write_verification_bin(
         with tmp.open("wb") as f:
             pickle.dump((bins, issame_list), f, protocol=pickle.HIGHEST_PROTOCOL)
 
-    atomic_write(path, write)
+    with atomic_path(path) as tmp:
+        write(tmp)

@@ -1,0 +1,95 @@
+"""The docs' figures, read from the committed outputs when the site is built (mkdocs-macros), never typed by hand.
+
+In a page: ``{{ metric("evaluate", "real/verification/procedural/accuracy", ".1%") }}`` (``metrics/evaluate.json``),
+``{{ bench("make_run", "minutes") }}`` (``benchmarks/results.json``), ``{{ bench_when("make_run") }}``,
+``{{ param("fr.epochs") }}`` (``params.yaml``) and ``{{ report("claims.md", "## Verdicts") }}`` (a generated report,
+whole or one section). A key that is not there fails the build (``mkdocs build --strict``), so a page cannot cite a
+number its outputs no longer hold.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(_flat(value, f"{prefix}/{key}" if prefix else str(key)))
+    return out
+
+
+def _fmt(value: Any, fmt: str | None) -> str:
+    if fmt is None:
+        return f"{value:.4g}" if isinstance(value, float) else str(value)
+    return format(value, fmt)
+
+
+def metric(file: str, key: str, fmt: str | None = None) -> str:
+    """``key`` of ``metrics/<file>.json`` (nested keys joined with ``/``; a file's ``metrics`` mapping is searched
+    too), formatted with ``fmt`` (e.g. ``".1%"``, ``".3f"``)."""
+    doc = json.loads((ROOT / "metrics" / f"{file}.json").read_text())
+    flat = {**_flat(doc), **_flat(doc.get("metrics", {}) if isinstance(doc, dict) else {})}
+    if key not in flat:
+        raise KeyError(f"metrics/{file}.json has no {key!r}")
+    return _fmt(flat[key], fmt)
+
+
+def _bench(name: str) -> dict[str, Any]:
+    results = json.loads((ROOT / "benchmarks" / "results.json").read_text())
+    if name not in results:
+        raise KeyError(f"benchmarks/results.json has no row {name!r}: run `python -m benchmarks {name}`")
+    return results[name]
+
+
+def bench(name: str, key: str, fmt: str | None = None) -> str:
+    """Value ``key`` of benchmark row ``name`` (``benchmarks/results.json``)."""
+    values = _bench(name)["values"]
+    if key not in values:
+        raise KeyError(f"benchmark {name!r} has no value {key!r}")
+    return _fmt(values[key], fmt)
+
+
+def bench_when(name: str) -> str:
+    """When and on what machine benchmark row ``name`` was measured."""
+    row = _bench(name)
+    return f"{row['when']}, {row['machine']}"
+
+
+def param(key: str) -> str:
+    """The value of dotted ``key`` in ``params.yaml``."""
+    node: Any = yaml.safe_load((ROOT / "params.yaml").read_text())
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise KeyError(f"params.yaml has no {key!r}")
+        node = node[part]
+    return json.dumps(node) if isinstance(node, (list, dict)) else str(node)
+
+
+def report(path: str, heading: str | None = None) -> str:
+    """``reports/<path>`` (a generated report), whole or the section under ``heading`` (e.g. ``"## Verdicts"``) up to
+    the next heading of its level or above; the report's own title line is dropped."""
+    text = (ROOT / "reports" / path).read_text()
+    if heading is None:
+        return re.sub(r"\A# [^\n]*\n", "", text)
+    level = len(heading) - len(heading.lstrip("#"))
+    match = re.search(rf"^{re.escape(heading)}\s*$", text, flags=re.M)
+    if match is None:
+        raise KeyError(f"reports/{path} has no heading {heading!r}")
+    rest = text[match.end():]
+    end = re.search(rf"^#{{1,{level}}} ", rest, flags=re.M)
+    return rest[: end.start() if end else len(rest)].strip() + "\n"
+
+
+def define_env(env: Any) -> None:
+    for fn in (metric, bench, bench_when, param, report):
+        env.macro(fn)

@@ -1,0 +1,27 @@
+"""Set fusion: many (feature, style) pairs of one person → one template.
+
+``caface`` holds the learned Cluster-and-Aggregate model (batch and streaming inference, save/load);
+``baselines`` the training-free average, norm-weighted and KP-RPE landmark-score fusions.
+"""
+
+from ml.fusion.baselines import (
+    ARCFACE_TEMPLATE_112,
+    average_fusion,
+    landmark_score_fusion,
+    landmark_weights,
+    norm_weighted_fusion,
+)
+from ml.fusion.caface import CAFace, ClusterOutput, FusionState, load_caface, save_caface
+
+__all__ = [
+    "ARCFACE_TEMPLATE_112",
+    "CAFace",
+    "ClusterOutput",
+    "FusionState",
+    "average_fusion",
+    "landmark_score_fusion",
+    "landmark_weights",
+    "load_caface",
+    "norm_weighted_fusion",
+    "save_caface",
+]

@@ -1,0 +1,7 @@
+"""UIFace: an identity-conditioned latent diffusion generator of synthetic face datasets.
+
+``uiface`` holds the model (the ID-conditioned diffusers UNet with its learnable empty context, the pluggable
+autoencoder, save/load), ``autoencoder`` and ``train`` train them, ``sampler`` and ``attention`` generate (DDIM with
+two-stage context switching, adaptive t0 and attention injection), ``contexts`` finds the synthetic identities, and
+``diversity`` / ``image_diversity`` measure the set. Nothing is imported here: diffusers takes seconds to import.
+"""

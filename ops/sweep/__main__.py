@@ -1,0 +1,4 @@
+from ops.sweep import main
+from tasks.common import stage_main
+
+stage_main(main)

@@ -1,0 +1,595 @@
+"""Stage ``evaluate``: benchmark the FR model on everything ``prepare`` wrote.
+
+- every ``data/prepared/verification/*.bin``: 10-fold verification accuracy with flip TTA (InsightFace/LFW protocol)
+- the IJB-style template set: media-then-template pooling, TAR@FAR, ROC
+- the user's IJB-B / IJB-C folders (``evaluate.ijb_dir``, ``ml/eval/ijb.py``): loose crops aligned on their 5
+  landmarks, faceness-weighted media-then-template pooling, TAR at FAR 1e-5 … 1e-1
+- the held-out identities: closed-set identification rank-1/5 (gallery vs probe split)
+- reference baselines on the same pairs: raw-pixel cosine and a linear probe on raw pixels (trained on the
+  training identities), to show the benchmark is not solvable by pixel matching
+
+- generalized face discovery on the GFD split (``tasks/evaluate/discovery.py``): FaceGCD, its GCD control (no
+  prefixes) and FR features with semi-supervised k-means, and unsupervised clustering baselines; All / Known / Novel
+
+Writes ``metrics/evaluate.json``, ``plots/roc.png``, ``plots/roc_templates.csv`` and ``reports/benchmark.md``
+(plus ``metrics/discovery.json``, ``plots/discovery_embedding.png``, ``reports/discovery_predictions.csv``,
+``metrics/sets.json``, ``plots/fusion_gain.png``).
+- set and video fusion (``tasks/evaluate/fusion.py``): average, norm-weighted, landmark-score and CAFace templates on the
+  IJB-style template set and IJB-S-style video probes
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ml.config import from_mapping
+from tasks.common import (
+    Paths, StageResult, load_params, section, stage_main, write_json, write_text, pyplot, save_figure,
+)
+from tasks.prepare import DataConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EvaluateConfig:
+    """``params.yaml`` section ``evaluate``."""
+
+    fars: tuple[float, ...] = (1e-4, 1e-3, 1e-2)
+    ranks: tuple[int, ...] = (1, 5)
+    fpirs: tuple[float, ...] = (0.01,)          # open-set 1:N (IJB-S style): TPIR at these FPIRs
+    distractor_ranks: tuple[int, ...] = (1, 5, 20)  # TinyFace-style gallery with distractors
+    n_folds: int = 10
+    flip: bool = True
+    batch_size: int = 256
+    baselines: bool = True
+    probe_epochs: int = 20
+    # generalized face discovery (tasks/evaluate/discovery.py): semi-supervised k-means and clustering baselines
+    discovery: bool = True
+    ssk_n_init: int = 10
+    ssk_max_iter: int = 500
+    nnc_k: int = 5
+    dbscan_eps: tuple[float, ...] = (0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # chord distance on unit vectors
+    dbscan_min_samples: tuple[int, ...] = (2, 3, 5)
+    embedding_plot_identities: int = 5  # per group (known, novel) in plots/discovery_embedding.png
+    # set and video fusion (tasks/evaluate/fusion.py)
+    sets: bool = True
+    fusion_chunk_size: int = 64  # CAFace streams each probe in chunks of this many frames (memory O(chunk))
+    bin_dir: str = ""  # a folder of InsightFace verification .bin files (lfw.bin, cfp_fp.bin, agedb_30.bin, ...)
+    ijb_dir: str = ""  # an IJB-B/C folder (meta/ + loose_crop/) or the folder holding IJBB/ and IJBC/
+
+
+def _fmt_far(far: float) -> str:
+    return f"{far:.0e}".replace("e-0", "e-")
+
+
+def verification_bins(paths: Paths, bin_dir: str = "") -> list[Path]:
+    """Every ``.bin`` in ``data/prepared/verification``, then every one in ``evaluate.bin_dir`` (the user's LFW,
+    CFP-FP, AgeDB-30, ... as InsightFace ships them); each name (file stem) is one column of the report."""
+    from ml.errors import DataError
+
+    bins = sorted(paths.verification_dir.glob("*.bin"))
+    if bin_dir:
+        folder = Path(bin_dir)
+        if not folder.is_dir():
+            raise DataError(f"evaluate.bin_dir: {bin_dir} is not a directory; point it at a folder of InsightFace "
+                            "verification .bin files (lfw.bin, cfp_fp.bin, agedb_30.bin, ...) or set it to ''")
+        extra = sorted(folder.glob("*.bin"))
+        if not extra:
+            raise DataError(f"evaluate.bin_dir: {bin_dir} holds no .bin file; add the verification sets or set it to ''")
+        taken = {b.stem: b for b in bins}
+        for b in extra:
+            if b.stem in taken:
+                raise DataError(f"{b}: its name {b.stem!r} is also {taken[b.stem]}; rename it (each .bin's name is "
+                                "one column of the report)")
+        bins += extra
+    return bins
+
+
+def _verification_sets(bins: list[Path], aligned_dir: Path | None = None
+                       ) -> list[tuple[str, np.ndarray, np.ndarray, np.ndarray | None]]:
+    """(name, images, issame, landmarks or None) for every ``.bin`` of ``bins`` (:func:`verification_bins`). The
+    landmarks are the ``<stem>.landmarks.npy`` beside the bin, else the align stage's predictions for it
+    (``<aligned_dir>/verification/<stem>.landmarks.npy``: the ingested real faces)."""
+    from ml.data.formats import read_verification_bin
+
+    sets = []
+    for bin_path in bins:
+        images, issame = read_verification_bin(bin_path)
+        sidecar = bin_path.with_suffix(".landmarks.npy")
+        if not sidecar.is_file() and aligned_dir is not None:
+            sidecar = aligned_dir / "verification" / sidecar.name
+        landmarks = _landmarks_sidecar(sidecar, len(images)) if sidecar.is_file() else None
+        sets.append((bin_path.stem, images, issame, landmarks))
+    return sets
+
+
+def _landmarks_sidecar(path: Path, n_images: int) -> np.ndarray:
+    """The (2P, 5, 2) finite pixel landmarks beside a ``.bin``; DataError naming the file otherwise."""
+    from ml.errors import DataError
+
+    bin_name = path.name.removesuffix(".landmarks.npy") + ".bin"
+    try:
+        with path.open("rb") as fh:
+            if fh.read(6) != b"\x93NUMPY":
+                raise ValueError("not a .npy file: no NumPy header")
+        landmarks = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as exc:
+        detail = " ".join(str(exc).split())
+        raise DataError(f"{path}: cannot read the landmarks beside {bin_name} ({detail}); rebuild it with the "
+                        "prepare stage or remove it") from exc
+    if landmarks.shape != (n_images, 5, 2) or not np.issubdtype(landmarks.dtype, np.number):
+        raise DataError(f"{path}: landmarks of shape {landmarks.shape} ({landmarks.dtype}), expected "
+                        f"({n_images}, 5, 2): one row of 5 (x, y) points per image of the .bin, in its order")
+    if not np.isfinite(landmarks).all():
+        row = int(np.flatnonzero(~np.isfinite(landmarks).reshape(n_images, -1).all(axis=1))[0])
+        raise DataError(f"{path}: landmarks of image {row} contain NaN/inf; rebuild it with the prepare stage")
+    return landmarks.astype(np.float32)
+
+
+def _pair_metrics(feats: np.ndarray, issame: np.ndarray, cfg: EvaluateConfig) -> tuple[dict[str, float], tuple]:
+    """10-fold accuracy ± std and TAR at each of ``cfg.fars`` over all pairs of one ``.bin``."""
+    from ml.eval.metrics import pair_scores, roc_curve, tar_at_far, verification_accuracy
+
+    acc = verification_accuracy(feats[0::2], feats[1::2], issame, n_folds=cfg.n_folds)
+    scores = pair_scores(feats[0::2], feats[1::2])  # cosine: it normalises the rows
+    fpr, tpr, _ = roc_curve(scores, issame.astype(int))
+    values = {"accuracy": acc["accuracy"], "std": acc["std"]}
+    values.update({f"tar@far={_fmt_far(far)}": tar for far, tar in tar_at_far(scores, issame.astype(int),
+                                                                             fars=cfg.fars).items()})
+    return values, (fpr, tpr)
+
+
+def ijb_sets(cfg: EvaluateConfig) -> list:
+    """The IJB-B/C protocols of ``evaluate.ijb_dir`` (``ml.eval.ijb.IJBSet``), read and cross-checked before any
+    model runs; ``[]`` when it is empty."""
+    if not cfg.ijb_dir:
+        return []
+    from ml.eval.ijb import load_ijb_sets
+
+    return load_ijb_sets(cfg.ijb_dir, what="evaluate.ijb_dir")
+
+
+def evaluate_ijb(model: Any, tag: str, cfg: EvaluateConfig, sets: list) -> dict[str, float]:
+    """IJB-B/C 1:1 verification of one model on every set of :func:`ijb_sets`: ``<tag>/ijb/<set>/tar@far=1e-5``
+    … ``1e-1``, ``pairs``, ``impostor_pairs``, ``images``, ``templates``."""
+    from ml.eval.ijb import ijb_verification
+
+    metrics: dict[str, float] = {}
+    for ijb in sets:
+        values = ijb_verification(model, ijb, batch_size=cfg.batch_size, flip=cfg.flip, progress=True)
+        metrics.update({f"{tag}/ijb/{ijb.name}/{k}": v for k, v in values.items()})
+    return metrics
+
+
+def ijb_section(metrics: dict[str, float], models: dict[str, dict], sets: list) -> list[str]:
+    """Markdown for the user's IJB-B/C folders: one table per set, one row per model, one column per FAR."""
+    pct = lambda v: "—" if v is None else f"{100 * v:.2f} %"  # noqa: E731
+    lines = []
+    for ijb in sets:
+        prefix = f"/ijb/{ijb.name}/"
+        fars = sorted({k.rsplit("/", 1)[1] for k in metrics if prefix + "tar@" in k},
+                      key=lambda f: float(f.split("=")[1]))
+        counts = next((t for t in models if f"{t}{prefix}pairs" in metrics), None)
+        if counts is None:
+            continue
+        c = lambda key: int(metrics[f"{counts}{prefix}{key}"])  # noqa: E731
+        lines += ["", f"## IJB 1:1 verification: `{ijb.name}` from `{ijb.root}`", "",
+                  f"{c('images')} loose crops aligned on their 5 landmarks to each model's input size, flip TTA; "
+                  f"faceness-weighted media mean → template mean over {c('templates')} templates; cosine on "
+                  f"{c('pairs')} pairs ({c('impostor_pairs')} impostor).", "",
+                  "| model | " + " | ".join(f.replace("tar@far", "TAR@FAR") for f in fars) + " |",
+                  "|---|" + "---|" * len(fars)]
+        for tag in models:
+            lines.append(f"| `{tag}` | " + " | ".join(pct(metrics.get(f"{tag}{prefix}{f}")) for f in fars) + " |")
+    return lines
+
+
+def evaluate_baselines(cfg: EvaluateConfig, paths: Paths, data: DataConfig, sets: list) -> tuple[dict, dict]:
+    """Raw-pixel cosine and a linear probe on pixels (fitted on the training identities) on every ``.bin``."""
+    from ml.data.dataset import load_images, read_manifest
+    from ml.eval.baselines import LinearProbe, raw_pixels
+
+    manifest = read_manifest(paths.train_set / "manifest.parquet")
+    rows = manifest[manifest["split"] == "train"].reset_index(drop=True)
+    probe = LinearProbe(epochs=cfg.probe_epochs, seed=data.seed).fit(
+        load_images(paths.train_set, rows), rows["label"].to_numpy()
+    )
+    metrics: dict[str, float] = {}
+    curves: dict[str, tuple] = {}
+    for name, images, issame, _ in sets:
+        for method, feats in (("raw_pixels", raw_pixels(images)), ("linear_probe", probe.embed(images))):
+            values, curves[f"{name}: {method}"] = _pair_metrics(feats, issame, cfg)
+            for k, v in values.items():
+                metrics[f"baseline/{method}/verification/{name}/{k}"] = v
+    return metrics, curves
+
+
+def unique_rows(images: np.ndarray, landmarks: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(indices of the first occurrence of each distinct (image, landmarks) row, the distinct row of every row):
+    ``x[first][inverse]`` equals ``x`` row for row."""
+    import hashlib
+
+    seen: dict[bytes, int] = {}
+    first: list[int] = []
+    inverse = np.empty(len(images), dtype=np.int64)
+    for i, image in enumerate(images):
+        h = hashlib.blake2b(image.tobytes(), digest_size=16)
+        if landmarks is not None:
+            h.update(np.ascontiguousarray(landmarks[i]).tobytes())
+        inverse[i] = seen.setdefault(h.digest(), len(first))
+        if inverse[i] == len(first):
+            first.append(i)
+    return np.asarray(first, dtype=np.int64), inverse
+
+
+def evaluate_model(model: Any, tag: str, cfg: EvaluateConfig, paths: Paths, sets: list) -> tuple[dict, dict]:
+    """All benchmark numbers of one model, keyed ``<tag>/...``; returns (metrics, ROC curves)."""
+    from ml.data.dataset import landmarks_array, load_images, read_manifest
+    from ml.data.landmarks import manifest_keypoints
+    from ml.eval.metrics import (
+        identification_rank, identification_with_distractors, open_set_identification, pair_scores, roc_curve,
+        tar_at_far, template_features,
+    )
+    from ml.fr.train import embed, needs_keypoints
+
+    def emb(images: np.ndarray, keypoints: np.ndarray | None = None) -> np.ndarray:
+        return embed(model, images, batch_size=cfg.batch_size, flip=cfg.flip, progress=True,
+                     keypoints=keypoints if needs_keypoints(model) else None)
+
+    metrics: dict[str, float] = {}
+    curves: dict[str, tuple] = {}
+    for name, images, issame, landmarks in sets:
+        if needs_keypoints(model) and landmarks is None:
+            log.warning("%s.bin has no landmarks sidecar; the KP-RPE model %s is not evaluated on it", name, tag)
+            metrics[f"{tag}/verification/{name}/skipped_no_landmarks"] = 1.0
+            continue
+        first, inverse = unique_rows(images, landmarks)  # a .bin repeats each face in many pairs: embed it once
+        feats = emb(images[first], None if landmarks is None else landmarks[first])[inverse]
+        values, curves[f"{name}: {tag}"] = _pair_metrics(feats, issame, cfg)
+        for k, v in values.items():
+            metrics[f"{tag}/verification/{name}/{k}"] = v
+
+    # IJB-style templates: media mean → template mean → cosine per listed pair
+    tdir = paths.template_set
+    manifest = read_manifest(tdir / "manifest.parquet")
+    feats = emb(load_images(tdir, manifest), landmarks_array(manifest))
+    tids, tfeats = template_features(feats, manifest["template"].to_numpy(), manifest["media"].to_numpy())
+    pairs = np.loadtxt(tdir / "meta" / "template_pair_label.txt", dtype=np.int64, ndmin=2)
+    index = {int(t): i for i, t in enumerate(tids)}
+    scores = pair_scores(tfeats[[index[int(t)] for t in pairs[:, 0]]], tfeats[[index[int(t)] for t in pairs[:, 1]]])
+    labels = pairs[:, 2]
+    for far, tar in tar_at_far(scores, labels, fars=cfg.fars).items():
+        metrics[f"{tag}/templates/tar@far={_fmt_far(far)}"] = tar
+    fpr, tpr, _ = roc_curve(scores, labels)
+    curves[f"templates: {tag}"] = (fpr, tpr)
+    metrics[f"{tag}/templates/pairs"] = float(len(labels))
+    metrics[f"{tag}/templates/impostor_pairs"] = float((labels == 0).sum())
+
+    # closed-set identification on held-out identities (gallery vs probe split)
+    hdir = paths.heldout_set
+    manifest = read_manifest(hdir / "manifest.parquet")
+    # ingested real faces carry no landmarks: a KP-RPE model gets the align stage's predictions for them
+    keypoints = manifest_keypoints(hdir, manifest, paths.aligned_set)[0] if needs_keypoints(model) else None
+    feats = emb(load_images(hdir, manifest), keypoints)
+    gallery = (manifest["split"] == "gallery").to_numpy()
+    label = manifest["label"].to_numpy()
+    for r, v in identification_rank(feats[~gallery], label[~gallery], feats[gallery], label[gallery], ranks=cfg.ranks).items():
+        metrics[f"{tag}/identification/rank{r}"] = v
+
+    # Open set: only even-labelled held-out identities are enrolled. Probes of the others are non-mated
+    # (IJB-S style TPIR@FPIR), and all their images serve as distractors for the enrolled probes (TinyFace style).
+    enrolled = label % 2 == 0
+    if enrolled.any() and (~enrolled).any():
+        g = gallery & enrolled
+        open_set = open_set_identification(feats[~gallery], label[~gallery], feats[g], label[g], fpirs=cfg.fpirs, ranks=(1,))
+        for f in cfg.fpirs:
+            metrics[f"{tag}/open_set/tpir@fpir={_fmt_far(f)}"] = open_set[f"tpir@fpir={float(f)!r}/rank1"]
+        p = ~gallery & enrolled
+        ranks = identification_with_distractors(feats[p], label[p], feats[g], label[g], feats[~enrolled],
+                                                ranks=cfg.distractor_ranks)
+        for r, v in ranks.items():
+            metrics[f"{tag}/distractors/rank{r}"] = v
+        metrics[f"{tag}/distractors/count"] = float((~enrolled).sum())
+    return metrics, curves
+
+
+def model_dirs(paths: Paths) -> list[tuple[str, Path]]:
+    """``(source, directory)`` of every trained FR model under ``models/fr/``."""
+    found = sorted((d.name, d) for d in paths.fr_models.glob("*") if (d / "config.json").is_file())
+    if not found:
+        from ml.errors import DataError
+
+        raise DataError(f"no trained FR model under {paths.fr_models}; run `dvc repro train_fr` first.")
+    return found
+
+
+def plot_roc(curves: dict[str, tuple[np.ndarray, np.ndarray]], path: Path) -> None:
+    plt = pyplot()
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for label, (fpr, tpr) in curves.items():
+        ax.plot(np.clip(fpr, 1e-6, 1), tpr, label=label, lw=1.6 if "model" in label else 1.0,
+                ls="-" if "model" in label else "--")
+    ax.set(xscale="log", xlim=(1e-4, 1), ylim=(0, 1.01), xlabel="false accept rate", ylabel="true accept rate",
+           title="ROC (held-out identities)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def aligner_section(aligner: dict[str, Any], align: dict[str, Any]) -> list[str]:
+    """Markdown for the DFA aligner: NME on held-out unaligned faces, the alignment residual, the YuNet reference."""
+    if not aligner:
+        return []
+    row = lambda name, p: (f"| {name} | {aligner[p + 'nme']:.4f} | {100 * aligner[p + 'failure@0.1']:.1f} % | "  # noqa: E731
+                           f"{aligner[p + 'auc@0.1']:.3f} |")
+    lines = ["", f"## Aligner (DFA) on {int(aligner.get('test/faces', 0))} held-out unaligned faces", "",
+             "NME = mean landmark error / inter-pupil distance (5 points have no outer eye corners).", "",
+             "| predictor | NME | failure (NME > 0.1) | AUC@0.1 |", "|---|---|---|---|",
+             row("DFA", "test/"), row("mean landmarks (trivial)", "test/mean_shape_")]
+    if "test/face_auc" in aligner:
+        rho = aligner.get("quality/score_spearman", float("nan"))
+        lines += ["", f"Face score (pooled face probability) on the held-out faces vs "
+                  f"{int(aligner.get('test/nonfaces', 0))} held-out non-face crops, and its rank correlation with the "
+                  "procedural quality on "
+                  f"{int(aligner.get('quality/faces', 0))} rendered faces:", "",
+                  "| ROC AUC | accuracy at 0.5 | mean score: faces | mean score: non-faces | Spearman ρ with quality |",
+                  "|---|---|---|---|---|",
+                  f"| {aligner['test/face_auc']:.3f} | {100 * aligner['test/face_accuracy@0.5']:.1f} % | "
+                  f"{aligner['test/face_score_mean']:.3f} | {aligner['test/nonface_score_mean']:.3f} | {rho:.3f} |"]
+    if align:
+        lines += ["", f"After `align`, the ground-truth landmarks land {align['align/residual_px']:.2f} px from the "
+                  f"ArcFace template on average (NME {align['align/residual_nme']:.4f})."]
+    ref = aligner.get("reference", {})
+    if "skipped" in ref:
+        lines += ["", f"YuNet comparison on real faces skipped: {ref['skipped']}."]
+    elif ref:
+        lines += ["", f"On {ref['yunet_found']} real aligned faces ({ref['size']}×{ref['size']}) where OpenCV Zoo's YuNet "
+                  f"found a face, DFA vs YuNet landmarks: NME {ref['nme_vs_yunet']:.4f} (median "
+                  f"{ref['median_nme_vs_yunet']:.4f}), {100 * ref['failure@0.1_vs_yunet']:.1f} % above 0.1. DFA was "
+                  "trained on procedural faces only."]
+    return lines + ["", "![CED](../plots/aligner_ced.png)"]
+
+
+def synthetic_gap(metrics: dict[str, float]) -> dict[str, float]:
+    """UIFace Table 3's synthetic–real gap ``(REAL − SYN)/SYN`` of verification accuracy, per verification set and
+    per non-real model (``synthetic``, ``mixed``): ``gap/<model>/<set>``."""
+    out = {}
+    for key, real in metrics.items():
+        if key.startswith("real/verification/") and key.endswith("/accuracy"):
+            name = key.split("/")[-2]
+            for tag in ("synthetic", "mixed"):
+                syn = metrics.get(f"{tag}/verification/{name}/accuracy")
+                if syn:
+                    out[f"gap/{tag}/{name}"] = (real - syn) / syn
+    return out
+
+
+def synthetic_section(synth: dict[str, Any], metrics: dict[str, float]) -> list[str]:
+    """Markdown for the UIFace synthetic set: its diversity metrics and the synthetic–real gap."""
+    if not synth:
+        return []
+    k = lambda name: synth.get(f"synthetic/{name}", float("nan"))  # noqa: E731
+    pr = sorted(key.split("@")[1] for key in synth if key.startswith("synthetic/precision@"))
+    lines = ["", f"## Synthetic data (UIFace): {int(k('identities'))} identities × "
+             f"{int(k('images')) // max(int(k('identities')), 1)} faces", "",
+             "Under the FR model `real`; diversity = mean intra-class (1 − cos), an embedding proxy for LPIPS (whose "
+             "VGG weights are not available offline); precision/recall: Improved P/R against real training faces.", "",
+             "| identity consistency (min) | diversity | inter-class cos mean / max | "
+             + " | ".join(f"precision / recall @{p}" for p in pr) + " | t0 mean ± std | UNet evals / face |",
+             "|---|---|---|" + "---|" * len(pr) + "---|---|",
+             f"| {k('identity_consistency'):.3f} ({k('identity_consistency_min'):.3f}) | {k('diversity'):.3f} | "
+             f"{k('inter_class_mean_cos'):.3f} / {k('inter_class_max_cos'):.3f} | "
+             + " | ".join(f"{k('precision@' + p):.3f} / {k('recall@' + p):.3f}" for p in pr)
+             + f" | {k('t0_mean'):.0f} ± {k('t0_std'):.0f} | {k('unet_evals_per_image'):.1f} |"]
+    gaps = {key: v for key, v in metrics.items() if key.startswith("gap/")}
+    if gaps:
+        lines += ["", "Synthetic–real gap `(REAL − SYN)/SYN` of verification accuracy (UIFace Table 3; 0 = no gap):", "",
+                  "| model | set | REAL | SYN | gap |", "|---|---|---|---|---|"]
+        for key, gap in sorted(gaps.items()):
+            _, tag, name = key.split("/")
+            real, syn = metrics[f"real/verification/{name}/accuracy"], metrics[f"{tag}/verification/{name}/accuracy"]
+            lines.append(f"| `{tag}` | `{name}.bin` | {100 * real:.2f} % | {100 * syn:.2f} % | {gap:+.3f} |")
+    return lines + ["", "![synthetic faces](../plots/synthetic_samples.png)"]
+
+
+def data_section(paths: Paths, bins: list[Path], metrics: dict[str, float], models: dict[str, dict]) -> list[str]:
+    """Markdown: which benchmark read which data (the user's real faces or procedural ones), and with real faces
+    ingested, each model's numbers on the held-out real identities."""
+    import json
+
+    from ml.data.dataset import read_dataset_info
+
+    def described(directory: Path) -> str:
+        if not (directory / "dataset.json").is_file():
+            return "—"
+        info = read_dataset_info(directory)
+        origin = (info.get("generator") or {}).get("ingested_from")
+        where = f" from `{origin}`" if origin else ""
+        return f"{info['source']}{where}: {info['identity_count']} identities, {info['image_count']} images"
+
+    gfd_info = paths.gfd_split.parent / "split.json"
+    gfd = json.loads(gfd_info.read_text())["dataset"] if gfd_info.is_file() else None
+    rows = [("FR training (`real`), generator, fusion", described(paths.train_set)),
+            ("identification, open set (held-out identities)", described(paths.heldout_set))]
+    kind = {"real": "real held-out identities (never trained on)", "procedural": "procedural held-out identities"}
+    for b in bins:
+        rows.append((f"verification `{b.name}`", kind.get(b.stem, f"your `.bin` from `{b.parent}`")))
+    rows += [("templates (IJB-B/C style)", "procedural: video-like sequences + stills (real folders have no sequences)"),
+             ("video probes (IJB-S style)", "procedural: long mixed-quality sequences"),
+             ("discovery (GFD split)", "—" if gfd is None else described(paths.prepared / gfd)),
+             ("aligner", "procedural unaligned crops (training needs exact landmarks)")]
+    lines = ["", "## Data: which benchmark used which faces", "", "| benchmark | data |", "|---|---|"]
+    lines += [f"| {a} | {b} |" for a, b in rows]
+    if "real" not in {b.stem for b in bins}:
+        return lines
+    fars = sorted({k.rsplit("/", 1)[1] for k in metrics if "/verification/real/tar@" in k},
+                  key=lambda f: float(f.split("=")[1]))
+    lines += ["", "## Real faces: held-out identities (never trained on)", "",
+              "| model | trained on | `real.bin` accuracy | " + " | ".join(f.replace("tar@far", "TAR@FAR") for f in fars)
+              + " | rank-1 | rank-5 |", "|---|---|---|" + "---|" * (len(fars) + 2)]
+    pct = lambda v: "—" if v is None else f"{100 * v:.2f} %"  # noqa: E731
+    for tag, config in models.items():
+        acc = metrics.get(f"{tag}/verification/real/accuracy")
+        lines.append(f"| `{tag}` | {config.get('extra', {}).get('training_data_source', '?')} | {pct(acc)} | "
+                     + " | ".join(pct(metrics.get(f"{tag}/verification/real/{f}")) for f in fars)
+                     + f" | {pct(metrics.get(f'{tag}/identification/rank1'))} | "
+                     f"{pct(metrics.get(f'{tag}/identification/rank5'))} |")
+    return lines
+
+
+def render_report(metrics: dict[str, float], models: dict[str, dict], train_metrics: dict[str, dict],
+                  extra_sections: list[str] = ()) -> str:
+    """``reports/benchmark.md``: the run's numbers, one row per trained model plus the pixel baselines."""
+    pct = lambda v: "—" if v is None else f"{100 * v:.2f} %"  # noqa: E731
+    lines = [
+        "# faceops benchmark",
+        "",
+        f"Generated by the `evaluate` stage on {_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M UTC}. "
+        "Every number below was measured in this run; `metrics/evaluate.json` has all of them.",
+        "",
+        "## Models",
+        "",
+        "| model | backbone | training data | identities / images | digest | train time | final train/accuracy |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for tag, config in models.items():
+        extra = config.get("extra", {})
+        tm = train_metrics.get(tag, {})
+        lines.append(
+            f"| `{tag}` | `{config.get('backbone')}` | {extra.get('training_data_source', '?')} | "
+            f"{extra.get('training_identities', '?')} / {extra.get('training_images', '?')} | "
+            f"`{str(extra.get('training_data_digest', ''))[:12]}` | {tm.get('train/seconds', float('nan')):.0f} s | "
+            f"{tm.get('train/accuracy', float('nan')):.3f} |"
+        )
+    names = sorted({k.split("/")[-2] for k in metrics if "/verification/" in k and k.endswith("/accuracy")})
+    lines += ["", "## Verification (10-fold accuracy ± std over folds, flip TTA, held-out identities)", "",
+              "| embedding | " + " | ".join(f"`{n}.bin`" for n in names) + " |", "|---|" + "---|" * len(names)]
+    rows = [(f"FR model `{tag}`", f"{tag}/") for tag in models] + [
+        ("raw-pixel cosine (baseline)", "baseline/raw_pixels/"), ("linear probe on pixels (baseline)", "baseline/linear_probe/")]
+    for label, prefix in rows:
+        cells = []
+        for n in names:
+            acc, std = metrics.get(f"{prefix}verification/{n}/accuracy"), metrics.get(f"{prefix}verification/{n}/std")
+            skipped = metrics.get(f"{prefix}verification/{n}/skipped_no_landmarks")
+            cells.append("no landmarks" if skipped else ("—" if acc is None else f"{100 * acc:.2f} ± {100 * std:.2f} %"))
+        if any(c != "—" for c in cells):
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    fars = sorted({k.split("/")[-1] for k in metrics if "/templates/tar@" in k}, key=lambda f: float(f.split("=")[1]))
+    lines += ["", "## Templates (IJB-style: media mean → template mean)", "",
+              "| model | " + " | ".join(f.replace("tar@", "TAR@") for f in fars) + " | pairs (impostor) |",
+              "|---|" + "---|" * (len(fars) + 1)]
+    for tag in models:
+        lines.append(f"| `{tag}` | " + " | ".join(pct(metrics.get(f"{tag}/templates/{f}")) for f in fars) +
+                     f" | {int(metrics.get(f'{tag}/templates/pairs', 0))} ({int(metrics.get(f'{tag}/templates/impostor_pairs', 0))}) |")
+    ranks = sorted({int(k.rsplit("rank", 1)[1]) for k in metrics if "/identification/rank" in k})
+    lines += ["", "## Identification (closed set, held-out identities, cosine)", "",
+              "| model | " + " | ".join(f"rank-{r}" for r in ranks) + " |", "|---|" + "---|" * len(ranks)]
+    for tag in models:
+        lines.append(f"| `{tag}` | " + " | ".join(pct(metrics.get(f"{tag}/identification/rank{r}")) for r in ranks) + " |")
+    open_keys = sorted({k.split("/", 1)[1] for k in metrics if "/open_set/" in k or "/distractors/rank" in k},
+                       key=lambda k: (k.startswith("distractors"), int(k.rsplit("rank", 1)[1]) if "rank" in k else 0, k))
+    if open_keys:
+        lines += ["", "## Open set (enrolled = half the held-out identities)", "",
+                  "TPIR@FPIR: rank-1 hits above the threshold that lets that share of non-enrolled probes through. "
+                  "Distractors: closed-set rank-N of enrolled probes with every image of the non-enrolled identities "
+                  "added to the gallery as its own identity.", "",
+                  "| model | " + " | ".join(k.replace("open_set/", "").replace("distractors/", "distractors ") for k in open_keys) + " |",
+                  "|---|" + "---|" * len(open_keys)]
+        for tag in models:
+            lines.append(f"| `{tag}` | " + " | ".join(pct(metrics.get(f"{tag}/{k}")) for k in open_keys) + " |")
+    lines += ["", "![ROC](../plots/roc.png)"]
+    from tasks.evaluate import discovery as discovery_eval, fusion as sets_eval
+
+    lines += list(extra_sections) + sets_eval.render_section(metrics) + discovery_eval.render_section(metrics) + [""]
+    return "\n".join(lines)
+
+
+def run(cfg: EvaluateConfig, data: DataConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
+    import json
+
+    from ml.models.io import load_model
+
+    bins = verification_bins(paths, cfg.bin_dir)
+    ijb = ijb_sets(cfg)  # read before any model runs: a broken folder fails in seconds, not after the models
+    sets = _verification_sets(bins, paths.aligned_set)
+    metrics: dict[str, float] = {}
+    curves: dict[str, tuple] = {}
+    models: dict[str, dict] = {}
+    loaded: dict[str, Any] = {}
+    for tag, directory in model_dirs(paths):
+        loaded[tag], models[tag] = load_model(directory)
+        m, c = evaluate_model(loaded[tag], tag, cfg, paths, sets)
+        metrics.update(m)
+        curves.update(c)
+        metrics.update(evaluate_ijb(loaded[tag], tag, cfg, ijb))
+    if cfg.discovery and paths.gfd_split.is_file():
+        from tasks.evaluate.discovery import evaluate_discovery
+
+        metrics.update(evaluate_discovery(cfg, data, paths, loaded.get("real", next(iter(loaded.values())))))
+    if cfg.sets and paths.video_set.is_dir():
+        from tasks.evaluate.fusion import evaluate_sets
+
+        metrics.update(evaluate_sets(cfg, data, paths, loaded.get("real", next(iter(loaded.values()))),
+                                     chunk_size=cfg.fusion_chunk_size))
+    if cfg.baselines:
+        m, c = evaluate_baselines(cfg, paths, data, sets)
+        metrics.update(m)
+        curves.update(c)
+    metrics.update(synthetic_gap(metrics))
+    write_json(paths.metrics / "evaluate.json", metrics)
+    plot_roc(curves, paths.plots / "roc.png")
+    first = next(iter(models))
+    fpr, tpr = curves[f"templates: {first}"]
+    write_text(paths.plots / "roc_templates.csv", "fpr,tpr\n" + "".join(f"{f:.6g},{t:.6g}\n" for f, t in zip(fpr, tpr)))
+    train_metrics = {}
+    for tag in models:
+        path = paths.metrics / f"train_fr_{tag}.json"
+        train_metrics[tag] = json.loads(path.read_text()) if path.is_file() else {}
+    stage_json = {n: json.loads((paths.metrics / f"{n}.json").read_text()) if (paths.metrics / f"{n}.json").is_file()
+                  else {} for n in ("train_aligner", "align", "synthesize")}
+    write_text(paths.benchmark_report, render_report(
+        metrics, models, train_metrics,
+        data_section(paths, bins, metrics, models)
+        + ijb_section(metrics, models, ijb)
+        + aligner_section(stage_json["train_aligner"], stage_json["align"])
+        + synthetic_section(stage_json["synthesize"], metrics)))
+    result = StageResult("evaluate", metrics=metrics,
+                         outputs=[paths.metrics / "evaluate.json", paths.plots / "roc.png", paths.benchmark_report])
+    result.summary = "; ".join(
+        f"{tag}: procedural.bin {100 * metrics.get(f'{tag}/verification/procedural/accuracy', float('nan')):.2f}%, "
+        f"rank-1 {100 * metrics.get(f'{tag}/identification/rank1', float('nan')):.2f}%" for tag in models
+    ) + f" → {paths.benchmark_report}"
+    if tracker is not None:
+        for sub in ("heldout", "templates"):
+            tracker.log_dataset(paths.prepared / sub, context=f"eval-{sub}")
+        tracker.log_metrics(metrics)
+        tracker.log_artifact(paths.plots / "roc.png", artifact_path="plots")
+        for extra in (paths.plots / "discovery_embedding.png", paths.root / "reports" / "discovery_predictions.csv"):
+            if extra.is_file():
+                tracker.log_artifact(extra, artifact_path="discovery")
+        if (paths.plots / "fusion_gain.png").is_file():
+            tracker.log_artifact(paths.plots / "fusion_gain.png", artifact_path="plots")
+        tracker.log_artifact(paths.benchmark_report, artifact_path="reports")
+        tracker.set_tags({f"model.{tag}.digest": c.get("extra", {}).get("training_data_digest", "") for tag, c in models.items()})
+    return result
+
+
+def main() -> None:
+    from ops.tracking import stage_run
+
+    paths = Paths()
+    params = load_params(paths.params)
+    cfg = from_mapping(EvaluateConfig, section(params, "evaluate"), "evaluate")
+    data = from_mapping(DataConfig, section(params, "data"), "data")
+    with stage_run("evaluate", {"evaluate": section(params, "evaluate")}, paths.root) as tracker:
+        result = run(cfg, data, paths, tracker=tracker)
+    log.info(result.summary)

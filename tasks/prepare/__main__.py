@@ -1,0 +1,4 @@
+from tasks.prepare import main
+from tasks.common import stage_main
+
+stage_main(main, "prepare")
