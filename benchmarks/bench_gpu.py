@@ -1,33 +1,16 @@
-"""Every trainer on the accelerator: FR (the embedded ``vit_tiny`` at 64 px and the ``real-112`` recipe's ViT-T at
-112 px), the DFA aligner, CAFace fusion, FaceGCD discovery and UIFace's latent autoencoder and generator, each
-fitted through its own public function (``train``, ``train_aligner``, ``train_fusion``, ``train_discovery``,
-``train_autoencoder``, ``train_generator``) for a fixed number of optimiser steps on one device and precision.
+"""Every trainer on the accelerator, each through its own public function (``train_fr`` for the embedded ``vit_tiny``
+and for the ``real-112`` recipe's ViT-T as ``fr112``, ``train_aligner``, ``train_fusion``, ``train_discovery``,
+``train_autoencoder``, ``train_generator``), for a fixed number of optimiser steps on one device and precision.
 
-The device comes from the environment, so one command measures a GPU worker or checks the code on a laptop:
-
-- ``FACEOPS_BENCH_ACCELERATOR``: ``gpu`` when CUDA is visible, else ``cpu``;
-- ``FACEOPS_BENCH_PRECISION``: ``bf16-mixed`` on a GPU, ``32-true`` on the CPU (``16-mixed`` is GPU only);
-- ``FACEOPS_BENCH_STEPS``: timed optimiser steps per trainer, 60 on a GPU, 6 on the CPU.
-
-Recipes are the embedded defaults read from ``params.yaml`` (sections ``fr``, ``aligner.train``, ``fusion.train``,
-``discovery``, ``generator.autoencoder_train``, ``generator.train``; sizes from ``data``) with only the device keys
-and the length of the run changed; ``fr112`` is ``fr`` with ``presets.yaml``'s ``real-112`` ``fr.*`` keys (ViT-T
-patch 9, 512-d, AdaFace, batch 512, the kprpe augmentation, 8 loader workers at most one per core). On the CPU ``fr112`` trains batches of
-16 instead of 512 so that the check stays short. Inputs are built in memory before each fit: uniform random uint8
-images (64 px for FR and FaceGCD, 112 px for ``fr112``, 32-px faces for UIFace's autoencoder and, through an
-untrained autoencoder of that shape, for its UNet) with labels cycling over
-``data.train_identities``; unaligned procedural 128-px crops with their exact landmarks for the aligner; random
-features and styles of the FR model's sizes (``vit_tiny``: 128-d, 256 × 2) for CAFace, ``data.fusion_identities``
-× ``fusion_sources`` × ``fusion_copies`` of them; random unit FR embeddings as UIFace's identity contexts. FaceGCD
-starts from a random ViT (``backbone_init: random``), which costs the same per step as the FR model would.
-
-Each trainer runs ``warmup + steps`` optimiser steps (``warmup = max(1, steps // 6)``) in one fit; a callback
-starts the clock after the warm-up steps and stops it after the timed ones, synchronising CUDA at both ends, so
-set-up, the first steps (allocator, kernel selection) and teardown are outside the window while data loading,
-augmentation, logging and epoch bookkeeping inside it are counted. Items are counted from the timed batches:
-images (FR, FaceGCD: two views of each, UIFace), crops (aligner: faces and non-face crops) and, for CAFace,
-features (identities × 32 per step, fused into 16 sets each). The same callback records the device of the module's
-parameters at the first batch; on a GPU a trainer whose parameters were not on CUDA is an error.
+The environment chooses: ``FACEOPS_BENCH_ACCELERATOR`` (``gpu`` when CUDA is visible, else ``cpu``),
+``FACEOPS_BENCH_PRECISION`` (``bf16-mixed`` on a GPU, ``32-true`` on the CPU) and ``FACEOPS_BENCH_STEPS`` (60 on a
+GPU, 6 on the CPU). Recipes are the embedded defaults of ``params.yaml`` with only the device keys and the run's
+length changed (``fr112``: the ``real-112`` preset's ``fr.*`` keys; batch 16 on the CPU). Inputs are random
+images, features and contexts of the right sizes built in memory (the aligner: procedural crops with exact
+landmarks; FaceGCD from a random ViT, which costs the same per step). A callback starts the clock after
+``max(1, steps // 6)`` warm-up steps and stops it after the timed ones, synchronising CUDA at both ends, so data
+loading, augmentation and logging count and set-up does not; items are images, crops or (CAFace) features of the
+timed batches. A trainer whose parameters are not on CUDA on a GPU run is an error.
 """
 
 from __future__ import annotations

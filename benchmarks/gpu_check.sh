@@ -12,13 +12,13 @@ out=${1:-}
 python=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 learns=(
-  tests/test_train_fr.py::test_loss_decreases_and_accuracy_beats_chance
-  tests/test_dfa.py::test_short_training_lowers_loss_and_beats_the_mean_shape
-  tests/test_caface.py::test_training_beats_averaging_for_every_seed
-  tests/test_discovery_recipe.py::test_training_beats_its_initial_features_on_held_out_images
-  tests/test_train_generator.py::test_loss_decreases_on_a_tiny_dataset
-  tests/test_train_generator.py::test_resume_after_an_epoch_equals_an_uninterrupted_run
-  tests/test_train_generator.py::test_autoencoder_reconstructs_held_out_faces_better_than_the_mean_face
+  tests/unit/test_train_fr.py::test_loss_decreases_and_accuracy_beats_chance
+  tests/unit/test_dfa.py::test_short_training_lowers_loss_and_beats_the_mean_shape
+  tests/unit/test_caface.py::test_training_beats_averaging_for_every_seed
+  tests/unit/test_discovery_recipe.py::test_training_beats_its_initial_features_on_held_out_images
+  tests/unit/test_train_generator.py::test_loss_decreases_on_a_tiny_dataset
+  tests/unit/test_train_generator.py::test_resume_after_an_epoch_equals_an_uninterrupted_run
+  tests/unit/test_train_generator.py::test_autoencoder_reconstructs_held_out_faces_better_than_the_mean_face
 )
 status=0
 

@@ -2,8 +2,8 @@
 
 In a page: ``{{ metric("evaluate", "real/verification/procedural/accuracy", ".1%") }}`` (``metrics/evaluate.json``),
 ``{{ bench("make_run", "minutes") }}`` (``benchmarks/results.json``), ``{{ bench_when("make_run") }}``,
-``{{ param("fr.epochs") }}`` (``params.yaml``) and ``{{ report("claims.md", "## Verdicts") }}`` (a generated report,
-whole or one section). A key that is not there fails the build (``mkdocs build --strict``), so a page cannot cite a
+``{{ param("fr.epochs") }}`` (``params.yaml``), ``{{ report("claims.md", "## Verdicts") }}`` (a generated report,
+whole or one section) and ``{{ include("CHANGELOG.md") }}``. A key that is not there fails the build (``mkdocs build --strict``), so a page cannot cite a
 number its outputs no longer hold.
 """
 
@@ -78,7 +78,7 @@ def param(key: str) -> str:
 def report(path: str, heading: str | None = None) -> str:
     """``reports/<path>`` (a generated report), whole or the section under ``heading`` (e.g. ``"## Verdicts"``) up to
     the next heading of its level or above; the report's own title line is dropped."""
-    text = (ROOT / "reports" / path).read_text()
+    text = _local_links((ROOT / "reports" / path).read_text())
     if heading is None:
         return re.sub(r"\A# [^\n]*\n", "", text)
     level = len(heading) - len(heading.lstrip("#"))
@@ -90,6 +90,23 @@ def report(path: str, heading: str | None = None) -> str:
     return rest[: end.start() if end else len(rest)].strip() + "\n"
 
 
+def include(path: str) -> str:
+    """A file of the repository (``CHANGELOG.md``), without its title line."""
+    return re.sub(r"\A# [^\n]*\n", "", (ROOT / path).read_text())
+
+
+def _local_links(text: str) -> str:
+    """A report's links to repository files (``![roc](../plots/roc.png)``: DVC outputs outside the site) as paths
+    in code, ``roc (`plots/roc.png`)``; web links are kept."""
+    def repl(m: re.Match) -> str:
+        label, target = m.group(1), m.group(2)
+        if re.match(r"[a-z]+://", target):
+            return m.group(0)
+        path = re.sub(r"^(\.\./)+", "", target)
+        return f"{label} (`{path}`)" if label else f"`{path}`"
+    return re.sub(r"!?\[([^\]]*)\]\(([^)\s]+)\)", repl, text)
+
+
 def define_env(env: Any) -> None:
-    for fn in (metric, bench, bench_when, param, report):
+    for fn in (metric, bench, bench_when, param, report, include):
         env.macro(fn)

@@ -1,32 +1,16 @@
 """Paper claims at embedded scale, mean ± std over runs: ``python -m experiments.claims [--data-seeds 0 1]``.
 
-1. KP-RPE (keypoint relative position bias) beats the plain ViT of the same size on misaligned procedural
-   faces, and is not worse on aligned ones (KP-RPE paper, main claim). "Misaligned" = the aligned crop with
-   strong jitter (rotation std 12°, log-scale std 0.12, shift std 6 % of the side); fully unaligned crops
-   (``aligned=False``) are also offered (``--conditions``) but need more data than this scale to learn at all.
-2. The LVFace staged schedule (margin + PartialFC sampling, then prototype-stabilised centres) is at least
-   as good as plain ArcFace for the same budget (LVFace paper). Measured on the clean 150-identity set
-   (``aligned``) and where it can matter (``noisy``): ``Scale.noisy_identities`` identities with few images each
-   and ``Scale.label_noise`` of the training labels replaced by another identity's, ArcFace vs PartialFC (rate 0.5)
-   vs the LVFace schedule, the same steps for each.
+1. KP-RPE beats the plain ViT of the same size on misaligned procedural faces (aligned crops with strong rotation,
+   scale and shift jitter: ``CONDITIONS``) and is not worse on aligned ones. Its arms train with the paper's recipe
+   (``KPRPE_RECIPE``); ``--keypoint-lr-scale s`` adds an arm whose keypoint map learns at s × lr.
+2. The LVFace schedule is at least as good as ArcFace for the same steps, on the clean set (``aligned``) and on
+   ``noisy`` (many identities, few images each, a share of wrong labels), where PartialFC alone is a third arm.
 
-Each arm trains on the same procedural identities and is scored by 10-fold verification accuracy (flip TTA)
-on 6,000 pairs (half genuine, none repeated) of 150 held-out identities. Keypoints are the generator's exact
-landmarks. Every arm runs once per (data seed, seed): the seed changes initialisation, data order and augmentation,
-the data seed (``--data-seeds``) the identities rendered and the pairs drawn. Statistics: mean ± sample std (ddof 1)
-over the runs, the same per data seed, and each arm against the claim's reference arm as paired per-run differences
-(mean ± sample std and how many runs were higher).
-
-KP-RPE's arms train with the paper's recipe (AdaFace m 0.4, h 0.333, 3 warmup epochs; ``KPRPE_RECIPE``, where ArcFace
-collapses on these faces) for ``Scale.kprpe_epochs``: ``vit_tiny`` and ``vit_tiny_kprpe`` (and, with
-``--keypoint-lr-scale s``, the zero-initialised keypoint map at s × lr in its own optimiser group). Two diagnostics
-tell whether a KP-RPE model uses the keypoints: the **keypoint swap** scores it a second time with each test face's
-keypoints replaced by the mean keypoints of the test set (if accuracy does not move, it is a ViT with a learned
-relative-position bias), and the **bias spread** compares how much its attention-bias tables vary over faces (the
-keypoint part) with how much they vary over query tokens (the position part).
-
-Writes ``reports/claims.md`` and ``metrics/claims.json`` (per-run lists); every number is measured in the run
-that writes them.
+Every arm trains on the same procedural identities once per (data seed, seed) and is scored by 10-fold verification
+accuracy (flip TTA) on distinct pairs of held-out identities: mean ± sample std over the runs, per data seed, and
+paired per-run differences to the claim's first arm. Two diagnostics tell whether a KP-RPE model uses the keypoints:
+the keypoint swap (test faces given the mean keypoints) and the bias spread (bias-table std over faces against over
+query tokens). Writes ``reports/claims.md`` and ``metrics/claims.json``.
 """
 
 from __future__ import annotations
@@ -67,12 +51,9 @@ class Scale:
     label_noise: float = 0.15  # share of the noisy condition's training labels moved to another identity
 
 
-# The KP-RPE paper's recipe (Table 6: AdaFace m 0.4, h 0.333, 3 warmup epochs). ArcFace (m 0.5) on these 1,800
-# misaligned faces collapses when trained longer: at 40 epochs its training accuracy rose to 5 % by epoch 3, then fell
-# to chance (0.7 %) while the loss kept falling (22 → 10.6), a verification accuracy of 48.9 %. Its θ + m > π
-# fallback charges a target at θ ≈ π only m·sin m = 0.24 against sin m = 0.48 at θ = π/2, so moving every feature
-# away from every class centre lowers the loss. AdaFace reached 74.4 % and CosFace 75.1 % in the same 40 epochs
-# (seed 0).
+# The KP-RPE paper's recipe (Table 6: AdaFace m 0.4, h 0.333, 3 warmup epochs). ArcFace (m 0.5) collapses on these
+# misaligned faces when trained longer: its θ + m > π fallback charges a target at θ ≈ π less (m·sin m) than one
+# at θ = π/2 (sin m), so moving every feature away from every class centre lowers the loss.
 KPRPE_RECIPE = {"margin": "adaface", "warmup_epochs": 3.0}
 
 CONDITIONS = {

@@ -1,38 +1,17 @@
 """FaceGCD's claims at embedded scale, with the default run's recipe: ``python -m experiments.discovery_claims``.
 
-The paper's claims, each a paired comparison on the same discovery set, seed and FR model:
+Paired comparisons on the same discovery set, seed and FR model: FaceGCD ≥ GCD (the same training without prefixes)
+≥ FR features + SSK, above all on Novel (paper Tables 1–2), and FaceGCD > the static-prefix ablation (Table 3). On
+request (``--arms``): ``oracle``, FaceGCD with every training image labelled (the headroom the trainer can reach), and
+``embedding``, the loss on the clustered embedding (``discovery.loss_on: embedding``, a diagnostic).
 
-- FaceGCD (hypernetwork-generated, sample-specific prefixes) discovers unknown identities better than GCD (the same
-  training without prefixes, the paper's control) and than the FR model's features with the same semi-supervised
-  k-means (the paper's ArcFace row, Tables 1–2): FaceGCD ≥ GCD ≥ FR + SSK, above all on Novel;
-- the static-prefix ablation (learned prefixes shared by every sample, Table 3) is below FaceGCD.
-
-Beside them, on request (``--arms ... oracle``), a reference row: ``oracle`` trains FaceGCD with the same recipe on
-the same images with every training image labelled, novel identities included. Above FR + SSK it shows the headroom
-the trainer can reach; at or below it, either the data holds nothing to learn or the trainer cannot learn it even
-from labels (an FR model trained with the discovery identities' labels tells the two apart). ``embedding`` is a
-diagnostic: FaceGCD's loss on the embedding SSK clusters (``discovery.loss_on: embedding``, the FR embedding layer
-trainable, no projection head), so the labels reach the features the protocol reads.
-
-Every trained run also records its curves: per epoch the two losses and the selection score (nearest class mean of
-the held-out labelled images of the known identities, ``val/accuracy``), beside the FR features' score on the same
-held-out images ("epoch 0"). Does the supervised term teach the known identities at all (the score rises), and does
-that reach the novel ones (test novel)? The report tabulates the curves and draws them
-(``reports/discovery_claims_curves.png``).
-
-One FR model (``vit_tiny``, ArcFace) is trained on procedural identities. A discovery set is further identities it
-never saw, split the GFD way (half the identities known, half of their training images labelled, 10 % of every
-identity held out as test); ``--data-seeds`` draws other identities and another split for each data seed. Each
-training seed (``--seeds``: initialisation, batch order, augmentation, SSK's seeding) trains every arm from the FR
-model with the recipe of ``params.yaml`` ``discovery`` (what ``train_discovery`` runs: InfoNCE τ 1.0, SupCon τ 0.07,
-P × K batches, the last block at a tenth of the learning rate, the best epoch on held-out labelled images), then
-runs SSK (K = all identities) with that seed. The FR-features arm changes between training seeds only through SSK's
-seeding.
-
-Reported: mean ± sample std (ddof 1) over every (data seed, seed) run, the paired per-run differences of each claim
-with their sign count, the loss of each arm's first and last epoch and the epoch kept. A difference holds beyond noise
-when its mean is more than twice its standard error (std / √runs) from 0. Writes ``reports/discovery_claims.md`` and
-``metrics/discovery_claims.json`` (every run's numbers); every number is measured in that run.
+One ``vit_tiny`` ArcFace model on procedural identities; each data seed (``--data-seeds``) draws further unseen
+identities and their GFD split; each training seed (``--seeds``) trains every arm from the FR model with ``params.yaml``
+``discovery`` and seeds SSK (K = all identities). Each run records per-epoch curves: both losses and the selection
+score (nearest class mean of held-out labelled images), the FR features' score as epoch 0. Reported: mean ± sample std
+over the (data seed, seed) runs and each claim's paired difference with its sign count, beyond noise when the
+mean is over 2·std/√runs from 0. Writes ``reports/discovery_claims.md``, ``reports/discovery_claims_curves.png`` and
+``metrics/discovery_claims.json``.
 """
 
 from __future__ import annotations

@@ -1,23 +1,16 @@
 """FaceGCD training recipes against the features they start from: ``python -m experiments.discovery_recipes``.
 
-The question of issue 17: at embedded scale FaceGCD + SSK lands below SSK on the FR features it is initialised from,
-so which part of the recipe does the damage? One FR model (``vit_tiny`` ArcFace, as in
-``experiments.discovery_claims``) and one discovery set (unseen identities, GFD split); every recipe below is
-trained from that FR model for each seed, and scored with semi-supervised k-means on the test images, paired with
-SSK on the FR features under the same seed. Each recipe is a delta on ``DiscoveryConfig``'s defaults:
+Which part of the recipe decides whether FaceGCD + SSK lands above or below SSK on the FR features it starts from?
+One FR model and one discovery set (``experiments.discovery_claims``' data, data seed 0). Each recipe is a delta on
+``DiscoveryConfig``'s class defaults (τ 0.07 for both terms, λ 0.35, lr 1e-3, uniform batches, the last epoch, no
+anchor), trained from that FR model per seed and scored by SSK on the test images, paired with SSK on the FR features
+under the same seed: ``default``; ``gcd`` (no prefixes); ``tau_u_1`` (InfoNCE τ 1.0, GCD's); ``balanced`` (P × K =
+8 × 4 batches); ``block_lr_0.1`` (the last block at lr/10); ``val_select`` (2 labelled images per known identity held
+out, the best epoch kept); ``combined`` (all four).
 
-- ``default``: the stage's recipe (τ 0.07 for both terms, λ 0.35, lr 1e-3, uniform batches, last epoch);
-- ``gcd``: the same without prefixes (GCD, the paper's control);
-- ``tau_u_1``: InfoNCE at τ = 1.0 (GCD's setting for the unsupervised term; SupCon stays at 0.07);
-- ``balanced``: P × K labelled batches (8 identities × 4 images in each batch of 64);
-- ``block_lr_0.1``: the pre-trained last block at a tenth of the learning rate;
-- ``val_select``: 2 labelled images per known identity held out, the best epoch kept;
-- ``combined``: τ_u 1.0 + balanced + block 0.1 + model selection.
-
-Writes one JSON line per (recipe, seed) to ``--out`` as it goes (a run cut short keeps what it measured) and the
-summary table ``reports/discovery_recipes.md`` (mean ± sample std over seeds, the paired difference to FR + SSK with
-its sign count). ``FACEOPS_EXPERIMENT_ACCELERATOR`` (``auto``) and ``..._PRECISION`` (``32-true``) choose the
-device.
+Writes one JSON line per (recipe, seed) to ``--out`` as it goes (a run cut short keeps what it measured) and
+``reports/discovery_recipes.md`` (mean ± sample std over seeds, the paired difference to FR + SSK with its sign count).
+``FACEOPS_EXPERIMENT_ACCELERATOR`` (``auto``) and ``FACEOPS_EXPERIMENT_PRECISION`` (``32-true``) choose the device.
 """
 
 from __future__ import annotations

@@ -1,23 +1,18 @@
 """CAFace training recipes compared over seeds on a finished run's data: ``python -m experiments.fusion_recipes``.
 
-The ``train_fusion`` stage trains one CAFace (one recipe, one seed). This experiment answers "does a recipe change
-help, for every seed?": it embeds the stage's training material and the ``evaluate`` stage's IJB-S-style video
-probes once with the run's frozen FR model (``fusion.fr_source``), then trains CAFace once per (variant, seed) and
-scores each on the same probes.
+Does a recipe change help for every seed? The run's frozen FR model (``fusion.fr_source``) embeds the
+``train_fusion`` stage's material and the ``evaluate`` stage's IJB-S-style video probes once; CAFace is then
+trained per (variant, seed) and scored on those same probes (single gallery).
 
-- Recipe: params.yaml ``fusion.train`` (feature and style sizes from the FR model), each variant a JSON object of
-  FusionConfig keys overriding it (``'{"lambda_u": 0}'``); seeds replace ``seed``. The same data for every run.
-- Material: ``tasks.train_fusion`` (``data/prepared/fusion``, or degraded copies of the ingested faces); probes:
-  ``data/prepared/videos``, features without flip as in ``evaluate``.
-- Per run: single-gallery rank-1 of the mated probes, its paired difference to plain averaging (bootstrap 95 %
-  interval, ``ml.fusion.diagnostics.paired_difference``), the last epoch's ``Lt`` against averaging's, and
-  CAFace's frame-weight diagnostics (weight–quality Spearman, weight CV, effective clusters).
-- Per variant: mean ± sample std over seeds of the gain over averaging; per seed, the paired difference to the
-  first variant (same seed), so a recipe is judged seed by seed, not by its best seed.
+- Variants: JSON objects of ``fusion.train`` keys over params.yaml's recipe (``'{"lambda_u": 0}'``); seeds replace
+  ``seed``; the same data for every run.
+- Per run: rank-1 of the mated probes, its paired difference to averaging (bootstrap 95 % interval), the last
+  epoch's ``Lt`` against averaging's and the frame-weight diagnostics (``ml.fusion.diagnostics``).
+- Per variant: mean ± sample std over seeds of the gain over averaging, and per seed the paired difference to the
+  first variant, so a recipe is judged seed by seed, not by its best seed.
 
-Writes ``reports/fusion_recipes.md`` (``--out``). The measurement behind ``fusion.train.lambda_u`` (docstring of
-``ml/fusion/train.py``) is ``--variants '{"lambda_u": 0}' '{"lambda_u": 0.3}' --seeds 0 1 2`` after ``make run``:
-six trainings of 600 steps, about 30 minutes on 2 cores.
+Writes ``reports/fusion_recipes.md`` (``--out``). The ``fusion.train.lambda_u`` comparison is
+``--variants '{"lambda_u": 0}' '{"lambda_u": 0.3}' --seeds 0 1 2`` after ``make run``.
 """
 
 from __future__ import annotations

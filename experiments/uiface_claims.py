@@ -1,45 +1,19 @@
-"""UIFace's Table 2 ablation at embedded scale, mean ± std over seeds: ``python -m experiments.uiface_claims``.
+"""UIFace's Table 2 ablation and Table 3 gap at embedded scale, over seeds: ``python -m experiments.uiface_claims``.
 
-Claim (UIFace paper, Table 2; METHODS "UIFace"): two-stage sampling with an adaptive switch step and attention
-injection makes a synthetic face set more diverse than plain classifier-free guidance with the ID context at every
-step, and an FR model trained on it verifies real faces better. Table 3 reports the synthetic–real gap
-``(REAL − SYN)/SYN`` of FR models trained on equally sized real and synthetic sets.
+Claim (paper Table 2): two-stage sampling with an adaptive switch and attention injection makes a synthetic set more
+diverse than CFG with the ID context at every step, and an FR model trained on it verifies real faces better; Table 3:
+the gap (REAL − SYN)/SYN at equal budget. Once (seed 0), on procedural faces (a): a teacher FR model (``vit_tiny``)
+and the generator as the pipeline trains it (KL autoencoder of 32-px faces, then the latent UNet). Per seed: contexts
+filtered from empty-context faces; per sampler mode (``MODES``) K × M faces with the same contexts and noise, their
+metrics under the teacher and an FR model trained on them, scored on held-out real identities (b); real-data FR
+models of the same budget (32-px bottleneck, native 64 px) give the gap. Writes ``reports/uiface_claims.md`` and
+``metrics/uiface_claims.json``; ``--estimate-only`` prints the expected time. Scale and report: ``uiface_summary``.
 
-What runs:
-
-1. Data: procedural faces at 64 px (``ml.data.procedural``), split by identity into (a) a training set for the
-   teacher FR model and the generator and (b) held-out real identities, scored by verification accuracy
-   (10-fold, InsightFace protocol, flip TTA) on pairs of them.
-2. Once, with seed 0: the teacher FR model (``vit_tiny``) on (a); the UIFace generator on (a) as the pipeline's
-   default trains it: a KL autoencoder of 32-px faces (4×8×8 latents, with the teacher's identity term), then the
-   ID-conditioned UNet in its latent, with the teacher's L2-normalised embeddings of the 32-px faces as identity
-   contexts (``Scale.latent = False``: a pixel-space UNet at 32 px instead).
-3. Per seed: candidate faces with the empty context only, embedded by the teacher and filtered DCFace-style
-   (``select_identity_contexts``, ``allow_fewer``) into K identity contexts. For each Table-2 row (``MODES``) with
-   these contexts and the same initial noise: K × M faces, their identity consistency / diversity / inter-class
-   separation / improved precision and recall (vs real faces through the same 32-px bottleneck) under the
-   teacher, and a fresh FR model trained on them (upsampled to 64 px) and scored on the held-out real pairs.
-   Two real-data FR models with the same K × M budget (real identities of (a), chosen per seed) give the gap:
-   one on the faces through the 32-px bottleneck (isolates the generator), one on the native 64-px faces.
-
-The seed changes the identity contexts, the sampling noise, the real subset and the FR training seed; the teacher
-and the generator are trained once (seed 0). Writes ``reports/uiface_claims.md`` and ``metrics/uiface_claims.json``
-under ``--out-dir`` (default: the repository); every number is measured in the run that writes them.
-``--estimate-only`` probes this machine's throughput for a few seconds and prints the expected wall time.
-The scale, the rows and the report are ``experiments/uiface_summary.py``.
-
-Differences from the reference (UIFace Sec. 4, appendix A.1), all for a ≤ 40-minute CPU run:
-
-- A KL autoencoder of 32-px faces trained here in two minutes (4×8×8 latents) and a 2-level latent UNet trained for
-  about 1,400 steps, not a VQ-f4 latent model (3×32×32 of 128-px faces) trained for 250k steps; the FR models are
-  ``vit_tiny`` on 64-px procedural faces, not IR-50/ArcFace on 112-px CASIA-sized sets.
-- 25 DDIM steps (paper 50); the adaptive threshold is the paper's 0.005 per Δt = 20, scaled by Δt/20
-  (``Scale.threshold_per_paper_step``), since d_t is a change between consecutive steps. Its per-step profile is
-  reported so the choice can be checked.
-- 4 context tokens (the public model: 32) so that cross-attention injection acts (with one token it cannot).
-- Diversity is 1 − the mean intra-class cosine under the teacher (LPIPS needs VGG weights we do not have offline);
-  improved precision/recall run on the teacher's embeddings, not Inception features.
-- Identity contexts come from the teacher's embeddings of 32-px faces (upsampled), for training and sampling alike.
+Differences from the reference (Sec. 4, appendix A.1), for a CPU run:
+- A small KL autoencoder and a 2-level latent UNet trained briefly, not VQ-f4 and 250k steps; FR models ``vit_tiny``
+  on 64-px procedural faces, not IR-50/ArcFace on 112-px CASIA; contexts from the teacher's 32-px-face embeddings.
+- 25 DDIM steps (paper 50), threshold × Δt/20 (``Scale.threshold_per_paper_step``); 4 context tokens (public: 32).
+- Diversity = 1 − intra-class cosine under the teacher, P/R on its embeddings: no VGG / Inception weights offline.
 """
 
 from __future__ import annotations
@@ -60,8 +34,8 @@ from experiments.uiface_summary import QUICK, Scale, effective_threshold, render
 log = logging.getLogger("experiments.uiface_claims")
 ROOT = Path(__file__).resolve().parents[1]
 
-# Throughput of the FR trainer (vit_tiny, 64 px, 2 threads): 76 s for 1800 images × 10 epochs
-# (reports/claims.md), plus Lightning's set-up per run; only used for the start-up estimate.
+# Seconds per image-epoch of the FR trainer (vit_tiny, 64 px, 2 threads, as measured in reports/claims.md's run)
+# plus Lightning's set-up per run; only used for the start-up estimate.
 FR_SECONDS_PER_IMAGE_EPOCH = 76.0 / 18000.0
 FR_OVERHEAD_SECONDS = 3.0
 

@@ -188,7 +188,7 @@ def stage_cmd(name: Annotated[str, typer.Argument(help="stage name from dvc.yaml
     if base not in STAGES:
         fail(f"unknown stage '{name}'. Stages: {', '.join(STAGES)} (foreach stages as NAME@ITEM, e.g. train_fr@real).")
     quiet_env()
-    main = importlib.import_module(STAGES[base]).main
+    main = importlib.import_module(STAGES[base].module).main
     stage_main((lambda: main(item)) if item else main, name)
 
 

@@ -1,25 +1,14 @@
-"""Per-area flows: the pipeline restricted to one area's stages (and the stages they need), with typed parameters
-a person fills in from the Prefect UI (prefect.yaml deploys each one).
+"""Per-area flows: the pipeline restricted to one area's stages (and the stages they need), with typed parameters a
+person fills in from the Prefect UI (prefect.yaml deploys each one): ``synthesize`` (``train_generator``,
+``synthesize``), ``train`` (the training stages, or some of them), ``evaluate`` (optionally on an ingested face
+folder or RecordIO) and ``pipeline`` (the whole DAG). Which stages belong to an area is ``tasks.STAGES``'s.
 
-- ``synthesize``: train the UIFace generator and synthesize the face set (``train_generator``, ``synthesize``);
-- ``train``: the training stages (``train_fr@*``, ``train_aligner``, ``train_discovery``, ``train_fusion``,
-  ``train_generator``), or some of them;
-- ``evaluate``: the benchmark (``evaluate``), optionally on your own faces (``ingest_folder`` / ``ingest_recordio``);
-- ``pipeline``: the whole DAG (or ``stages`` and what they need): the ``pipeline-nightly`` deployment.
-
-Each flow first writes ``preset`` then ``params_delta`` into params.yaml (``flows.routing.apply_params``): an
-unknown params key fails the flow run at once, naming the key, before any stage runs. That edit is to the working
-copy the flow runs in — on a worker, the fresh clone the deployment's pull steps made for this run; run locally,
-your checkout (``git checkout params.yaml`` undoes it). Then the area's stages run as a ``faceops-pipeline``
-subflow run: DVC skips what is up to date, GPU stages go to the GPU work pool when ``FACEOPS_GPU_DEPLOYMENT`` is
-set (``flows.routing``), and the subflow run ends with the ``benchmark`` artifact.
-
-``register_candidates`` decides whether the models trained become ``@candidate`` (``candidate-<source>``) in the
-registry, which the ``promote`` deployment judges: by default yes, except with ``preset: smoke``, whose toy models
-are registered as versions tagged ``faceops.alias_withheld`` and leave the aliases where they were.
-
-Parameter descriptions: the ``Args:`` section of each flow's docstring is what the Prefect UI shows beside each
-field of a deployment's run form.
+Each flow first writes ``preset`` then ``params_delta`` into params.yaml (``flows.routing.apply_params``; an unknown
+key fails the run at once, naming it) in the working copy it runs in — on a worker, the run's fresh clone — then
+runs the stages as a ``faceops-pipeline`` subflow run. ``register_candidates`` decides whether the models trained
+become ``@candidate``: by default yes, except with ``preset: smoke``, whose toy models are registered as versions
+tagged ``faceops.alias_withheld``. The ``Args:`` section of each flow's docstring is what the Prefect UI shows beside
+each field of a deployment's run form.
 """
 
 from __future__ import annotations
@@ -34,14 +23,14 @@ from flows.pipeline import pipeline, with_jobs
 from flows.routing import apply_params, moving_aliases, yaml_value
 from flows.stages import stage_order
 from ml.errors import ConfigError
+from tasks import STAGES
 
 TOY_PRESETS = frozenset({"smoke"})  # presets whose models must not become @candidate unless asked
 
-# area → the dvc.yaml stages it runs, by base name (``train_fr`` covers every ``train_fr@<source>``)
+# area → the dvc.yaml stages it runs, by base name (``train_fr`` covers every ``train_fr@<source>``): tasks.STAGES
 AREAS: dict[str, tuple[str, ...]] = {
-    "synthesize": ("train_generator", "synthesize"),
-    "train": ("train_fr", "train_aligner", "train_discovery", "train_fusion", "train_generator"),
-    "evaluate": ("evaluate",),
+    area: tuple(name for name, stage in STAGES.items() if area in stage.areas)
+    for area in ("synthesize", "train", "evaluate")
 }
 
 

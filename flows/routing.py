@@ -1,34 +1,14 @@
 """Where a stage runs — in the pipeline's own process, or on the ``gpu`` work pool — and where to see its records.
 
-**Which stages**: ``GPU_STAGES`` (the five trainings — aligner, FR, generator, fusion, discovery — and synthesis;
-``train_fr@*`` by its base name). **When**: ``FACEOPS_GPU_DEPLOYMENT`` names a deployment of the ``stage`` flow below as
-``FLOW/DEPLOYMENT`` (prefect.yaml declares ``stage/stage-gpu`` on pool ``gpu`` and sets the variable for the
-deployments on pool ``cpu``). Unset, every stage runs in-process, as ``faceops run`` does on a laptop. It is an
-environment variable, not a params key, on purpose: where a stage runs belongs to the machines, not to the
-experiment, and every params.yaml key is a DVC dependency (changing one would rerun stages).
-
-**How** — workers share nothing but the DVC remote (and the Prefect and MLflow servers):
-
-1. the pipeline pushes the outputs of the stage's upstream stages to the DVC remote and starts a ``stage`` flow
-   run with the stage name, its git commit, the params delta from that commit's params.yaml, the dvc.lock
-   entries of the upstream stages and the pipeline's MLflow run id, then waits for it (``run_deployment``);
-2. on a worker (a fresh clone made by the deployment's pull steps) the ``stage`` flow checks out that commit,
-   writes the delta into params.yaml and the lock entries into dvc.lock, pulls the upstream outputs, reproduces
-   the stage exactly as the pipeline does (``reproduce_stage`` below, in-process: DVC status, the stage's cmd with
-   its MLflow run nested under the pipeline's, ``dvc commit``), pushes the stage's outputs, and publishes a
-   ``stage-result`` markdown artifact: the stage's new dvc.lock entry and its uncached outputs (metrics and plot
-   data, which DVC does not push);
-3. the pipeline reads that artifact back, writes the entry into its dvc.lock and the small files into its
-   working copy, and pulls the stage's outputs: its working copy is then as if the stage had run there.
-
-A failed remote run fails the pipeline's task with the remote run's error (which carries the stage's MLflow run
-link) and the remote flow run's URL.
-
-**What a worker's run leaves behind** — its clone is thrown away, so with ``FACEOPS_PUBLISH_OUTPUTS=1``
-(prefect.yaml sets it for pool ``cpu``) a pipeline run checks for a DVC remote before any stage runs and, once
-its stages are done, pushes their cached outputs (datasets, models) to it and publishes the run's dvc.lock as a
-``pipeline-lock`` markdown artifact: write that into a checkout of the same commit and ``dvc pull`` brings the
-run's data and models; metrics, plots and reports are in the stages' MLflow runs.
+Which stages: ``GPU_STAGES``, the registry's (``tasks.STAGES``) GPU stages. When: ``FACEOPS_GPU_DEPLOYMENT`` names a
+deployment of the ``stage`` flow below as ``FLOW/DEPLOYMENT``; unset, every stage runs in-process. An environment
+variable, not a params key, on purpose: where a stage runs belongs to the machines, not to the experiment, and every
+params key is a DVC dependency. How: workers share only the DVC remote and the servers. The pipeline pushes the
+upstream outputs and starts a ``stage`` flow run with the commit, the params delta, the upstream ``dvc.lock``
+entries and its MLflow run id; the worker's fresh clone checks out that commit, reproduces the stage as the pipeline
+would, pushes its outputs and publishes a ``stage-result`` artifact (its ``dvc.lock`` entry and small uncached
+files), which the pipeline adopts before pulling the outputs. With ``FACEOPS_PUBLISH_OUTPUTS=1`` a run also pushes
+its outputs at the end and publishes its ``dvc.lock`` (``pipeline-lock``). See ``docs/operations/stack.md``.
 """
 
 from __future__ import annotations
@@ -48,11 +28,12 @@ from prefect.runtime import flow_run
 
 from flows.stages import DVC_LOCK, StageFailed, flat_items, read_lock, reproduce_here, stage_slot, stage_status
 from ml.errors import ConfigError
+from tasks import STAGES
 from ops import tracking
 
 ENV_GPU_DEPLOYMENT = "FACEOPS_GPU_DEPLOYMENT"
 ENV_GIT_URL = "FACEOPS_GIT_URL"  # the repository the deployments' pull step clones (prefect.yaml)
-GPU_STAGES = frozenset({"train_aligner", "train_generator", "train_fr", "synthesize", "train_fusion", "train_discovery"})
+GPU_STAGES = frozenset(name for name, stage in STAGES.items() if stage.gpu)  # tasks.STAGES: the registry
 STAGE_FLOW = "stage"
 RESULT_KEY = "stage-result"
 ENV_PUBLISH = "FACEOPS_PUBLISH_OUTPUTS"

@@ -1,22 +1,16 @@
 """Stage ``align``: the trained DFA aligner turns unaligned faces into aligned crops with predicted landmarks.
 
-Reads the unaligned faces the aligner never trained on (``data/prepared/unaligned`` split ``test``), predicts 5
-landmarks, warps each face onto the ArcFace template at ``data.image_size`` with the differentiable similarity
-solve + ``grid_sample`` (ml/aligner/align.py), and writes ``data/aligned/`` (images, manifest with the
-predicted landmarks in the aligned crop — the keypoints KP-RPE reads; ``quality`` is left empty because DFA's face
-score head is not trained on the embedded data, which has no non-face crops).
-Metrics: how far the *ground-truth* landmarks land from the template after alignment with the predicted ones
-(pixels, and normalised by the template's inter-pupil distance), which is the error alignment leaves behind.
-
-With real faces ingested (their manifests carry no landmarks: ingest has none to give) the aligner also predicts the
-5 landmarks of every real face of ``data/prepared/{train,heldout,discovery}`` and of ``verification/real.bin``, and
-writes them beside the aligned set: ``data/aligned/predicted_landmarks.parquet`` + ``.json`` (``ml.data.landmarks``:
-keyed by dataset and path, tied to each dataset's digest) and ``data/aligned/verification/real.landmarks.npy`` (in the
-``.bin``'s image order). These are the keypoints a KP-RPE model trains and is scored on for real faces
-(``tasks/train_fr.py`` records ``keypoints_source: aligner``). The faces are already aligned crops, so the
-predictions should lie near the ArcFace template: ``align/real/template_nme`` (mean distance to the template over
-the inter-pupil distance) says how far they stray, ``align/real/score_mean`` the mean DFA face score.
-``plots/aligned_samples.png`` shows unaligned inputs above their aligned crops, each row labelled.
+Predicts 5 landmarks for the unaligned faces the aligner never trained on (``data/prepared/unaligned`` split ``test``),
+warps each onto the ArcFace template at ``data.image_size`` with the differentiable similarity solve + ``grid_sample``
+(``ml.aligner.align``) and writes ``data/aligned/`` (manifest with the predicted landmarks in the crop, the keypoints
+KP-RPE reads; ``quality`` left empty). Metrics: how far the ground-truth landmarks land from the template after
+alignment with the predicted ones (``align/residual_px``, ``align/residual_nme`` over the template's inter-pupil
+distance): the error alignment leaves behind. With real faces ingested (no landmarks) it also predicts those of
+``data/prepared/{train,heldout,discovery}`` and ``verification/real.bin`` into
+``data/aligned/predicted_landmarks.parquet`` (+ ``.json``, tied to each dataset's digest; ``ml.data.landmarks``) and
+``data/aligned/verification/real.landmarks.npy``, the keypoints a KP-RPE model trains and is scored on
+(``keypoints_source: aligner``); ``align/real/template_nme`` says how far they stray from the template,
+``align/real/score_mean`` gives their mean face score. ``plots/aligned_samples.png``: inputs above their crops.
 """
 
 from __future__ import annotations

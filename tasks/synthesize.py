@@ -1,33 +1,18 @@
 """Stage ``synthesize``: a UIFace synthetic face dataset of identities that do not exist.
 
-1. **Identity contexts.** ``synthesize.candidates`` faces are sampled with the learnable empty context only (random
-   identities), embedded by the FR model ``models/fr/<synthesize.fr_source>``, and filtered greedily so that no two
-   kept contexts are closer than ``synthesize.max_cosine`` (DCFace-style; ml/generator/contexts.py) until
-   ``synthesize.identities`` are found. Fewer found: a clear error, or with ``allow_fewer`` the dataset is made
-   with what was found (the count is in the metrics).
-2. **Sampling.** ``synthesize.images_per_identity`` faces per context with ml/generator/sampler.py in the mode
-   ``synthesize.sampler.mode`` (``baseline`` | ``two_stage_fixed`` | ``two_stage_adaptive``) with or without
-   attention injection; batches mix identities.
-3. **Export.** Faces are resized to ``data.image_size`` and written as a dataset (source ``synthetic``) to
-   ``data/synthetic/`` with 5 landmarks per face predicted by the trained DFA aligner (``models/aligner``: the
-   keypoints KP-RPE reads) and the contexts in ``contexts.npy``; a sample grid goes to
-   ``plots/synthetic_samples.png`` and MLflow.
-4. **Privacy.** Every synthetic identity's centre is compared with every real training identity's centre and
-   every synthetic face with the real training faces (2,000 sampled) under the FR model; identities above
-   ``synthesize.max_real_cosine`` are dropped (fewer than ``synthesize.min_identities`` left: the stage fails);
-   the closest pairs are drawn side by side in ``plots/synthetic_privacy.png``.
-5. **Gate.** Faces, not noise, that carry their identity: the identity gap (mean intra-class − mean pairwise
-   inter-class cosine) must reach ``synthesize.min_identity_gap`` and the adjacent-pixel correlation
-   ``synthesize.min_pixel_correlation``, else the stage fails naming both values (after writing the metrics and
-   plots). Then the Great Expectations manifest suite (kind ``synthetic``) plus identity consistency: every
-   identity's mean intra-class cosine must reach ``synthesize.min_identity_consistency``. Reports:
-   ``reports/validation_synthetic/``.
+1. Identity contexts: ``candidates`` faces sampled with the empty context only, embedded by the FR model
+   ``models/fr/<fr_source>`` and filtered greedily to pairwise cosine < ``max_cosine`` (``ml.generator.contexts``).
+2. Sampling: ``images_per_identity`` faces per context in ``sampler.mode``, with or without attention injection.
+3. Privacy: identity centres against real training ones (faces against up to 2,000 sampled real faces); identities
+   above ``max_real_cosine`` are dropped, fewer than ``min_identities`` left fails; ``plots/synthetic_privacy.png``.
+4. Gate: identity gap ≥ ``min_identity_gap`` and adjacent-pixel correlation ≥ ``min_pixel_correlation``, else the
+   stage fails, after writing the metrics and plots and before exporting anything.
+5. Export: ``data/synthetic/`` (source ``synthetic``, DFA landmarks per face, ``contexts.npy``), a sample grid; then
+   the GX ``synthetic`` suite with per-identity consistency ≥ ``min_identity_consistency``.
 
-Metrics (``metrics/synthesize.json``): identity gap, adjacent-pixel correlation, the privacy distributions
-(``synthetic/max_real_cosine``, ``synthetic/nearest_real_cosine_p99``), SSIM diversity within identity (needs no
-weights), identity consistency, intra-class diversity (embedding proxy for LPIPS),
-inter-class separation, Improved Precision/Recall (k = 10) against the real training faces, the adaptive t0
-distribution and UNet evaluations per image.
+Metrics (``metrics/synthesize.json``): identity gap, pixel correlation, privacy distributions, SSIM and embedding
+diversity, identity consistency, inter-class separation, Improved P/R (k = 10) against real training faces, the
+t0 distribution and UNet evaluations per face. Keys are ``synthesize.*`` params.
 """
 
 from __future__ import annotations

@@ -1,31 +1,17 @@
-"""Stage ``train_aligner``: the DFA landmark aligner on unaligned procedural crops.
+"""Stage ``train_aligner``: the DFA landmark aligner on unaligned procedural crops with exact landmarks.
 
-Trains on ``data/prepared/unaligned`` split ``train`` (rotation, scale and shift nuisances; exact landmarks) and
-measures on split ``test`` (identities never seen), against the trivial mean-landmark predictor, in two conventions:
-
-- inter-pupil (the distance between the two eye landmarks; 5 points have no outer eye corners): ``test/nme``,
-  ``test/failure@0.1``, ``test/auc@0.1``;
-- face box, as RetinaFace and the DFA paper report it (error / √(W·H) of the face box, the box estimated from the
-  ground-truth landmarks by ``ml.aligner.metrics.face_box_size``; about 2.3× smaller numbers): ``test/nme_box``,
-  ``test/failure_box@0.05``, ``test/failure_box@0.07``, ``test/auc_box@0.07``.
-
-The paper's claim that pooling beats one detection: ``test/nme_box_top_anchor`` (and ``test/nme_top_anchor``,
-``test/failure_box@0.05_top_anchor``) read the same model's best-scoring anchor instead of the mixer-pooled
-landmarks. ``plots/aligner_ced.png`` shows the cumulative error distributions in both conventions. Measured at the
-embedded default on the 400 test faces (seeds 0–2 on one thread, 0–1 on two): ``test/nme_box`` 0.039–0.043
-(top anchor 0.041–0.046, mean shape 0.198), ``test/nme`` 0.092–0.100; ``ml/aligner/train.py`` has the details.
-
-Face score: the test faces against as many held-out non-face crops (``render_nonface`` at indices from
-``HELDOUT_NONFACE_START``, never trained on; at most ``aligner.score_nonfaces``): ROC AUC of the pooled score and
-accuracy at 0.5 (``test/face_auc``, ``test/face_accuracy@0.5``); and Spearman's ρ between the score and the procedural
-quality (``ml.data.procedural.quality_score``) on ``aligner.score_quality_faces`` (at most one per test face) freshly
-rendered unaligned faces of identities no dataset uses, with the default nuisance (``quality/score_spearman``; the
-unaligned manifest records no quality).
-
-Outside reference: on a folder of real aligned faces (``aligner.reference_faces``; off by default) the predictions
-are compared with OpenCV Zoo's YuNet landmarks when YuNet is installed (``pip install 'faceops[reference]'``);
-otherwise the report says why the comparison was skipped.
-Writes ``models/aligner/``, ``metrics/train_aligner.json``; registers ``faceops-aligner`` @candidate.
+Trains on ``data/prepared/unaligned`` split ``train`` and measures on split ``test`` (identities never trained on;
+also passed to training as ``val``) against the trivial mean-landmark predictor, in two conventions: inter-pupil
+(``test/nme``, ``test/failure@0.1``, ``test/auc@0.1``) and face box as RetinaFace and the DFA paper report it (box
+estimated from the ground truth by ``ml.aligner.metrics.face_box_size``: ``test/nme_box``, ``test/failure_box@0.05``,
+``test/failure_box@0.07``, ``test/auc_box@0.07``). ``test/*_top_anchor`` read the same model's best-scoring anchor
+instead of the pooled landmarks (the paper's pooling-vs-one-detection claim); ``plots/aligner_ced.png`` the CEDs.
+Face score: ROC AUC and accuracy at 0.5 of the test faces against held-out non-face crops (indices from
+``HELDOUT_NONFACE_START``; ``test/face_auc``, ``test/face_accuracy@0.5``), and Spearman's ρ with the procedural quality
+on freshly rendered faces of reserved identities (``quality/score_spearman``). With ``aligner.reference_faces`` set,
+the predictions on real aligned faces are compared with OpenCV Zoo's YuNet when installed (``faceops[reference]``),
+else the reason is recorded. Writes ``models/aligner/``, ``metrics/train_aligner.json``,
+``plots/train_aligner_history.csv``; registers ``faceops-aligner`` @candidate.
 """
 
 from __future__ import annotations
@@ -41,13 +27,14 @@ from ml.config import from_mapping
 from ml.errors import ConfigError
 from ml.aligner.train import AlignerConfig
 from ops.tracking import registered_note
+from tasks import registered_model
 from tasks.common import (
     Paths, StageResult, load_params, numerics, section, stage_main, write_json, write_history_csv,
 )
 
 log = logging.getLogger(__name__)
 
-REGISTERED_MODEL = "faceops-aligner"
+REGISTERED_MODEL = registered_model("train_aligner")
 
 
 @dataclass(frozen=True)

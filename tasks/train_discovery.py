@@ -33,6 +33,7 @@ from ml.config import from_mapping
 from ml.errors import DataError
 from ml.discovery.train import DiscoveryConfig
 from ops.tracking import registered_note
+from tasks import registered_model
 from tasks.common import (
     Paths, StageResult, load_params, numerics, plot_history, section, stage_main, write_history_csv, write_json,
 )
@@ -40,7 +41,7 @@ from tasks.prepare import DataConfig
 
 log = logging.getLogger(__name__)
 
-REGISTERED_MODEL = "faceops-discovery"
+REGISTERED_MODEL = registered_model("train_discovery")
 FR_SOURCE = "real"  # the FR model whose weights initialise FaceGCD's ViTs
 LOSS_KEYS = ("loss", "loss/unsup", "loss/sup", "loss/anchor")
 

@@ -26,6 +26,7 @@ from ml.config import from_mapping
 from ml.errors import ConfigError, DataError
 from ml.fr.train import FRConfig
 from ops.tracking import registered_note
+from tasks import registered_model
 from tasks.common import (
     Paths, StageResult, launch_rank, load_params, numerics, plot_history, section, stage_main, write_history_csv,
     write_json,
@@ -34,7 +35,7 @@ from tasks.prepare import DataConfig
 
 log = logging.getLogger(__name__)
 
-REGISTERED_MODEL = "faceops-fr"
+REGISTERED_MODEL = registered_model("train_fr")
 SOURCES = ("real", "synthetic", "mixed")
 
 
@@ -88,8 +89,8 @@ def validation_rows(parts: list[tuple[Path, Any]]) -> list[tuple[Path, Any]]:
     return out
 
 
-# below this many faces DataLoader workers cost more to start than they save: each forkserver worker imports torch
-# (~1-2 s), and one process decodes ~3,800 faces/s (benchmarks: recordio_vs_folder)
+# below this many faces DataLoader workers cost more to start than they save: each forkserver worker imports torch,
+# while one process already decodes thousands of faces a second (benchmarks: recordio_vs_folder)
 READER_MIN_IMAGES = 16384
 
 

@@ -1,31 +1,17 @@
 """Stage ``train_fusion``: CAFace set fusion on features of the frozen FR model, trained on surveillance-degraded sets.
 
-CAFace learns what the IJB-S-style probes need, weighting a few usable frames up among many unusable ones, only
-from sets like them. It trains on the reference recipe (``mk-minchul/caface``): the target ``f_GT`` of an
-identity is the mean L2-normalised feature of *clean* images of it, and the set items are heavily degraded copies
-of 1–3 *source* images of it. Which faces, depending on ``data``:
+CAFace learns to weight a few usable frames up among many unusable ones only from sets like the IJB-S-style probes,
+so it trains on the reference recipe (``mk-minchul/caface``): an identity's target ``f_GT`` is the mean unit flip
+feature ``f(x) + f(flip x)`` of *clean* images, its set items heavily degraded copies of 1–3 *source* images.
 
-- procedural (the default): ``data/prepared/fusion`` (tasks/prepare, ``ml.data.surveillance.fusion_faces``):
-  ``data.fusion_identities`` identities no other set uses. Set items: the ``degraded`` rows, ``data.fusion_sources``
-  source poses per identity (``template`` = the source), each rendered ``data.fusion_copies`` times under
-  surveillance degradations (``data.surveillance``: usable with probability ``usable_fraction``, heavy otherwise).
-  Targets: the identity mean over its ``clean`` rows (``data.fusion_clean_images`` undegraded renders without
-  occluders) of the unit feature ``f(x) + f(flip x)``. The model records ``training_data: procedural-fusion``.
-- real faces ingested (``data.ingest_*``; ``fusion/`` is then not written): the same material from the real
-  training faces, ``data/prepared/train`` split ``train``, so CAFace trains on the user's faces. Every image is a
-  source and a clean image at once: the target is the identity mean of the images' unit flip features, the set
-  items ``data.fusion_copies`` copies of each image degraded in image space (``ml.data.surveillance.degrade_image``,
-  usable with probability ``data.surveillance.usable_fraction``, heavy otherwise, drawn from ``fusion.train.seed``).
-  The model records ``training_data: real-degraded``.
+- procedural (default): ``data/prepared/fusion`` (``ml.data.surveillance.fusion_faces``), identities no other set
+  uses; items the ``degraded`` rows (``template`` = source), targets the ``clean`` rows.
+- real faces ingested: ``data/prepared/train`` split ``train``; every image is a clean image and a source of
+  ``data.fusion_copies`` copies degraded in image space (``degrade_image``, seeded by ``fusion.train.seed``).
 
-Features and styles (per-channel mean/std of two intermediate layers: IResNet layer2/3, or two ViT blocks' token
-statistics) come from the FR model ``models/fr/<fusion.fr_source>`` (set items without flip, as the evaluation
-embeds probe frames). CAFace learns ``Lt + λp·Lp`` for ``epochs × steps_per_epoch`` steps, each step drawing an
-identity's items from 1..``fusion.train.max_sources`` of its sources, with Lightning on ``fusion.train.accelerator``
-(ml/fusion/train.py), following the stage's share of the CPU cores. Writes ``models/fusion/``,
-``metrics/train_fusion.json`` (the last epoch's ``train/*`` losses, ``train/features``: set items,
-``train/identities``, ``train/steps``: optimiser steps) and the loss curve; the model is registered as
-``faceops-fusion`` with alias ``candidate``.
+Features and styles come from ``models/fr/<fusion.fr_source>`` (set items without flip, as probes are embedded);
+training is ``ml.fusion.train``. Writes ``models/fusion/`` (``training_data``: ``procedural-fusion`` or
+``real-degraded``), ``metrics/train_fusion.json`` and the loss curve; registers ``faceops-fusion`` as ``candidate``.
 """
 
 from __future__ import annotations
@@ -43,6 +29,7 @@ from ml.data.surveillance import SurveillanceConfig
 from ml.errors import ConfigError, DataError
 from ml.fusion.train import FusionConfig
 from ops.tracking import registered_note
+from tasks import registered_model
 from tasks.common import (
     Paths, StageResult, load_params, numerics, plot_history, section, stage_main, write_history_csv, write_json,
 )
@@ -50,7 +37,7 @@ from tasks.prepare import DataConfig
 
 log = logging.getLogger(__name__)
 
-REGISTERED_MODEL = "faceops-fusion"
+REGISTERED_MODEL = registered_model("train_fusion")
 FEATURE_BATCH = 256  # images per FR forward pass
 
 

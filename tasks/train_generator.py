@@ -36,6 +36,7 @@ from ml.generator.uiface import GeneratorModelConfig
 from ml.generator.autoencoder import AutoencoderConfig
 from ml.generator.train import GeneratorConfig
 from ops.tracking import registered_note
+from tasks import registered_model
 from tasks.common import (
     Paths, StageResult, load_params, numerics, plot_history, pyplot, save_figure, section, stage_main,
     write_history_csv, write_json,
@@ -43,7 +44,7 @@ from tasks.common import (
 
 log = logging.getLogger(__name__)
 
-REGISTERED_MODEL = "faceops-generator"
+REGISTERED_MODEL = registered_model("train_generator")
 AUTOENCODER_KINDS = ("vq", "kl")
 SPACES = ("pixel", "latent")
 AUTOENCODER_DIR = "autoencoder"  # models/generator/autoencoder: the autoencoder trained in phase 1 (latent space)

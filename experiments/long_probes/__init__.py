@@ -1,62 +1,18 @@
-"""IJB-S-style video benchmark with probes of tens of thousands of frames, every fusion method and the true-quality
-oracle, streamed: ``python -m experiments.long_probes``.
+"""IJB-S-style video benchmark on probes of tens of thousands of frames, streamed: ``python -m experiments.long_probes``.
 
-IJB-S (Kalka et al., BTAS 2018) searches surveillance videos of hundreds to tens of thousands of frames of mixed
-quality against galleries of one still per identity (Surveillance-to-Single) or of several booking stills
-(Surveillance-to-Booking). The ``evaluate`` stage runs that protocol on probes of 50–400 frames that ``prepare``
-writes to disk and loads at once. Here the probes are as long as IJB-S's and never exist whole: each probe is a
-surveillance sequence of the ``evaluate`` stage's design (``ml.data.surveillance``, ``params.yaml``
-``data.surveillance``: most frames heavily degraded, of true quality ≈ 0.01–0.2, and one contiguous usable window of
-``usable_fraction`` of the frames at a random place) rendered by ``stream_surveillance_sequence`` ``--chunk`` frames
-at a time; each chunk gets its landmarks and face scores (the DFA aligner's predictions, or the renderer's ground
-truth and quality), its FR features and CAFace styles (``ml.fusion.sets.features_and_styles``) and is fused by every
-method's ``ml.fusion.sets.FusionStream`` (running sums for average / norm-weighted / KP-RPE landmark × face score /
-the oracle, the CAFace memory for CAFace, streamed in ``--caface-chunk`` frames), then dropped.
+IJB-S (Kalka et al., BTAS 2018) searches surveillance videos of up to tens of thousands of frames against one still
+(Surveillance-to-Single) or several booking stills per identity. Each probe here is a ``data.surveillance`` sequence
+(``ml.data.surveillance``) of unseen identities, rendered ``--chunk`` frames at a time, given landmarks and face scores
+(DFA aligner or ground truth), embedded and fused by every method's ``ml.fusion.sets.FusionStream``, then dropped
+(``quality_oracle``: a reference, not a method). ``reports/long_probes.md``: rank-1/5, TPIR@FPIR, rank-1 of each
+probe's first N frames, seconds per stage, peak RSS per probe. Modules: ``setup``, ``stream``, ``report``.
 
-- Probes: ``--enrolled`` identities with a gallery and a probe, ``--distractors`` identities with a probe only
-  (open-set TPIR@FPIR); ``--gallery-only`` further identities are enrolled without a probe, so that a probe searches
-  a gallery of IJB-S's size (202 subjects) rather than of the few probed identities. Lengths are log-uniform in
-  [``--min-frames``, ``--max-frames``], stratified (one draw per equal-width slice of the log range, shuffled over
-  the identities) so that every run covers the range. ``--design procedural`` renders the smooth, mostly usable
-  sequences of ``ProceduralFaces.sequence`` instead (the design this experiment was first measured on).
-- Identities: the first ids after every set ``prepare`` renders (train, held-out, discovery, videos, unaligned; read
-  from ``params.yaml`` ``data``), so neither the FR model, nor CAFace, nor the aligner saw them.
-- Galleries (every enrolled identity, probed or gallery-only): *single* = the first booking still alone,
-  L2-normalised (the same for every method); *booking* = ``--booking-stills`` stills per identity fused with the
-  probe's method (``fuse_templates``).
-- ``quality_oracle`` is a headroom reference, not a method: the unit features weighted by each frame's true quality
-  (the renderer's ``quality_score``, which no method sees; the ``evaluate`` stage's row of the same name). Its gain
-  over averaging is what weighting frames by their quality alone can give on these probes, the bar CAFace's gain is
-  read against; the report does not rank it among the methods.
-- Metrics (``ml.fusion.sets.video_identification``): rank-1 / rank-5 of the mated probes, TPIR at FPIR ``--fpir`` at
-  rank 1; rank-1 (single gallery) of each probe's first N frames for N in ``--prefixes`` and all frames (CAFace
-  Fig. 1c: the gain over averaging versus the number of frames fused, CAFace's and the oracle's).
-- Cost: seconds per stage (render, landmarks, embed, fuse) and the peak RSS of the process during each probe
-  (``/proc/self/status`` VmHWM, reset per probe), to show memory stays flat as probes grow.
+Differences from the reference (IJB-S, CAFace Fig. 1c): one procedural probe per identity (IJB-S: several videos,
+several faces a frame), rendered aligned and degraded by the renderer, not by camera distance; the length curve takes
+each probe's first N frames (a live stream) against the single gallery, not random subsets; features without flip.
 
-Probes run in ``--workers`` processes (one torch thread each by default), longest first. Writes
-``reports/long_probes.md`` and ``plots/long_probes_gain.png`` under ``--out-dir`` (default: the repository).
-This module is the command and the run; the configuration, probes and models are ``long_probes_setup``, the
-streaming ``long_probes_stream``, the metrics and report ``long_probes_report``.
-
-Examples::
-
-    python -m experiments.long_probes                                  # the defaults (99k frames): 5–15 minutes on 2 cores
-    python -m experiments.long_probes --enrolled 6 --distractors 2 --min-frames 200 --max-frames 2000  # a minute
-    python -m experiments.long_probes --aligner none                   # ground-truth landmarks + quality scores
-    python -m experiments.long_probes --methods average caface quality_oracle --prefixes 16 256 4096
-    python -m experiments.long_probes --design procedural              # the smooth sequences of the first runs
-
-Differences from the reference (IJB-S, CAFace Fig. 1c):
-
-- One probe per identity, one procedural surveillance sequence each; IJB-S has several videos per subject and
-  detections of several faces per frame. Frames are rendered aligned (the renderer's 5-point fit plus jitter), as
-  the FR model expects, and degraded in the renderer (capture resolution, blur, noise, JPEG), not by distance to a
-  real camera; the aligner only supplies landmarks and face scores for ``landmark_score``.
-- The probe-length curve uses each probe's first N frames (what a live stream has seen), not a random subset, and
-  the single gallery, which does not depend on the fusion method, so only the probe's fusion changes. A prefix
-  shorter than the frames before a probe's usable window holds heavy frames only.
-- Features without flip TTA (as the ``evaluate`` stage's set benchmark).
+Examples: ``python -m experiments.long_probes --enrolled 6 --distractors 2 --min-frames 200 --max-frames 2000``;
+``--aligner none`` (ground-truth landmarks); ``--design procedural`` (the smooth sequences of the first runs).
 """
 
 from __future__ import annotations

@@ -1,34 +1,16 @@
 """``faceops stack``: the Prefect server, the MLflow server and, with ``--s3``, moto's S3 on a laptop, no Docker;
 with ``--workers``, also the work pools, the deployments of prefect.yaml, a worker per pool and a local DVC remote.
+The laptop counterpart of ``infra/docker-compose.yml`` (PostgreSQL, MinIO and containers for a team).
 
 This module plans the servers (``plans``), starts them (``up``), reports them (``status``) and stops them
-(``down``); the command is ``faceops/stack/cli.py``, the command lines and set-up steps are
-``faceops/stack/servers.py`` and the process helpers (spawn, health wait, stop by PID) ``faceops/processes.py``.
-
-Each server is a detached background process in its own session, so ``down`` stops it together with any
-children it forked (one process group), and a closed terminal does not take it down. Everything binds to
-127.0.0.1. What runs is recorded in ``.faceops/stack/stack.json`` (name, pid, port, url, cmd, start time),
-replaced atomically, so ``status`` and ``down`` work from any later shell. Beside it live each server's log
-(``<name>.log``) and Prefect's SQLite database (``prefect/``).
-
-**One MLflow store.** The MLflow server serves the repository's own store, the one ``make run`` / ``faceops run``
-log to without a server: ``mlflow.db`` with artifacts in ``mlruns/`` (``ops.tracking.default_store``). Runs
-logged either way are in the same store, whether or not the stack runs; experiments created through the server
-keep their artifacts in ``mlruns/`` too (``--default-artifact-root``), so they stay readable without it. SQLite
-takes one writer at a time: MLflow waits up to 20 s for a lock (its ``busy_timeout``), the pipeline retries its
-MLflow calls, and ``up`` holds ``mlflow.db.lock`` (the lock ``ops.tracking`` takes to create the store) while the
-server creates or migrates it. With ``--s3`` MLflow's artifacts go to ``s3://<bucket>/<storage.prefix>/mlflow`` on
-the moto server, which keeps them in memory (gone after ``down``): runs logged there would point at vanished
-files, so that stack keeps its own store, ``.faceops/stack/mlflow-s3.db``.
-
-**Workers** (``--workers``): work pools ``cpu`` and ``gpu`` (type process), ``prefect deploy --all`` with the
-schedules paused (Quick run from the UI; nothing starts at 02:00 on a laptop), one ``prefect worker`` per pool, and
-a DVC remote in ``.faceops/stack/dvc-remote`` that the workers see as their default (a DVC global config in
-``.faceops/stack/dvc/``, ``DVC_GLOBAL_CONFIG_DIR``) unless the repository commits its own. The workers clone
-``FACEOPS_GIT_URL`` (default: this repository, its committed ``HEAD``) and log to the stack's MLflow server.
-
-A team deployment (PostgreSQL, MinIO, GPU workers) is ``infra/``; see ``infra/README.md``.
-POSIX only (sessions, process groups, ``flock``).
+(``down``); the command is ``faceops/stack/cli.py``, the command lines and set-up steps ``faceops/stack/servers.py``,
+the process helpers ``faceops/processes.py``. Each server is a detached process in its own session (``down`` stops
+its process group; a closed terminal does not), bound to 127.0.0.1 and recorded in ``.faceops/stack/stack.json``
+beside its log. The MLflow server serves the repository's own store (``mlflow.db``, ``mlruns/``), so runs logged
+with or without the stack are in one store; ``up`` holds ``mlflow.db.lock`` while the server creates or migrates it.
+With ``--s3`` the artifacts live in moto's memory, so that stack keeps its own store (``mlflow-s3.db``). The workers
+clone ``FACEOPS_GIT_URL`` (default: this repository's committed ``HEAD``) and see ``.faceops/stack/dvc-remote`` as
+their default DVC remote. POSIX only (sessions, process groups, ``flock``). See ``docs/operations/stack.md``.
 """
 
 from __future__ import annotations

@@ -91,8 +91,8 @@ def up_cmd(
 
     * `faceops stack up` — Prefect on :4200, MLflow on :5000 serving `mlflow.db`
 
-    * `faceops stack up --workers` — plus pools, deployments and workers: Quick run `pipeline-nightly` with
-      `preset: smoke` in the Prefect UI runs the whole DAG on this machine
+    * `faceops stack up --workers` — plus pools, deployments and workers: Quick run of `pipeline-smoke` in the
+      Prefect UI runs the whole DAG at toy size on this machine in minutes
 
     * `faceops stack up --s3` — plus moto's S3 on :5055; MLflow's artifacts go to `s3://faceops/faceops/mlflow`
       (in memory, so this stack keeps its own MLflow store, `.faceops/stack/mlflow-s3.db`)
@@ -115,9 +115,9 @@ def up_cmd(
             typer.echo(f"  note: {s.label}: {s.info['note']}")
     if any(s.name.startswith("worker-") for s in services):
         prefect = next(s.url for s in services if s.name == "prefect")
-        typer.echo(f"\nDeployments: {prefect}/deployments (schedules paused). Quick run `pipeline-nightly` "
-                   "with preset `smoke` runs the whole DAG on these workers, from the committed HEAD of the "
-                   "repository they clone; their DVC remote is .faceops/stack/dvc-remote.")
+        typer.echo(f"\nDeployments: {prefect}/deployments (schedules paused). Quick run of `pipeline-smoke` runs the "
+                   "whole DAG at toy size on these workers in minutes (`pipeline-nightly`: the full one), from the "
+                   "committed HEAD of the repository they clone; their DVC remote is .faceops/stack/dvc-remote.")
     typer.echo("\nTo use it from this shell (`faceops run` reads these), run `eval \"$(faceops stack env)\"` or:")
     _echo_env(services)
     typer.echo("\nStop it with `faceops stack down`.")

@@ -1,48 +1,18 @@
 """Differentiable 5-point face alignment: least-squares similarity to the ArcFace template, then a warp.
 
-Pixel convention
-----------------
-Everywhere in this module a pixel coordinate ``(x, y)`` puts pixel centres at integers: the centre of
-column ``j`` is ``x = j`` and the image spans ``[−0.5, W − 0.5]``. This is the convention of OpenCV's
-``warpAffine``, of the ArcFace template and of :mod:`ml.data.procedural`'s landmarks.
+Pixel coordinates put pixel centres at integers (the image spans ``[−0.5, W − 0.5]``), as OpenCV's ``warpAffine``,
+the ArcFace template and ``ml.data.procedural`` do. For source points ``s_i`` and targets ``d_i`` (K ≥ 2), centred
+``a_i = s_i − s̄``, ``b_i = d_i − d̄``, the similarity ``σR = [[p, −q], [q, p]]`` minimising ``Σ‖d_i − (σR s_i + t)‖²``
+is ``p = Σ a_i·b_i / Σ‖a_i‖²``, ``q = Σ a_i × b_i / Σ‖a_i‖²``, ``t = d̄ − σR s̄``: Umeyama's solution with its reflection
+correction, in closed form (no SVD, smooth gradients except at fully degenerate sources). A pixel matrix ``M`` (2×3)
+maps input to output pixels; ``grid_sample`` gets ``θ = N_in · M⁻¹ · N_out⁻¹`` with the per-axis normalisation
+``n = (2p + 1)/L − 1`` (``align_corners=False``) or ``n = 2p/(L − 1) − 1`` (True), the same result in pixels.
 
-Similarity (Umeyama, 2-D)
--------------------------
-For source points ``s_i`` and destination points ``d_i`` (K ≥ 2, centred: ``a_i = s_i − s̄``,
-``b_i = d_i − d̄``) the least-squares similarity ``min Σ‖d_i − (σR s_i + t)‖²`` over ``σ ≥ 0`` and
-``R ∈ SO(2)`` is, writing ``σR = [[p, −q], [q, p]]``,
-
-    p = Σ a_i·b_i / Σ‖a_i‖²,   q = Σ (a_i × b_i) / Σ‖a_i‖²,   t = d̄ − σR s̄,
-
-with ``a × b = a_x b_y − a_y b_x``. This is exactly Umeyama's SVD solution *with* its reflection
-correction (``S = diag(1, det U det V)``): both minimise the same objective over the same set
-``{σR : σ ≥ 0, det R = 1}``, which in 2-D is the set of matrices ``[[p, −q], [q, p]]``; the closed
-form is also the 4-parameter linear least squares ``[x'; y'] = [[x, −y, 1, 0], [y, x, 0, 1]]·(p, q, tx, ty)``.
-It needs no SVD, so its gradient is smooth everywhere except at fully degenerate sources.
-
-Warp
-----
-A pixel-coordinate matrix ``M`` (2×3) maps input pixels to output pixels: ``o = M·[p; 1]``. The output
-pixel ``o`` samples the input at ``M⁻¹ o``. ``F.affine_grid`` wants ``θ`` mapping *normalised* output
-coordinates to normalised input coordinates, so ``θ = N_in · M⁻¹ · N_out⁻¹`` (3×3 homogeneous, top two
-rows kept) with, per axis of length ``L``,
-
-    align_corners=False:  n = (2p + 1)/L − 1      (the image edge −0.5 ↦ −1, L − 0.5 ↦ +1)
-    align_corners=True:   n = 2p/(L − 1) − 1      (the centre of pixel 0 ↦ −1, of pixel L − 1 ↦ +1)
-
-Both choices give the same result in pixel terms (pixel centres at integers); they differ only in which
-normalisation ``grid_sample`` uses, and the conversion above compensates for it.
-
-Differences from the reference
-------------------------------
-- The KP-RPE/DFA reference aligns on the CPU in numpy (skimage ``SimilarityTransform.estimate``, an
-  Umeyama SVD) and ``cv2.warpAffine``; here fitting and warping are torch ops, batched, on any device,
-  and differentiable with respect to the landmarks and the images.
-- The fit is the 2-D closed form above instead of an SVD (same optimum, stable gradients).
-- ``warp_affine`` samples bilinearly with ``grid_sample`` (zero padding by default); ``cv2.warpAffine``'s
-  bilinear kernel uses fixed-point weights, so pixel values may differ by ~1 grey level.
-- ``template_for(size)`` scales the 112 template by ``size/112`` as ``ml.data.procedural.arcface_template``
-  does (insightface's ``estimate_norm`` does the same for multiples of 112).
+Differences from the reference: KP-RPE/DFA aligns on the CPU in numpy (skimage ``SimilarityTransform``, an SVD, then
+``cv2.warpAffine``); here fit and warp are batched torch ops on any device, differentiable in landmarks and images;
+the fit is the closed form above (same optimum); bilinear ``grid_sample`` (zero padding) may differ from OpenCV's
+fixed-point kernel by about one grey level; ``template_for(size)`` scales the 112 template by ``size/112`` (as
+insightface's ``estimate_norm`` does for multiples of 112).
 """
 
 from __future__ import annotations

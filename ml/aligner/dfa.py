@@ -1,51 +1,18 @@
-"""DFA, the Differentiable Face Aligner of KP-RPE (supplementary §3): one face's 5 landmarks without NMS.
+"""DFA, the Differentiable Face Aligner of KP-RPE (supplementary §3): one face's 5 landmarks and score without NMS.
 
-A RetinaFace-style single-shot detector runs on a face crop resized to ``input_size``² (160 in the
-paper): a MobileNetV1 backbone (depthwise-separable convs, width multiplier 0.25 → 8…256 channels)
-gives feature maps at strides 8, 16, 32; an FPN merges them top-down and an SSH context module refines
-each level; 1×1 heads predict, for each of 2 anchors per cell, ``[box 4 | score 2 | landmarks 10]``.
+A RetinaFace-style detector on a crop resized to ``input_size``²: MobileNetV1 (width 0.25) → FPN → SSH at strides
+8, 16, 32; 1×1 heads give per anchor ``[box 4 | score 2 | landmarks 10]``, landmarks decoded as ``l = c_a + δ·v₀·wh_a``
+(RetinaFace ``PriorBox``, 1050 anchors at 160 px, 378 at 96). Instead of NMS (supp. Eq. 13–15) the tokens ``O`` (A, 16)
+pass ``mixer_depth`` MLP-Mixer blocks → one logit per anchor, ``w = softmax`` over anchors, landmarks
+``L = Σ_a w_a l_a`` (5, 2), score ``Σ_a w_a·softmax(s_a)₁``; :meth:`DFA.top_anchor` is the RetinaFace read-out (the
+best-scoring anchor). Landmarks are normalised to the crop, ``u = (x + ½)/W`` with pixel centres at integers, unclamped.
 
-Anchors (RetinaFace ``PriorBox``), normalised ``(cx, cy, w, h)`` in [0, 1]: level ``k`` with stride
-``step_k`` has a ``⌈S/step_k⌉²`` grid, cell ``(i, j)`` centred at ``((j + ½)·step_k/S, (i + ½)·step_k/S)``,
-and one square anchor per min size ``m`` of side ``m/160`` of the image. ``min_sizes`` are given at the
-160-px reference and scaled by ``S/160``, so anchors cover the same fraction of the crop at any
-``input_size``; at 160: ``20²·2 + 10²·2 + 5²·2 = 1050`` anchors, at 128: 672, at 96: 378.
-
-Landmark decoding per anchor (variances ``v = (0.1, 0.2)``): ``l = c_a + δ·v₀·wh_a`` for each of the 5
-points, ``c_a`` the anchor centre and ``wh_a`` its size. Boxes: centre ``c_a + δ_xy·v₀·wh_a``, size
-``wh_a·exp(δ_wh·v₁)``.
-
-Aggregation instead of NMS (supp. Eq. 13–15): tokens ``O = [box | score | landmarks]`` (A, 16) are
-embedded to ``mixer_dim``, pass ``mixer_depth`` MLP-Mixer blocks (token mixing across the A anchors,
-then channel mixing), and a linear read-out gives one logit per anchor; ``w = softmax(logits)`` over
-anchors and the face's landmarks are ``L = Σ_a w_a l_a`` (5, 2), its score ``Σ_a w_a·softmax(s_a)₁``.
-The paper's claim is that this pooling beats picking one detection: :meth:`DFA.top_anchor` reads the same
-forward pass the RetinaFace way instead (the landmarks of the anchor with the highest face probability,
-what NMS keeps first), and ``predict(..., readout="top_anchor")`` returns those.
-
-Coordinates: landmarks are normalised to the crop, ``u = (x + ½)/W``, ``v = (y + ½)/H`` for pixel
-``(x, y)`` with pixel centres at integers (the crop spans ``[0, 1]``). This is resize-invariant under
-``align_corners=False`` interpolation, which ``predict`` uses; :func:`to_pixels`/:func:`to_normalised`
-convert. Outputs are not clamped: a landmark predicted outside the crop is outside ``[0, 1]``.
-
-Differences from the reference
-------------------------------
-- Input normalisation follows the project convention, RGB ``(x/255 − 0.5)/0.5``, instead of
-  RetinaFace's BGR mean subtraction (104, 117, 123).
-- The paper's token has ``4 + 1 + 10`` channels; METHODS.md and RetinaFace's heads give 2 score
-  logits, so our token has 16 channels.
-- The read-out ``Linear(mixer_dim → 1)`` is zero-initialised: training starts from the uniform
-  average of all anchors' landmarks.
-- The score is the softmax-weighted face probability. The paper trains DFA with a landmark-only loss on
-  face crops, which leaves it unsupervised; ``ml.aligner.train`` adds non-face crops to each batch and
-  trains it (per-anchor cross-entropy with hard negatives plus a BCE on the pooled score). A model trained
-  with ``nonface_fraction: 0`` has an untrained, uninformative score.
-- ``min_sizes`` are scaled with ``input_size`` (the reference uses 160 only).
-- The mixer widths (token embedding 16, token-mixing hidden 16, channel-mixing hidden 32) are ours, picked
-  so that the whole model has 0.53M parameters at 160 (0.47M at 96), near the paper's 0.49M for "DFA
-  MobileNet"; the token-mixing MLPs depend on the anchor count, hence on ``input_size``.
-- MixerBlock lives here while DFA is its only user (STYLE §8: move it to ``ml/models/layers`` when a
-  second model, e.g. CAFace's AGN, needs it).
+Differences from the reference: RGB input ``(x/255 − 0.5)/0.5``, not BGR mean subtraction; a 16-channel token (2 score
+logits, as RetinaFace's heads; the paper writes 4 + 1 + 10); a zero-initialised read-out (training starts from the
+uniform average of all anchors); the score is trained on non-face crops (``ml.aligner.train``; the paper leaves it
+unsupervised); ``min_sizes`` are given at 160 px and scaled with ``input_size`` (the reference runs at 160 only); the
+mixer widths are ours, sized to the paper's parameter count (its token-mixing MLPs depend on the anchor count, hence on
+``input_size``); MixerBlock lives here while DFA is its only user (STYLE §8).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ face, and the face-score losses (RetinaFace's anchor cross-entropy with hard neg
 
 with ``L̂`` the mixer-pooled landmarks, ``l̂_a`` anchor ``a``'s decoded landmarks and ``N_b`` the anchors centred
 inside face ``b``'s landmark bounding box grown by ``anchor_radius`` of its size (:func:`near_anchors`).
-``ml.aligner.train`` documents the recipe and where it departs from the paper.
+``ml.aligner.train`` lists where these depart from the paper; ``docs/methods/aligner.md`` gives the recipe.
 """
 
 from __future__ import annotations

@@ -1,41 +1,18 @@
 """Landmark-localisation metrics: NME, the cumulative error distribution (CED), its AUC and failure rate.
 
-* ``nme`` - normalised mean error per face by the inter-pupil distance (Sagonas et al., "300 Faces In-the-Wild
-  Challenge", IVC 2016; the KP-RPE supplementary §3.1 reports it for DFA on WiderFace).
-* ``nme_box`` - the same error divided by the face box size ``√(W·H)``, the convention of RetinaFace and the DFA
-  paper (and of Bulat & Tzimiropoulos, "How far are we from solving the 2D & 3D face alignment problem?",
-  ICCV 2017, whose CED and AUC stop at 0.07). ``face_box_size`` estimates ``√(W·H)`` from the 5 landmarks
-  when the face box itself is not stored (below).
-* ``ced_curve`` / ``auc_at`` / ``failure_rate`` - the CED and its summary numbers as in 300-W/WFLW
-  evaluations (Wu et al., "Look at Boundary", CVPR 2018): fraction of faces with NME ≤ t, the area under
-  that curve up to ``max_error`` divided by ``max_error``, and the fraction above a threshold.
-* ``score_auc`` / ``spearman`` - how well an aligner's face score separates face crops from non-face
-  crops (ROC AUC, the Mann–Whitney statistic) and how it ranks faces by quality (Spearman's ρ).
-* ``plot_ced`` - CED curves of several predictors in one PNG (the only function here that does I/O).
+``nme``: mean point error over the inter-pupil distance (300-W, Sagonas et al. 2016); ``nme_box``: over the face box
+``√(W·H)``, the convention of RetinaFace and the DFA paper (and of Bulat & Tzimiropoulos, ICCV 2017, whose CED stops at
+0.07); ``ced_curve`` / ``auc_at`` / ``failure_rate`` as in 300-W/WFLW evaluations; ``score_auc`` (ROC AUC, faces vs
+non-face crops) and ``spearman`` (score vs quality) for the face score; ``plot_ced``, the only function with I/O.
+``face_box_size`` estimates ``√(W·H) ≈ FACE_BOX_112 · σ`` from the 5 points, ``σ`` the scale of the least-squares
+similarity from the ArcFace-112 template onto them (rotation-invariant) and ``FACE_BOX_112 = 2·√(36·45)`` the
+procedural renderer's average face box (forehead to chin, no ears or hair, like a WiderFace box).
 
-Differences from the reference
-------------------------------
-- With 5 points there are no outer eye corners, so the "inter-ocular" normaliser is the distance
-  between the two eye centres (inter-pupil), a larger error per pixel than 68-point inter-ocular NME.
-  RetinaFace/DFA's WiderFace NME (0.0518 for DFA) normalises by the face box instead: ``nme_box`` is that
-  convention, ``nme`` is not comparable with the paper's numbers (and neither is comparable as data: our
-  faces are procedural and their box is estimated, below).
-- The box convention needs the ground-truth face box. Our unaligned set stores only the 5 landmarks, so
-  ``face_box_size`` estimates the box side from them: ``√(W·H) ≈ FACE_BOX_112 · σ`` with ``σ`` the scale of
-  the least-squares similarity (Umeyama) that maps the ArcFace-112 template onto the 5 points (pixels per
-  template unit) and ``FACE_BOX_112 = 2·√(36·45) = 80.5`` the face box of the procedural renderer's average
-  face (half width 36, half height 45 canonical units, forehead to chin; ``ml.data.unaligned.renderer_face_size``
-  gives each face's exact one). σ is rotation-invariant, unlike the landmarks' bounding box. Measured on
-  600 unaligned 128-px faces (50 identities, default nuisance): renderer box / estimate = 1.006 ± 0.056 (mean
-  ± std), against ± 0.087 for a multiple of the inter-pupil distance (renderer box = 2.33 ± 0.20 inter-pupil
-  distances) and ± 0.10 for the 5 points' bounding box. The renderer's box has no ears or hair, like a
-  WiderFace box; real annotated boxes vary with the annotator, so compare box-convention numbers across
-  datasets with that in mind.
-- Failure thresholds: ``failure@0.1`` (inter-pupil, the 300-W/WFLW convention); in the box convention
-  ``failure_box@0.05`` (≈ 0.12 inter-pupil at the ratio above: the closest round threshold to the
-  inter-pupil 0.1) and ``failure_box@0.07`` / ``auc_box@0.07`` (Bulat & Tzimiropoulos' range).
-- ``auc_at`` integrates the CED exactly (a step function) instead of with the trapezoid rule over a
-  threshold grid.
+Differences from the reference: 5 points have no outer eye corners, so ``nme`` divides by the eye-centre distance
+(larger than 68-point inter-ocular NME) and is not comparable with the paper's numbers; ``nme_box`` is, in convention
+only (our faces are procedural and their box estimated, not annotated). Box thresholds ``failure_box@0.05`` (the round
+value nearest the inter-pupil 0.1) and ``failure_box@0.07`` / ``auc_box@0.07``; ``auc_at`` integrates the step CED
+exactly instead of with the trapezoid rule.
 """
 
 from __future__ import annotations
@@ -56,7 +33,7 @@ __all__ = ["FACE_BOX_112", "auc_at", "ced_curve", "face_box_size", "failure_rate
            "plot_ced", "score_auc", "spearman", "template_scale"]
 
 # √(W·H) of the procedural renderer's average face box (2·36 × 2·45 canonical units) in ArcFace-112 units,
-# the units of the template; see the module docstring for how well it predicts each face's box.
+# the units of the template; docs/methods/aligner.md says how well it predicts each face's box.
 FACE_BOX_112 = 2.0 * float(np.sqrt(36.0 * 45.0))
 
 
@@ -102,7 +79,7 @@ def template_scale(gt: np.ndarray) -> np.ndarray:
 
 def face_box_size(gt: np.ndarray) -> np.ndarray:
     """Estimated face box side ``√(W·H)`` (N,) in pixels from the 5 landmarks: ``FACE_BOX_112 · σ``
-    (:func:`template_scale`; the module docstring gives its agreement with the renderer's own box)."""
+    (:func:`template_scale`; docs/methods/aligner.md gives its agreement with the renderer's own box)."""
     return FACE_BOX_112 * template_scale(gt)
 
 

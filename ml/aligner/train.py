@@ -1,96 +1,18 @@
-"""Training the DFA aligner: smooth-L1 between the pooled landmarks and the ground truth, end to end, plus a
-face/non-face loss that trains its face score.
+"""Training the DFA aligner: smooth-L1 on the pooled landmarks (plus a per-anchor term), and a face score.
 
-``train_aligner(cfg, images, landmarks_px)`` resizes uint8 face crops (any size) to ``cfg.input_size``²
-once, normalises the landmarks to the crop (``u = (x + ½)/W``) and fits a ``ml.aligner.dfa.DFA``
-with AdamW (no decay on norms and biases), a linear warmup then cosine decay per step, and the loss
+``train_aligner(cfg, images, landmarks_px)`` resizes uint8 crops to ``cfg.input_size``² once and fits a
+``ml.aligner.dfa.DFA`` with AdamW (no decay on norms and biases), per-step warmup + cosine, and the loss
+``L + λ_a·L_anchor + λ_p·L_pool`` of ``ml.aligner.losses``: landmarks on the faces, the score losses on faces plus
+``round(nonface_fraction · batch_size)`` non-face crops per batch (``render_nonface``, rendered once per run at the
+faces' size). Augmentation: ``augment_kprpe`` (flip with landmark swap, scale/shift/rotation, photometric, blur).
+Lightning runs it on ``aligner.accelerator`` / ``devices`` / ``precision``; batches and augmentation are functions of
+(seed, epoch, step), so a resumed run ends with the uninterrupted run's weights. Recipe: ``docs/methods/aligner.md``.
 
-    L = mean_{b,k,c} ℓ_β(L̂_bkc − L_bkc) + λ · Σ_{b,a∈N_b} mean_{k,c} ℓ_β(l̂_bakc − L_bkc) / Σ_b |N_b|,
-    ℓ_β(d) = d²/(2β) if |d| < β else |d| − β/2      (smooth L1, coordinates in crop units [0, 1])
-
-where ``L̂`` are the mixer-pooled landmarks, ``l̂_a`` anchor ``a``'s decoded landmarks and ``N_b`` the
-anchors centred inside face ``b``'s landmark bounding box grown by ``cfg.anchor_radius`` of its size
-(:func:`ml.aligner.losses.near_anchors`, all anchors when negative); ``λ = cfg.anchor_loss_weight`` (0 = the
-paper's loss on the pooled output only).
-
-Face score. Each batch of ``batch_size`` crops holds ``round(nonface_fraction · batch_size)`` non-face
-crops after the faces (:func:`ml.data.procedural.render_nonface`: background clutter, faces pushed out of
-the frame, faces under an opaque cover), and one epoch still passes over every face once (so
-``⌊N / faces per batch⌋`` steps). The landmark loss sees the faces only; the score gets
-
-    L_score = λ_a · L_anchor + λ_p · L_pool       (:func:`ml.aligner.losses.score_losses`)
-
-with ``L_anchor`` RetinaFace's classification loss — cross-entropy on the per-anchor logits, positives the
-anchors over a face, negatives the hardest ``negative_ratio``× as many background anchors per crop (all
-anchors of non-face crops, anchors far from the face in face crops) — and ``L_pool`` a BCE of the pooled
-score (faces 1, non-faces 0) that leaves the pooling weights to the landmark loss; ``λ_a = score_loss_weight``,
-``λ_p = pooled_score_loss_weight``. The non-face crops, ``render_nonface(seed, j, H)`` for ``j < steps/epoch ×
-per batch``, are rendered once per run at the training crops' height ``H`` and resized with them (so resampling
-cannot tell them apart), a function of the seed and the data size, not of the process; each epoch reshuffles
-them by (seed, epoch) and augments them with the faces. ``nonface_fraction: 0`` trains on faces only, as the
-paper does, and leaves the score untrained.
-
-Augmentation (``cfg.augment``) runs on each batch tensor through ``ml.train.augment.augment_kprpe``:
-horizontal flip with the left/right landmark swap, scale/shift/rotation jitter as one resample with the
-landmarks pushed through exactly, brightness/contrast/saturation and blur.
-
-Training runs with Lightning (``ml.train.callbacks.fit``) on the accelerator, device and precision that
-``aligner.accelerator`` / ``devices`` / ``precision`` name ("16-mixed" is refused on the CPU; "bf16-mixed" runs
-everywhere). Each batch is a function of (seed, epoch, step) (``EpochBatches``: faces in the (seed, epoch)
-order, non-face crops in their own (seed, epoch) order), the augmentation draws from a generator seeded by
-(seed, global step), and weights, optimiser, schedule and history are in ``last.ckpt``, so a run stopped after
-any epoch and resumed from it ends with the same weights as an uninterrupted one.
-
-Metrics. :func:`evaluate_aligner` reports the NME in both conventions: inter-pupil (``nme``) and face box
-(``nme_box``, the paper's and RetinaFace's, ≈ 2.3× smaller; ``ml.aligner.metrics``), and with ``top_anchor`` the
-same model read the RetinaFace way, the best-scoring anchor's landmarks instead of the mixer-pooled ones.
-
-Modules: this one holds the settings, the LightningModule and :func:`train_aligner`; ``ml.aligner.losses``
-the losses, ``ml.aligner.data`` the input checks, batches and non-face crops, ``ml.aligner.evaluate``
-:func:`evaluate_aligner`.
-
-Differences from the reference
-------------------------------
-- The paper trains 750 epochs at batch 320 on WiderFace crops at 160 px; the embedded default trains on
-  procedural faces at 96 px for CPU speed (``input_size: 160`` restores the paper's size).
-- The embedded recipe (9 epochs × 114 steps = 1,026 AdamW steps at batch 16 = 14 faces + 2 non-face crops,
-  lr 0.02, per-anchor weight λ = 5, on the 1,600 training faces of ``data/prepared/unaligned``) was picked by
-  held-out face-box NME on its 400 test faces (20 identities never trained on), one torch thread. The
-  previous default (6 epochs × 55 steps at batch 32, lr 0.01, λ = 1) ended at NME_box 0.069 (inter-pupil
-  0.161, still falling, train ≈ test: underfitting). Measured, seed 0 unless noted:
-
-  12 epochs (660 steps): 0.049; with lr 0.005 / 0.02 / 0.04: 0.049 / 0.044 / 0.048 (lr 0.02, seed 1: 0.052);
-  20 epochs (1,100 steps): 0.041, at twice the recipe's CPU time; a 64-px input for 20 epochs (1,100 steps, as
-  much CPU as 96 px × 12 epochs): 0.050; 12 epochs at lr 0.02 without the rotation/scale/shift jitter: 0.046
-  (0.044 with it); batch 16, lr 0.02, 9 epochs with λ = 1 / 3 / 5 / 10: 0.046 / 0.044 / 0.039 / 0.044; batch 8
-  (7 + 1), lr 0.014, λ = 3, 6 epochs (1,368 steps): 0.049; the recipe on 2,600 faces (50 more identities) for 6
-  epochs (1,110 steps): 0.044, so more identities did not help; the recipe for 7 epochs (798 steps): 0.045.
-
-  The recipe over seeds 0, 1, 2 (one thread; mean ± sample std): NME_box 0.0394 ± 0.0003, failure_box@0.05
-  20.1 ± 0.9 %, inter-pupil NME 0.0924 ± 0.0006, failure@0.1 33.0 ± 1.1 %; the best-scoring anchor of the same models
-  0.0418 ± 0.0005 (pooling is 6 % better, as the paper claims; 0.076 vs 0.069 at the previous default).
-  Smaller batches help because the step cost is not proportional to the batch (forward + backward at 96²,
-  one thread: 81 ms at 16, 139 ms at 32, in ``channels_last``, which alone saves ~20 % per step). On two
-  threads the arithmetic differs and so does the trajectory: NME_box 0.0428 / 0.0413 (seeds 0 / 1; best anchor
-  0.0458 / 0.0418; the previous default: 0.077 on two threads, 0.069 on one). The stage ``train_aligner`` end to
-  end on the 2-core machine with nothing else running, 2 threads: 83 s against 55 s for the previous default on
-  the code before ``channels_last`` (1.5×) and 46 s on this code; on one thread with other jobs on the machine:
-  112 s (100 s CPU) against 64 s (57 s CPU). 8 epochs instead of 9 cost 12 % less and gave 0.0435 / 0.0405
-  (seeds 0 / 1, one thread).
-- The paper says "smooth L2"; we use smooth L1 (its reference [56], Fast R-CNN) with ``β`` in crop units.
-- The per-anchor term (``anchor_loss_weight``, on by default) is ours, in the spirit of RetinaFace's
-  landmark loss on matched anchors: it gives the anchors over the face a direct target. On 2,000
-  procedural faces × 5 epochs it took the held-out NME from 0.178 (pooled loss only) to 0.139; applied
-  to all anchors instead of those over the face it did not help. Its weight 5 (was 1) is part of the recipe
-  above.
-- The paper's DFA loss has no score term (its crops all contain a face); the non-face crops, the anchor
-  cross-entropy with 3:1 hard negative mining (RetinaFace's) and the pooled-score BCE are ours. At the
-  previous defaults (1,600 faces of the embedded set, 6 epochs, batch 32 with 3 non-face crops, one thread) the
-  held-out NME went from 0.143 (``nonface_fraction: 0``) to 0.148, the face-vs-non-face ROC AUC of the
-  pooled score from 0.867 (untrained: every crop scored above 0.5) to 0.996 with 94 % accuracy at 0.5, and
-  its Spearman ρ with the procedural quality from 0.14 to 0.28. An epoch has 55 steps instead of 50 (+10 %;
-  one-epoch CPU timings varied by ±8 % run to run), plus 0.3 s to render the 165 crops once. Score weights
-  of 1 instead of 0.1 cost 30 % NME on a smaller run (800 faces × 4 epochs: 0.346 vs 0.270).
+Differences from the reference: the paper trains 750 epochs at batch 320 on WiderFace crops at 160 px; the embedded
+default trains a few epochs on procedural faces at 96 px (``input_size: 160`` restores the size). Smooth L1 (Fast
+R-CNN, the paper's reference [56]) for the paper's "smooth L2", ``β`` in crop units. The per-anchor landmark term
+(``anchor_loss_weight``; 0 = the paper's loss) and the whole score training (non-face crops, RetinaFace's anchor
+cross-entropy with 3:1 hard negatives, a BCE on the pooled score; ``nonface_fraction: 0`` = the paper) are ours.
 """
 
 from __future__ import annotations
@@ -144,7 +66,7 @@ class AlignerConfig:
     mixer_depth: int = 3
     mixer_token_hidden: int = 16
     mixer_channel_hidden: int = 32
-    epochs: int = 9  # 9 × 114 = 1,026 steps at batch 16 on the embedded 1,600 faces (module docstring)
+    epochs: int = 9  # 9 × 114 steps at batch 16 on the embedded 1,600 faces (docs/methods/aligner.md)
     batch_size: int = 16
     lr: float = 2e-2
     weight_decay: float = 5e-4
@@ -345,8 +267,8 @@ def train_aligner(
         torch.set_num_threads(cfg.num_threads)
     try:
         torch.manual_seed(cfg.seed)
-        # channels_last: the depthwise/pointwise convolutions and BatchNorm run ~20 % faster per step on the CPU
-        # (measured: 139 vs 168 ms forward + backward, batch 32 at 96², one thread); the returned model is plain
+        # channels_last: faster depthwise/pointwise convolutions and BatchNorm per step on the CPU; the returned
+        # model is plain
         model = DFA(cfg.model_config()).to(memory_format=torch.channels_last)
         log.info("training DFA (%d anchors at %d², %d params) on %d faces + %d non-face crops per batch: %d "
                  "steps/epoch × %d epochs%s", model.num_anchors, size, sum(p.numel() for p in model.parameters()), n,

@@ -5,23 +5,13 @@ A dataset directory holds::
     images/<identity>/<n>.png   RGB uint8 PNGs, n counts from 0 within each identity
     manifest.parquet            one row per image, columns MANIFEST_COLUMNS
     dataset.json                name, source, image size, counts, generator, content digest
-    records.parquet             only for faces ingested from a RecordIO: the record each image came from
-                                (``ml.data.records``; not part of the digest)
+    records.parquet             faces ingested from a RecordIO only: the record each image came from
 
-Manifest columns and their parquet types: ``path`` (string, relative to the dataset directory),
-``identity`` (string), ``label`` (int64, 0..K-1 by sorted identity), ``split`` (string), ``source``
-(string, one of SOURCES), ``landmarks`` (list<float32> of 10 pixel coordinates x0,y0,...,x4,y4 in
-ArcFace order: left eye, right eye, nose, left mouth corner, right mouth corner; null if unknown),
-``quality`` (float64 in [0, 1] or null), ``template`` and ``media`` (nullable int64, for set/video
-benchmarks), ``width`` and ``height`` (int64).
-
-:class:`DatasetWriter` builds the directory under ``.<out>.<pid>.tmp`` and moves it onto ``<out>`` only
-when closed without error, so readers never see a half-written dataset.
-
-The content digest is the sha256 over one canonical JSON line per image, sorted by path:
-``[path, sha256(file bytes), identity, label, split, source, landmarks, quality, template, media,
-width, height]`` (floats as their shortest repr, nulls as null). It changes when any pixel, label or
-annotation changes and not when rows are reordered.
+:class:`DatasetWriter` builds the directory under ``.<out>.<pid>.tmp`` and moves it onto ``<out>`` only when
+closed without error, so readers never see a half-written dataset. The content digest is the sha256 over one
+canonical JSON line per image, sorted by path: ``[path, sha256(file bytes), identity, label, split, source,
+landmarks, quality, template, media, width, height]``. It changes when any pixel, label or annotation changes,
+not when rows are reordered; ``records.parquet`` is outside it. The contract in full: ``docs/data.md``.
 """
 
 from __future__ import annotations

@@ -1,33 +1,19 @@
 """IJB-style template meta files, read and written, so that real IJB-B/C protocol files plug in.
 
-Three whitespace-separated text formats, one record per line, as in the IJB-B/C ``meta/`` folders that
-InsightFace's ``recognition/_evaluation_/ijb`` reads:
-
-- ``*_face_tid_mid.txt``: ``img tid mid`` — the image (file name or relative path), its template id and its
-  media id (one still or one video). ``read_tid_mid`` → ``DataFrame(path, template, media)``.
-- ``*_template_pair_label.txt``: ``tid1 tid2 label`` — label 1 = same subject, 0 = different.
-  ``read_template_pairs`` → ``(pairs (P, 2) int64, labels (P,) int8)``.
-- ``*_name_5pts_score.txt``: ``img x1 y1 x2 y2 … x5 y5 score`` — the 5 landmarks (pixel x, y in that image,
-  ArcFace order: left eye, right eye, nose, left mouth corner, right mouth corner) and the detector's
-  faceness score. ``read_landmark_scores`` → ``(paths, landmarks (N, 5, 2) float32, scores (N,) float32)``.
-
-``tasks/prepare`` writes the first two for the procedural template set (``images/<identity>/<k>.png tid
-mid`` and ``tid1 tid2 label``); they read back with these functions.
-
-Rules. Fields are separated by any run of spaces or tabs; blank lines are skipped; ids are integers in the
-int64 range (optionally signed, no decimal point); coordinates and scores are finite decimal numbers. A file
-with no record is an error (an empty protocol is never what was meant). Every error is a ``DataError`` that
-names the file, the 1-based line number and what is wrong there. Writers validate the same rules before
-writing (so whatever they write reads back identically) and write atomically (a temporary sibling file, then
-``os.replace``), so a reader never sees half a file. Floats are written in the shortest form that reads back
-to the same float32.
+Whitespace-separated text, one record per line, as in the IJB-B/C ``meta/`` folders InsightFace reads:
+``*_face_tid_mid.txt`` (``img tid mid``: image, template id, media id) → :func:`read_tid_mid`;
+``*_template_pair_label.txt`` (``tid1 tid2 label``, 1 = same subject) → :func:`read_template_pairs`;
+``*_name_5pts_score.txt`` (``img x1 y1 … x5 y5 score``: 5 ArcFace-order pixel landmarks and the faceness score)
+→ :func:`read_landmark_scores`. ``tasks/prepare`` writes the first two for the procedural template set. Ids are
+int64 integers, coordinates and scores finite decimals; a file without records is an error, and every error is a
+``DataError`` naming the file, the 1-based line and the fault. Writers check the same rules (what they write reads
+back identically, floats in the shortest form that reads back to the same float32) and write atomically.
 
 Differences from the reference (InsightFace ``ijb_11.py`` / ``ijb_1n.py``):
-
-- The reference loads these files with ``pandas.read_csv(sep=' ', header=None)`` / ``np.loadtxt`` and no
-  checks; here a malformed line is an error naming it, instead of NaN ids or shifted columns.
-- Image names are kept as the text gives them (the reference keeps the file name only); paths with
-  whitespace cannot be represented in the format, and the writers refuse them.
+- The reference loads these files with ``pandas.read_csv`` / ``np.loadtxt`` unchecked; here a malformed line is an
+  error naming it, instead of NaN ids or shifted columns.
+- Image names are kept as written (the reference keeps the file name only); names with whitespace cannot be
+  represented in the format, and the writers refuse them.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ datasets, streaming.
 The items (a file path or a record key, and its identity) are listed first, without decoding an image; the
 identities are split by seed into training, held-out and discovery groups (disjoint); then the images are decoded
 one at a time and written to their group's dataset. Memory holds the items by column (:class:`Items`: an identity
-code and a record key or file name per image) and each dataset's manifest columns (``DatasetWriter``, about 70 bytes
-per image), never the images nor an object per image (``benchmarks/bench_ingest.py``).
+code and a record key or file name per image; ``DatasetWriter`` spills each image's manifest values to disk), never
+the images nor an object per image (``benchmarks/bench_ingest.py``).
 
 Bad input: an image that does not decode is skipped with its file or record named in the log, and the ingest fails
 when more than ``max_corrupt_fraction`` of the images are skipped; a non-square face is refused (aligned faces are

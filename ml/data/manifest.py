@@ -110,8 +110,8 @@ def write_parquet(table: pa.Table, path: Path) -> None:
     """``table`` to ``path`` atomically (``ml.atomic.atomic_path``).
 
     Arrow's default allocator (mimalloc) keeps the pages the Parquet writer freed resident, some hundreds of bytes
-    per row, which later numpy arrays cannot reuse: they are handed back after the write (a fraction of a
-    millisecond; ``benchmarks/bench_ingest.py``)."""
+    per row, which later numpy arrays cannot reuse: they are handed back after the write (cheap;
+    ``benchmarks/bench_ingest.py``)."""
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
     pa.default_memory_pool().release_unused()

@@ -4,10 +4,9 @@ InsightFace RecordIO its faces were ingested from, read in place.
 When ``prepare`` ingests a RecordIO it writes, beside each real dataset's manifest, ``records.parquet``: the
 manifest ``path`` of every face and the ``record`` key it was read from, with the RecordIO's path and size in the
 file's metadata. :func:`recordio_dataset` turns manifest rows into a :class:`RecordIODataset` over those keys, so a
-training stage can read the JPEG payloads where they lie instead of the PNG copies (measured in
-``benchmarks/bench_decode.py``: JPEG decodes about twice as fast as the PNG copy, from a file about a fifth of the
-size). The faces are the ones ingest wrote: the same decoder, and the same bicubic resize when the RecordIO's faces
-are of another size, so the pixels equal the PNG copy's (PNG is lossless).
+training stage can read the JPEG payloads where they lie instead of the PNG copies (cheaper to decode, from a
+smaller file: ``benchmarks/bench_decode.py``). The faces are the ones ingest wrote: the same decoder, and the same
+bicubic resize when the RecordIO's faces are of another size, so the pixels equal the PNG copy's (PNG is lossless).
 
 Both datasets give ``(uint8 tensor (H, W, 3), label)``: the decoded array itself (a batch's ``permute(0, 3, 1, 2)``
 makes the (B, 3, H, W) view a model reads). :class:`RecordIODataset` opens the ``.rec`` lazily, once

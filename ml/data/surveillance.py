@@ -1,28 +1,18 @@
 """Surveillance-quality faces: IJB-S-like video probes and the degraded sets CAFace trains on.
 
 In IJB-S most frames of a surveillance video are unusable (the person far from the camera: a few pixels across,
-blurred, noisy, compressed) and a few, when the person passes near the camera, are usable. Set fusion can only
-show its worth on such probes: when every frame is of similar quality, averaging is already the best template.
+blurred, noisy, compressed) and a few, when the person passes near the camera, are usable. Set fusion can only show
+its worth on such probes: when every frame is of similar quality, averaging is already the best template.
 
-- :func:`surveillance_sequence` renders one probe. Pose, expression, illumination, background and occluders follow
-  :meth:`ProceduralFaces.sequence`'s smooth walk; the degradations (capture resolution, blur, noise, JPEG) are
-  replaced: a contiguous *usable window* of ``max(1, round(usable_fraction · length))`` frames at a random place
-  gets mild degradations, every other frame heavy ones, each smooth in time (knots every 8 frames, cosine
-  interpolation). Each frame's ``quality`` is the renderer's :func:`~ml.data.procedural.quality_score`.
-  :func:`stream_surveillance_sequence` yields the same frames one at a time, holding only the knots and one seed
-  per frame (probes of tens of thousands of frames).
-- :func:`fusion_faces` renders CAFace's training material for one identity, after the reference recipe
-  (``mk-minchul/caface``: centres from clean images only, sets built from 1–3 source images each copied under heavy
-  degradation): ``clean`` renders without degradation or occluders (the targets ``f_GT``), and ``sources``
-  poses, each rendered ``copies`` times under degradations drawn like a probe's frames (usable with probability
-  ``usable_fraction``, heavy otherwise).
-- :func:`degrade_image` applies the same kind of degradation to any aligned face (the real-data path: CAFace's
-  sets from the user's faces).
+- :func:`surveillance_sequence` (and :func:`stream_surveillance_sequence`, one frame at a time): pose, expression,
+  light, background and occluders follow :meth:`ProceduralFaces.sequence`'s smooth walk; a contiguous usable window
+  of ``max(1, round(usable_fraction · length))`` frames gets mild degradations, every other frame heavy ones, each
+  smooth in time (knots every 8 frames, cosine interpolation). ``quality`` is the renderer's ``quality_score``.
+- :func:`fusion_faces`: CAFace's material for one identity after ``mk-minchul/caface``: clean renders (the targets
+  ``f_GT``) and ``copies`` degraded renders of each of ``sources`` poses (usable with probability ``usable_fraction``).
+- :func:`degrade_image`: the same degradation on any aligned face (CAFace's sets from real faces).
 
-Degradation ranges (:class:`SurveillanceConfig`, ``params.yaml`` ``data.surveillance``), at the default: heavy
-frames are captured at 10–30 % of the side (6–19 px of a 64-px crop), blurred with σ 1–3.5 (112-px units), with
-noise std 4–20 and JPEG quality 8–40, so their procedural quality is ≈ 0.01–0.2; usable frames at 70–100 % of
-the side, σ ≤ 0.6, noise ≤ 3 and JPEG ≥ 70 (quality ≈ 0.4–0.9 before pose and occluders).
+The ranges are :class:`SurveillanceConfig` (``params.yaml`` ``data.surveillance``).
 """
 
 from __future__ import annotations

@@ -1,36 +1,19 @@
 """Unaligned procedural faces with exact 5-point landmarks: training and test data for the DFA aligner.
 
-:class:`ml.data.procedural.ProceduralFaces` renders unaligned crops natively (``ProceduralConfig(aligned=
-False)``): the face is first fitted to the ArcFace template (as a 5-point aligner would place it), then a
-random similarity about the image centre is composed on top — rotation uniform in ``±rotation_deg``,
-scale uniform in ``[scale_min, scale_max]``, shift uniform in ``±shift`` of the side per axis — and the
-whole canvas (background clutter, hair, ears, occluders, degradations) is rendered in that pose. The 5
-landmarks are pushed through the same maps, so they are exact: no resampling of an aligned crop, no
-empty borders, no interpolation blur. This module only picks those knobs, rejects draws whose landmarks
-leave the image, and stacks the result.
+``ProceduralConfig(aligned=False)`` renders unaligned crops natively: the face is fitted to the ArcFace template,
+a random similarity about the image centre is composed on top (rotation in ``±rotation_deg``, scale in
+``[scale_min, scale_max]``, shift in ``±shift`` of the side per axis) and the whole canvas is rendered in that
+pose, so the landmarks are exact: no resampling of an aligned crop, no empty borders, no interpolation blur. This
+module picks those knobs, keeps for identity ``i`` the first ``per_identity`` of its sample indices 0, 1, 2, … whose
+landmarks lie ``margin`` inside the image (deterministic), and stacks the result.
 
-Face box. With ``return_face_size`` each face also comes with the side ``√(W·H)`` of the renderer's own face
-box: the face outline that ``ml.data.procedural`` draws at depth 0 spans ``2·face_w × 2·face_h`` canonical
-units (ArcFace-112 units; ``face_w`` is the half width of the upper face, ``face_h`` the half height from the
-top of the forehead to the chin), and the depth warp and the similarity scale it to
+Face box (``return_face_size``; the normaliser of ``ml.aligner.metrics.nme_box``): the renderer's outline spans
+``2·face_w × 2·face_h`` canonical units, so along the face's own axes ``W = 2·face_w·cos(yaw)·s·size/112`` and
+``H = 2·face_h·cos(pitch)·s·size/112`` pixels, ``√(W·H) = 2·√(face_w·face_h)·ppu`` (jaw taper and ears excluded).
 
-    W = 2·face_w · cos(yaw) · s · size/112,    H = 2·face_h · cos(pitch) · s · size/112    (pixels)
-
-along the face's own axes (the box of the upright face, rotated with it: an in-plane rotation does not change
-it; the jaw taper and the ears are not in it). ``√(W·H) = 2·√(face_w·face_h) · ppu`` with ``ppu`` the
-renderer's output pixels per canonical unit at depth 0. This is the normaliser of the box-convention NME
-(``ml.aligner.metrics.nme_box``), which estimates it from the 5 landmarks when only those are stored.
-
-Rejection is deterministic: identity ``i`` takes its sample indices 0, 1, 2, … in order and keeps the
-first ``per_identity`` whose 5 landmarks all lie at least ``margin`` (fraction of the side) inside the
-image, so the same arguments always give the same faces.
-
-Differences from the reference
-------------------------------
-- KP-RPE trains DFA on WiderFace faces cropped with their ground-truth boxes (padding 0.1) and resized to
-  160. Here the faces are procedural; the unaligned pose statistics are ours (defaults: ±30°, scale
-  0.7–1.2 of the template placement, ±15 % shift), as are yaw/pitch and the degradations of
-  ``ProceduralConfig``.
+Differences from the reference: KP-RPE trains DFA on WiderFace faces cropped by their ground-truth boxes (padding
+0.1) and resized to 160; here the faces, their pose statistics (defaults ±30°, scale 0.7–1.2 of the template
+placement, shift ±0.15 of the side), yaw/pitch and degradations are procedural.
 """
 
 from __future__ import annotations

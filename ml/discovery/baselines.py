@@ -1,28 +1,15 @@
-"""Unsupervised clustering baselines for generalized face discovery, all scikit-learn, as in FaceGCD Table 2.
+"""Unsupervised clustering baselines for generalized face discovery, scikit-learn (FaceGCD Table 2, App. A.3).
 
-Every baseline clusters L2-normalised features: face embeddings are compared by angle, and on unit
-vectors ||a - b||^2 = 2 - 2 cos(a, b), so Euclidean methods (k-means, Ward) rank pairs as cosine does.
+All cluster L2-normalised features, where ‖a − b‖² = 2 − 2 cos(a, b), so Euclidean methods rank pairs as cosine does:
+``kmeans_baseline`` (Lloyd, k-means++, max_iter 300, tol 1e-4); ``agglomerative_baseline`` (Ward on Euclidean, average /
+complete / single linkage on 1 − cos: complete and single give the same tree either way, average does not);
+``dbscan_baseline`` over an (eps, min_samples) grid, eps a chord length √(2(1 − cos)) in [0, 2]. ``best_of`` keeps the
+setting with the highest "all" accuracy: an oracle on the test labels, as the paper's "best configuration"; it
+flatters HAC and DBSCAN and is not a deployable model selection.
 
-* ``kmeans_baseline``: Lloyd k-means, k-means++ init, max_iter 300, tol 1e-4 (FaceGCD A.3).
-* ``agglomerative_baseline``: HAC with Ward (Euclidean on unit vectors) and average / complete /
-  single linkage on cosine distance 1 - cos. For complete and single linkage cosine and Euclidean
-  give the same tree (merge order depends only on the order of pairwise distances); for average
-  linkage they differ.
-* ``dbscan_baseline``: DBSCAN over an (eps, min_samples) grid, Euclidean on unit vectors, so
-  eps is a chord length: eps = sqrt(2 (1 - cos)) in [0, 2]; eps >= 2 joins every point.
-* ``best_of``: picks the setting with the highest ``cluster_accuracy`` "all". This is an oracle
-  choice that reads the test labels, exactly as the paper's "report the configuration with the
-  highest clustering accuracy"; it flatters HAC and DBSCAN and is not a deployable model selection.
-
-Differences from the reference (FaceGCD A.3):
-
-* HAC runs Ward on Euclidean and the other linkages on cosine; the paper tries both affinities for
-  every linkage. DBSCAN's eps is on unit vectors (the paper's grid 0.05..10 suggests raw features).
-* DBSCAN noise points (label -1) each become a singleton cluster, so they are errors under the
-  one-to-one matching unless a singleton happens to be matched; the paper does not say how noise is
-  scored.
-* Agglomerative clustering and DBSCAN hold O(N^2) distances in the worst case: keep N to tens of
-  thousands (a GFD test split), not the training set.
+Differences from the reference (App. A.3): HAC uses one affinity per linkage (the paper tries both); DBSCAN's eps is on
+unit vectors (the paper's grid 0.05–10 suggests raw features) and its noise points become singleton clusters (the
+paper does not say how noise is scored). HAC and DBSCAN may hold O(N²) distances: keep N to tens of thousands.
 """
 
 from __future__ import annotations

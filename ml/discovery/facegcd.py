@@ -1,53 +1,18 @@
-"""FaceGCD: generalized face discovery with hypernetwork-generated attention prefixes.
+"""FaceGCD: generalized face discovery with hypernetwork-generated attention prefixes (Oh & Choi, ``facegcd.txt``).
 
-Oh & Choi, "FaceGCD: Generalized Face Discovery via Dynamic Prefix Generation" (shared/papers/facegcd.txt).
+Two copies of one ViT. The frozen **static** ViT's token means after every block, z̄⁽ˡ⁾ (L, B, dim), drive a
+hypernetwork ℋ that writes, per image and layer, a bottleneck generator ``P_K = U_K·ReLU(D_K·P_τ + b_D) + b_U``
+(D (r, hd), U (hd, r), biases = their row means; P_V likewise) applied to the base prefix P_τ (P, heads, hd). The
+**trainable** ViT attends with ``K̃ = [P_K; K]``, ``Ṽ = [P_V; V]`` (B, heads, P + T, hd) and unchanged queries. Only
+ℋ, P_τ, the last block and the projection head train. ``features`` (the ViT's embedding head) are what is clustered;
+``projections`` (a DINO head, unit norm) feed the contrastive losses, as in GCD.
 
-Two ViTs share one architecture and start from the same weights. The **static** ViT is frozen; the mean of
-its tokens after every block, ``z̄⁽ˡ⁾ = mean_t z⁽ˡ⁾_t`` (B, dim), conditions a **hypernetwork** ℋ that writes,
-per image and per layer ``l``, the weights of a bottleneck prefix generator for keys and for values::
-
-    u⁽ˡ⁾ = LN(z̄⁽ˡ⁾) + e⁽ˡ⁾                                  learned layer embedding e⁽ˡ⁾ (dim,)
-    D_K, D_V = split(W₂ᵈ·ReLU(W₁ᵈ·u⁽ˡ⁾ + c₁ᵈ) + c₂ᵈ)         each (r, head_dim)     "down" MLP
-    U_K, U_V = split(W₂ᵘ·ReLU(W₁ᵘ·u⁽ˡ⁾ + c₁ᵘ) + c₂ᵘ)         each (head_dim, r)     "up" MLP
-    b_D = mean_j D[:, j] (r,),   b_U = mean_j U[:, j] (head_dim,)                    biases by average pooling
-
-The generator maps the base prefix tokens ``P_τ⁽ˡ⁾`` (P, heads, head_dim), the same small MLP for every head::
-
-    P_K⁽ˡ⁾ = U_K·ReLU(D_K·P_τ⁽ˡ⁾ + b_D,K) + b_U,K        (B, heads, P, head_dim); P_V⁽ˡ⁾ likewise with D_V, U_V
-
-and the **trainable** ViT attends with ``K̃ = [P_K; K]``, ``Ṽ = [P_V; V]`` and unchanged queries in every layer, so
-its token count stays ``T`` while keys and values have ``P + T`` positions. Only ℋ (with the layer embedding and
-the base prefixes), the last block of the trainable ViT and the projection head train; everything else is frozen
-(``requires_grad`` False) and kept in eval mode by ``train()``.
-
-Outputs: ``features`` = the trainable ViT's embedding head (flattened tokens → Linear → BN → Linear → BN, the
-face ViT's counterpart of the paper's [CLS] token), used for clustering; ``projections`` = the DINO-style projection
-head on top (MLP → L2-normalised bottleneck → weight-normalised linear), L2-normalised, used by the contrastive
-losses (as in GCD, which contrasts the head's output and clusters the backbone features).
-
-Differences from the reference (paper §3.2, §3.3, App. A.2, A.4; METHODS.md):
-
-- Base prefix: learned (``learn_base_prefix=True``). The authors' public code draws it at random on every forward
-  so it is never learned; ``learn_base_prefix=False`` reproduces that with a fresh ``randn`` per sample (the
-  paper's Table A2 has a batch axis on it) on every training forward. In eval mode that variant uses one fixed
-  draw from ``prefix_seed`` for every image, so embeddings are deterministic. Both the learned prefix's init and
-  the redraw are N(0, 1); the paper's Table A2 calls the initial prefix "uniform initialized".
-- Hypernetwork: one MLP pair shared by all layers with a learned layer embedding (METHODS.md); the paper's
-  Table A1 applies one MLP pair to every layer's feature without a layer embedding. The pooled feature is
-  layer-normalised (no affine) before it, since residual-stream scale grows with depth; the paper feeds it raw.
-- Sizes: hidden width ``hyper_hidden`` defaults to ``4·dim/3`` (the paper's 1024 at dim 768); the bottleneck
-  ``r`` defaults to ``head_dim // 4`` (the paper's 16 at head_dim 64; 8 for ``vit_tiny``); ``P`` defaults to 10
-  (the paper's ablation size; its main runs use 20).
-- ``static_prefix=True`` is a sample-independent ablation: the key/value prefixes are plain learned parameters
-  (prefix tuning), no hypernetwork, no static ViT. The paper's "Static Prefix Generator" (a large MLP on the
-  layer features) and "Static Prefix Pool" (L2P-style selection) are not implemented.
-- Backbone: our face ViT has no [CLS] token and no landmark-guided patches (no landmark CNN); ``features`` is the
-  ViT's flatten-all-tokens embedding head, which stays frozen like the final LayerNorm (GCD trains blocks only).
-  The ViT's token masking (``mask_ratio``) is not applied. Both ViTs are usually the pipeline's FR model
-  (``from_fr_model``) rather than a DINO-pretrained ViT-B (patch 8).
-- Projection head: GCD's DINO head is 768→2048→2048→256→65536; ours defaults to dim_in→512→512→128→256 for
-  the CPU. The last layer's weight rows are normalised to unit length with no learned gain (DINO's
-  ``norm_last_layer``), written directly rather than with ``weight_norm``.
+Differences from the reference (§3.2–3.3, App. A.2, A.4; docs/methods/discovery.md): P_τ is learned, N(0, 1) init
+(the authors' code redraws it every forward: ``learn_base_prefix=False``, one ``prefix_seed`` draw in eval); ℋ is one
+MLP pair shared by all layers, with a layer embedding, on layer-normalised (non-affine) features; defaults r =
+head_dim/4, hidden 4·dim/3, P = 10 (paper: 16, 1024, 20); ``static_prefix`` is plain prefix tuning (the paper's static
+generator and prefix pool are not implemented); no [CLS], landmark CNN or token masking; ViTs from the FR model, its
+embedding head frozen; projection head →512→512→128→256, unit-norm last rows, no gain (DINO's →2048→2048→256→65536).
 """
 
 from __future__ import annotations

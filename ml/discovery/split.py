@@ -1,22 +1,17 @@
 """The generalized face discovery (GFD) split of a face manifest: known / unknown identities, labelled images.
 
-Rules (FaceGCD Appendix B), all drawn from one ``np.random.default_rng(seed)``:
+Rules (FaceGCD App. B), all drawn from one ``np.random.default_rng(seed)``, rounding half up:
 
-1. Identities: the sorted identity names are shuffled and the first round(known_fraction * n_ids)
-   are known, the rest unknown (round half up).
-2. Test images: per identity with n >= 2 images, n_test = clip(round(test_fraction * n), 1, n - 1)
-   images chosen at random are ``subset="test"``, the rest ``"train"`` (90/10 by default). An identity
-   with a single image is train only: it cannot give both a train and a test image.
-3. Labelled images: per known identity with n_train train images, clip(round(labelled_fraction *
-   n_train), 1, n_train) of them at random are labelled, so every known identity has one labelled
-   image at least. Unknown identities and test images are never labelled.
+1. Of the shuffled sorted identity names, the first round(known_fraction · n_ids) are known, the rest unknown.
+2. Per identity with n ≥ 2 images, clip(round(test_fraction · n), 1, n − 1) random images are ``test`` (90/10 by
+   default), the rest ``train``; an identity with one image is train only.
+3. Per known identity, clip(round(labelled_fraction · n_train), 1, n_train) random train images are labelled;
+   unknown identities and test images never are.
 
-Images are ordered by (identity, path) before drawing, so the split depends on the set of rows and the
-seed, not on the manifest's row order. The returned frame keeps the manifest's row order.
-
-Differences from the reference (FaceGCD Appendix B): the paper first drops identities with fewer than
-100 (YTF) or 50 (CASIA) images and samples a fixed number of identities; filter the manifest before
-calling ``gfd_split`` to reproduce that. The paper's rounding of 10 % and 50 % is not stated.
+Images are ordered by (identity, path) before drawing, so the split depends on the rows and the seed, not on their
+order; the returned frame keeps the manifest's order. Differences from the reference: the paper first keeps the
+identities with ≥ 100 (YTF) / 50 (CASIA) images and samples a fixed number of them (filter the manifest before
+``gfd_split``); its rounding of 10 % and 50 % is not stated.
 """
 
 from __future__ import annotations

@@ -1,45 +1,18 @@
-"""Semi-supervised k-means (SSK) for generalized category discovery.
+"""Semi-supervised k-means (SSK): GCD's inference (Vaze et al. 2022, §3.2), run by FaceGCD with n_init 10, max_iter 500.
 
-Source: Vaze et al., "Generalized Category Discovery", CVPR 2022, §3.2 and its public
-``methods/clustering/faster_mix_k_means_pytorch.py`` (``K_Means.fit_mix``); FaceGCD runs it at
-inference with n_init = 10, max_iter = 500 and K = |known| + |novel| identities.
+Features x (N, D), a labelled subset with classes y, K clusters: the n_known labelled classes (sorted) are clusters
+0..n_known − 1 and their labelled points never move; their centroids start at the labelled class means, the other
+K − n_known are k-means++ draws over the unlabelled points (the known centroids count as chosen). Lloyd iterations
+move each unlabelled point to ``argmin_j ‖x − c_j‖²`` and average all members; a restart stops after ``max_iter``, when
+no assignment changed, or when ``Σ_j ‖Δc_j‖² ≤ tol · mean_d Var(x_d)``; the lowest-inertia of ``n_init`` restarts is
+kept. Distances ``‖x‖² − 2x·c + ‖c‖²`` go in (batch_size, K) blocks, never (N, K, D). Deterministic on the CPU; on
+CUDA ``index_add_`` may change the centroids' last bits.
 
-For features x_i (N, D), a labelled subset L with classes y_i, and K clusters:
-
-1. Known clusters: the n_known distinct labelled classes, sorted, are clusters 0..n_known-1
-   (cluster j <-> ``known_classes[j]``). A labelled point always stays in its class's cluster.
-2. Initialisation: c_j = mean of the labelled points of class j for j < n_known; the other
-   K - n_known centroids are k-means++ draws over the unlabelled points with the known centroids
-   counted as already chosen: the next centroid is x_u with probability d(x_u)^2 / sum_v d(x_v)^2,
-   d = distance to the nearest centroid chosen so far.
-3. Lloyd iterations: each unlabelled point joins argmin_j ||x - c_j||^2; then c_j = mean of all
-   members of j, labelled and unlabelled.
-4. Stop after ``max_iter`` updates, when no unlabelled assignment changed, or when the centroid
-   shift sum_j ||c_j^new - c_j^old||^2 <= tol * mean_d Var(x_{:, d}) (sklearn ``KMeans``'s tolerance,
-   relative to the feature scale).
-5. Restart ``n_init`` times (k-means++ seeds differ); keep the run with the lowest inertia
-   sum_i ||x_i - c_{a(i)}||^2 over all points, labelled ones included.
-
-Distances are ||x||^2 - 2 x.c + ||c||^2, one matmul per chunk of ``batch_size`` points: memory is
-O(batch_size * K), never O(N * K * D). Deterministic given ``seed`` on CPU; on CUDA ``index_add_``
-sums in a nondeterministic order, so centroids may differ in the last bits between runs.
-
-Differences from the reference (GCD ``K_Means.fit_mix``):
-
-* Empty cluster: the reference averages an empty set (a NaN centroid); here the cluster keeps its
-  previous centroid. Only a novel cluster can become empty (a known one holds its labelled points).
-* Tolerance: the reference stops when (sum_j ||c_j^new - c_j^old||)^2 < tol, an absolute test; here
-  sum_j ||c_j^new - c_j^old||^2 <= tol * mean feature variance, as sklearn, and also when no
-  assignment changed.
-* Result: the last iteration's assignment, made with the final centroids; the reference keeps, within
-  one run, the iteration with the lowest inertia measured before its centroid update.
-* k-means++ keeps a running minimum distance (one pass over the unlabelled points per new centroid)
-  instead of recomputing distances to every chosen centroid; the sampling rule is the same. When every
-  unlabelled point coincides with a chosen centroid (all d = 0) the next one is drawn uniformly.
-* k-means++ seeding draws from a random pool of at most ``init_pool`` (20k) unlabelled points per restart,
-  not all of them (the reference uses all): below that size nothing changes.
-* GCD L2-normalises the features before calling it (``test_kmeans_semi_sup``); this function
-  clusters the features as given, so normalise first to match.
+Differences from the reference (GCD's ``K_Means.fit_mix``): an empty (novel) cluster keeps its centroid (there: NaN);
+the stop is sklearn's relative test on Σ‖Δc‖² plus a no-change test (there: (Σ‖Δc‖)² < tol, absolute); the result
+is the last iteration's assignment (there: a restart's lowest-inertia iteration); k-means++ keeps a running minimum
+distance (same sampling; uniform when all d = 0) and draws from at most ``init_pool`` unlabelled points per restart
+(there: all); features are clustered as given (GCD L2-normalises them first).
 """
 
 from __future__ import annotations

@@ -1,43 +1,18 @@
-"""Generalized face discovery training: FaceGCD fitted with GCD's semi-supervised contrastive loss.
+"""FaceGCD trained with GCD's semi-supervised contrastive loss; ``train_discovery`` is the whole stage.
 
-``train_discovery(cfg, images, labels, labelled_mask)`` is the whole stage. It builds ``FaceGCD`` with both ViTs
-initialised from the pipeline's FR model (``backbone_init: fr``) or at random, draws two augmented views of every
-image in a batch, and minimises ``(1 − λ)·L_u(all) + λ·L_s(labelled)`` (``ml.discovery.contrastive``) on the
-projection head's output with AdamW over the trainable parameters only (hypernetwork, base prefixes, last block,
-projection head), a per-step linear warmup and cosine decay to 0. It runs as a Lightning fit
-(``ml.train.callbacks.fit``) on the device ``discovery.accelerator`` / ``precision`` name; one device, no DDP.
+Both ViTs start from the pipeline's FR model (``backbone_init: fr``) or at random. Each batch gives two augmented views
+per image (``DISCOVERY_AUGMENTATION``) and the loss ``(1 − λ)·L_u(all) + λ·L_s(labelled)`` on the projection head
+(``ml.discovery.contrastive``), plus ``anchor_weight · L_anchor``; AdamW over the trainable parameters with a per-step
+warmup and cosine decay to 0, as a one-device Lightning fit. Exact resume: batches depend on (seed, epoch), the views
+and the model's own randomness on (seed, step); ``last.ckpt`` is written after every epoch.
 
-Views: ``ml.train.augment.augment_kprpe`` without landmarks, with contrastive-strength defaults
-(``DISCOVERY_AUGMENTATION``: flip, zoom 0.85–1.2, shift, small rotation, colour jitter, blur, cutout), drawn
-independently for the two views.
-
-Exact resume: batch order depends only on (seed, epoch); the views and the model's own randomness (a random base
-prefix, stochastic depth in the last block) are reseeded from (seed, global step) before every step.
-``checkpoint_dir/last.ckpt`` (weights, optimiser, schedule, history, config, data digest) is written after every
-epoch; ``resume=True`` continues from it and ends with the same weights as an uninterrupted run of the same config
-on the same data (the device keys may change between the two).
-
-Differences from the reference (FaceGCD App. A.2, GCD's ``contrastive_training.py``):
-
-- AdamW (lr 1e-3, weight decay 0.05 on matrices only) with a per-step warmup + cosine, instead of SGD (lr 0.1,
-  momentum 0.9, weight decay 2e-5), 5 warm-up epochs, cosine with decays at epochs 90 and 180, over 200 epochs.
-- Temperature 0.07 for both terms by default (paper: 1.0 for both; GCD's code: 1.0 and 0.07); the stage's recipe
-  in ``params.yaml`` sets InfoNCE τ 1.0, P × K batches, the last block at a tenth of lr and the best epoch on
-  held-out labelled images (``val_per_identity``; the class default 0 returns the last epoch).
-- Both views of a batch go through the model together (the frozen BatchNorms see no batch statistics, so this
-  equals two passes).
-- What is clustered: the embedding (the trainable ViT's output before the projection head), as in the authors'
-  code (``DINO.forward`` in eval mode returns the normalised backbone feature); the paper's text says SSK runs on
-  "the final head H(·)". ``loss_on: embedding`` is a diagnostic, not the method: the loss acts on that embedding
-  directly (no head), so one can see what the labels do to the features the protocol reads.
-- The anchor (``anchor_weight`` > 0; not in the paper, set by the stage's recipe): an ArcFace term (s 32, m 0.5) on
-  the embedding over the FR model's own training identities (``anchor_batch`` of its training images per step) and
-  the known identities (the batch's labelled images), class centres starting at the class means of the starting
-  features and learnt at ``lr``. The paper fine-tunes a self-supervised DINO ViT that never saw an identity label;
-  ours starts from an ArcFace model, and without the anchor GCD's losses moved it off what ArcFace taught (even the
-  oracle, every image labelled, ended below its starting features; ``reports/discovery_claims.md``).
-- Backbone: the FR model trained in the pipeline (``backbone_init: fr``) instead of a DINO ViT-B/8 pretrained on
-  MS1MV3; ``random`` trains from scratch (a smoke test more than a method).
+Differences from the reference (App. A.2, GCD's ``contrastive_training.py``; docs/methods/discovery.md):
+- AdamW (lr 1e-3, weight decay 0.05 on matrices) instead of SGD (lr 0.1, momentum 0.9, 2e-5, 5 warm-up epochs, cosine
+  with decays at 90 and 180 of 200 epochs); τ 0.07 for both terms by default (paper 1.0 for both, GCD's 1.0 / 0.07).
+- Both views go through the model as one batch (the frozen BatchNorms make it equal two passes). SSK clusters the
+  embedding before the head, as the authors' code (the paper's text: the head); ``loss_on: embedding`` is a diagnostic.
+- Backbone: the FR model, not a DINO ViT-B/8; ``random`` is a smoke test. The anchor (not in the paper): ArcFace
+  (s 32, m 0.5) on the embedding over the FR training and the known identities, centres from the starting class means.
 """
 
 from __future__ import annotations

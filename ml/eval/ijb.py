@@ -1,50 +1,20 @@
 """IJB-B / IJB-C 1:1 template verification on the real release folders, for any FR backbone.
 
-Layout (the folders InsightFace's ``recognition/_evaluation_/ijb/ijb_11.py`` reads)::
+A set is ``meta/<prefix>_{face_tid_mid,template_pair_label,name_5pts_score}.txt`` (``ml.data.ijb``) plus
+``loose_crop/``, as InsightFace's ``ijb_11.py`` reads it; :func:`read_ijb_set` cross-checks it before anything is
+embedded. Crops stream in batches, are aligned on their 5 landmarks at the model's input size (``ml.aligner.align``)
+and embedded with flip TTA (``ml.fr.train.embed``); only the (N, D) float32 features are kept. Template ``t`` pools
+its media ``m`` (a still or a video) of image features ``x_i`` with faceness scores ``s_i``:
 
-    IJBB/                                 (or IJBC/; the meta files' prefix names the set: ijbb, ijbc)
-      meta/ijbb_face_tid_mid.txt          img tid mid
-      meta/ijbb_template_pair_label.txt   tid1 tid2 label
-      meta/ijbb_name_5pts_score.txt       img x1 y1 … x5 y5 score   (landmarks in the loose crop, faceness)
-      loose_crop/1.jpg …                  loose face crops of any size
+    v_m = (1/|m|) Σ_{i∈m} s_i·x_i,        f_t = normalise( (1/M_t) Σ_{m∈t} v_m )
 
-The meta files are read by ``ml.data.ijb``. Pipeline:
+then ``ml.fusion.sets.template_verification`` scores the listed pairs by cosine: TAR at FAR 1e-5 … 1e-1.
 
-1. ``read_ijb_set``: the three files, cross-checked (every listed image exists and has a landmark row, every
-   pair names templates that have images), before anything is embedded.
-2. ``ijb_image_features``: images streamed in batches (decoded in a thread pool, one batch ahead), each crop
-   aligned on its 5 landmarks to the ArcFace template at the model's ``input_contract['size']``
-   (``ml.aligner.align``), embedded by ``ml.fr.train.embed`` (``f(x) + f(flip x)`` with flip TTA; KP-RPE
-   models get the landmarks in the aligned crop). Only the features (N, D) float32 are kept: 0.96 GB for IJB-C's
-   469,375 images at D = 512; decoded images never outlive their batch.
-3. ``ijb_template_features`` (``ml.eval.metrics.template_features`` weighted by the scores): for template ``t``
-   with media ``m ∈ t`` (a still or a video), images ``i ∈ m``, image features ``x_i`` and faceness scores ``s_i``::
-
-       v_m = (1/|m|) Σ_{i∈m} s_i·x_i,        f_t = normalise( (1/M_t) Σ_{m∈t} v_m )
-
-   A video counts as much as a still; a confident detection counts more than a doubtful one.
-4. ``ml.fusion.sets.template_verification``: cosine of each listed template pair, TAR at FAR 1e-5 … 1e-1 with
-   ``ml.eval.metrics.tar_at_far``.
-
-Every bad input is a ``DataError`` naming the file (and line) and what to do: a folder without ``meta/`` or
-``loose_crop/``, a missing meta file, listed images missing from ``loose_crop/`` (the first one and the count),
-an image without a landmark row, a negative faceness score, landmarks whose 5 points coincide, a pair naming a
-template that has no image, a protocol without genuine or impostor pairs, an image that does not decode.
-
-Differences from the reference (``ijb_11.py`` in its default mode N1D1F1: image norm kept, detector score
-weighting, flip test):
-
-- The reference sums the media vectors of a template; here they are averaged (the same direction, so the same
-  scores after normalisation).
-- Alignment: the reference fits skimage's ``SimilarityTransform`` and warps with ``cv2.warpAffine`` (bilinear, black
-  border); here the closed-form Umeyama fit and ``grid_sample`` (bilinear, zero border) of
-  ``ml.aligner.align``: pixel values may differ by about one grey level.
-- The reference pairs landmark rows with ``face_tid_mid`` rows by line order; here by image name, so a reordered
-  file still works and a missing row is an error instead of a silent shift. An image listed twice is embedded
-  once (the reference embeds each line).
-- TAR@FAR is the exact impostor order statistic (``ml.eval.metrics.tar_at_far``) instead of interpolating
-  sklearn's ROC; below 1/n_impostor it is reported at observed FAR 0 with a logged warning.
-- Only 1:1 verification (``ijb_11.py``); the 1:N search of ``ijb_1n.py`` is not run.
+Differences from the reference (``ijb_11.py``, mode N1D1F1: image norm kept, score weighting, flip test):
+- Media vectors are averaged, not summed (same direction, same scores); only 1:1, not ``ijb_1n.py``'s 1:N search.
+- Umeyama fit + ``grid_sample`` instead of skimage + ``cv2.warpAffine``: pixels may differ by about one grey level.
+- Landmark rows are matched by image name, not by line order; an image listed twice is embedded once.
+- TAR@FAR is the exact impostor order statistic, not an interpolated sklearn ROC (observed FAR 0 below 1/n_impostor).
 """
 
 from __future__ import annotations

@@ -1,39 +1,17 @@
 """Face-recognition training: a backbone + margin softmax head fitted with Lightning on in-memory images.
 
-``train_fr(cfg, images, labels)`` is the whole stage: it seeds, builds the registered backbone for the
-images' size, fits it with AdamW (linear warmup, then cosine or step decay per step) under a margin
-head, and returns the backbone in eval mode with its per-epoch history. ``embed`` turns uint8 images
-into (unnormalised) embeddings with flip test-time augmentation, ``f(x) + f(flip x)``.
+``train_fr(cfg, images, labels)`` is the whole stage: it seeds, builds the registered backbone for the images' size,
+fits it with AdamW (linear warmup, then cosine or step decay per step) under a margin head and returns the backbone
+in eval mode with its per-epoch history. ``embed`` turns uint8 images into unnormalised embeddings with flip TTA,
+``f(x) + f(flip x)``. Heads and LR schedules live in ``ml.fr.module``, ``FRConfig`` in ``ml.fr.config``, input
+checks, batched augmentation and ``EpochSampler`` in ``ml.fr.data``; their public names are re-exported here.
 
-Heads (``build_head``): ArcFace/CosFace (``CombinedMarginLoss``) or AdaFace on the unnormalised
-embeddings; ``fr.sample_rate < 1`` swaps in PartialFC (class weights sharded over the DDP ranks,
-sampled negatives); ``fr.lvface`` wraps the margin head in LVFace's two-stage schedule. A head that
-shards classes is built in ``FRModule.configure_model``, after the process group exists, and kept
-out of DDP's gradient averaging; its checkpoint holds all classes, so a run may resume on another
-number of ranks.
-
-Data stay a uint8 ``(N, 3, H, W)`` tensor; normalisation and augmentation run on each batch tensor
-("basic": random flip, small zoom and translation as one affine resample; "kprpe": the recipe of
-``ml.train.augment``), so a step costs no per-image Python work.
-
-Exact resume: data order depends only on (seed, epoch) (``EpochSampler``), augmentation and the
-model's own randomness (token masking, stochastic depth) are reseeded from (seed, global step, rank)
-before every step, and every piece of state (weights, optimiser, schedule, PartialFC's step counter,
-AdaFace's norm statistics, LVFace's prototypes, the history) is in the checkpoint. A run that is
-stopped after any epoch and resumed from its ``last.ckpt`` ends with the same weights as one
-uninterrupted run of the same config. Changing ``fr.epochs`` between the two changes the LR schedule
-and so the result.
-
-Mixed precision: ``fr.precision`` "16-mixed" needs a GPU and is refused with a ConfigError on the CPU
-(no silent fallback to 32 bits); "bf16-mixed" is allowed everywhere, as Lightning and torch autocast
-support bfloat16 on the CPU. "auto" (the default run's) picks "bf16-mixed" where the hardware computes bfloat16
-natively (a CUDA GPU that supports it; a CPU with AVX512-BF16 or AMX) and "32-true" elsewhere
-(``ml.train.device.resolve_precision``); the model's ``config.json`` records what it trained in.
-
-Layout: this module holds the entry points (``train``, ``embed``), the pre-resume checkpoint check and
-``FRResult``; ``ml.fr.config`` holds ``FRConfig``, ``ml.fr.data`` the input checks, normalisation,
-batched augmentation and ``EpochSampler``, ``ml.fr.module`` the LightningModule, its heads and LR schedules.
-Their public names are re-exported here, so ``from ml.fr.train import ...`` reaches all of them.
+Exact resume: data order depends on (seed, epoch) only, augmentation and the model's own randomness are reseeded
+from (seed, global step, rank), and every piece of state (weights, optimiser, schedule, PartialFC's step, AdaFace's
+statistics, LVFace's prototypes, history) is checkpointed, so a run resumed from ``last.ckpt`` ends with the weights
+of an uninterrupted one (a changed ``fr.epochs`` changes the schedule). Precision: "16-mixed" is refused on the CPU,
+"bf16-mixed" runs everywhere, "auto" resolves per machine (``ml.train.device.resolve_precision``) and the model's
+``config.json`` records what it trained in.
 """
 
 from __future__ import annotations

@@ -1,26 +1,17 @@
 """Training-free set fusion baselines: average, norm-weighted average, KP-RPE landmark-score fusion.
 
-Each maps sets of features (B, N, D) to L2-normalised templates (B, D); ``mask`` (B, N, True = real
-item) lets sets of different lengths share a batch. Only the direction of the template matters (it is
-compared by cosine), so the ``1/N`` of the papers' formulas is dropped before the final normalisation.
+Sets of features (B, N, D) [+ ``mask`` (B, N), True = real item] → L2-normalised templates (B, D); the papers'
+``1/N`` is dropped (only the direction is compared). With ``f̄_i = f_i/‖f_i‖``:
 
-- ``average_fusion``: ``normalize(Σ_i f̄_i)`` with ``f̄_i = f_i/‖f_i‖`` — every image counts the same.
-- ``norm_weighted_fusion``: ``normalize(Σ_i ‖f_i‖·f̄_i) = normalize(Σ_i f_i)`` (KP-RPE supp. Eq. 16): the
-  sum of the unnormalised features, i.e. weights ∝ feature norms, the usual quality proxy of
-  ResNet-type FR models (CAFace Sec. 2).
-- ``landmark_score_fusion`` (KP-RPE supp. Eq. 17–18): ``d_i = (h − min(‖L_i − L̂‖₂, h))/h`` with ``L_i``
-  the image's 5 predicted landmarks and ``L̂`` the ArcFace template, both divided by the image size
-  so they lie in [0, 1]², and ``‖·‖₂`` the Euclidean norm of the flattened 10-vector (the supplement
-  writes ``‖L_i − L̂‖₂`` over the landmark set ``L``, one distance per image); ``h = 0.2``, so ``d_i ∈ [0, 1]``
-  is 1 for landmarks exactly on the template and 0 once they are 0.2 away in total. Template
-  ``normalize(Σ_i d_i·s_i·f̄_i)`` with ``s_i`` the detector's face score.
+- ``average_fusion``: ``normalize(Σ_i f̄_i)``.
+- ``norm_weighted_fusion``: ``normalize(Σ_i ‖f_i‖·f̄_i) = normalize(Σ_i f_i)`` (KP-RPE supp. Eq. 16; CAFace Sec. 2).
+- ``landmark_score_fusion`` (KP-RPE supp. Eq. 17–18): ``normalize(Σ_i d_i·s_i·f̄_i)``, ``s_i`` the face score and
+  ``d_i = (h − min(‖L_i − L̂‖₂, h))/h`` (h = 0.2), the 5 landmarks ``L_i`` and ArcFace template ``L̂`` in [0, 1]²,
+  ``‖·‖₂`` over the flattened 10-vector: 1 on the template, 0 once 0.2 away in total.
 
 Differences from the reference (KP-RPE supplementary, Sec. 4):
-
-- When every weight of a set is 0 (all landmarks ≥ h from the template, or all face scores 0), Eq. 18 gives
-  the zero vector; here that set falls back to ``average_fusion`` (a logged warning names how many sets).
-- Landmarks are given in pixels with the image size (``image_size``, 112 by default), so the
-  normalisation to [0, 1] is done here, for the predicted landmarks and the template alike.
+- A set whose weights are all 0 falls back to ``average_fusion`` (logged) instead of Eq. 18's zero vector.
+- Landmarks are given in pixels with ``image_size`` (112 by default); the [0, 1] normalisation is done here.
 """
 
 from __future__ import annotations

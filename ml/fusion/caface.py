@@ -1,64 +1,18 @@
-"""CAFace: Cluster and Aggregate feature fusion for sets of face images (Kim et al., NeurIPS 2022).
+"""CAFace: Cluster and Aggregate fusion of a set of face features into one template (Kim et al., NeurIPS 2022).
 
-A set of ``N`` images of one person becomes one template. Per image the inputs are the unnormalised
-identity feature ``f`` (``D`` = 512) and the backbone's style ``Γ`` (``style_dim`` = 384 channels ×
-[spatial mean, spatial std] of two intermediate maps, ``ml.fr.backbones.iresnet.channel_style``).
+Per image: unnormalised feature ``f`` (D = 512) and backbone style ``Γ`` (384, 2). SIM → key token ``s = [γ; n]``
+(d = 128): ``γ = BN(Linear(PReLU(Σ_k Γ[:, k]·Ws[:, k])))``, ``n = β·T[trunc(clip(BN‖f‖, ±3)·10) + 30]``, T sinusoids.
+CN: transformer over ``[S; C]`` (M = 4 centres), ``A = softmax_M(Q(LN C)·K(LN S)ᵀ/√d)`` (B, M, N),
+``Â = A/max(1, Σ_t A)``, ``F' = Â·F_unit`` (B, M, D), ``S' = Â·LN(S)`` (B, M, d). AGN: gated mixer over ``[C; S']``,
+per-channel ``P = softmax_M``, template ``Σ_m P_m ⊙ F'_m``. Streaming (Eq. 7–8): the memory ``(c̄, F̄', S̄')`` absorbs
+a chunk at a time, the same in any chunk order; a chunked set differs from one call (attention stays in a chunk).
 
-- **Style Input Maker (SIM)**, per image: ``z = Σ_k Γ[:, k] · Ws[:, k]`` (``Ws ∈ R^{style_dim×2}``,
-  zero-init) → PReLU → Linear(style_dim→64) → BatchNorm → ``γ`` (64). Norm embedding:
-  ``u = BN(‖f‖)`` (no affine) → ``row = trunc(clip(u, −3, 3)·10) + 30`` ∈ [0, 60] → ``n = β·T[row]``
-  with ``T`` the fixed 61×64 sinusoid table ``T[p, 2i] = sin(p·10000^{−2i/64})``,
-  ``T[p, 2i+1] = cos(p·10000^{−2i/64})`` and ``β`` a learnable scalar (init 0.1). Key token
-  ``s = [γ; n]`` (``d`` = 128).
-- **Cluster Network (CN)**: ``M`` = 4 learnable centres ``C ∈ R^{M×d}`` (orthogonal init, rows unit
-  norm). A 2-block pre-LN transformer (8 heads, MLP ratio 4, GELU) runs over the tokens ``[S; C]``;
-  the updated ``S`` is kept, the updated ``C`` dropped. Assignment ``A = softmax_M(Q(LN(C))·K(LN(S))ᵀ/√d)``
-  (B, M, N): each input's column sums to 1 over the clusters. ``Â = A / max(1, Σ_t A)`` per cluster,
-  the divisor detached; ``F' = Â·F_unit`` (M, D) with ``F_unit`` the L2-normalised features,
-  ``S' = Â·LN(S)`` (M, d), count ``c_m = Σ_t A_{m,t}``.
-- **Aggregation Network (AGN)**: tokens ``[C; S']`` (M × 2d) → 2 gated MLP-Mixer blocks →
-  MLP(2d→2d→D) → ``P = softmax_M(·)`` (per channel) → ``f = Σ_m P_m ⊙ F'_m``, returned L2-normalised.
-- **Streaming** (paper Eq. 7–8): the memory ``(c̄, F̄', S̄')`` — (B, M), (B, M, D), (B, M, d), the same
-  size whatever ``N`` — absorbs one chunk at a time and AGN runs on it (``init_state`` / ``update`` /
-  ``fuse``). The memory after any sequence of chunks is the total weighted average
-  ``F̄' = Σ_chunks A_t·F_unit,t / max(1, Σ_chunks Σ_t A_t)``, so it does not depend on the chunk order.
-
-What streaming does and does not promise: the CN's self-attention lets the items of one chunk see
-each other, so an item's assignment depends on which chunk it is in, and streaming a set in chunks is
-not the same as one call over the whole set (the paper: no element-wise permutation invariance; the
-consistency loss ``Lp`` of ``ml.fusion.train`` trains that gap down). For a fixed split into chunks the
-memory equals the one-shot Eq. 7 over the chunks' assignments up to float rounding, in any chunk order.
-
-The two BatchNorms ("over the batch"): in train mode they normalise over every item of every set in
-the call (the reference does the same, over ``B·N``), so a chunk's statistics differ from the whole
-set's; in eval mode they use running statistics, every image is embedded on its own, and chunking
-and batching are exact. Inference — ``fuse_sets``, the streaming tests, the benchmarks — runs in eval
-mode. Train mode needs at least 2 items per call (a BatchNorm limit) and says so.
-
-A set of one works in eval mode: ``f ∝ w ⊙ f_unit`` with ``w_c = Σ_m P_{m,c}·A_m ∈ (0, 1]``, a
-per-channel reweighting of the single feature, L2-normalised (finite, unit norm; close to, but not
-exactly, the input direction). The output is L2-normalised with ``F.normalize``: if ``Σ P ⊙ F'`` is
-exactly zero (features that cancel, e.g. ``f`` and ``−f``) the template is the zero vector, never NaN.
-
-Differences from the reference (``mk-minchul/caface``, ``caface/nets``: ``aggregator.py``,
-``styler.py``, ``transformer/cluster_transformer.py``, config ``catv9_g4_conf512_small``):
-
-- Streaming update, when a cluster's mass is below 1: the reference stores ``F' = A·F / max(1, c)`` and
-  updates ``(c̄F̄' + cF')/(c̄ + c)``, which is the weighted average only when every chunk gives every
-  cluster a mass ``c ≥ 1``. Here ``F̄' ← (max(1, c̄)·F̄' + A·F)/max(1, c̄ + c)`` (divisors detached), which
-  is the same as Eq. 8 when ``c̄, c ≥ 1`` and exactly Eq. 7 (order-invariant) otherwise.
-- ``F_unit = F.normalize(f)`` (the reference divides by ``‖f‖ + 1e-5``).
-- The template is L2-normalised (the reference returns ``Σ P ⊙ F'``, norm ≤ 1); the training losses are
-  cosines, so training is unchanged.
-- Sets of different lengths can share a batch through ``mask`` (B, N): padded items are kept out of
-  both BatchNorms, masked as attention keys and given zero assignment. The reference has no padding.
-- The paper's Eq. 4 writes ReLU and an average over [µ, σ]; the card and the reference use PReLU and the
-  weighted sum ``Σ_k Γ[:, k]·Ws[:, k]``, as here.
-- The sinusoid table is a non-persistent buffer (rebuilt from the sizes, not stored in the weights).
-- The gated mixer block follows the reference, including its single LayerNorm shared by the token and
-  the channel sub-layer and the learnable skip gate (init 1) on the token-mixing residual only.
-- Also as in the reference (not on the card): qkv and projection biases in the CN, stochastic depth rising
-  from 0 to ``drop_path_rate`` = 0.1 over the CN blocks, CN/AGN Linear weights truncated-normal (std 0.02).
+Differences from the reference (``mk-minchul/caface``, config ``catv9_g4_conf512_small``):
+- Update ``F̄' ← (max(1, c̄)·F̄' + A·F_unit)/max(1, c̄ + c)``: Eq. 8 when ``c̄, c ≥ 1``, exactly Eq. 7 below.
+- ``F_unit = F.normalize(f)`` (not ``f/(‖f‖ + 1e-5)``); the template is L2-normalised; sinusoids are not saved.
+- ``mask`` (B, N) pads sets of different lengths: out of both BatchNorms, attention and assignment.
+- As the reference, not the paper: PReLU and weighted sum in SIM (Eq. 4), a shared LayerNorm and skip gate per
+  mixer block, qkv biases, drop path 0 → 0.1, trunc-normal init. Details: ``docs/methods/fusion.md``.
 """
 
 from __future__ import annotations
@@ -187,9 +141,8 @@ class ClusterNetwork(nn.Module):
         padded tokens (every even prefix 2..16 of a set, padded to 16, is 44 % padding). The same function as the
         masked call (padded keys are never attended to and get no mass; LayerNorm and the MLPs act per token), up
         to float rounding and the drop-path draws. Padded positions: zero assignment, zero keys. CPU only: there the
-        cost is the arithmetic (CAFace training 1.17× the masked call's throughput on 2 cores), while on a GPU these
-        small kernels are launch-bound and the lengths' host reads stall the stream (0.43× on an H200;
-        ``caface_paths`` in ``benchmarks/``)."""
+        cost is the arithmetic, while on a GPU these small kernels are launch-bound and the lengths' host reads stall
+        the stream (benchmark row ``caface_paths``)."""
         b, n, d = tokens.shape
         assignment = tokens.new_zeros(b, self.centres.shape[0], n)
         keys = tokens.new_zeros(b, n, d)

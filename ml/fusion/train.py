@@ -1,78 +1,18 @@
-"""CAFace training on precomputed (feature, style, label) triples with Lightning, and fused inference over many sets.
+"""CAFace training with Lightning on precomputed (feature, style, label) triples, and fused inference over many sets.
 
-``train_fusion(cfg, features, styles, labels)`` fits ``ml.fusion.CAFace`` on features of a frozen FR
-backbone (paper Sec. 3.2 and 4.1):
+``train_fusion`` fits ``ml.fusion.CAFace`` on a frozen FR model's features (paper Sec. 3.2). Each step draws identities,
+``per_identity`` rows of each from 1..``max_sources`` of its sources, in groups of ``group``; each group's prefixes of
+every even length in [min_len, max_len] are the sets (one masked call). ``Lt = mean(1 − cos(CAFace(set), f_GT))`` (Eq. 9),
+``f_GT`` the clean-image ``centres`` (else the identity mean); ``Lp = mean(1 − cos(f_streamed, f_all_at_once))`` over
+the groups (Eq. 10); ``L = Lt + λp·Lp + λu·Lu``, ``Lu = mean(1 − H(u)/log M)``, ``u`` a set's mass share per cluster.
+AdamW, LR ×0.1 from each epoch of ``lr_steps``. Batches and drop path are functions of (seed, epoch, step), so a run
+resumed from ``last.ckpt`` ends as an uninterrupted one. ``fuse_sets``: eval-mode templates, long sets in chunks.
 
-- Targets: ``f_GT`` given as ``centres`` (the reference and the stage: the mean of the identity's *clean*
-  images and their flips, so averaging degraded copies is a poor answer), else the per-identity mean of the
-  L2-normalised training features; frozen.
-- Step budget: an epoch is ``steps_per_epoch`` (100) optimiser steps, whatever the number of identities K.
-  Step ``s`` of epoch ``e`` draws ``min(batch_size, K)`` distinct identities at random from a generator seeded by
-  (seed, e, s); for each, 1..``max_sources`` of its ``sources`` (the source images the rows are degraded copies
-  of; the reference builds sets from 1–3) and ``per_identity`` (32) of their rows (without replacement when they
-  have that many), split into ``per_identity / group`` groups of ``group`` (2 of 16).
-- ``prefixes: even`` (the reference): every group's first ``L`` items for every even ``L`` in
-  ``[min_len, max_len]`` (2, 4, …, 16) are training sets, fused in one masked call;
-  ``Lt = mean(1 − cos(CAFace(set), f_GT))`` over all of them (Eq. 9). ``prefixes: one`` draws one ``L`` per step.
-- ``Lp = mean(1 − cos(f_streamed, f_all_at_once))`` (Eq. 10) on the identity's ``per_identity`` items: fed
-  group by group through ``init_state/update/fuse`` against one call over all of them, gradients
-  through both. ``L = Lt + λp·Lp`` (Eq. 11), plus ``λu·Lu`` when ``lambda_u`` > 0 (not in the paper): ``Lu`` is
-  the mean over the ``Lt`` sets of ``1 − H(u)/log M``, ``u`` the set's share of assignment mass per cluster
-  (:func:`usage_loss`; 0 when the clusters share the items equally, 1 when one takes them all).
-  ``train/lt_average`` is ``Lt`` of plain averaging on the same sets
-  (a yardstick, no gradient).
-- AdamW (lr 1e-3, wd 5e-4); the LR is multiplied by 0.1 from each epoch of ``lr_steps`` (6, 9) on (an
-  epoch-interval LambdaLR); 10 epochs.
-
-Lightning (``ml.train.callbacks.fit``): ``fusion.train.accelerator`` / ``devices`` (one) / ``precision`` choose where
-and how the model trains; batches are built on the CPU (``EpochBatches`` keys → a whole batch) and Lightning
-moves them to the device. The history has one row per epoch: ``epoch`` (from 0), ``lr`` and the epoch means of
-``train/loss``, ``train/lt``, ``train/lp``, ``train/lu``, ``train/lt_average``. A non-finite loss stops training with a
-``TrainingError`` naming the step and the last good checkpoint.
-
-Exact resume: with ``checkpoint_dir`` Lightning writes ``last.ckpt`` (weights, optimiser, LR schedule, epoch,
-global step, history, the run description: config and a digest of the data) after every epoch; ``resume=True``
-continues from it. A batch is a function of (seed, epoch, step) and drop-path is reseeded from (seed, global
-step) before every step, so a run stopped after any epoch and resumed ends with the same weights (bit for bit
-on the CPU) as an uninterrupted one. ``epochs`` may grow between the two (``lr_steps`` are absolute epochs), and
-the device keys may change; every other key and the data must match.
-
-``fuse_sets`` fuses many sets of different lengths in eval mode, batching sets with a padding mask and
-feeding long sets in chunks, so memory is bounded by ``sets_per_batch × chunk_size`` items.
-
-Differences from the reference (``mk-minchul/caface``, ``caface/trainer.py``, ``datafeed_scheme
-dual_multi_v1``):
-
-- Prefixes: as the reference by default; ``prefixes: one`` (one length per step, a third of the CPU cost) is
-  kept for comparison: it reached +3.7 pp rank-1 over averaging where ``even`` reached +9.3 (same seed, below).
-- Identities per step are drawn afresh each step (the reference walks a shuffled list of them); the number of
-  steps is set directly rather than implied by the number of identities.
-- The reference precomputes features under image augmentation; here the features are given.
-- The embedded default (params.yaml) trains at lr 1e-4 with ``lambda_p`` 0 instead of 1e-3 and 1. Measured on
-  the surveillance probes (``ml.data.surveillance``; 300 mated probes of 8–96 frames, vit_tiny features, 400
-  training identities × 3 sources × 16 copies, 600 steps of 32 identities, on a GPU): at lr 1e-3 every seed
-  put every frame into one cluster within the run (assignment entropy 0.000, effective clusters 1.0, weight
-  CV 0.0: a per-channel rescaling of the average, +1.7 pp); at 3e-4 seed 0 escaped (+9.3 pp, weight–quality
-  Spearman 0.51) and seeds 1 and 2 collapsed (+3.0, +2.0); at 1e-4 seeds 0 and 1 escaped (+9.7, +9.0 pp,
-  Spearman 0.49 / 0.51, usable frames weighted ≈ 20× the others, 1.9–2.3 effective clusters) and seed 2 did not
-  (+2.7 pp, weight CV 0.01). The oracle that weights frames by their true quality gained +10.3 pp. A saturated
-  column softmax has no gradient left to split the frames again; a bounded (cosine × 10) logit did not fix it.
-  ``Lp`` at 0.1 against 0: 32.7 vs 33.0 (seed 0) and 32.0 vs 32.0 (seed 1) rank-1, at 2.5× the CPU step time.
-- ``lambda_u`` 0.3 (``Lu``, not in the paper or the reference) by default. Collapse is a rich-get-richer race:
-  the cluster whose channels the AGN weights up draws more of every set's mass until the softmax saturates. A
-  term that rewards equal shares within a set keeps the gradient alive. On the CPU with the embedded default's
-  FR model (same data, 600 steps at lr 1e-4, seeds 0, 1, 2) CAFace beat averaging by +8.7, +9.0, +9.7 pp rank-1
-  without it (no seed collapsed on these features) and by +9.3, +10.3, +10.3 pp with it (paired +0.8 ± 0.4 pp;
-  weight–quality Spearman 0.36–0.48 → 0.47–0.50; effective clusters 2.0–2.3 → 3.9), the oracle +9.7. On the
-  test suite's toy sets, held-out Lt fell to 0.42–0.53× averaging's for all of seeds 0–7 with it, and stayed at
-  ≈ 1.0× for seeds 1 and 5 (0.97× for 2) without it. Repeated by ``python -m experiments.fusion_recipes`` on the
-  FR model of a later fresh run (``reports/fusion_recipes.md``): +9.7, +9.0, +10.0 pp without ``Lu`` and +7.3,
-  +9.0, +8.7 with it (paired −2.3, 0, −1.3 pp). Over both FR models ``Lu`` is neutral for rank-1 (paired −0.2 pp
-  on average, within the ±4 pp intervals) and no seed collapsed without it; it is on by default for the seeds and
-  models that do collapse (the toy sets here, seed 2 of the GPU-trained model above, not yet re-run with ``Lu``).
-- The embedded default trains 500 steps: 400 at lr 1e-4, 100 at 1e-5. The runs above had a sixth epoch at 1e-6,
-  which moved nothing: over it the default run's ``Lt`` stayed 0.048 below the average's, as after the fifth (no
-  parameter can move by more than 100 × 1e-6 under Adam).
+Differences from the reference (``mk-minchul/caface``, ``trainer.py``, datafeed ``dual_multi_v1``):
+- ``Lu`` (``lambda_u``) is not in the paper or the reference; ``prefixes: one`` (one length per step) is an option.
+- Identities are drawn afresh each step and the step count is set directly (the reference walks a shuffled list).
+- Features are given (the reference computes them under image augmentation).
+- params.yaml's recipe departs from the reference's (lr, ``lambda_p``, ``lambda_u``, steps): ``docs/methods/fusion.md``.
 """
 
 from __future__ import annotations

@@ -1,48 +1,18 @@
 """Attention capture and injection for UIFace sampling, as diffusers attention processors (paper Sec. 3.3–3.4).
 
-``UIFaceAttnProcessor`` computes attention with the same operations, in the same order, as diffusers' stock
-``AttnProcessor`` (``baddbmm`` logits, optional upcast, softmax over keys, ``bmm`` with the values), so with nothing
-injected its output equals the stock processor's bit for bit, recording or not. All processors of one UNet share an
-``AttentionControl`` that says what the next forward records and injects; ``attention_control(unet)`` installs them
-on every ``Attention`` module and restores the original processors on exit.
+``UIFaceAttnProcessor`` runs the stock ``AttnProcessor`` operations in order (bit for bit equal when nothing is
+injected) and records the pre-softmax logits (B·heads, Q, K); ``attention_control(unet)`` installs one per
+``Attention`` module around a shared ``AttentionControl``. ``Injection`` pairs rows of one batch, empty-context pass
+→ conditional pass: self-attention logits are copied (``S^c = S^{c_e}``); cross-attention logits, per query over
+the keys, become ``(S_c − μ_c)/σ_c · (a·σ_e + (1−a)·σ_c) + a·μ_e + (1−a)·μ_c`` (a = ``blend``). ``switch_map``:
+h_t (B, H, W), per layer softmax over queries, mean over keys and heads, max-normalised, resized; layer mean, min–max.
 
-Recording keeps, per layer, the logits that entered the softmax (``AttentionRecord``): cross-attention logits are
-small (B·heads, Q, L) and are always kept when ``record_cross``; self-attention logits are (B·heads, Q, Q) and are
-kept only when ``record_self`` (tests, diagnostics).
-
-Injection (``Injection``) pairs rows of the *same* batch: the sampler stacks the empty-context pass (source rows)
-and the conditional pass (target rows) in one UNet call, and at each layer the target rows take
-
-- self-attention: the source rows' logits verbatim, ``h_self^c = h_self^{c_e}``;
-- cross-attention: their own logits standardised per query over the keys and rescaled with statistics blended
-  from the source rows (the public code, ``generation/uiface/models/diffusion/nn.py``, ``qkv_attention``)::
-
-      μ_c, σ_c = mean_k S_c, std_k S_c          μ_e, σ_e = mean_k S_e, std_k S_e      (per batch row, head, query)
-      μ = a·μ_e + (1 − a)·μ_c                   σ = a·σ_e + (1 − a)·σ_c            (a = blend, public 0.5)
-      S_c ← (S_c − μ_c) / σ_c · σ + μ
-
-  Because the layer's source rows are computed in the same call from the empty-context hidden states, this is
-  the same as capturing a separate ``c_e`` pass and injecting it into a later conditional pass, without keeping
-  (B·heads, Q, Q) self-attention logits of every layer in memory between the two passes.
-
-How Eq. 6–7 are read, and the ambiguities:
-
-- Eq. 7 as printed, ``h_cross^c = (h_cross^{c_e} − μ_{c_e}) / σ_{c_e} · σ_c + μ_c``, standardises the
-  *empty-context* map and gives it the conditional statistics. The public code does the opposite: it standardises
-  the *conditional* logits and rescales them with a 50/50 blend of both passes' statistics. We follow the code
-  (``blend = 1``: the conditional pattern with the empty-context statistics; ``blend = 0``: no change).
-- The paper says "along the spatial dimensions"; the code reduces over the keys (the context tokens) for each
-  query, which is what is implemented. It acts on logits (before the softmax), not on probabilities.
-- std: population (``correction = 0``); the code's unbiased std gives the same result because only the ratio
-  σ/σ_c enters. σ_c is clamped at ``eps`` (1e-6): a query whose logits are equal over the keys stays constant.
-- **With one context token (L = 1) the cross-attention injection cannot change anything**: the softmax over a
-  single key is 1 whatever the logit. Then only the self-attention replacement acts. The public model's
-  cross-attention sees 32 key tokens (``c_proj_in`` projects the context to 32 tokens), where it does act.
-
-``switch_map`` builds the adaptive-switch map ``h_t`` from recorded cross-attention logits (METHODS "UIFace",
-public ``get_attn_map``): per layer softmax over the *queries* (spatial positions; with L = 1 a softmax over
-keys would be constant), mean over keys and heads, divided by the per-sample maximum, bilinearly resized to a
-common size and clamped to [0, 1]; the layers are averaged and the average is min–max normalised per sample.
+Differences from the reference (paper Eq. 6–7; public ``generation/uiface/models/diffusion/nn.py``):
+- Eq. 7 rescales the c_e map with the conditional statistics; the code, followed here, standardises the conditional
+  logits (over the keys, not "spatially"; before the softmax) with a 50/50 blend. Population std (the code's
+  unbiased one gives the same ratio σ/σ_c), σ_c ≥ 1e-6.
+- Source and target rows share one UNet call, so no (B·heads, Q, Q) self-attention maps wait between two passes.
+- With one context token the cross-attention injection cannot act (softmax over one key); the public model has 32.
 """
 
 from __future__ import annotations

@@ -1,25 +1,18 @@
 """The latent space of UIFace at embedded size: a small diffusers ``AutoencoderKL`` trained on the training faces.
 
-UIFace denoises in the latent of a pre-trained autoencoder (paper appendix A.1: a VQ-f4 model of 128-px faces). No
-weights can be downloaded here, so ``train_autoencoder(cfg, images, id_embeddings, fr_model)`` fits one on the
-faces the generator learns from, with Lightning, minimising per batch::
+UIFace denoises the latent of a pre-trained autoencoder; none can be downloaded here, so ``train_autoencoder(cfg,
+images, id_embeddings, fr_model)`` fits one with Lightning on the generator's faces, per batch::
 
     z ~ q(z | x) = N(μ(x), σ²(x)),   x̂ = D(z)
-    L = |x̂ − x|₁ + ‖x̂ − x‖² + kl_weight · KL(q(z | x) ‖ N(0, I)) / dim(z)
-        + fr_weight · (1 − cos(F(x̂), f))                      (on the first ``fr_batch`` faces of the batch)
+    L = |x̂ − x|₁ + ‖x̂ − x‖² + kl_weight · KL(q(z | x) ‖ N(0, I)) / dim(z) + fr_weight · (1 − cos(F(x̂), f))
 
-with images in [−1, 1], means over elements, ``F`` the frozen FR model (its input is the same [−1, 1] range) and
-``f`` the face's L2-normalised FR embedding: the last term keeps identity through the bottleneck, which a pixel
-loss at this size blurs away first. After training the latent scale is set so that the posterior means have unit
-standard deviation (``scaling_factor`` in the diffusers config, the convention ``encode_images`` reads).
+x in [−1, 1], means over elements; F the frozen FR model, f the face's unit FR embedding, on the first ``fr_batch``
+faces: the term keeps identity, which a pixel loss at this size blurs first. Then ``scaling_factor`` is set to
+1/std of the posterior means. Exact resume as in ``ml.generator.train``.
 
-Exact resume: batch order depends on (seed, epoch); the posterior sample of a step comes from a generator seeded
-from (seed, global step); weights, optimiser and history are in ``last.ckpt`` after every epoch.
-
-Differences from the reference: the reference's autoencoder (LDM's VQ-f4, 3×32×32 latents of 128-px faces) was
-trained with perceptual and adversarial losses on large face sets; here a KL autoencoder of ~0.7 M parameters
-(32-px faces → 4×8×8 latents at the embedded default) is trained in minutes on the CPU with pixel and FR-embedding
-losses only (no weights for a perceptual network can be downloaded).
+Differences from the reference: LDM's VQ-f4 (3×32×32 latents of 128-px faces) was trained with perceptual and
+adversarial losses on large face sets; here a small KL autoencoder (4×8×8 latents of 32-px faces at the embedded
+default) trains on the CPU with pixel and FR-embedding losses only (no perceptual network weights offline).
 """
 
 from __future__ import annotations

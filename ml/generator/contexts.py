@@ -139,7 +139,7 @@ def select_identity_contexts(
     ``max_cosine`` could be judged differently). It is computed in blocks of candidates: one
     (block, kept) matrix product (float32, rechecked in float64 near the bound) rejects those too
     close to an already kept context, then a greedy pass over the block's survivors with their
-    (s, s) similarities. Cost ~ N x K x D: 20k candidates of 512-d keeping 10k take seconds.
+    (s, s) similarities. Cost ~ N x K x D.
 
     Args:
         embeddings: (N, D) FR embeddings of the candidate identities (e.g. of ``c_e`` samples).
@@ -166,7 +166,7 @@ def select_identity_contexts(
         raise ConfigError(f"max_cosine must be in (-1, 1] (a cosine similarity bound); got {max_cosine!r}")
     visit = _visit_order(order, n)
 
-    # Screening in float32 is ~2.5x faster; a float32 cosine of unit vectors is within
+    # Screening in float32: faster matrix products; a float32 cosine of unit vectors is within
     # tol = 2 D eps32 (1.2e-4 at D = 512) of the float64 one, so only rows with a cosine inside
     # [max_cosine - tol, max_cosine + tol) are recomputed in float64, and every decision is float64's.
     unit32 = unit.astype(np.float32)

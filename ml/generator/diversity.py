@@ -1,32 +1,19 @@
-"""Identity consistency and diversity of a synthetic face dataset: embeddings in, numbers out.
+"""Identity consistency and diversity of a synthetic face dataset (UIFace Table 2): embeddings in, numbers out.
 
-UIFace (``shared/papers/uiface.txt``) judges a synthetic set by how alike the
-images of one identity look to a face-recognition (FR) model and by how varied they still are:
-
-* ``identity_consistency`` - mean intra-class cosine similarity under the FR model (the genuine
-  similarity of UIFace Fig. 5 / Table 2).
-* ``embedding_diversity`` - mean intra-class cosine *distance*, an embedding-space proxy for the
-  intra-class LPIPS of UIFace Table 2 (LPIPS needs VGG16 weights that are not available offline).
-* ``inter_class_separation`` - mean and max cosine between class centres: how distinct the
-  synthetic identities are from one another.
-* ``improved_precision_recall`` - Kynkäänniemi, Karras, Laine, Lehtinen & Aila, "Improved
-  Precision and Recall Metric for Assessing Generative Models", NeurIPS 2019; UIFace reports the
-  recall ("ImRecall", k = 10).
-* ``diversity_report`` - the above as flat ``synthetic/...`` metric names.
-
-Image-space measures (LPIPS, SSIM diversity, adjacent-pixel correlation) are in ``ml.generator.image_diversity``.
+- ``identity_consistency``: mean intra-class cosine under the FR model (the genuine similarity of UIFace Fig. 5).
+- ``embedding_diversity``: mean intra-class cosine distance (1 − IC), a proxy for Table 2's intra-class LPIPS.
+- ``inter_class_separation`` (class-centre cosines) and ``identity_gap`` (intra − pairwise inter-class cosine).
+- ``nearest_real``: the privacy check, synthetic identities and faces against real training ones.
+- ``improved_precision_recall``: Kynkäänniemi et al., NeurIPS 2019 (UIFace reports the recall, k = 10).
+- ``diversity_report``: the above as flat ``synthetic/...`` metric names. Image-space measures: ``image_diversity``.
 
 Differences from the reference:
-
-* UIFace computes Improved Recall on Inception embeddings of 10k x 50 images and LPIPS with a VGG on
-  100 identities. Here precision / recall run on whatever embeddings are passed (in
-  ``diversity_report``: the L2-normalised FR embeddings), and the default diversity number is the
-  embedding-space proxy, because no Inception or VGG weights can be downloaded offline.
-* ``improved_precision_recall`` counts a sample as inside a ball when its distance is <= the
-  radius, and compares squared distances, as the reference code (kynkaat/improved-precision-and-
-  recall-metric, ``precision_recall.py``, ``ManifoldEstimator.evaluate``) does. Distances are float64
-  in row blocks of a memory budget, where the reference uses float32 (optionally float16) blocks of
-  fixed size; the reference's optional pruning of outlier radii is omitted.
+- UIFace: Improved Recall on Inception embeddings of 10k × 50 images, LPIPS with a VGG on 100 identities; here P/R
+  run on the embeddings given (the unit FR embeddings in ``diversity_report``) and diversity is the embedding
+  proxy: no Inception or VGG weights offline.
+- P/R as the reference code (kynkaat, ``precision_recall.py``, ``ManifoldEstimator``): inside a ball iff the squared
+  distance ≤ the squared radius; float64 blocks of a memory budget (reference: float32/16 blocks of fixed size);
+  the optional pruning of outlier radii is omitted.
 """
 
 from __future__ import annotations
@@ -348,8 +335,7 @@ def improved_precision_recall(real, fake, k: int = 10, batch_size: int | None = 
     the embeddings as given (``diversity_report`` passes L2-normalised ones), in float64, in row
     blocks of ``batch_size`` rows against a whole set, so 20k x 20k never builds a 20k^2 matrix; the
     result does not depend on ``batch_size``. Cost: three passes of distance blocks (real x real,
-    fake x fake, and fake x real shared by precision and recall), ~ (N_r + N_f)^2 x D multiply-adds:
-    20k x 20k in 512-d is about a minute on one CPU core.
+    fake x fake, and fake x real shared by precision and recall), ~ (N_r + N_f)^2 x D multiply-adds.
 
     Source: Kynkäänniemi et al., NeurIPS 2019, Sec. 2 (Eq. 1-2) and ``precision_recall.py``.
 

@@ -1,43 +1,19 @@
-"""UIFace sampling: DDIM with two-stage context switching, adaptive t0 and attention injection (paper Sec. 3.3–3.4).
+"""UIFace sampling: DDIM with two-stage context switching, adaptive t0 and attention injection (paper Eq. 4–5).
 
-``sample(unet, cond_context, empty_context, shape, cfg)`` draws ``x_T`` from ``cfg.seed`` (or the given generator)
-and runs ``cfg.steps`` DDIM steps (diffusers ``DDIMScheduler``: T = 1000, linear β 1e-4 → 0.02, "leading" spacing
-980, 960, …, 0, η = 0, no clipping, ᾱ = 1 after the last step) with the ε-prediction
+``sample(unet, cond_context, empty_context, shape, cfg)``: diffusers ``DDIMScheduler`` (linear β, "leading" spacing,
+η = 0, no clipping); ε = ε(x_t, t, c_e) for t ≥ t0 of the sample, else ``(w+1)·ε(x_t, t, c) − w·ε(x_t, t, c_e)``.
+Modes: ``baseline`` (t0 = T), ``two_stage_fixed`` (t0 = ``cfg.t0``), ``two_stage_adaptive`` (t0 = the first t with
+``d_t = dist(h_{t+1}, h_t) < threshold``, h_t from ``attention.switch_map`` on the c_e pass; ``hard_switch_t``
+forces stage 2 below it; never switched: t0 = 0). A step is one UNet call on ``[x with c_e for all B; x with c for
+the n₂ in stage 2]`` (``unet_evals``: 1 per stage-1 step, 2 per stage-2 step); injection pairs the two halves.
 
-- stage 1 (``t ≥ t0`` of the sample): ``ε = ε(x_t, t, c_e)``,
-- stage 2 (``t < t0``):                 ``ε = (w+1)·ε(x_t, t, c) − w·ε(x_t, t, c_e)``  (Eq. 4, w = 1).
-
-Modes, one code path (``t0`` per sample; "c_e only for t ≥ t0"):
-
-- ``baseline``: t0 = T, CFG at every step;
-- ``two_stage_fixed``: t0 = ``cfg.t0`` (paper ablation 500);
-- ``two_stage_adaptive``: at each step the empty-context pass records its cross-attention logits, ``h_t =
-  switch_map(...)`` (``ml.generator.attention``) and ``d_t = dist(h_{t+1}, h_t)``; a sample still in stage 1 whose
-  ``d_t < th`` gets ``t0 = t`` and runs stage 2 from the next step on (Eq. 5: the first step where the maps stop
-  changing). ``hard_switch_t`` (public config 500) moves every sample still in stage 1 to stage 2 for
-  ``t < hard_switch_t`` (its t0 is reported as ``hard_switch_t``). A sample that never switches reports t0 = 0.
-- ``attention_injection`` (any mode): whenever a sample's conditional pass runs, it takes the self-attention
-  logits of its own empty-context pass and blends the cross-attention statistics (``Injection``).
-
-Each step is one UNet call on the stacked batch ``[x with c_e for all B samples; x with c for the n₂ samples in
-stage 2]``: stage-1 samples cost one evaluation per step, stage-2 samples two (``SampleResult.unet_evals``).
-Injection pairs the two halves of that same batch, layer by layer (see ``ml.generator.attention``).
-
-Differences from the reference (``Tencent/TFace``, ``generation/uiface/diffusion/ddpm.py``,
-``sample_ddim_2stage``):
-
-- DDIM stepping is diffusers' ``DDIMScheduler``: ᾱ_prev = ᾱ_{t−20}. The reference indexes
-  ``alphas_prev[t − 20]``, which is ᾱ_{t−21} (an off-by-one), and computes ᾱ as exp(cumsum(log α)).
-- The reference runs two UNet passes at every stage-1 step (c_e, then a pass where switched samples use c);
-  here stage-1 samples take one. A sample that switched adaptively before the hard switch gets, in the
-  reference, the plain conditional ε (no CFG) with self-attention injection only until ``t < step_th``; here it
-  goes straight to stage 2 of Eq. 4 (CFG, both injections), the same as after the hard switch.
-- ``d_t``: the paper writes ‖h_{t+1} − h_t‖₂; the reference's ``calculate_rmse`` (an element-wise
-  ``mse_loss(reduction="none")`` before the square root) is the mean absolute difference over the map, which
-  the thresholds 0.005/0.006 are calibrated for. ``distance = "mean_abs"`` (default) follows the reference;
-  ``"rms"`` is the root-mean-square difference. Both are independent of the map's resolution.
-- ``h_t`` is computed at the sample's spatial size (the reference: the 32×32 latent, the same thing there) from
-  the empty-context pass (the reference: from its second pass, whose rows for unswitched samples use c_e).
+Differences from the reference (``Tencent/TFace``, ``generation/uiface/diffusion/ddpm.py``, ``sample_ddim_2stage``):
+- ᾱ_prev = ᾱ_{t−20} (diffusers); the reference indexes ᾱ_{t−21} (off by one), with ᾱ = exp(cumsum(log α)).
+- Stage-1 steps take one UNet pass, not two; a sample switched adaptively before the hard switch goes straight to
+  Eq. 4's stage 2 (CFG, both injections), where the reference gives plain ε(c) with self-attention injection only.
+- d_t: ``"mean_abs"`` (default) is the reference's ``calculate_rmse``, a mean absolute difference (what 0.005/0.006
+  are calibrated for); ``"rms"`` is the paper's ‖·‖₂ / √(HW). h_t comes from the c_e pass at the sample's size (the
+  reference: from its second pass, at the 32×32 latent).
 """
 
 from __future__ import annotations

@@ -1,35 +1,18 @@
 """UIFace generator training: ε-prediction DDPM on (face image, FR embedding) pairs, fitted with Lightning.
 
-``train_generator(cfg, images, id_embeddings)`` seeds, builds ``IDConditionedUNet(cfg.model)`` and minimises
-(paper Eq. 1 and 3)::
+``train_generator(cfg, images, id_embeddings)`` minimises (paper Eq. 1, 3), ᾱ_t from diffusers' ``DDPMScheduler``::
 
-    x_t = √ᾱ_t · x_0 + √(1 − ᾱ_t) · ε,   t ~ U{0, …, T−1},  ε ~ N(0, I)
-    L   = ‖ε − ε_θ(x_t, t, c'')‖²        (mean over elements)
+    x_t = √ᾱ_t · x_0 + √(1 − ᾱ_t) · ε,   t ~ U{0, …, T−1},  ε ~ N(0, I);    L = mean ‖ε − ε_θ(x_t, t, c'')‖²
 
-with ``ᾱ_t`` from diffusers' ``DDPMScheduler`` (T = 1000, linear β 1e-4 → 0.02) and ``c''`` the training
-context (L2-normalised embedding → Linear → element dropout 0.25 → ``c_e`` with probability 0.2; see
-``ml.generator.uiface``). ``x_0`` is the image scaled to [−1, 1] (pixel space, the default) or its
-latent under a frozen diffusers ``VQModel`` / ``AutoencoderKL`` (``autoencoder=``), encoded once before
-training. AdamW (lr 2e-4), constant or cosine-annealed learning rate.
+c'' is ``IDConditionedUNet.training_context``; x_0 the image in [−1, 1] or its latent under a frozen ``VQModel`` /
+``AutoencoderKL``, encoded once. EMA after every step with ``d = min(ema_decay, (1 + n)/(10 + n))`` (LDM's warm-up);
+the EMA network is returned, saved and sampled. Exact resume: batch order from (seed, epoch), a step's random draws
+from (seed, global step), state in ``last.ckpt`` after every epoch.
 
-EMA: after every optimiser step ``θ_ema ← d·θ_ema + (1 − d)·θ`` with ``d = min(ema_decay, (1 + n)/(10 + n))``
-(n = updates so far; LDM's warm-up, so a short run's EMA is not stuck at the initial weights). The EMA
-network is what ``GeneratorResult.model`` returns, what samplers use and what ``GeneratorResult.save`` writes;
-the raw weights are in ``GeneratorResult.raw_model``.
-
-Exact resume: batch order depends only on (seed, epoch) (``ml.fr.train.EpochSampler``); the noise, the
-timesteps, the dropout mask and the empty-context draw of a step come from one generator seeded from
-(seed, global step). Weights, EMA weights, optimiser, LR schedule and history are in ``last.ckpt``
-(``checkpoint_dir``), written after every epoch; a run stopped after any epoch and resumed with
-``resume=True`` ends with the weights of one uninterrupted run of the same config.
-
-Differences from the reference (UIFace appendix A.1 / IDiff-Face):
-
-- The reference trains with Adam at 1e-4, batch 64 × 8 GPUs, 250k iterations, cosine annealing, in the
-  latent space of a VQ-f4 autoencoder; the embedded default is AdamW (weight decay 0 = Adam) at 2e-4 with a
-  constant LR (``lr_schedule: cosine`` for the reference's) in pixel space on one device.
-- Latents are computed once before training (the autoencoder is frozen and, with the VQ quantiser or the KL
-  mean, deterministic); the KL posterior is not sampled.
+Differences from the reference (appendix A.1 / IDiff-Face):
+- Reference: Adam 1e-4, batch 64 × 8 GPUs, 250k iterations, cosine LR, VQ-f4 latent; here AdamW (weight decay 0 =
+  Adam), a constant LR by default (``lr_schedule: cosine`` for the reference's), one device.
+- Latents are computed once (frozen autoencoder; VQ quantiser or KL mean), the KL posterior is not sampled.
 """
 
 from __future__ import annotations

@@ -1,47 +1,18 @@
-"""UIFace's ID-conditioned denoiser: a diffusers UNet whose cross-attention reads an identity context.
+"""UIFace's ID-conditioned denoiser ε_θ(x_t, t, c): a diffusers UNet whose cross-attention reads an identity context.
 
-Context (paper Sec. 3.1, MET "UIFace"): the FR embedding ``f`` (``id_dim`` = 512) of the training image
-becomes ``context_tokens`` tokens of ``context_dim`` (256)::
+Context (paper Sec. 3.1): ``c = reshape(W·f/‖f‖₂ + b)`` (B, tokens, context_dim) from the FR embedding f
+(B, id_dim); in training, element dropout (p = 0.25) and, per sample with probability 0.2, the learnable empty
+context ``c_e`` (``nn.Parameter``, (1, tokens, context_dim)), so one network gives ε(x_t, t, c) and ε(x_t, t, c_e)
+for the two-stage sampler and CFG. Space: pixels in [−1, 1], or a diffusers ``VQModel`` / ``AutoencoderKL`` latent
+(``load_autoencoder``, ``encode_images``, ``decode_latents``); ``save_generator`` writes the EMA weights and ``extra``.
 
-    c   = reshape(W · f/‖f‖₂ + b)                       (B, tokens, context_dim)     encode_context
-    c'  = c ⊙ m / (1 − p),  m_ij ~ Bernoulli(1 − p)      element dropout, p = 0.25    training_context
-    c'' = c_e   with probability 0.2 (per sample), else c'
-
-``c_e`` is a learnable "empty" context (``nn.Parameter``, (1, tokens, context_dim)); trained this way the
-network predicts ``ε_θ(x_t, t, c)`` for a given identity and ``ε_θ(x_t, t, c_e)`` for any face, which
-the two-stage sampler and classifier-free guidance ``ε = (w+1)ε(c) − wε(c_e)`` need. The training loss
-(``ml.generator.train``) is ``‖ε − ε_θ(√ᾱ_t x_0 + √(1−ᾱ_t) ε, t, c'')‖²`` (Eq. 3), ε-prediction.
-
-The network is ``UNet2DConditionModel``: plain ResNet blocks at the highest resolution(s), cross-attention
-transformer blocks (self-attention ``attn1``, cross-attention ``attn2`` over the context tokens) at the
-lower ones and in the middle block, so a sampler can swap their processors (attention injection).
-
-Space: pixels scaled to [−1, 1] by default (no autoencoder), or the latent of a pluggable diffusers
-``VQModel`` / ``AutoencoderKL`` loaded from a local directory (``load_autoencoder``); ``encode_images``
-gives the quantised VQ latent, or the KL posterior mean × ``scaling_factor``; ``decode_latents`` inverts.
-
-Saved models (``save_generator`` / ``load_generator``) are one ``ml.models.io`` directory: the EMA weights
-and ``{"model": "uiface", "architecture": "uiface", "kwargs": GeneratorModelConfig, "extra": {...}}``; the
-trainer puts the noise schedule and the space (pixel / vq / kl) into ``extra``.
-
-Differences from the reference (UIFace paper, appendix A.1; its code builds on IDiff-Face / LDM):
-
-- The reference denoises the 3×32×32 latent of a VQ-f4 autoencoder (128×128 faces) with a four-level UNet. The
-  embedded default (``params.yaml``) denoises the 4×8×8 latent of a KL autoencoder of 32-px faces trained in the
-  ``train_generator`` stage (``ml.generator.autoencoder``), with a 2-level UNet (64, 128 channels), so that UNet and
-  autoencoder train on a CPU in minutes; a given VQ/KL autoencoder plugs in for real runs, and pixel space stays
-  a parameter (the tests' toy generators). This class's own defaults are a 32-px pixel-space UNet.
-- Element dropout rescales the kept entries by 1/(1 − p) (``nn.Dropout`` semantics) and draws from an optional
-  ``torch.Generator``, so a training step is a function of its seed (exact resume).
-- The context is a Linear projection of the normalised embedding into ``context_tokens`` tokens (1 by default);
-  the reference's exact token layout is not given in the paper.
-- ``time_context``: the flattened context also enters through the time embedding (diffusers' ``class_embed_type
-  = "projection"``: a Linear–SiLU–Linear of it is added to the timestep embedding), so identity reaches every
-  ResNet block and not only the cross-attention levels. The reference conditions by cross-attention only; at
-  the embedded budget cross-attention over a few tokens starts nearly uniform and the generator ignored the
-  identity (faces of one context no more alike than faces of two). ``c_e`` replaces both routes, so the
-  two-stage sampler and classifier-free guidance are unchanged, and attention injection still reads the
-  cross-attention maps.
+Differences from the reference (appendix A.1; code from IDiff-Face / LDM):
+- The embedded default denoises a 4×8×8 KL latent of 32-px faces with a 2-level UNet, not VQ-f4's 3×32×32 of
+  128-px faces with four levels; a given VQ/KL autoencoder plugs in, pixel space stays a parameter.
+- Element dropout rescales kept entries by 1/(1 − p) and draws from an optional generator (exact resume).
+- The context is one Linear into ``context_tokens`` tokens; the paper gives no token layout.
+- ``time_context``: the flattened context also enters the time embedding (diffusers ``class_embed_type =
+  "projection"``), reaching every ResNet block; the reference conditions by cross-attention only.
 """
 
 from __future__ import annotations

@@ -6,19 +6,12 @@ Graph interface (every registered backbone, eval mode)::
     keypoints  (B, 5, 2)    float32 pixel (x, y) in the S×S input, ArcFace order — KP-RPE models only
     embeddings (B, D)       float32, unnormalised (L2-normalise before cosine matching)
 
-``B`` is the symbolic dimension ``batch`` with ``dynamic_batch`` (the default), else the export batch
-size. The model's ``input_contract`` is stored as JSON under the metadata key
-:data:`META_CONTRACT`, so a consumer can preprocess without faceops; :func:`read_metadata` decodes
-every ``faceops.*`` key.
-
-Exporter: the TorchScript tracer, ``torch.onnx.export(..., dynamo=False)``, which writes the
-requested opset directly (14 to 20). The ``dynamo=True`` exporter of torch 2.13 fails on KP-RPE
-whatever the opset or batch setting: ``torch.export`` records the ``reshape`` after
-``scaled_dot_product_attention`` (with the float KP-RPE mask) as a ``view``, which the decomposed
-attention's output strides no longer allow ("Cannot view a tensor with shape (B, T, H, d) and
-strides ..."); working around it would mean changing the shared attention block for the exporter's
-sake. It also builds every graph at opset 18 and only converts down afterwards.
-The written file is checked to carry the requested opset.
+``B`` is the symbolic dimension ``batch`` with ``dynamic_batch`` (the default), else the export batch size. The
+``input_contract`` is stored as JSON under :data:`META_CONTRACT`; :func:`read_metadata` decodes every ``faceops.*``
+key. Exporter: the TorchScript tracer (``torch.onnx.export(..., dynamo=False)``), which writes the requested opset
+(14 to 20) directly; the written file is checked to carry it. The ``dynamo=True`` exporter builds every graph at
+opset 18 and converts down, and fails on KP-RPE: it records the ``reshape`` after ``scaled_dot_product_attention``
+(with the float KP-RPE mask) as a ``view`` that the attention output's strides do not allow.
 """
 
 from __future__ import annotations

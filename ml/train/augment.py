@@ -1,53 +1,20 @@
-"""Batched, landmark-aware face augmentation: the KP-RPE training recipe as torch ops on a batch.
+"""Batched, landmark-aware face augmentation: KP-RPE's training recipe (supplementary Table 6) as torch ops on a batch.
 
-KP-RPE trains with "Flip, Brightness, Contrast, Scaling, Translation, RandAug (magnitude 14/31), Blur,
-Cutout, Rotation (20°)" (supplementary, Table 6). ``augment_kprpe`` applies to float images in [0, 1]
-``(B, C, H, W)``, per sample and each with its own probability (``AugmentConfig``):
+``augment_kprpe`` takes float images in [0, 1] ``(B, C, H, W)`` and pixel landmarks; per sample, each op with its own
+probability (``AugmentConfig``): (1) flip, scale, rotation, translation and RandAug's geometric ops composed into one
+affine map ``o = A·n + t`` (normalised coordinates) and applied as one bilinear resample, the landmarks pushed
+through it exactly and left/right swapped where flipped; (2) RandAugment's photometric ops: N per image from the 14
+of ``RANDAUG_OPS`` at one magnitude M in 0..30, strength M/30 of torchvision's ranges; (3) brightness, contrast and
+saturation jitter; (4) Gaussian blur; (5) cutout. All randomness is one ``(B, DRAW_SIZE)`` uniform draw from
+``generator`` per call, whatever the probabilities, so a batch's augmentation depends on the generator state alone.
 
-1. Geometry, as one bilinear resample: horizontal flip, then scale ``s``, rotation ``r`` and translation
-   ``d`` about the image centre, then RandAug's geometric ops. In normalised coordinates
-   (``align_corners=False``: ``n = (2p + 1)/S − 1`` for pixel ``p`` of a side of ``S``) an input point ``n``
-   lands at ``o = A·n + t`` in the output, with ``A = s·R(r)·F`` and ``t = d`` (``F = diag(−1, 1)`` where
-   flipped) composed on the left with each RandAug op's own map ``(L, l)``: ``A ← L·A``, ``t ← L·t + l``.
-   The output is sampled at ``n = A⁻¹·(o − t)`` and the landmarks are pushed through the forward map
-   exactly, then left/right swapped where flipped so that they stay in ArcFace order.
-2. RandAugment (Cubuk et al. 2020), where drawn: ``randaug_ops`` = N ops per image, each chosen uniformly
-   (with replacement) from the 14 of ``RANDAUG_OPS`` and applied at the one magnitude M of
-   ``randaug_magnitude`` (0..30, i.e. 31 levels; the paper's 14/31 is M = 14), with a random sign for the
-   signed ops. Strength at level M is ``M/30`` of the strongest (torchvision's RandAugment ranges):
-   Rotate ±30°, ShearX/Y ±0.3, TranslateX/Y ±150/331 of the side, Brightness/Color/Contrast/Sharpness
-   factor ``1 ± 0.9``, Posterize down to 4 bits, Solarize threshold down to 0; AutoContrast, Equalize and
-   Identity take no magnitude. The geometric ones join step 1's resample; the photometric ones run here,
-   in the drawn order.
-3. Photometric jitter: brightness ``x·b``, contrast ``(x − ḡ)·c + ḡ`` (``ḡ`` the image's mean grey),
-   saturation ``g + (x − g)·σ`` (``g`` each pixel's grey, Rec. 601 weights), each clamped to [0, 1].
-4. Gaussian blur with a random σ (given for 112-px images, scaled to the image side).
-5. Cutout: one rectangle of random area and aspect ratio, filled with zero or the image's mean colour.
+Differences from the reference (the paper lists the ops without magnitudes; the authors' code was not consulted):
 
-Only step 1 moves landmarks. Every random number comes from the ``generator`` argument: one
-``(B, DRAW_SIZE)`` = ``(B, 30)`` uniform draw per call, made whatever the probabilities and whatever N
-(columns for ``RANDAUG_MAX_OPS`` slots are always drawn), so a batch's augmentation is a function of the
-generator's state alone (exact resume reseeds it per step). ``augment_with`` is the recipe as a pure
-function of that draw.
-
-Differences from the reference (the paper lists the operations without magnitudes; the authors'
-training code was not consulted):
-
-- Rotation ±20° and RandAug's magnitude 14/31 are the paper's; every other magnitude and all
-  probabilities are our defaults. RandAug is off in ``AugmentConfig()`` (``randaug_prob = 0``) so that
-  the other users of the recipe (aligner, discovery, fusion) keep their behaviour; ``fr.augmentation``
-  in params.yaml turns it on for FR training.
-- Scale, translation, rotation and RandAug's geometric ops are one resample instead of chained ones, so
-  the image is interpolated once and the landmark transform is exact. RandAug's geometric ops therefore
-  act before its photometric ones whatever order they were drawn in (only the ops that read image
-  statistics or neighbours, AutoContrast, Equalize, Contrast and Sharpness, could tell the difference,
-  through the padding the geometry brings in).
-- RandAugment as published applies each op to PIL images: here ops act on float images in [0, 1].
-  Posterize and Equalize work on the 256 uint8 levels (``round(255·x)``) as PIL does; Solarize inverts
-  pixels strictly above its threshold so that M = 0 leaves the image alone; rotation and shear are about
-  the image centre, not PIL's top-left corner. The magnitude is fixed (no per-image magnitude noise).
-- AutoContrast and Equalize have no magnitude, as in RandAugment: at M = 0 they are the only ops that
-  still change an image.
+- Rotation ±20° and M = 14 of 31 levels are the paper's; other magnitudes and all probabilities are ours. RandAug
+  is off in ``AugmentConfig()`` (other users keep their recipe); ``fr.augmentation`` turns it on for FR.
+- One resample instead of chained ones: exact landmarks, and RandAug's geometric ops act before its photometric ones.
+- Ops act on float images, not PIL: Posterize/Equalize on 256 levels, Solarize strictly above its threshold, rotation
+  and shear about the centre, one fixed magnitude.
 """
 
 from __future__ import annotations

@@ -1,43 +1,15 @@
 """Model-registry promotion: judge a registered model's ``@candidate`` against its ``@champion`` on a declared gate.
 
-Each registered model (``faceops-fr``, ``-fusion``, ``-aligner``, ``-generator``, ``-discovery``) has a gate in
-``params.yaml`` section ``promote`` (``PromoteConfig``, one ``Gate`` per model): the benchmarks to run (the explicit
-registry ``BENCHMARKS``), a **primary** metric that must improve on the champion by at least ``min_improvement``,
-**guard** metrics that may not regress by more than their tolerance, and absolute **floors** (a minimum, or a maximum
-for lower-is-better metrics). Each benchmark declares the metrics it produces and their direction (↑ higher is better,
-↓ lower is better), so a gate is checked completely before anything is downloaded, measured or written. Benchmarks
-reuse the evaluation code of the stages (``tasks/evaluate``, ``sets_eval.py``, ``discovery_eval.py``, the aligner
-and generator evaluations) on ``data/prepared``, so a gate measures what those stages report, under the same names.
-
-The decision (``decide``):
-
-- with a champion: promoted when the primary improves by ``min_improvement`` or more, every guard holds and every
-  floor holds (comparisons to 1e-9, so a margin written as 0.01 is met by 0.81 − 0.80);
-- without one (the first candidate): promoted when every floor holds; primary and guards are reported as n/a;
-- a NaN number fails its rule; a candidate that already is the champion is left alone (``unchanged``).
-
-Recording (``record``), for promoted and rejected candidates alike: a ``promote`` MLflow run with both models' numbers
-as metrics (``candidate/...``, ``champion/...``) and ``promotion/decision.md`` + ``decision.json``; tags on the
-candidate version: ``promotion.decision`` (promoted | rejected), ``promotion.summary`` (the JSON), ``promotion.time``
-(UTC), ``promotion.champion`` (the version it was compared with, or ``none``) and ``promotion.run_id``. A promotion then
-moves ``@previous`` to the old champion and ``@champion`` to the candidate; ``@candidate`` stays where the training
-stage put it.
-
-Rollback (``rollback``): ``@champion`` goes back to ``@previous``. The demoted version loses ``@champion`` and any
-``candidate*`` alias that points at it (otherwise the next promotion would bring it straight back) and is tagged
-``promotion.rolled_back_at`` / ``promotion.rolled_back_to``; ``@previous`` is cleared. So a rollback undoes exactly one
-promotion, and a second rollback is refused until the next promotion sets ``@previous`` again.
-
-Registry writes come last, after every check, inside ``RegistryChange``: each step records how to undo itself before
-it runs, and when a step fails the steps before it are undone in reverse order, so an error never leaves the aliases
-half moved or a decision tag without its aliases. Just before writing, the aliases are read again; if another
-promotion moved them meanwhile, nothing is written. ``flows/promote.py`` composes these steps as a Prefect flow with
-retries (exponential backoff) on the MLflow I/O; ``faceops promote`` runs that flow.
-
-The parts: ``ops.promote.bench`` (``BENCHMARKS``), ``ops.promote.decision`` (``Gate``, ``decide``),
-``ops.promote.registry`` (aliases, ``RegistryChange``); here the ``promote`` section (``PromoteConfig``), the gate
-checks, ``record`` and ``rollback``, and the whole API re-exported for ``flows/promote.py``. Importing it is light
-(no torch, no MLflow): ``tasks.params`` imports it to check the ``promote`` section.
+Each registered model has a gate in params ``promote`` (``PromoteConfig``, one ``Gate`` per model): the benchmarks
+to run (``ops.promote.bench.BENCHMARKS``, each declaring its metrics and their direction), a primary metric that must
+improve by ``min_improvement``, guards that may not regress beyond their tolerance, and absolute floors; a first
+candidate needs the floors only (``ops.promote.decision.decide``). ``record`` logs a ``promote`` MLflow run and tags
+the candidate with the decision; a promotion moves ``@previous`` to the old champion and ``@champion`` to the
+candidate; ``rollback`` undoes exactly one promotion. Registry writes come last, inside ``RegistryChange``
+(``ops.promote.registry``): each step records its undo first, a failure undoes the steps before it, and aliases
+moved meanwhile by another promotion stop the write. ``flows/promote.py`` composes these steps with retries.
+Importing this package is light (no torch, no MLflow): ``tasks.params`` reads ``PromoteConfig`` from here.
+See ``docs/operations/promotion.md``.
 """
 
 from __future__ import annotations

@@ -13,17 +13,13 @@ from typing import Any
 
 from ml.errors import ConfigError, DataError, FaceopsError
 from ops.tracking import configure, tracking_uri
+from tasks import STAGES as STAGES_REGISTRY
 from tasks.common import redact
 
-# params key → registered model name; and the stage that registers new versions of it
-MODELS: dict[str, str] = {
-    "fr": "faceops-fr", "fusion": "faceops-fusion", "aligner": "faceops-aligner",
-    "generator": "faceops-generator", "discovery": "faceops-discovery",
-}
-STAGES: dict[str, str] = {
-    "fr": "train_fr@real", "fusion": "train_fusion", "aligner": "train_aligner",
-    "generator": "train_generator", "discovery": "train_discovery",
-}
+# params section → registered model name; and the DVC stage that makes its promoted versions (tasks.STAGES)
+MODELS: dict[str, str] = {s.section: s.model for s in STAGES_REGISTRY.values() if s.model and s.section}
+STAGES: dict[str, str] = {s.section: s.model_stage or name for name, s in STAGES_REGISTRY.items()
+                          if s.model and s.section}
 CANDIDATE, CHAMPION, PREVIOUS = "candidate", "champion", "previous"
 
 

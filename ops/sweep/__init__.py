@@ -1,41 +1,16 @@
 """Optuna hyperparameter sweeps over one stage's params: ``faceops sweep train_fr`` (flow ``sweep``).
 
-The search space is data: ``params.yaml``'s ``sweep:`` section (``SweepConfig``) holds the study settings
-(storage, sampler, pruner, seed) and one entry per sweepable stage (``StageSweep``: metric, direction, trials,
-``fixed`` overrides and ``space``, a mapping of dotted params keys such as ``fr.lr`` to ranges, ``ParamRange``).
-Every range is checked against the stage's config class before a trial starts: a key that is not a params
-key, a wrong type, ``low ≥ high``, a log scale reaching 0, no choices, or a bound the stage itself rejects
-raises a ConfigError naming ``sweep.<stage>.space.<key>.<field>``.
+The search space is data (params ``sweep``, ``ops.sweep.config``): each range is checked against the stage's config
+class before a trial starts. A trial applies its values as an in-memory delta (``params.yaml`` is never written
+during a sweep), trains, reports the stage's validation metric every epoch to Optuna, which may prune it, and
+returns the last value (``ops.sweep.targets.OBJECTIVES``). Every process with the same storage and study name joins
+one study; the creator opens the MLflow parent run under which every trial nests (``ops.sweep.study``). On an SQL
+storage running trials beat a heartbeat, and a killed worker's trial is failed and retried once (Optuna's
+``RetryFailedTrialCallback``); a JournalStorage has no heartbeat. ``report`` writes the history and importance
+plots and the best trial; ``apply_best`` writes the best params into ``params.yaml``.
 
-A trial applies its values as an in-memory delta on the stage's section (``params.yaml`` is never written
-during a sweep), trains, reports the stage's metric after every epoch to Optuna, which may prune it (Optuna's
-Lightning pruning callback), and returns the last value. ``OBJECTIVES`` maps each sweepable stage to what that
-means (``SweepTarget``); ``train_fr`` reports ``val/accuracy``, the closed-set identification accuracy of the
-prepared set's ``val`` split against the margin head's class centres.
-
-One study, many processes: every command or worker with the same storage and study name joins the same study
-(the storage hands out trial numbers, so none is lost or run twice). The process that creates the study also
-creates the MLflow parent run and records its id in the study; the others wait for that id, so all trials,
-whatever process ran them, are nested runs under one parent, each with its params, per-epoch curves, its state
-(``optuna.trial_state``: COMPLETE, PRUNED, FAIL) and its number. Storage: ``""`` is ``sqlite:///optuna.db`` in
-the repository, ``journal:<file>`` an Optuna JournalStorage file (several processes on one machine or a shared
-file system), or an SQLAlchemy URL (``postgresql://user@host/db``; the password comes from ``PGPASSWORD`` or
-``~/.pgpass``, never from params.yaml; printed and logged URLs have it masked).
-
-A worker killed mid-trial (SIGKILL, a lost node) cannot mark its trial finished. On an SQL storage every running
-trial beats a heartbeat every ``sweep.heartbeat_s`` seconds; a trial silent for three intervals is marked FAIL
-by the next worker that starts a trial, and run again once with the same params (Optuna's
-``RetryFailedTrialCallback``: the copy records the failed trial's number). A JournalStorage has no heartbeat in
-Optuna: there such a trial stays RUNNING, so use an SQL storage for workers that may be killed.
-
-After the trials, ``report`` writes the optimisation history and parameter importance plots
-(``plots/sweeps/``), the best params and value (``reports/sweeps/<study>.json``) and logs them to the parent
-run; ``apply_best`` writes the best params into ``params.yaml`` (comments kept) and returns a unified diff.
-
-Here: ``run_sweep``, the whole sweep in one process, and ``python -m ops.sweep``, one more worker on a study. The
-parts: ``ops.sweep.config`` (the section, the space checks, the storage), ``ops.sweep.targets`` (``OBJECTIVES``),
-``ops.sweep.study`` (create or join a study and its parent run; ``report``, ``apply_best``) and ``ops.sweep.trials``
-(``run_trials``).
+Here: ``run_sweep``, the whole sweep in one process, and ``python -m ops.sweep``, one more worker on a study. See
+``docs/operations/sweeps.md``.
 """
 
 from __future__ import annotations

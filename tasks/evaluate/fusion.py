@@ -1,34 +1,15 @@
 """The ``evaluate`` stage's set and video part: fusion methods on IJB-B/C-style templates and IJB-S-style videos.
 
-Fusion methods, all over the same per-image features and styles of the FR model:
-``average`` (mean of unit features), ``norm_weighted`` (sum of raw features), ``landmark_score`` (KP-RPE supp.
-Eq. 17–18: weight = landmark closeness to the template × face score) and ``caface`` (``models/fusion``, streamed in
-``fusion.chunk_size`` frames); beside them ``quality_oracle``, the unit features weighted by each image's true
-quality (the manifest's ``quality``, the renderer's; 1 where unknown): not a method but the headroom, what
-weighting frames by quality alone could gain over averaging.
+Over the same per-image features and styles of the FR model: ``average``, ``norm_weighted``, ``landmark_score``
+(KP-RPE supp. Eq. 17–18: landmarks and face scores of the DFA aligner when ``models/aligner`` exists, else the
+manifest's; ``sets/face_inputs/*`` say which), ``caface`` (``models/fusion``, streamed in ``fusion_chunk_size``
+frames) and ``quality_oracle`` (unit features weighted by the manifest's true quality: a reference, not a method).
 
-Landmarks and face scores for ``landmark_score``: when the DFA aligner (``models/aligner``, stage ``train_aligner``)
-exists, its predicted landmarks and pooled face score on every template
-and video frame (the paper's recipe); its scores only if it was trained with non-face crops (``face_score_trained``
-in its config), the manifest's quality otherwise. Without the aligner: the manifest's landmarks and quality (ground
-truth for procedural faces). ``sets/face_inputs/aligner_landmarks`` and ``.../aligner_scores`` (1/0) record which,
-and the report names them.
-
-- templates (``data/prepared/templates``, IJB meta files): 1:1 template verification, TAR@FAR 1e-5..1e-2;
-- videos (``data/prepared/videos``): each probe = one long sequence of mixed quality; galleries *single* (one still
-  per identity) and *booking* (all stills, fused with the same method); rank-1/5 and TPIR@FPIR=1 % (non-mated probes
-  from identities without a gallery); CAFace's gain over averaging versus probe size (CAFace Fig. 1c) and its
-  robustness to the frame order (mean ± std over 5 shuffles, Table 4's last row).
-- how sure and why (``ml.fusion.diagnostics``), on the single gallery: each method's rank-1 with its Wilson 95 %
-  interval (``sets/videos_single/<method>/rank1_ci_low``, ``.../rank1_ci_high``); CAFace's and the oracle's rank-1
-  minus the average's over the same probes with a paired-bootstrap 95 % interval (seed ``data.seed``;
-  ``sets/videos_single/{caface,quality_oracle}_minus_average/rank1`` and ``.../rank1/ci_low``, ``.../rank1/ci_high``);
-  and whether CAFace learned to weight frames by quality: its per-frame weights on every probe against the frames'
-  true quality (``sets/caface/<key>``: ``weight_quality_spearman``, ``weight_cv``, ``usable_weight_ratio``,
-  ``assignment_entropy``, ``cluster_usage_entropy``, ``effective_clusters``, and ``num_clusters``).
-  ``sets/videos/zero_quality_probes`` counts the probes whose every frame has quality < 0.05 (their templates are
-  still defined: small weights still give a direction, and the oracle falls back to the average when every weight
-  of a probe is 0).
+- templates (``data/prepared/templates``): 1:1 verification, TAR@FAR 1e-5..1e-2;
+- videos (``data/prepared/videos``): galleries *single* (one still) and *booking* (all stills, same fusion);
+  rank-1/5, TPIR@FPIR 1 %, gain versus probe size (CAFace Fig. 1c), 5 frame orders (Table 4's last row);
+- diagnostics (``ml.fusion.diagnostics``): Wilson intervals, paired-bootstrap gains over averaging and whether
+  CAFace's frame weights follow true quality (``sets/caface/*``).
 
 Writes ``metrics/sets.json`` and ``plots/fusion_gain.png``; ``render_section`` is the Markdown for the report.
 """

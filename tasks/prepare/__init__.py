@@ -1,37 +1,18 @@
 """Stage ``prepare``: build every dataset the pipeline reads, under ``data/prepared/``.
 
-- ``train/``      procedural faces of the training identities (split ``train``/``val``)
-- ``heldout/``    procedural faces of identities never seen in training (split ``gallery``/``probe``)
-- ``templates/``  IJB-style template set from video-like sequences, with ``meta/face_tid_mid.txt``
-                  (``img tid mid``) and ``meta/template_pair_label.txt`` (``tid1 tid2 label``)
-- ``verification/procedural.bin``  InsightFace verification pairs over the held-out identities
-- ``discovery/``  procedural faces of further unseen identities, for generalized face discovery (FaceGCD)
-- ``gfd/split.parquet``  the GFD split of ``discovery/`` (or ``real/``): known/unknown identities, labelled
-                  images, train/test per identity; ``gfd/split.json`` names the dataset and the counts
-- ``videos/``      IJB-S-like set fusion benchmark: booking galleries of stills and long surveillance probes, most
-                  frames heavily degraded and a short usable window (``data.surveillance``; mated and non-mated),
-                  ``meta/face_tid_mid.txt``
-- ``fusion/``      CAFace's training sets: identities no other set uses, ``clean`` renders (the targets) and
-                  ``degraded`` copies of a few source poses each (``template`` = the source)
-- ``unaligned/``   unaligned crops (rotation, scale, shift) with exact landmarks for the DFA aligner (``train`` /
-                  ``test`` identities)
+``train/`` and ``heldout/`` (training and never-trained identities), ``verification/procedural.bin`` (pairs of
+held-out faces), ``templates/`` (IJB-style, with ``meta/``), ``discovery/`` and ``gfd/`` (FaceGCD's GFD split),
+``videos/`` (IJB-S-like probes), ``fusion/`` (CAFace's sets) and ``unaligned/`` (the DFA aligner's crops with exact
+landmarks), each written by one function of ``tasks/prepare/sets.py``. With real faces ingested
+(``data.ingest_folder`` or ``data.ingest_recordio``) their identities are split by seed into disjoint training,
+held-out and discovery groups that take the procedural ones' places (``train/``, ``heldout/`` +
+``verification/real.bin`` and, when the GFD split covers real faces, ``discovery/``; ``fusion/`` is not written);
+templates, videos and unaligned crops stay procedural, and a RecordIO's faces are recorded by key
+(``records.parquet``) so that ``train_fr`` can read them in place (``data.train_reader``).
 
-With real faces ingested (``data.ingest_folder`` or ``data.ingest_recordio``) their identities are split by seed
-into training, held-out and discovery identities (disjoint; ``data.real_heldout_fraction``,
-``data.real_discovery_fraction``), and the real faces take the procedural ones' places, so every stage that
-trains on faces reads them: ``train/`` holds the real training identities, ``heldout/`` + ``verification/real.bin``
-the held-out ones (never trained on), and with ``data.gfd_dataset`` ``auto`` or ``real``, ``discovery/`` the real
-discovery identities that the GFD split covers (``fusion/`` is not written: CAFace then trains on degraded copies of
-the real training faces, see tasks/train_fusion.py). ``verification/procedural.bin`` stays as a procedural reference; the
-template, video and unaligned sets stay procedural (real folders have no sequences and no exact landmarks). A
-RecordIO's faces are also recorded by key (``records.parquet`` in each real dataset, ``ml.data.records``), so that
-``train_fr`` can read them from the RecordIO in place (``data.train_reader``).
-
-The whole directory is written to a temporary sibling and renamed on success. Its parts are independent and are
-written by as many processes as the stage has cores (same bytes whatever the count).
-
-The sets themselves are written by ``tasks/prepare/sets.py``; this module holds the ``data`` section
-(``DataConfig``), the checks of the real-data sources, the sample grid and the stage's run over the parts.
+The directory is written to a temporary sibling and renamed on success; its parts are independent and written by as
+many processes as the stage has cores (same bytes whatever the count). This module holds the ``data`` section
+(``DataConfig``), the checks of the real-data sources, the sample grid and the run over the parts.
 """
 
 from __future__ import annotations

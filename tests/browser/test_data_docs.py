@@ -13,7 +13,7 @@ from ml.data.dataset import read_manifest
 from ml.errors import DataError
 from tasks import validate
 
-from ..conftest import prepare_smoke
+from tests.conftest import prepare_smoke
 
 DATASETS = ("train", "heldout", "templates")
 

@@ -13,7 +13,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from ..servers import mlflow_server
+from tests.servers import mlflow_server
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow

@@ -1,7 +1,7 @@
 """A deployment's Quick run as a person starts it: the Prefect UI's deployment page in headless Chromium, "Run" →
 "Quick run", and the flow run that click creates completes on a process worker of the deployment's pool, with the
 parameter descriptions the flow's docstring gives shown in the run form. (The whole DAG at smoke size through the
-stack's workers is ``tests/test_stack_workers.py``, which creates its run through the same API call the UI makes.)"""
+stack's workers is ``tests/stages/test_stack_workers.py``, which creates its run through the same API call the UI makes.)"""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from ..servers import QUIET, prefect_server, prefect_worker
+from tests.servers import QUIET, prefect_server, prefect_worker
 
 pytestmark = pytest.mark.slow
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from ..conftest import copy_project
-from ..test_stack import stack_over_logged_runs
+from tests.conftest import copy_project
+from tests.stages.test_stack import stack_over_logged_runs
 
 pytestmark = pytest.mark.slow
 

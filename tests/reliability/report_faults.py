@@ -46,7 +46,7 @@ def prepared_workspace(tmp_path_factory: Any, dest: Path, delta: dict[str, Any] 
     from tasks.common import Paths, load_params, section
     from tasks.params import apply_delta
     from tasks.prepare import DataConfig, run
-    from tests.test_sweep import TINY, _workspace
+    from tests.stages.test_sweep import TINY, _workspace
 
     assert not any(k.startswith("data.") for k in delta or {}), "the shared prepared data take no data.* delta"
     base = tmp_path_factory.getbasetemp() / "reliability-prepared"

@@ -2,7 +2,7 @@
 `dvc repro` and two `faceops run` in one working copy. Each pair either both succeed with every store intact, or
 the second is refused with a message naming the lock.
 
-Already proven elsewhere (tests/test_sweep.py): two `faceops sweep` commands (one with two workers) on one Optuna
+Already proven elsewhere (tests/stages/test_sweep.py): two `faceops sweep` commands (one with two workers) on one Optuna
 *journal* file lose and repeat no trial. Added here: the default SQLite study storage, created by both at once, and
 a PostgreSQL server (the storage for many workers).
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import copy_project
-from tests.test_sweep import TINY
+from tests.stages.test_sweep import TINY
 
 from .report_faults import prepared_workspace, record
 

@@ -1,8 +1,8 @@
 """Fault injection against real servers on loopback: S3 faults under the `faceops data` commands, an MLflow server
 that goes away in the middle of a training stage's tracking, and a Prefect process worker killed mid-task.
 
-Already proven elsewhere and not repeated here: tests/test_storage.py (a corrupt object never replaces a local
-file; an unreachable endpoint fails fast), tests/test_tracking_relay.py (a journal written while MLflow is
+Already proven elsewhere and not repeated here: tests/stages/test_storage.py (a corrupt object never replaces a local
+file; an unreachable endpoint fails fast), tests/stages/test_tracking_relay.py (a journal written while MLflow is
 unreachable from the start is kept and replays). What is added: S3 faults under `faceops data` (retried by the AWS
 SDK under DVC; beyond storage.max_attempts, exit 1, one message, the workspace as it was), the server lost *during*
 a stage, and the worker.
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.servers import QUIET, FaultProxy, mlflow_server, prefect_server, prefect_worker
-from tests.test_storage import (BUCKET, SECRET, contents, faceops, forget_local, project,  # noqa: F401  (s3: a fixture)
+from tests.stages.test_storage import (BUCKET, SECRET, contents, faceops, forget_local, project,  # noqa: F401  (s3: a fixture)
                                 s3)
 
 from .report_faults import prepared_workspace, record

@@ -1,9 +1,9 @@
 """Security: no credential from the environment reaches params, logs, MLflow or the reports; the servers listen on
 loopback only; nothing is unpickled from a file without the restricted unpickler or ``weights_only``.
 
-Already proven elsewhere: tests/test_storage.py (no AWS secret in any `faceops data` output, DVC config or botocore
-debug log; a credential-looking ``storage`` key is refused), tests/test_sweep.py (a password in ``sweep.storage``
-is refused and masked), tests/test_stack.py (every `faceops stack` server is started with ``--host 127.0.0.1`` and
+Already proven elsewhere: tests/stages/test_storage.py (no AWS secret in any `faceops data` output, DVC config or botocore
+debug log; a credential-looking ``storage`` key is refused), tests/stages/test_sweep.py (a password in ``sweep.storage``
+is refused and masked), tests/stages/test_stack.py (every `faceops stack` server is started with ``--host 127.0.0.1`` and
 its URLs are loopback). Added: one tracked sweep with every kind of credential set, scanned end to end; the
 listening sockets themselves; the pickle audit.
 """

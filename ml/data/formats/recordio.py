@@ -1,5 +1,15 @@
 """InsightFace/MXNet RecordIO: dmlc-core record framing, the ``IRHeader`` packing, random access through the
-``.idx`` (:class:`RecordIOReader`) and the atomic writer of the InsightFace layout (:func:`write_recordio`)."""
+``.idx`` (:class:`RecordIOReader`) and the atomic writer of the InsightFace layout (:func:`write_recordio`).
+
+A ``.rec`` holds records written as parts ``[magic u32][lrecord u32][data][zero pad to 4]`` (little-endian,
+``lrecord = cflag << 29 | length``); where the payload holds the magic at a 4-byte-aligned offset the writer cuts
+it there and drops those 4 bytes (cflag 1 first part, 2 middle, 3 last, 0 whole) and the reader puts it back. The
+``.idx`` is text, ``key<TAB>offset`` per line. A payload is an ``IRHeader`` (``<IfQQ``: flag, label, id, id2; 24
+bytes), then ``flag`` float32 labels when ``flag > 0`` (the scalar label is then 0), then the encoded image.
+InsightFace layout: record 0 is header-only with label ``[n_images + 1, n_images + 1 + K]``, images are keys
+``1..n_images``, then one record per identity with label ``[start_key, end_key)``. Without that array label every
+key is an image; a record 0 that carries image bytes is an image even if its label is an array.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Degradations of a drawn face: illumination gradient, gain, contrast and colour cast, Gaussian blur, low
 resolution, sensor noise and JPEG. No BLAS here: a 112² matmul is threaded by OpenBLAS, and under load (data-loader
-workers, a busy CI machine) its spinning threads made one image take tens of milliseconds."""
+workers, a busy CI machine) its spinning threads stall single images."""
 
 from __future__ import annotations
 

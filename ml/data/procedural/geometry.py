@@ -51,7 +51,7 @@ def _over(patch: np.ndarray, alpha: np.ndarray, colour: np.ndarray) -> None:
     """Composite ``colour`` ((3, 1, 1) or (3, h, w)) over a contiguous (3, h, w) ``patch``, coverage (h, w).
 
     Layers are drawn on contiguous copies of their region and written back once: numpy's per-call
-    cost on small strided views is about twice that on contiguous arrays, and calls dominate.
+    cost is higher on small strided views than on contiguous arrays, and calls dominate.
     """
     t = colour - patch
     t *= alpha

@@ -63,7 +63,7 @@ def render_nonface(seed: int, index: int, size: int = 96, config: ProceduralConf
     Pose, lighting, colour cast, clutter and degradations (blur, noise, JPEG, low resolution) are drawn as
     for a face sample of ``config`` (default ``ProceduralConfig(aligned=False)``, its ``image_size`` replaced
     by ``size``), so they cannot tell faces from non-faces. Partial faces use identities ``2⁴⁰ + index``,
-    disjoint from any dataset's. Cost: about one face render (≈2 ms of CPU at 128 px, measured).
+    disjoint from any dataset's. Cost: about one face render.
     """
     cfg = _nonface_args(seed, index, size, config)
     gen = _nonface_generator(cfg, int(seed))

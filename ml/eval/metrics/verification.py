@@ -61,7 +61,8 @@ def verification_accuracy(
     Source: InsightFace ``eval/verification.py`` ``calculate_roc`` / ``evaluate``.
 
     Args:
-        emb1, emb2: (N, D) embeddings of the two sides of N pairs.
+        emb1: (N, D) embeddings of the first side of N pairs.
+        emb2: (N, D) embeddings of the second side, row for row.
         issame: (N,) 1 / True where the pair shows one identity.
         n_folds: number of folds, 2 <= n_folds <= N.
 
@@ -160,7 +161,7 @@ def tar_at_far(
 
     allowed = {far: _allowed_false_accepts(far, n_imp) for far in fars}
     # sklearn's exact curve (``roc_curve``) gives the same TAR, at its last point with at most k false accepts, but
-    # sorts every score: 5.7 s for IJB-C's 15.6M pairs against 0.16 s for this partition of the impostors.
+    # sorts every score; partitioning only the impostors at the needed order statistics scales to IJB-C's 15.6M pairs.
     # ascending order: the (k+1)-th largest impostor sits at index n_imp - k - 1
     kth = sorted({n_imp - k - 1 for k in allowed.values() if k < n_imp})
     part = np.partition(impostor, kth) if kth else impostor

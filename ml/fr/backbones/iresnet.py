@@ -1,35 +1,18 @@
 """Improved ResNet (IResNet) face backbone, the insightface ``arcface_torch`` layout, with CAFace styles.
 
-Stem ``conv3x3(3→64) → BN → PReLU`` at full resolution, then four stages of ``IBasicBlock``
-(64, 128, 256, 512 channels), each starting with a stride-2 block, so a 112 px face ends as a 7×7
-map (each stage maps a side ``n`` to ``⌈n/2⌉``: 112 → 56 → 28 → 14 → 7; 64 → 4). The head is
-``BN2d → Dropout → flatten → Linear(512·h·w → embed_dim) → BN1d`` and returns an unnormalised embedding.
-
-``forward(x, return_styles=True)`` also returns the CAFace "style" of each image: the per-channel
-spatial mean and standard deviation of the outputs of the chosen stages (by default stage 2 with 128
-channels and stage 3 with 256), concatenated along channels into ``(B, 384, 2)``.
+Stem ``conv3x3(3→64) → BN → PReLU``, then four stages of ``IBasicBlock`` (64, 128, 256, 512 channels) each opening
+with stride 2 (112 px → 7×7), and the head ``BN2d → Dropout → flatten → Linear → BN1d`` (unnormalised embedding).
+``forward(x, return_styles=True)`` also returns the per-channel spatial mean and std of chosen stages' outputs
+(default stages 2 and 3: ``(B, 384, 2)``). An untrained full-width model is meaningful in train mode only: in eval
+mode its BatchNorms hold the initial statistics and the activations grow with depth.
 
 Differences from the reference (insightface ``recognition/arcface_torch/backbones/iresnet.py``):
 
-- The scale of the final ``features`` BatchNorm1d is a constant buffer of ones instead of a frozen
-  parameter (``requires_grad = False``): the state-dict key ``features.weight`` is unchanged, so
-  insightface checkpoints load with ``strict=True``, but no optimizer or ``requires_grad_(True)`` can
-  ever train it, and ``parameters()`` counts ``embed_dim`` fewer values than the reference.
-- ``img_size`` sets the size of the final map and so the ``fc`` input (the reference hard-codes 7×7);
-  ``width`` scales every stage's channels (1.0 gives the reference) for small models and tests.
-- ``Dropout`` is not in-place and runs before ``flatten`` (the same values: dropout is elementwise).
-- No ``fp16`` autocast flag, dilation, groups or ``zero_init_residual``; use the trainer's precision.
-- Styles are not in insightface. CAFace (``caface/nets/tface_model.py``) takes them from a TFace IR-101
-  (the same block, but the first block of stage 1 has a strided identity shortcut where insightface has
-  a 1×1 convolution, and the state-dict keys differ) and uses the unbiased standard deviation
-  (divisor ``H·W − 1``); here it is the population one (divisor ``H·W``). The reference's std is
-  larger by a factor ``√(HW/(HW−1))``: 1.0006 at 28×28 (stage 2), 1.0026 at 14×14 (stage 3).
-
-A freshly initialised full-width model is only meaningful in train mode: in eval mode its BatchNorms
-still hold the initial statistics (mean 0, var 1), so with the N(0, 0.1²) convolutions each block
-multiplies the activation scale by roughly 4 at 64 channels and 16 at 256; an untrained ``iresnet50``
-gives infinite styles and an untrained ``iresnet100`` NaN embeddings.
-Trained weights, or narrow test models (``width=0.125``), do not have this problem.
+- The final BatchNorm1d's scale is a constant buffer of ones, not a frozen parameter (same key: checkpoints load).
+- ``img_size`` sets the final map and the ``fc`` input (reference: 7×7); ``width`` scales every stage's channels.
+- Dropout is not in-place and runs before ``flatten``; no fp16 flag, dilation, groups or ``zero_init_residual``.
+- Styles are not in insightface; CAFace takes them from TFace's IR-101 (strided identity shortcut, other keys)
+  with the unbiased std, here the population std.
 """
 
 from __future__ import annotations

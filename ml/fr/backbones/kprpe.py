@@ -1,48 +1,19 @@
-"""ViT with KeyPoint Relative Position Embedding (KP-RPE, Kim et al., CVPR 2024).
+"""ViT with KeyPoint Relative Position Embedding (KP-RPE, Kim et al., CVPR 2024): a landmark-dependent attention bias::
 
-The plain face ViT of ``vit.py`` plus one learned bias on the attention logits of every layer that
-depends on where the 5 facial landmarks are::
+    logit[l, b, h, i, j] = q_i·k_j/√d + E[l, b, h, i, bucket(i, j)],   E = Linear(D) as (L, B, H, T, 49)
+    D_i = concat_j (p_i − k_j) ∈ R^10   (patch centre p_i, landmark k_j, both divided by the image side)
 
-    logit[l, b, h, i, j] = q_i·k_j/√d + E[l, b, h, i, bucket(i, j)]
-    E = Linear(D) viewed as (L, B, H, T, 49),  D_i = concat_j (p_i − k_j) ∈ R^10
-
-``p_i`` is the centre of patch ``i`` and ``k_j`` landmark ``j``, both in normalised image coordinates;
-``bucket(i, j)`` quantises the grid offset between tokens ``i`` and ``j`` with iRPE's "product"
-method (:func:`relative_position_buckets`). The Linear is zero-initialised, so a fresh model computes
-exactly what the plain ViT with the same weights computes.
-
-Conventions
------------
-- Keypoints enter :meth:`KPRPEViT.forward` as ``(B, 5, 2)`` *pixel* ``(x, y)`` in the input image, in
-  ArcFace order, with pixel centres at integer coordinates (as the manifests and the procedural
-  generator store them). They are normalised as ``k = pixel / img_size``.
-- Patch centres use the same frame: patch ``(r, c)`` covers pixels ``c·P … c·P + P − 1`` in x, so its
-  centre is ``p = ((c·P + (P − 1)/2) / S, (r·P + (P − 1)/2) / S)``. With patch 9 on 112 the 12×12 grid
-  covers only the first 108 px (the convolution never reads the last 4), and the last centre is at
-  pixel 103, i.e. 0.920, not 0.958 as an evenly spread grid would put it. ``p_i − k_j`` is therefore
-  the true pixel offset divided by ``S``.
-- Rounding in the bucket function is ``torch.round`` (half to even), as in iRPE's ``piecewise_index``.
-  On an integer grid with the default α, β, γ no tie ever occurs (the near branch sees integers, the
-  far branch irrational values), so half-to-even and half-away give the same buckets.
-- Linear output layout is layer-major, ``index = (l·H + h)·49 + bucket``, as in the reference.
+``bucket`` quantises the grid offset of tokens i, j with iRPE's "product" method (:func:`relative_position_buckets`).
+The Linear is zero-initialised, so a fresh model computes exactly what the plain ViT computes. Keypoints enter as
+``(B, 5, 2)`` pixel (x, y) in ArcFace order, pixel centres at integer coordinates.
 
 Differences from the reference (CVLface ``vit_kprpe``, ``rel_keypoint_splithead_unshared``):
 
-- Patch centres: the reference spreads them evenly over [0, 1] (``(c + 0.5)/grid``) whatever the
-  patch size; we place them where the patches really are (see above). For patch 8 on 112 both agree
-  up to the half-pixel of the integer-centre convention (0.0045).
-- The reference asserts ``mask_ratio == 0``; here token masking works: the bias rows and columns of
-  the kept tokens are gathered (from the table and the bucket index, so the full ``T×T`` bias is
-  never built for dropped tokens).
-- The bias is added to ``q·k/√d`` directly (METHODS.md); no context product with ``q``.
-- Missing or misshapen keypoints raise :class:`~ml.errors.DataError` instead of falling back.
-- Only the product method with one shared zero-initialised Linear for all layers and heads is
-  implemented (the paper's best setting); the other ``ctx_type`` ablations are not.
-- ``forward(x, keypoints, return_styles=True)`` also returns CAFace styles, computed as in ``vit.py``
-  (not in the reference).
-- Training may give the keypoint map its own learning rate (``fr.keypoint_lr_scale``, a multiple of ``fr.lr``;
-  1 by default, one rate for everything as in the reference): from zero init, a short CPU run at the backbone's
-  rate barely moves it, and the model stays a plain ViT plus a near-constant bias.
+- Patch centres sit where the patches are, ``(c·P + (P − 1)/2)/S``, not at ``(c + 0.5)/grid`` (differs at patch 9).
+- Token masking works (the bias is gathered to the kept tokens); the reference asserts ``mask_ratio == 0``.
+- The bias is added to ``q·k/√d`` (no context product); bad keypoints raise ``DataError``, with no fallback.
+- Only the product method with one shared Linear (the paper's best); ``return_styles`` gives CAFace styles.
+- ``fr.keypoint_lr_scale`` can give the keypoint map its own learning rate (default 1, as in the reference).
 """
 
 from __future__ import annotations

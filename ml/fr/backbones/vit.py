@@ -1,36 +1,19 @@
 """Plain Vision Transformer for face recognition, as used by insightface ``arcface_torch`` and LVFace.
 
-No CLS token: all ``grid²`` patch tokens (+ a learned position embedding) go through pre-LN blocks
-(ReLU6 MLP of ratio 4, qkv without bias), a final LayerNorm, and the head flattens every token:
-``Linear(T·dim → embed_dim, no bias) → BN → Linear(embed_dim → embed_dim, no bias) → BN``.
-During training a share ``mask_ratio`` of the tokens can be dropped at random before the blocks;
-their places are refilled with a learned mask token after the final norm, so the head always sees
-``T`` tokens.
-
-Styles for CAFace: ``forward(x, return_styles=True)`` also returns ``(B, dim·len(style_layers), 2)``,
-per channel the mean and population std over the tokens of the chosen blocks' outputs::
-
-    Γ_l[b, c] = (mean_t x_l[b, t, c], sqrt(mean_t (x_l[b, t, c] − mean_t x_l[b, ·, c])²))
-
-with ``x_l`` the residual stream after block ``l`` (1-based, before the final LayerNorm). The ``T`` tokens
-are the patch grid, so this is the spatial mean/std of a ``(dim, grid, grid)`` feature map, the analogue of
-the IResNet styles (stage 2 and 3 of 4, ``iresnet.channel_style``); the default taps, blocks ``depth//2``
-and ``3·depth//4``, sit at the same relative depths. While tokens are masked (training with
-``mask_ratio > 0``) the statistics cover the kept tokens only: the dropped ones are not in the residual
-stream (the mask token is put back after the final norm, so it never enters a style). In eval mode
-every token counts.
+No CLS token: the ``grid²`` patch tokens (+ a learned position embedding) pass pre-LN blocks (ReLU6 MLP of ratio 4,
+qkv without bias) and a final LayerNorm, and the head flattens every token: ``Linear(T·dim → embed_dim) → BN →
+Linear → BN`` (no biases). In training a share ``mask_ratio`` of tokens can be dropped before the blocks; a learned
+mask token refills them after the norm. ``forward(x, return_styles=True)`` also returns CAFace styles ``(B,
+dim·len(style_layers), 2)``: per channel, the mean and population std over the tokens of the residual stream after
+the chosen blocks (1-based; default ``depth//2`` and ``3·depth//4``, the IResNet taps' relative depths), over the
+kept tokens only while masking.
 
 Differences from the reference (insightface ``backbones/vit.py``):
 
-- ``mask_ratio`` defaults to 0 in the constructor and the named variants; insightface's ``vit_t``/
-  ``vit_s``/``vit_b``/``vit_l`` use 0.1 (pass ``mask_ratio=0.1`` to reproduce them).
-- ``forward`` takes an optional ``attn_bias`` (one tensor for all layers, or one per layer) that is
-  added to the attention logits; the reference has no such hook. With masking active the bias is
-  gathered to the kept tokens.
-- No gradient checkpointing and no mixed-precision context inside the attention (use the trainer's
-  ``precision`` instead).
-- ``style_layers`` / ``return_styles`` are not in insightface (see "Styles for CAFace" above). ``style_layers`` adds
-  no weights, so models saved before it existed load unchanged (they get the default taps).
+- ``mask_ratio`` defaults to 0; insightface's ``vit_t/s/b/l`` use 0.1 (pass it to reproduce them).
+- ``forward`` takes an optional ``attn_bias`` (one tensor, or one per layer) added to the attention logits and
+  gathered to the kept tokens under masking. No gradient checkpointing or internal autocast.
+- Styles are not in insightface; ``style_layers`` adds no weights, so older checkpoints load unchanged.
 """
 
 from __future__ import annotations

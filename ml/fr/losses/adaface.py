@@ -1,37 +1,18 @@
-"""AdaFace: quality-adaptive margin from the feature norm.
+"""AdaFace: a quality-adaptive margin from the feature norm [Kim, Jain, Liu, CVPR 2022].
 
-[Kim, Jain, Liu, "AdaFace: Quality Adaptive Margin for Face Recognition", CVPR 2022.]
-
-The feature norm ``‖z_i‖`` is used as an image-quality proxy. With ``n_i = clip(‖z_i‖, 0.001, 100)``
-(no gradient) and running batch statistics ``μ, σ`` of ``n``,
-
-    ĝ_i     = clip(h · (n_i − μ) / (σ + ε), −1, 1)
-    g_angle = −m · ĝ_i
-    g_add   =  m + m · ĝ_i
-    z_y     = s · (cos(clip(θ_y + g_angle, ε, π − ε)) − g_add)     for the target class y
-    z_j     = s · cos θ_j                                           for j ≠ y
-
-with ε = 10⁻³, and the loss is the cross-entropy of ``z``. ĝ = −1 (low norm, poor quality) gives ``cos(θ + m)``, ArcFace;
-ĝ = 0 gives ``cos θ − m``, CosFace; ĝ = +1 (high norm, good quality) gives ``cos(θ − m) − 2m``, whose
-gradient is largest for hard (large-θ) samples. Easy samples are emphasised for poor images and hard ones
-for good images.
-
-``μ, σ`` are exponential moving averages of the batch mean and (unbiased) standard deviation of ``n``,
-updated before the margins are computed: ``μ ← α·μ_batch + (1 − α)·μ`` (α = ``t_alpha``), the same for
-σ, starting at μ = 20, σ = 100.
+With ``n_i = clip(‖z_i‖, 0.001, 100)`` (no gradient) as the quality proxy and running statistics ``μ, σ`` of ``n``,
+``ĝ_i = clip(h·(n_i − μ)/(σ + ε), −1, 1)``, the target logit is ``z_y = s·(cos(clip(θ_y − m·ĝ_i, ε, π − ε)) − m −
+m·ĝ_i)`` and the others ``s·cos θ_j`` (ε = 10⁻³); the loss is the cross-entropy. ĝ = −1 (poor image) gives ArcFace,
+ĝ = 0 CosFace, ĝ = +1 (good image) ``cos(θ − m) − 2m``, which stresses hard samples. ``μ, σ`` are EMAs (α =
+``t_alpha``) of the batch mean and unbiased std of ``n``, updated before the margins, from μ = 20, σ = 100.
 
 Differences from the reference (``mk-minchul/AdaFace`` ``head.py``):
 
-- The class weights are ``(C, D)`` rows initialised N(0, 0.01²) like ``CombinedMarginLoss``; the
-  reference holds a ``(D, C)`` kernel with unit-renormalised uniform columns.
-- The reference takes normalised embeddings and their norms as two arguments; here the forward takes
-  the unnormalised embeddings and computes both.
-- The reference clips ``θ + m_arc`` for every class; only the target column has a non-zero angular
-  margin and all cosines are clamped to ``[−1 + ε, 1 − ε]`` first, so clipping the target alone is the
-  same computation.
-- The running statistics are updated only in training mode (the reference updates them on every
-  call), and σ is left unchanged for a batch of one sample, whose standard deviation is undefined
-  (the reference would store NaN). Under DDP each rank keeps its own statistics, as in the reference.
+- Class weights are ``(C, D)`` rows drawn N(0, 0.01²) like ``CombinedMarginLoss`` (reference: a ``(D, C)`` kernel
+  of unit-renormalised uniform columns); the forward takes unnormalised embeddings and computes their norms.
+- Only the target angle is clipped, after clamping every cosine to [−1 + ε, 1 − ε]: the same computation.
+- The statistics update in training mode only (reference: every call); σ stays for a one-sample batch (reference:
+  NaN). Under DDP each rank keeps its own statistics, as in the reference.
 """
 
 from __future__ import annotations

@@ -1,38 +1,19 @@
 """LVFace staged margin loss: a sampled margin softmax early, prototype-stabilised class centres later.
 
-[You, Sun, Guo, Feng, Ran, "LVFace: Large Vision Model for Face Recognition", ByteDance, 2025.]
+[You et al., "LVFace: Large Vision Model for Face Recognition", 2025], paper Eq. 17–19. Early stage (Eq. 18): the
+unified margin softmax ``s·(cos(m1θ_y + m2) − m3)`` over PartialFC's sampled classes. Stable stage (Eq. 19): all
+classes, no sampling, the target centre stabilised by the expectation of the class feature (EPL, VPL). Each class
+keeps a running prototype of its unit features, updated without gradient after each stable-stage step for the
+classes in the (global) batch, ``p_c ← m·p_c + (1 − m)·mean_{i: y_i = c} x̂_i`` (the first observation sets it),
+and the target logit uses ``w̃_c = normalise((1 − λ)·ŵ_c + λ·p_c)``; non-target logits keep ``w_j``.
+m = ``prototype_momentum``, λ = ``prototype_weight``.
 
-The paper's Eq. 17 switches between two losses over training:
+Differences from the reference (the paper; no code was released: switch epoch, sample rate, momentum are params):
 
-- Eq. 18, early stage: the unified margin ``−log e^{s(cos(m1θ_y+m2)−m3)} / (e^{s(cos(m1θ_y+m2)−m3)} +
-  Σ_{j∈S, j≠y} e^{s cos θ_j})`` where S is PartialFC's sampled class set (positives plus random
-  negatives): the class centres W are learnt freely while noisy negatives are dropped.
-- Eq. 19, stable stage: the same margin softmax over all classes (sampling disabled), with the target
-  centre stabilised by ``α(w, x)``, "the expectation of the class feature" (EPL, VPL).
-
-Here each class c keeps a running prototype of its unit features, updated after each stable-stage step
-without gradient and only for classes present in the (global) batch:
-
-    p_c ← m·p_c + (1 − m)·mean_{i: y_i = c} x_i / ‖x_i‖           (the first observation sets p_c)
-
-and the target logit of a sample of class c uses the mixed centre
-
-    w̃_c = normalise((1 − λ)·w_c/‖w_c‖ + λ·p_c)
-
-so ``cos θ_y = x̂·w̃_y``; non-target logits keep ``w_j``. m = ``prototype_momentum``, λ = ``prototype_weight``.
-The authors released no training code: switch epoch, sample rate and prototype momentum are parameters.
-
-Differences from the reference (the paper; no code was released):
-
-- Eq. 19 as printed multiplies s by ``‖α(w, x)‖_i``; it is read here as the EPL/VPL construction above,
-  where the class-feature expectation is mixed into the target centre. The mixing weight λ and the
-  first-observation initialisation of p_c are our choices (VPL mixes normalised weights and features the
-  same way; EPL's expectation is the EMA ``P ← α·P + (1 − α)·x`` of paper Eq. 16).
-- Classes not yet seen in the stable stage use ``w_c`` unchanged. Prototypes are updated after the
-  loss is computed, so a sample never pulls its own centre within the step.
-- With a ``PartialFC`` head the prototypes are sharded like the weights and updated from the gathered
-  global batch; with a ``CombinedMarginLoss`` head under DDP they are updated from the gathered batch
-  too, so all ranks keep the same prototypes.
+- Eq. 19's ``s·‖α(w, x)‖_i`` is read as the EPL/VPL mixing above; λ and the first-observation init are ours.
+- Unseen classes use ``w_c``; prototypes update after the loss, so a sample never pulls its own centre in-step.
+- Prototypes are sharded like a ``PartialFC`` head's weights and updated from the gathered global batch (with a
+  ``CombinedMarginLoss`` head under DDP too), so every rank keeps the same prototypes.
 """
 
 from __future__ import annotations

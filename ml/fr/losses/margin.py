@@ -1,32 +1,18 @@
-"""Additive/multiplicative angular margin softmax losses (SphereFace, ArcFace, CosFace, combined).
+"""Additive/multiplicative angular margin softmax (ArcFace, CosFace, combined) holding the class weights.
 
-With unit embedding ``x`` and unit class weights ``W_j`` (rows of the ``(C, D)`` matrix), ``cos θ_j = x·W_j``.
-The logits are
-
-    z_j = s · cos θ_j                             for every non-target class j ≠ y
-    z_y = s · (cos(m1·θ_y + m2) − m3)             for the target class y, when m1·θ_y + m2 ≤ π
-    z_y = s · (cos θ_y − m2·sin(m2) − m3)         otherwise (the "θ + m > π" fallback)
-
-and the loss is the cross-entropy of ``z`` with the labels. ArcFace = (m1, m2, m3) = (1, 0.5, 0)
-[Deng et al., "ArcFace: Additive Angular Margin Loss for Deep Face Recognition", CVPR 2019],
-CosFace = (1, 0, 0.4) [Wang et al., "CosFace: Large Margin Cosine Loss", CVPR 2018]; the unified
-form is the one LVFace (Eq. 17) and insightface's ``CombinedMarginLoss`` use.
-
-The fallback keeps the target logit decreasing in θ: ``cos(θ + m2)`` turns back up once θ + m2 > π,
-which would reward moving away from the class. As in insightface, the margin applies while
-``cos θ > cos(π − m2)`` and is otherwise replaced by ``cos θ − sin(π − m2)·m2`` (= ``cos θ − m2·sin m2``).
-This is not continuous: at θ = π − m2 the target drops from −1 to −cos m2 − m2·sin m2 (−1.117 for
-ArcFace's m2 = 0.5), a downward step, so monotonicity holds.
+With unit embedding ``x`` and unit class weights ``W_j`` (rows of ``(C, D)``), ``cos θ_j = x·W_j`` and the logits are
+``z_j = s·cos θ_j`` for j ≠ y, ``z_y = s·(cos(m1·θ_y + m2) − m3)`` while ``m1·θ_y + m2 ≤ π`` and otherwise
+``z_y = s·(cos θ_y − m2·sin m2 − m3)`` (insightface's fallback: the target logit keeps decreasing in θ, with a
+downward step at the switch); the loss is the cross-entropy of ``z``. ArcFace = (1, 0.5, 0) [Deng et al., CVPR
+2019], CosFace = (1, 0, 0.4) [Wang et al., CVPR 2018]; the unified form is LVFace's (Eq. 17) and insightface's.
 
 Differences from the reference (insightface ``arcface_torch/losses.py``):
 
-- insightface only accepts pure ArcFace (m1 = 1, m3 = 0) or pure CosFace (m3 > 0) and raises
-  otherwise; here every combination is computed from the formula above. For m1 ≠ 1 the switch is at
-  m1·θ + m2 = π with the same fallback.
-- The class-weight matrix is held here, not in a separate PartialFC module; there is no negative
-  class sampling and no inter-class filtering.
-- ArcFace's target logit is differentiated through ``cos θ·cos m2 − sin θ·sin m2`` (insightface's
-  current code); the older in-place ``arccos``/``cos`` variant under ``no_grad`` is not reproduced.
+- Every (m1, m2, m3) is computed from the formula (insightface raises unless pure ArcFace or pure CosFace); for
+  m1 ≠ 1 the switch is at m1·θ + m2 = π with the same fallback.
+- The class weights live here, not in a PartialFC module: no negative sampling, no inter-class filtering.
+- ArcFace's target is differentiated through ``cos θ·cos m2 − sin θ·sin m2`` (insightface's current code), not the
+  older in-place ``arccos``/``cos`` under ``no_grad``.
 """
 
 from __future__ import annotations

@@ -1,39 +1,19 @@
-"""PartialFC: class-sharded margin softmax with negative class sampling and a distributed softmax.
+"""PartialFC [An et al., CVPR 2022]: class-sharded margin softmax with negative class sampling and a distributed softmax.
 
-[An et al., "Killing Two Birds with One Stone: Efficient and Robust Training of Face Recognition CNNs
-by Partial FC", CVPR 2022.]
-
-With W ranks the C class weights are split contiguously: rank r owns classes
-``[⌊r·C/W⌋, ⌊(r+1)·C/W⌋)`` (shard sizes differ by at most one). Each training step:
-
-1. every rank's unit embeddings and labels are all-gathered into the global batch (N, D). The gather is
-   differentiable: its backward sums each row's gradient over the ranks and returns to every rank the
-   gradient of its own rows.
-2. The shard keeps every class of its own that is a label in the global batch (its P positives) plus
-   uniformly random other classes, ``K = min(C_r, max(P, round(rate·C_r), 1))`` classes in all (all C_r
-   when ``sample_rate = 1`` or in eval mode).
-3. The logits of the kept classes are the unified margin logits of ``CombinedMarginLoss``:
-   ``s·(cos(m1·θ_y + m2) − m3)`` for the target, ``s·cos θ_j`` otherwise (LVFace Eq. 18).
-4. The softmax cross-entropy runs across shards without gathering the (N, C) logits:
-   ``z̄_i = all_reduce_MAX(max_j z_ij)``, ``S_i = all_reduce_SUM(Σ_j exp(z_ij − z̄_i))``, ``z_iy`` comes from
-   the rank owning ``y_i`` (an all_reduce_SUM of zeros elsewhere) and
-   ``L = (1/N)·Σ_i (log S_i + z̄_i − z_iy)``. The gradient ``∂L/∂z_ij = (p_ij − [j = y_i]) / N`` is exact
-   on every shard.
-
-Without an initialised process group the same code runs with world size 1 and no collectives. The
-class weights are local to each rank: keep this module out of ``DistributedDataParallel``.
+Rank r of W owns classes ``[⌊r·C/W⌋, ⌊(r+1)·C/W⌋)``. Each step (1) all-gathers unit embeddings and labels into the
+global batch (N, D), differentiably (each rank gets back the rank-summed gradient of its rows); (2) keeps per shard
+its classes labelled in the batch (P) plus random others, ``K = min(C_r, max(P, round(rate·C_r), 1))`` (all of them
+in eval mode or at rate 1); (3) takes ``CombinedMarginLoss``'s logits (LVFace Eq. 18); (4) runs the cross-entropy
+across shards without gathering (N, C): ``L = mean_i(log S_i + z̄_i − z_iy)``, ``z̄_i = all_reduce_MAX(max_j z_ij)``,
+``S_i = all_reduce_SUM(Σ_j exp(z_ij − z̄_i))``, with an exact gradient. Without a process group it runs at world
+size 1. The weights are rank-local: keep this module out of ``DistributedDataParallel``.
 
 Differences from the reference (insightface ``arcface_torch/partial_fc_v2.py``):
 
-- Gradients are exact. The reference's all-gather multiplies each rank's embedding gradient by W so that
-  DDP's averaging of the backbone gradients yields the global-mean gradient; here that factor is opt-in
-  (``ddp_backbone=True``). Without it a DDP-wrapped backbone receives 1/W of the global-mean gradient.
-- Negatives are drawn with a CPU ``torch.Generator`` seeded from (``seed``, rank, step), so runs are
-  reproducible; the reference draws from the global RNG on the device. The sample size is at least one.
-- Ranks may hold batches of different sizes (the gather pads); the reference needs equal batches.
-- Sampling happens only in training mode; the reference samples whenever ``sample_rate < 1``.
-- Any (m1, m2, m3) margin is accepted through ``CombinedMarginLoss``'s margin function; the reference
-  takes a separate margin module restricted to ArcFace or CosFace.
+- Exact gradients; the reference's ×W embedding-gradient factor for DDP's averaging is opt-in (``ddp_backbone``).
+- Negatives come from a CPU generator seeded by (seed, rank, step), reproducibly; at least one class is kept.
+- Ranks may hold unequal batches (padded gather); sampling happens only in training mode.
+- Any (m1, m2, m3) margin is accepted, not only ArcFace or CosFace.
 """
 
 from __future__ import annotations

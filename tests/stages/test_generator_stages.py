@@ -1,0 +1,119 @@
+"""The UIFace stages' own logic: params checks, the synthetic–real gap, per-identity consistency, the synthetic gate,
+and the mixed training source (the stages themselves run end to end in tests/stages/test_pipeline.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from ml.config import from_mapping
+from ml.errors import ConfigError, DataError
+from tasks.common import Paths
+from tasks.evaluate import synthetic_gap
+from tasks.synthesize import SynthesizeConfig, per_identity_consistency
+from tasks.pipeline import PipelineConfig
+from tasks.train_fr import source_datasets, training_rows
+from tasks.train_generator import GeneratorStageConfig, resize_faces
+
+
+def test_pipeline_sources_must_name_known_sources_with_their_dataset():
+    cfg = from_mapping(PipelineConfig, {"fr_sources": {"real": "data/prepared/train", "mixed": "data/synthetic"}},
+                       "pipeline")
+    assert set(cfg.fr_sources) == {"real", "mixed"}
+    with pytest.raises(ConfigError, match=r"pipeline.fr_sources.fake: unknown training source"):
+        PipelineConfig(fr_sources={"real": "data/prepared/train", "fake": "data/x"})
+    with pytest.raises(ConfigError, match=r"pipeline.fr_sources.synthetic = 'data/prepared/train': must be 'data/synthetic'"):
+        PipelineConfig(fr_sources={"real": "data/prepared/train", "synthetic": "data/prepared/train"})
+    with pytest.raises(ConfigError, match="must keep `real`"):
+        PipelineConfig(fr_sources={"synthetic": "data/synthetic"})
+
+
+@pytest.mark.parametrize("mapping, match", [
+    ({"identities": 0}, "synthesize.identities"),
+    ({"images_per_identity": 1}, "images_per_identity must be ≥ 2"),
+    ({"identities": 10, "candidates": 5}, "at least one candidate per identity"),
+    ({"max_cosine": 1.5}, "synthesize.max_cosine"),
+    ({"sampler": {"mode": "fancy"}}, "sampler.mode"),
+])
+def test_synthesize_config_errors_name_the_key(mapping, match):
+    with pytest.raises(ConfigError, match=match):
+        from_mapping(SynthesizeConfig, mapping, "synthesize")
+
+
+def test_generator_stage_config_errors():
+    with pytest.raises(ConfigError, match="autoencoder_kind"):
+        GeneratorStageConfig(autoencoder_kind="gan")
+    with pytest.raises(ConfigError, match="max_images"):
+        GeneratorStageConfig(max_images=-1)
+    # a UNet that cannot take the latents of the autoencoder the stage would train: refused before it trains
+    with pytest.raises(ConfigError, match=r"in_channels = 3 .* 4-channel latents"):
+        from_mapping(GeneratorStageConfig, {"space": "latent", "train": {"model": {"in_channels": 3}}}, "generator")
+
+
+def test_synthetic_gap_is_real_minus_synthetic_over_synthetic():
+    metrics = {"real/verification/procedural/accuracy": 0.9, "synthetic/verification/procedural/accuracy": 0.6,
+               "mixed/verification/procedural/accuracy": 0.9, "real/verification/other/accuracy": 0.8}
+    gap = synthetic_gap(metrics)
+    assert gap == pytest.approx({"gap/synthetic/procedural": 0.5, "gap/mixed/procedural": 0.0})
+
+
+def test_per_identity_consistency_is_the_mean_pairwise_cosine():
+    a = np.array([[1.0, 0.0], [0.0, 1.0], [np.sqrt(0.5), np.sqrt(0.5)]])  # cosines 0, √½, √½
+    b = np.array([[1.0, 0.0], [1.0, 0.0]])
+    out = per_identity_consistency(np.concatenate([a, b]), np.array([0, 0, 0, 1, 1]))
+    assert out[0] == pytest.approx(2 * np.sqrt(0.5) / 3) and out[1] == pytest.approx(1.0)
+
+
+def test_resize_faces_keeps_a_constant_image_and_shape():
+    faces = np.full((3, 64, 64, 3), 77, np.uint8)
+    small = resize_faces(faces, 32)
+    assert small.shape == (3, 32, 32, 3) and (small == 77).all()
+    assert resize_faces(faces, 64) is faces
+
+
+def _dataset(root, name: str, identities: list[str], source: str, size: int = 8):
+    from ml.data.dataset import DatasetWriter
+
+    rng = np.random.default_rng(len(name))
+    with DatasetWriter(root / name, name=name, source=source, aligned=True) as w:
+        for identity in identities:
+            for _ in range(2):
+                w.add(rng.integers(0, 255, (size, size, 3), dtype=np.uint8), identity=identity)
+    return root / name
+
+
+def test_mixed_source_offsets_synthetic_labels_after_real_ones(tmp_path):
+    paths = Paths(tmp_path)
+    _dataset(paths.prepared, "train", ["a", "b", "c"], "procedural")
+    _dataset(paths.root / "data", "synthetic", ["syn_0", "syn_1"], "synthetic")
+    parts, digest, kind = training_rows(paths, "mixed")
+    labels = np.concatenate([rows["label"].to_numpy() for _, rows in parts])
+    assert [d.name for d, _ in parts] == ["train", "synthetic"]
+    assert sorted(set(labels)) == [0, 1, 2, 3, 4] and kind == "procedural+synthetic" and len(digest) == 64
+    _, real_digest, _ = training_rows(paths, "real")
+    assert real_digest != digest
+
+
+def test_synthetic_source_without_data_names_the_stage_to_run(tmp_path):
+    paths = Paths(tmp_path)
+    _dataset(paths.prepared, "train", ["a"], "procedural")
+    with pytest.raises(DataError, match=r"run `dvc repro synthesize`"):
+        source_datasets(paths, "synthetic")
+
+
+def test_synthetic_gate_rejects_an_inconsistent_identity_and_names_its_rows(tmp_path):
+    from ml.data.dataset import read_manifest
+    from tasks.prepare import DataConfig
+    from tasks.validate import ValidateConfig, validate_manifests
+
+    d = _dataset(tmp_path, "synthetic", ["syn_0", "syn_1"], "synthetic", size=32)
+    manifest = read_manifest(d / "manifest.parquet")
+    manifest["identity_consistency"] = manifest["label"].map({0: 0.8, 1: 0.1}).astype(float)
+    manifest["min_identity_consistency"] = 0.3
+    data = DataConfig(image_size=32)
+    with pytest.raises(DataError, match=r"identity_consistency.*row 2 \(images/syn_1/0.png\)"):
+        validate_manifests({"synthetic": ("synthetic", manifest)}, data, ValidateConfig(), tmp_path / "reports")
+    manifest["min_identity_consistency"] = 0.05
+    results = validate_manifests({"synthetic": ("synthetic", manifest)}, data, ValidateConfig(), tmp_path / "ok")
+    assert results["synthetic"]["success"]

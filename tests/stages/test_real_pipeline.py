@@ -1,0 +1,132 @@
+"""The whole pipeline on the user's real faces: `faceops run --preset smoke --set data.ingest_recordio=<rec>` trains
+every face-training stage on the real training identities and scores the held-out ones; user `.bin` files are
+scored too."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ml.data.dataset import read_manifest
+from ml.errors import DataError
+from tasks.common import Paths
+
+from tests.conftest import copy_project
+
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="module")
+def real_rec(tmp_path_factory) -> Path:
+    from tests.conftest import GLINT24
+
+    if not GLINT24.is_dir():
+        pytest.skip(f"real faces not available at {GLINT24} (shared/data/glint24 is not shipped with the product)")
+    from ml.data.formats import ingest_image_folder, write_recordio
+
+    items = ingest_image_folder(GLINT24)
+    names = sorted({identity for _, identity in items})
+    rec = tmp_path_factory.mktemp("casia") / "train.rec"
+    write_recordio(rec, [path.read_bytes() for path, _ in items], [names.index(i) for _, i in items])
+    return rec
+
+
+@pytest.mark.slow
+def test_smoke_run_trains_on_real_faces_and_scores_heldout_identities(real_rec, tmp_path):
+    root = copy_project(tmp_path / "ws")
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    out = subprocess.run([str(BIN / "faceops"), "run", "--preset", "smoke", "--set",
+                          f"data.ingest_recordio={real_rec}"], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    paths = Paths(root)
+    train, heldout, discovery = (read_manifest(d / "manifest.parquet")
+                                 for d in (paths.train_set, paths.heldout_set, paths.discovery_set))
+    assert set(train["source"]) == set(heldout["source"]) == set(discovery["source"]) == {"real"}
+    assert set(train["identity"]).isdisjoint(heldout["identity"])
+    assert set(train["identity"]).isdisjoint(discovery["identity"])
+    # the FR model records real training data, and saw only the training identities' training split
+    config = json.loads((root / "models/fr/real/config.json").read_text())["extra"]
+    assert config["training_data_source"] == "real" and config["training_data_path"] == str(real_rec)
+    assert config["training_identities"] == train["identity"].nunique()
+    assert config["training_images"] == int((train["split"] == "train").sum())
+    # the generator and CAFace trained on the real training set, FaceGCD on the real discovery identities
+    digest = {d: json.loads((d / "dataset.json").read_text())["digest"] for d in (paths.train_set, paths.discovery_set)}
+    for model, dataset in (("generator", paths.train_set), ("fusion", paths.train_set),
+                           ("discovery", paths.discovery_set)):
+        config = json.loads((root / "models" / model / "config.json").read_text())
+        assert config["extra"]["training_data_digest"] == digest[dataset], model
+    gfd = json.loads((paths.gfd_split.parent / "split.json").read_text())
+    assert gfd["source"] == "real" and gfd["identities"] == discovery["identity"].nunique()
+    metrics = json.loads((root / "metrics/evaluate.json").read_text())
+    for key in ("real/verification/real/accuracy", "real/verification/real/tar@far=1e-1",
+                "real/identification/rank1", "real/identification/rank5", "synthetic/verification/real/accuracy",
+                "real/verification/procedural/accuracy"):
+        assert 0.0 <= metrics[key] <= 1.0, key
+    report = (root / "reports/benchmark.md").read_text()
+    assert "## Real faces: held-out identities (never trained on)" in report
+    assert f"real from `{real_rec}`" in report and "procedural: long mixed-quality sequences" in report
+
+
+def test_bin_dir_adds_the_users_verification_sets(tmp_path):
+    from ml.data.formats import write_verification_bin
+    from tasks.evaluate import verification_bins
+
+    paths = Paths(tmp_path / "ws")
+    paths.verification_dir.mkdir(parents=True)
+    images = np.zeros((4, 64, 64, 3), dtype=np.uint8)
+    write_verification_bin(paths.verification_dir / "procedural.bin", images, np.array([True, False]))
+    user = tmp_path / "benchmarks"
+    user.mkdir()
+    for name in ("lfw", "cfp_fp"):
+        write_verification_bin(user / f"{name}.bin", images, np.array([True, False]))
+    assert [b.stem for b in verification_bins(paths, str(user))] == ["procedural", "cfp_fp", "lfw"]
+    with pytest.raises(DataError, match="evaluate.bin_dir: .*not a directory"):
+        verification_bins(paths, str(tmp_path / "missing"))
+    write_verification_bin(user / "procedural.bin", images, np.array([True, False]))
+    with pytest.raises(DataError, match="procedural.bin: its name 'procedural' is also"):
+        verification_bins(paths, str(user))
+
+
+def test_a_bin_without_landmarks_takes_the_align_stages_predictions(tmp_path):
+    """Real faces carry no landmarks: a KP-RPE model is scored on ``real.bin`` with the landmarks the align stage
+    predicted for it (``data/aligned/verification/real.landmarks.npy``); a sidecar beside the bin comes first."""
+    from ml.data.formats import write_verification_bin
+    from tasks.evaluate import _verification_sets
+
+    paths = Paths(tmp_path / "ws")
+    paths.verification_dir.mkdir(parents=True)
+    (paths.aligned_set / "verification").mkdir(parents=True)
+    images = np.zeros((4, 64, 64, 3), dtype=np.uint8)
+    for name in ("real", "procedural"):
+        write_verification_bin(paths.verification_dir / f"{name}.bin", images, np.array([True, False]))
+    predicted = np.full((4, 5, 2), 30.0, np.float32)
+    np.save(paths.aligned_set / "verification" / "real.landmarks.npy", predicted)
+    beside = np.full((4, 5, 2), 20.0, np.float32)
+    np.save(paths.verification_dir / "procedural.landmarks.npy", beside)
+    bins = [paths.verification_dir / "real.bin", paths.verification_dir / "procedural.bin"]
+    sets = {name: landmarks for name, _, _, landmarks in _verification_sets(bins, paths.aligned_set)}
+    np.testing.assert_array_equal(sets["real"], predicted)
+    np.testing.assert_array_equal(sets["procedural"], beside)
+    assert {name: lm for name, _, _, lm in _verification_sets(bins)}["real"] is None
+
+
+def test_unique_rows_embeds_each_repeated_face_once():
+    """A .bin stores each face once per pair: evaluate embeds the distinct (face, landmarks) rows and maps back."""
+    from tasks.evaluate import unique_rows
+
+    rng = np.random.default_rng(0)
+    faces = rng.integers(0, 256, (4, 8, 8, 3), dtype=np.uint8)
+    images = faces[[0, 1, 0, 2, 1, 0, 3, 3]]
+    first, inverse = unique_rows(images)
+    assert first.tolist() == [0, 1, 3, 6] and np.array_equal(images[first][inverse], images)
+    landmarks = np.zeros((8, 5, 2), np.float32)
+    landmarks[7] += 1.0  # the same face with other landmarks is another row for a KP-RPE model
+    first, inverse = unique_rows(images, landmarks)
+    assert first.tolist() == [0, 1, 3, 6, 7] and np.array_equal(landmarks[first][inverse], landmarks)

@@ -1,0 +1,243 @@
+"""FR training options: AdaFace, PartialFC, LVFace, step schedule, clipping, precision checks, checkpoints with
+exact resume, mismatch and NaN errors. Tiny ViTs (one block, 32 px) on a separable toy problem."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import lightning
+import numpy as np
+import pytest
+import torch
+
+from ml.errors import ConfigError, DataError, TrainingError
+from ml.fr.losses import AdaFaceLoss, LVFaceSchedule, PartialFC
+from ml.fr.backbones import build_backbone
+from ml.fr.train import EpochSampler, FRConfig, FRModule, build_head, train_fr, warmup_step_decay
+
+from tests.conftest import separable, stop_after
+
+TINY = {"depth": 1}
+
+
+
+
+class Probe(lightning.Callback):
+    """Records the LR before every step and keeps the module's head and the trainer's clip value."""
+
+    def __init__(self) -> None:
+        self.lrs: list[float] = []
+        self.head = None
+        self.clip = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.head, self.clip = pl_module.head, trainer.gradient_clip_val
+
+
+class Poison(lightning.Callback):
+    """Makes the embeddings NaN from global step ``step`` on."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            with torch.no_grad():
+                pl_module.backbone.feature[0].weight.fill_(float("nan"))
+
+
+# 16 classes × 4 images, batches of 8 (8 steps/epoch): PartialFC at 0.5 keeps 8 of 16 classes, so it samples.
+RESUME_CFG = FRConfig(
+    epochs=4, batch_size=8, lr=2e-3, embedding_dim=32, accelerator="cpu", warmup_epochs=1.0,
+    augment_recipe="kprpe", sample_rate=0.5, lvface=True, schedule="step", lr_steps=(0.5, 0.8), grad_clip=5.0,
+)
+RESUME_OVERRIDES = {"depth": 1, "mask_ratio": 0.25}  # token masking: the model's own randomness must resume too
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    images, labels = separable(16, 4)
+    val = (images[::4], labels[::4])  # measured after every epoch: must not change what training does
+    probe = Probe()
+    full = train_fr(RESUME_CFG, images, labels, progress=False, backbone_overrides=RESUME_OVERRIDES, callbacks=[probe],
+                 val=val)
+    ckpt_dir = tmp_path_factory.mktemp("ckpt")
+    first = train_fr(RESUME_CFG, images, labels, progress=False, backbone_overrides=RESUME_OVERRIDES,
+                  checkpoint_dir=ckpt_dir, callbacks=[stop_after(2)], val=val)
+    second = train_fr(RESUME_CFG, images, labels, progress=False, backbone_overrides=RESUME_OVERRIDES,
+                   checkpoint_dir=ckpt_dir, resume=True, val=val)
+    return images, labels, full, first, second, ckpt_dir, probe
+
+
+def test_resume_gives_the_weights_of_an_uninterrupted_run(resumed):
+    *_, full, first, second, ckpt_dir, _ = resumed
+    assert [r["epoch"] for r in first.history] == [0, 1]
+    assert [r["epoch"] for r in second.history] == [0, 1, 2, 3]  # history travels in the checkpoint
+    assert second.checkpoint == ckpt_dir / "last.ckpt"
+    a, b = full.model.state_dict(), second.model.state_dict()
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], atol=1e-6, rtol=0, msg=key)
+    for x, y in zip(full.history, second.history):
+        assert x["train/loss"] == pytest.approx(y["train/loss"], abs=1e-6)
+        assert x["val/accuracy"] == y["val/accuracy"]
+
+
+def test_partial_fc_lvface_step_schedule_and_clipping(resumed):
+    *_, full, _, _, _, probe = resumed
+    head = probe.head
+    assert isinstance(head, LVFaceSchedule) and isinstance(head.head, PartialFC)
+    assert head.stable and head.head.sample_rate == 1.0  # switched at epoch 4 // 2
+    assert bool(head.prototype_seen.all())
+    assert probe.clip == 5.0
+    steps = 4 * 8
+    expected = [2e-3 * warmup_step_decay(s, 8, [16, round(0.8 * steps)]) for s in range(steps)]
+    assert probe.lrs == pytest.approx(expected)
+    assert all(math.isfinite(r["train/loss"]) for r in full.history)
+
+
+def test_resume_refuses_other_architecture_classes_or_head(resumed):
+    images, labels, *_, ckpt_dir, _ = resumed
+    last = str(ckpt_dir / "last.ckpt")
+    with pytest.raises(ConfigError, match="backbone") as err:
+        train_fr(RESUME_CFG, images, labels, progress=False, backbone_overrides={"depth": 2, "mask_ratio": 0.25},
+              checkpoint_dir=ckpt_dir, resume=True)
+    assert last in str(err.value) and "fr.backbone_kwargs.depth: 1 → 2" in str(err.value)
+    keep = labels < 15
+    with pytest.raises(DataError, match="num_classes 16, these are 15") as err:
+        train_fr(RESUME_CFG, images[keep], labels[keep], progress=False, backbone_overrides=RESUME_OVERRIDES,
+              checkpoint_dir=ckpt_dir, resume=True)
+    assert last in str(err.value)
+    other_head = dataclasses.replace(RESUME_CFG, sample_rate=1.0)
+    with pytest.raises(ConfigError, match="head"):
+        train_fr(other_head, images, labels, progress=False, backbone_overrides=RESUME_OVERRIDES,
+              checkpoint_dir=ckpt_dir, resume=True)
+    with pytest.raises(ConfigError, match="resume=True"):  # an existing last.ckpt is not silently overwritten
+        train_fr(RESUME_CFG, images, labels, progress=False, backbone_overrides=RESUME_OVERRIDES, checkpoint_dir=ckpt_dir)
+
+
+def test_nan_loss_stops_naming_step_and_last_checkpoint(tmp_path):
+    images, labels = separable(4, 16)
+    cfg = FRConfig(epochs=3, batch_size=16, embedding_dim=32, accelerator="cpu")  # 4 steps per epoch
+    with pytest.raises(TrainingError, match="global step 6") as err:
+        train_fr(cfg, images, labels, progress=False, backbone_overrides=TINY, checkpoint_dir=tmp_path,
+              callbacks=[Poison(6)])
+    assert str(tmp_path / "last.ckpt") in str(err.value)
+    with pytest.raises(TrainingError, match="global step 1.*no checkpoint was saved"):
+        train_fr(cfg, images, labels, progress=False, backbone_overrides=TINY, callbacks=[Poison(1)])
+
+
+def test_adaface_head_trains_on_unnormalised_embeddings():
+    images, labels = separable(4, 16)
+    probe = Probe()
+    cfg = FRConfig(epochs=2, batch_size=16, embedding_dim=32, accelerator="cpu", margin="adaface")
+    result = train_fr(cfg, images, labels, progress=False, backbone_overrides=TINY, callbacks=[probe])
+    assert isinstance(probe.head, AdaFaceLoss)
+    assert float(probe.head.batch_mean) != 20.0  # the norm EMA saw the raw feature norms
+    assert all(math.isfinite(r["train/loss"]) for r in result.history)
+
+
+def test_precision_needs_a_gpu_for_fp16_but_bf16_runs_on_cpu():
+    images, labels = separable(4, 8)
+    with pytest.raises(ConfigError, match="needs a GPU"):
+        train_fr(FRConfig(precision="16-mixed", accelerator="cpu"), images, labels, progress=False)
+    cfg = FRConfig(epochs=1, batch_size=16, embedding_dim=32, accelerator="cpu", precision="bf16-mixed", max_steps=2)
+    result = train_fr(cfg, images, labels, progress=False, backbone_overrides=TINY)
+    assert math.isfinite(result.history[-1]["train/loss"])
+
+
+@pytest.mark.parametrize("margin", ["arcface", "adaface"])
+def test_bf16_mixed_trains_the_kprpe_recipe_with_every_op_drawn(margin):
+    """Under autocast the blur's and the resample's outputs and the head's cos θ came out in bfloat16 and could not be
+    written into the float32 batch / cosine matrix (the real-112 preset failed at its first step on a GPU). Every
+    photometric op on, so the failure cannot hide behind a draw; and the head's cosines stay float32."""
+    from ml.train.augment import AugmentConfig
+
+    images, labels = separable(4, 8)
+    every = AugmentConfig(blur_prob=1.0, cutout_prob=1.0, brightness_prob=1.0, contrast_prob=1.0,
+                          saturation_prob=1.0, randaug_prob=1.0)
+    cfg = FRConfig(epochs=1, batch_size=16, embedding_dim=32, accelerator="cpu", precision="bf16-mixed", max_steps=2,
+                   augment_recipe="kprpe", augmentation=every, margin=margin)
+    seen = []
+
+    class HeadDtype(lightning.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            x = torch.randn(4, 32)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                seen.append(module._loss(x, torch.arange(4) % 4)[0].dtype)
+
+    result = train_fr(cfg, images, labels, progress=False, backbone_overrides=TINY, callbacks=[HeadDtype()])
+    assert math.isfinite(result.history[-1]["train/loss"])
+    assert seen and all(d == torch.float32 for d in seen)
+
+
+def test_config_rejects_inconsistent_options():
+    for bad, match in [
+        (dict(sample_rate=0.0), "sample_rate"),
+        (dict(margin="adaface", sample_rate=0.5), "adaface"),
+        (dict(margin="adaface", lvface=True), "adaface"),
+        (dict(lvface=True, epochs=4, lvface_switch_epoch=4), "lvface_switch_epoch"),
+        (dict(schedule="poly"), "schedule"),
+        (dict(lr_steps=(0.9, 0.6)), "lr_steps"),
+        (dict(strategy="fsdp"), "strategy"),
+        (dict(precision="16"), "precision"),
+        (dict(grad_clip=-1.0), "grad_clip"),
+        (dict(augment_recipe="randaug"), "augment_recipe"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            FRConfig(**bad)
+    assert FRConfig(lvface=True, epochs=6).switch_epoch == 3
+    with pytest.raises(ConfigError, match="checkpoint_dir"):
+        train_fr(FRConfig(), *separable(2, 4), resume=True)
+
+
+def test_warmup_step_decay():
+    assert warmup_step_decay(0, 4, [10, 15]) == pytest.approx(0.25)
+    assert warmup_step_decay(9, 4, [10, 15]) == 1.0
+    assert warmup_step_decay(10, 4, [10, 15]) == pytest.approx(0.1)
+    assert warmup_step_decay(15, 4, [10, 15]) == pytest.approx(0.01)
+
+
+def test_epoch_sampler_depends_on_seed_and_epoch_only():
+    s = EpochSampler(20, seed=3)
+    first = list(s)
+    assert sorted(first) == list(range(20)) and list(s) == first
+    s.set_epoch(1)
+    assert list(s) != first
+    s.set_epoch(0)
+    assert list(s) == first and list(EpochSampler(20, seed=3)) == first
+
+
+def test_module_builds_a_sharded_head_in_configure_model():
+    cfg = FRConfig(embedding_dim=32, sample_rate=0.5)
+    module = FRModule(build_backbone("vit_tiny", depth=1, embed_dim=32), lambda: build_head(cfg, 10), cfg, 1)
+    assert "head" not in module._modules
+    module.configure_model()
+    assert isinstance(module.head, PartialFC) and module.head.num_local == 10
+    assert module._ddp_params_and_buffers_to_ignore == ["head.weight", "head.step"]
+
+
+@pytest.mark.slow
+def test_ddp_checkpoint_holds_every_class_and_resumes_in_one_process(tmp_path):
+    """Two CPU ranks (gloo): PartialFC shards of 8 classes are gathered into a 16-class checkpoint, AdamW
+    moments included, and a single process resumes from it."""
+    images, labels = separable(16, 4)
+    cfg = FRConfig(epochs=1, batch_size=8, embedding_dim=32, accelerator="cpu", devices=2, strategy="ddp_spawn",
+                   sample_rate=0.5, lvface=True, lvface_switch_epoch=0)
+    # val/accuracy of the sharded head: each rank gathers all 16 class centres
+    train_fr(cfg, images, labels, progress=False, backbone_overrides=TINY, checkpoint_dir=tmp_path,
+          val=(images[::4], labels[::4]))
+    ckpt = torch.load(tmp_path / "last.ckpt", map_location="cpu", weights_only=True)
+    state = ckpt["state_dict"]
+    assert state["head.head.weight"].shape == (16, 32) and state["head.prototypes"].shape == (16, 32)
+    assert {tuple(s["exp_avg"].shape) for s in ckpt["optimizer_states"][0]["state"].values()} >= {(16, 32)}
+    single = dataclasses.replace(cfg, devices=1, strategy="auto", epochs=2)
+    result = train_fr(single, images, labels, progress=False, backbone_overrides=TINY, checkpoint_dir=tmp_path,
+                   resume=True)
+    assert [r["epoch"] for r in result.history] == [0, 1]
+    assert math.isfinite(result.history[-1]["train/loss"])
+    assert 0.0 <= result.history[0]["val/accuracy"] <= 1.0 and "val/accuracy" not in result.history[1]
