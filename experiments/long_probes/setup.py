@@ -17,7 +17,7 @@ import numpy as np
 
 from ml.errors import ConfigError, DataError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 METHODS = ("average", "norm_weighted", "landmark_score", "caface", "quality_oracle")  # ml.fusion.sets.STREAM_METHODS
 LABELS = {"average": "average", "norm_weighted": "norm-weighted average",
           "landmark_score": "KP-RPE landmark × face score", "caface": "CAFace",
