@@ -78,15 +78,11 @@ def _hog(seconds: float) -> None:
         x = (x * 31 + 7) % 1_000_003
 
 
-def _untimed(tree: dict, prefix: str = "") -> dict:
-    flat: dict = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            flat.update(_untimed(value, f"{name}/"))
-        elif not any(t in name for t in TIME_KEYS):
-            flat[name] = value
-    return flat
+def _untimed(tree: dict) -> dict:
+    """Every metric of a nested ``metrics/*.json`` (keys joined with ``/``) but the wall-clock ones."""
+    from flows.stages import flat_items
+
+    return {k: v for k, v in flat_items(tree, "/").items() if not any(t in k for t in TIME_KEYS)}
 
 
 def compare_runs(a: Path, b: Path) -> dict:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from flows.stages import flat_items
 from tests.conftest import copy_project
 from tests.servers import prefect_server
 
@@ -62,15 +63,8 @@ def _outs(root: Path) -> dict[str, str]:
     return {o["path"]: o["md5"] for entry in lock.values() for o in entry.get("outs", [])}
 
 
-def _untimed(metrics: dict, prefix: str = "") -> dict:
-    flat: dict = {}
-    for key, value in metrics.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            flat.update(_untimed(value, f"{name}/"))
-        elif not any(t in name for t in TIME_KEYS):
-            flat[name] = value
-    return flat
+def _untimed(metrics: dict) -> dict:
+    return {k: v for k, v in flat_items(metrics, "/").items() if not any(t in k for t in TIME_KEYS)}
 
 
 def test_every_dataset_and_model_is_bit_identical(two_runs):
