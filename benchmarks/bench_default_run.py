@@ -3,9 +3,10 @@ second fresh-clone run made while other work loads every core.
 
 - ``make_run``: wall time (installing included), CPU time of everything it started, each stage's seconds as the
   command's summary prints them, and the machine facts that decide the run's numerics (cores, AMX).
-- ``reproducibility``: a second fresh clone runs ``make run`` beside a busy process per core; its
-  ``metrics/*.json`` (wall-clock keys aside) and the output hashes in ``dvc.lock`` are compared with the first
-  run's. The first run is ``make_run``'s (kept under ``benchmarks/.runs/``) when it is of the same commit.
+- ``reproducibility``: a second fresh clone runs ``make run`` beside other work (a busy process per core, or the
+  command ``FACEOPS_BENCH_BESIDE`` names, e.g. another clone's ``.ci/run``); its ``metrics/*.json`` (wall-clock keys
+  aside) and the output hashes in ``dvc.lock`` are compared with the first run's. The first run is ``make_run``'s
+  (kept under ``benchmarks/.runs/``) when it is of the same commit.
 """
 
 from __future__ import annotations
@@ -105,21 +106,33 @@ def compare_runs(a: Path, b: Path) -> dict:
 
 
 def bench_reproducibility() -> dict:
-    """A second fresh-clone ``make run`` beside a busy process per core, compared with one made alone."""
+    """A second fresh-clone ``make run`` beside other work, compared with one made alone: beside a busy process per
+    core, or beside the command ``FACEOPS_BENCH_BESIDE`` names (e.g. the test suite of another clone), whose exit
+    status is recorded too."""
     alone = RUNS / "alone"
     if not (alone / "dvc.lock").is_file() or subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=alone, capture_output=True, text=True).stdout.strip() != _head():
         bench_make_run()
     loaded = _clone(RUNS / "loaded")
-    cores = os.cpu_count() or 1
-    ctx = multiprocessing.get_context("spawn")
-    hogs = [ctx.Process(target=_hog, args=(6 * 3600,), daemon=True) for _ in range(cores)]
-    for h in hogs:
-        h.start()
-    try:
+    command = os.environ.get("FACEOPS_BENCH_BESIDE", "").strip()
+    beside: dict = {}
+    if command:
+        start = time.perf_counter()
+        job = subprocess.Popen(command, shell=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         run = _make_run(loaded)
-    finally:
+        beside = {"beside": command, "beside_exit": job.wait(), "beside_minutes": round((time.perf_counter() - start)
+                                                                                        / 60, 1)}
+    else:
+        cores = os.cpu_count() or 1
+        ctx = multiprocessing.get_context("spawn")
+        hogs = [ctx.Process(target=_hog, args=(6 * 3600,), daemon=True) for _ in range(cores)]
         for h in hogs:
-            h.terminate()
-    return {"commit": _head()[:12], "loaded_minutes": run["minutes"], "busy_processes_beside": cores,
-            **compare_runs(alone, loaded), **_machine()}
+            h.start()
+        try:
+            run = _make_run(loaded)
+        finally:
+            for h in hogs:
+                h.terminate()
+        beside = {"beside": f"{cores} busy processes"}
+    return {"commit": _head()[:12], "loaded_minutes": run["minutes"], **beside, **compare_runs(alone, loaded),
+            **_machine()}
