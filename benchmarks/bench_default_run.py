@@ -72,6 +72,18 @@ def bench_make_run() -> dict:
     return {"commit": _head()[:12], **_make_run(root), **_machine()}
 
 
+# what a default run's outputs depend on: a clone of another commit that differs only elsewhere is the same run
+PIPELINE_PATHS = ("ml", "tasks", "flows", "ops", "faceops", "dvc.yaml", "params.yaml", "presets.yaml",
+                  "pyproject.toml", "Makefile")
+
+
+def _same_pipeline(root: Path) -> bool:
+    """Whether the clone in ``root`` holds the pipeline of HEAD (its commit differs from HEAD only outside
+    ``PIPELINE_PATHS``)."""
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+    return subprocess.run(["git", "diff", "--quiet", commit, "HEAD", "--", *PIPELINE_PATHS], cwd=REPO).returncode == 0
+
+
 def _hog(seconds: float) -> None:
     end = time.monotonic() + seconds
     x = 0
@@ -110,8 +122,7 @@ def bench_reproducibility() -> dict:
     core, or beside the command ``FACEOPS_BENCH_BESIDE`` names (e.g. the test suite of another clone), whose exit
     status is recorded too."""
     alone = RUNS / "alone"
-    if not (alone / "dvc.lock").is_file() or subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=alone, capture_output=True, text=True).stdout.strip() != _head():
+    if not (alone / "dvc.lock").is_file() or not _same_pipeline(alone):
         bench_make_run()
     loaded = _clone(RUNS / "loaded")
     command = os.environ.get("FACEOPS_BENCH_BESIDE", "").strip()
