@@ -5,8 +5,8 @@ second fresh-clone run made while other work loads every core.
   command's summary prints them, and the machine facts that decide the run's numerics (cores, AMX).
 - ``reproducibility``: a second fresh clone runs ``make run`` beside other work (a busy process per core, or the
   command ``FACEOPS_BENCH_BESIDE`` names, e.g. another clone's ``.ci/run``); its ``metrics/*.json`` (wall-clock keys
-  aside) and the output hashes in ``dvc.lock`` are compared with the first run's. The first run is ``make_run``'s
-  (kept under ``benchmarks/.runs/``) when it is of the same commit.
+  aside) and the output hashes in ``dvc.lock`` are compared with the first run's: ``make_run``'s clone (kept under
+  ``$FACEOPS_BENCH_RUNS``, by default ``faceops-bench-runs`` in the temporary directory) when its pipeline is HEAD's.
 """
 
 from __future__ import annotations
@@ -18,13 +18,15 @@ import re
 import resource
 import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-RUNS = REPO / "benchmarks" / ".runs"
+# the fresh clones, outside the repository (a clone inside it would be one more dvc.yaml in DVC's tree)
+RUNS = Path(os.environ.get("FACEOPS_BENCH_RUNS") or Path(tempfile.gettempdir()) / "faceops-bench-runs")
 TIME_KEYS = ("seconds", "per_s", "throughput", "elapsed")  # wall-clock metric keys, as the reproducibility test has
 STAGE_LINE = re.compile(r"^\s+(\S+)\s+(ran|restored|up to date)\s+([\d.]+)s$")
 
@@ -62,7 +64,8 @@ def _machine() -> dict:
     from faceops.doctor import _cpu_name
     from ml.train.device import available_cores, cpu_has_amx, cpu_has_bf16
 
-    return {"cpu": _cpu_name(), "cores": available_cores(), "cpu_has_bf16": cpu_has_bf16(), "cpu_has_amx": cpu_has_amx()}
+    return {"cpu": _cpu_name(), "cores": available_cores(), "cpu_has_bf16": cpu_has_bf16(),
+            "cpu_has_amx": cpu_has_amx()}
 
 
 def bench_make_run() -> dict:

@@ -124,7 +124,8 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     ),
     "reproducibility": (
         "benchmarks.bench_default_run:bench_reproducibility",
-        "a second fresh-clone `make run` beside other work (a busy process per core, or FACEOPS_BENCH_BESIDE: e.g. the test suite) against the `make_run` one: metric values "
+        "a second fresh-clone `make run` beside other work (a busy process per core, or FACEOPS_BENCH_BESIDE: e.g. "
+        "the test suite) against the `make_run` one: metric values "
         "(wall-clock keys aside) and model/dataset hashes in dvc.lock that differ",
         "0 differing: two runs of a commit on one machine give the same bits",
     ),
