@@ -3,8 +3,8 @@
 There is no second DAG: ``flows.stages.stage_graph`` reads DVC's own stage graph, and each stage is one Prefect task
 (``flows.routing.reproduce_stage``) that does what ``dvc repro --single-item <stage>`` does (``flows/stages.py``), in
 this process or, for a GPU stage when a GPU work pool is configured, on that pool (``flows/routing.py``). A stage
-starts as soon as the stages it depends on have finished, so independent stages (``train_aligner`` beside
-``train_fr@real``; discovery, fusion and the generator after it) run at the same time, up to params
+starts as soon as the stages it depends on have finished, so independent stages (discovery, fusion, the aligner
+and the generator after ``train_fr@real``) run at the same time, up to params
 ``pipeline.jobs`` at once; the stages in ``pipeline.exclusive`` run alone, on every core (``tasks.pipeline``).
 Prefect adds the flow run, one visible task per stage, retries and logs; MLflow gets a parent run per flow run under
 which each stage's run nests.

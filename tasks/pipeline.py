@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from ml.errors import ConfigError
 
 SOURCE_DEPS = {"real": "data/prepared/train", "synthetic": "data/synthetic", "mixed": "data/synthetic"}
-EXCLUSIVE = ("prepare", "validate", "synthesize", "train_fr@synthetic", "evaluate")
+EXCLUSIVE = ("prepare", "validate", "train_fr@real", "synthesize", "train_fr@synthetic", "evaluate")
 
 
 @dataclass(frozen=True)
