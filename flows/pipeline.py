@@ -68,13 +68,16 @@ def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = Fal
     import mlflow
 
     from ml.config import from_mapping
-    from tasks.common import load_params
+    from tasks.params import load_yaml
     from tasks.pipeline import PipelineConfig
 
     logger = get_run_logger()
     root_path = Path(root).resolve()
     routing.apply_params(root_path, preset, with_jobs(params_delta, jobs), logger)
-    schedule = from_mapping(PipelineConfig, load_params(root_path / "params.yaml").get("pipeline") or {}, "pipeline")
+    # only the pipeline section: each stage checks its own, and a plain DVC project's sections are its own affair
+    params_file = root_path / "params.yaml"
+    params = (load_yaml(params_file.read_text(encoding="utf-8")) if params_file.is_file() else None) or {}
+    schedule = from_mapping(PipelineConfig, params.get("pipeline") or {}, "pipeline")
     if deployment := routing.gpu_deployment():
         logger.info("GPU stages run on deployment %s", deployment)
     if publish := routing.publish_requested():  # a throw-away clone: no remote, nothing of this run would survive

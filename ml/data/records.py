@@ -106,14 +106,20 @@ class FolderDataset(Dataset):
         return _to_tensor(decode_image(data, source=str(file))), int(self.labels[index])
 
 
+def worker_kwargs(num_workers: int, *, persistent: bool = False) -> dict:
+    """DataLoader keyword arguments for ``num_workers`` worker processes (0: load in this process). Workers start
+    from a fresh forkserver, not a fork of this process: a process that has run Prefect or MLflow in-process carries
+    their service threads and fork handlers, and a plain fork of it can exit at once (code 1, no traceback). Tensors
+    of a ``TensorDataset`` reach the workers through shared memory, not a copy per worker."""
+    if num_workers <= 0:
+        return {"num_workers": 0}
+    return {"num_workers": num_workers, "multiprocessing_context": "forkserver", "persistent_workers": persistent}
+
+
 def decode_all(dataset: Dataset, *, num_workers: int = 0, batch_size: int = 256) -> tuple[np.ndarray, np.ndarray]:
-    """Every face of ``dataset`` decoded by ``num_workers`` DataLoader workers (0: this process), in order:
-    (uint8 (N, H, W, 3), int64 labels (N,)). Workers start from a fresh forkserver, not a fork of this process: a
-    process that has run Prefect or MLflow in-process carries their service threads and fork handlers, and a plain
-    fork of it exits at once (code 1, no traceback)."""
-    context = "forkserver" if num_workers > 0 else None
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers,
-                        multiprocessing_context=context)
+    """Every face of ``dataset`` decoded by ``num_workers`` DataLoader workers (0: this process, see
+    ``worker_kwargs``), in order: (uint8 (N, H, W, 3), int64 labels (N,))."""
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, **worker_kwargs(num_workers))
     images, labels = [], []
     for x, y in loader:
         images.append(x.numpy())

@@ -491,7 +491,7 @@ def train_discovery(
 
     ``init_model_dir``: the FR model for ``backbone_init: fr``. ``checkpoint_dir``: where ``last.ckpt`` is written
     after every epoch (an existing one is an error unless ``resume``); with ``resume`` the run continues from it
-    (a missing checkpoint starts afresh). ``callbacks``: extra Lightning callbacks (e.g. the core share).
+    (a missing checkpoint starts afresh). ``callbacks``: extra Lightning callbacks (e.g. a progress bar).
     ``anchor``: the FR model's training images (uint8 (M, S, S, 3)) and identity labels (M,), which the anchor term
     reads when ``cfg.anchor_weight`` > 0 (required then, ignored otherwise).
     """

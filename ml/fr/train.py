@@ -35,6 +35,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 
+from ml.data.records import worker_kwargs
 from ml.errors import ConfigError, DataError
 from ml.fr.backbones import BACKBONES, build_backbone, input_contract
 from ml.train.augment import FLIP_LANDMARK_ORDER, flip_keypoints
@@ -234,8 +235,7 @@ def train_fr(
         batch_size=batch_size,
         sampler=EpochSampler(n, cfg.seed),
         drop_last=True,
-        num_workers=cfg.num_workers,
-        persistent_workers=cfg.num_workers > 0,
+        **worker_kwargs(cfg.num_workers, persistent=True),
     )
     module = FRModule(backbone, head, cfg, steps_per_epoch, val=val_tensors)
     log.info(

@@ -384,7 +384,7 @@ def train_fusion(
 
     ``checkpoint_dir``: where ``last.ckpt`` is written after every epoch (an existing one is an error unless
     ``resume``); with ``resume`` the run continues from it (a missing checkpoint starts afresh).
-    ``callbacks``: extra Lightning callbacks (e.g. the core share).
+    ``callbacks``: extra Lightning callbacks (e.g. a progress bar).
     """
     features, styles, labels, num_classes = _check_data(cfg, features, styles, labels)
     source_of = _check_sources(sources, labels)

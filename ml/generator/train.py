@@ -37,6 +37,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from ml.data.records import worker_kwargs
 from ml.errors import ConfigError, DataError
 from ml.generator.uiface import (
     GeneratorModelConfig,
@@ -370,8 +371,7 @@ def train_generator(
         batch_size=batch_size,
         sampler=EpochSampler(n, cfg.seed),
         drop_last=False,
-        num_workers=cfg.num_workers,
-        persistent_workers=cfg.num_workers > 0,
+        **worker_kwargs(cfg.num_workers, persistent=True),
     )
     module = GeneratorModule(model, cfg, steps_per_epoch, pixel=space == "pixel")
     log.info(

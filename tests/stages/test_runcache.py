@@ -79,7 +79,7 @@ def run(root: Path, force: bool = False) -> tuple[dict, list[str]]:
     for logger in loggers:
         logger.addHandler(lines)
     try:
-        (result,) = run_pipeline(root=str(root), force=force, jobs=1)
+        (result,) = run_pipeline(root=str(root), force=force)
     finally:
         for logger in loggers:
             logger.removeHandler(lines)

@@ -117,18 +117,18 @@ def test_wrong_input_is_refused_saying_what_was_expected_and_what_came(store):
                                _expected(store["fr"], images), atol=1e-5)  # integers in 0..255 are accepted
 
 
-def _readme_requests() -> list[str]:
-    """The download and ``curl`` lines of the README's Serving example, in order."""
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    block = text.split("### Serving", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+def _documented_requests() -> list[str]:
+    """The download and ``curl`` lines of the first example on the Serving page, in order."""
+    text = (REPO / "docs" / "operations" / "serving.md").read_text(encoding="utf-8")
+    block = text.split("```bash", 1)[1].split("```", 1)[0]
     wanted = ("mlflow artifacts", "curl")
     return [line.split("  #")[0].strip() for line in block.splitlines() if line.startswith(wanted)]
 
 
 @pytest.mark.slow
-def test_served_model_answers_the_readme_request_and_refuses_a_wrong_one_with_the_reason(store):
+def test_served_model_answers_the_documented_request_and_refuses_a_wrong_one_with_the_reason(store):
     tmp = store["tmp"]
-    requests = _readme_requests()
+    requests = _documented_requests()
     assert [r.split()[0] for r in requests] == ["mlflow", "curl"], requests
     env = {**os.environ, "MLFLOW_TRACKING_URI": store["uri"], "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     work = tmp / "client"
