@@ -551,7 +551,8 @@ def test_procedural_video_probes_end_to_end():
             np.testing.assert_allclose(shuffled, templates, atol=1e-5)
         out = video_identification(templates, np.array(identities), g_feats[gallery_ids], gallery_ids, ranks=(1, 2))
         # rank-N by hand: each probe's gallery identities sorted by cosine similarity
-        ranked = gallery_ids[np.argsort(-(templates @ g_feats[gallery_ids].T), axis=1)]
+        gallery = g_feats[gallery_ids] / np.linalg.norm(g_feats[gallery_ids], axis=1, keepdims=True)
+        ranked = gallery_ids[np.argsort(-(templates @ gallery.T), axis=1)]
         for n in (1, 2):
             hits = [identity in row[:n] for identity, row in zip(identities, ranked)]
             assert out[f"rank{n}"] == pytest.approx(np.mean(hits)), (method, n)
