@@ -14,7 +14,7 @@ from faceops.console import fail, quiet_env, repo_root
 
 
 def sweep_command(
-    stage: Annotated[str, typer.Argument(help="the stage whose params to search: `train_fr`")] = "train_fr",
+    stage: Annotated[str, typer.Argument(help="the stage whose params to search: `train_fr`, `train_aligner` or `train_discovery`")] = "train_fr",
     trials: Annotated[Optional[int], typer.Option(
         help="trials this command runs (split over --workers; 0 = only report/apply); default `sweep.<stage>.trials`")] = None,
     storage: Annotated[Optional[str], typer.Option(
@@ -29,10 +29,12 @@ def sweep_command(
 ) -> None:
     """Search a stage's hyperparameters with Optuna; every trial is a nested MLflow run.
 
-    The space is data: `params.yaml` → `sweep.train_fr.space` maps params keys to ranges, e.g.
+    The space is data: `params.yaml` → `sweep.STAGE.space` maps params keys to ranges, e.g.
     `fr.lr: {type: float, low: 0.0001, high: 0.01, log: true}` or `fr.margin: {type: categorical, choices: [arcface,
-    cosface]}`. A trial trains on the prepared set's train split with its values set in memory (params.yaml is
-    not touched), reports `val/accuracy` after every epoch and is pruned when it falls behind (`sweep.pruner`).
+    cosface]}`. A trial trains on the stage's train split with its values set in memory (params.yaml is not
+    touched), reports `sweep.STAGE.metric` on a val split after every epoch (FR: `val/accuracy`; aligner:
+    `val/nme_box` on val identities; discovery: `val/accuracy` of held-out labelled images) and is pruned when it
+    falls behind (`sweep.pruner`). No trial reads a test split.
     Results: `reports/sweeps/STUDY.json` (best params and value), `plots/sweeps/STUDY_history.png` and
     `_importance.png`, and in MLflow one `sweep-STUDY` run with a child run per trial.
 
@@ -41,6 +43,8 @@ def sweep_command(
     * `faceops sweep train_fr --trials 20` — locally, study in `optuna.db` (SQLite)
 
     * `faceops sweep train_fr --trials 20 --workers 2` — two processes on this machine, one study
+
+    * `faceops sweep train_aligner --trials 3` — the DFA aligner on its val identities
 
     * `faceops sweep train_fr --trials 10 --storage journal:sweeps/fr.log --study fr-lr` in each of two
       terminals — two independent commands, one study (20 trials); any number of them may join

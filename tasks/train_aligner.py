@@ -1,7 +1,8 @@
 """Stage ``train_aligner``: the DFA landmark aligner on unaligned procedural crops with exact landmarks.
 
-Trains on ``data/prepared/unaligned`` split ``train`` and measures on split ``test`` (identities never trained on;
-also passed to training as ``val``) against the trivial mean-landmark predictor, in two conventions: inter-pupil
+Trains on ``data/prepared/unaligned`` split ``train``, follows split ``val`` after every epoch (other identities;
+``val/*`` in the history, what ``faceops sweep train_aligner`` optimises) and measures once on split ``test``
+(identities never trained on nor chosen on) against the trivial mean-landmark predictor, in two conventions: inter-pupil
 (``test/nme``, ``test/failure@0.1``, ``test/auc@0.1``) and face box as RetinaFace and the DFA paper report it (box
 estimated from the ground truth by ``ml.aligner.metrics.face_box_size``: ``test/nme_box``, ``test/failure_box@0.05``,
 ``test/failure_box@0.07``, ``test/auc_box@0.07``). ``test/*_top_anchor`` read the same model's best-scoring anchor
@@ -97,6 +98,16 @@ def reference_comparison(model: Any, folder: str, max_images: int) -> dict[str, 
             "size": int(size)}
 
 
+def aligner_val(paths: Paths) -> tuple[np.ndarray, np.ndarray] | None:
+    """(images, landmarks) of the unaligned set's split ``val``; None when it has none (``data.unaligned_val_identities:
+    0``)."""
+    from ml.data.dataset import landmarks_array, load_images, read_manifest
+
+    manifest = read_manifest(paths.unaligned_set / "manifest.parquet")
+    rows = manifest[manifest["split"] == "val"].reset_index(drop=True)
+    return (load_images(paths.unaligned_set, rows, progress=True), landmarks_array(rows)) if len(rows) else None
+
+
 def run(cfg: AlignerStageConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
     from ml.data.dataset import landmarks_array, load_images, read_dataset_info, read_manifest
     from ml.aligner.metrics import auc_at, failure_rate, nme, nme_box, plot_ced
@@ -109,8 +120,8 @@ def run(cfg: AlignerStageConfig, paths: Paths, *, tracker: Any = None) -> StageR
     train_rows = manifest[manifest["split"] == "train"].reset_index(drop=True)
     test_rows = manifest[manifest["split"] == "test"].reset_index(drop=True)
     x, lm = load_images(paths.unaligned_set, train_rows, progress=True), landmarks_array(train_rows)
+    res = train_aligner(cfg.train, x, lm, val=aligner_val(paths), progress=True)
     tx, tlm = load_images(paths.unaligned_set, test_rows, progress=True), landmarks_array(test_rows)
-    res = train_aligner(cfg.train, x, lm, val=(tx, tlm), progress=True)
     info = read_dataset_info(paths.unaligned_set)
     save_aligner(paths.aligner_model, res.model, extra={"registered_name": REGISTERED_MODEL,
                                                         "training_data_digest": info["digest"],
@@ -133,6 +144,7 @@ def run(cfg: AlignerStageConfig, paths: Paths, *, tracker: Any = None) -> StageR
         "test/mean_shape_nme": float(baseline.mean()), "test/mean_shape_failure@0.1": failure_rate(baseline, 0.1),
         "test/mean_shape_auc@0.1": auc_at(baseline, 0.1), "test/mean_shape_nme_box": float(baseline_box.mean()),
         "test/mean_shape_failure_box@0.05": failure_rate(baseline_box, 0.05), "test/faces": float(len(tx)),
+        **{k: float(v) for k, v in (res.history[-1] if res.history else {}).items() if k.startswith("val/")},
         "train/seconds": float(res.seconds), "train/faces": float(len(x)),
         "train/nonfaces_per_batch": float(cfg.train.nonfaces_per_batch),
         "test/face_score_mean": test["face_score_mean"], "test/nonfaces": float(n_neg),

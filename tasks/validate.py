@@ -139,7 +139,8 @@ def build_expectations(
             column="identity", **_between(data.video_identities + data.video_distractors, cfg.count_tolerance),
             meta={"risk": "enrolled or distractor identities lost"}))
     if kind == "unaligned":
-        exps.append(E.ExpectColumnValuesToBeInSet(column="split", value_set=["train", "test"], meta={"risk": "unknown split name"}))
+        exps.append(E.ExpectColumnValuesToBeInSet(column="split", value_set=["train", "val", "test"],
+                                                  meta={"risk": "unknown split name"}))
         exps.append(E.ExpectColumnValuesToNotBeNull(column="lm_x0", meta={"risk": "an aligner training face without landmarks"}))
     if kind == "fusion":
         exps.append(E.ExpectColumnValuesToBeInSet(column="split", value_set=["clean", "degraded"],

@@ -4,8 +4,8 @@ All cluster L2-normalised features, where ‖a − b‖² = 2 − 2 cos(a, b), s
 ``kmeans_baseline`` (Lloyd, k-means++, max_iter 300, tol 1e-4); ``agglomerative_baseline`` (Ward on Euclidean, average /
 complete / single linkage on 1 − cos: complete and single give the same tree either way, average does not);
 ``dbscan_baseline`` over an (eps, min_samples) grid, eps a chord length √(2(1 − cos)) in [0, 2]. ``best_of`` keeps the
-setting with the highest "all" accuracy: an oracle on the test labels, as the paper's "best configuration"; it
-flatters HAC and DBSCAN and is not a deployable model selection.
+setting with the highest "all" accuracy on the labels it is given; the GFD protocol gives it the labelled images only
+(the paper's "best configuration" reads the evaluation labels, an oracle that flatters HAC and DBSCAN).
 
 Differences from the reference (App. A.3): HAC uses one affinity per linkage (the paper tries both); DBSCAN's eps is on
 unit vectors (the paper's grid 0.05–10 suggests raw features) and its noise points become singleton clusters (the
@@ -108,7 +108,8 @@ def best_of(
 ) -> tuple[Hashable, np.ndarray, dict[str, float]]:
     """(key, predictions, ``cluster_accuracy``) of the setting with the highest "all" accuracy (first on ties).
 
-    An oracle: it selects on the evaluation labels, as the paper's "best configuration" does.
+    Pass the predictions and labels of a split that is not scored (``ml.discovery.protocol`` passes the labelled
+    images); on the evaluation labels it is the paper's oracle.
     """
     if not preds:
         raise ConfigError("preds is empty; pass the dict returned by agglomerative_baseline or dbscan_baseline")

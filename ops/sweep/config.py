@@ -76,6 +76,8 @@ class SweepConfig:
     seed: int = 0
     heartbeat_s: int = 60  # SQL storages: a trial silent for 3 heartbeats (killed worker) is failed and retried; 0 = off
     train_fr: StageSweep = field(default_factory=StageSweep)
+    train_aligner: StageSweep = field(default_factory=lambda: StageSweep(metric="val/nme_box", direction="minimize"))
+    train_discovery: StageSweep = field(default_factory=StageSweep)
 
     def __post_init__(self) -> None:
         for key, valid in (("sampler", SAMPLERS), ("pruner", PRUNERS)):

@@ -1,8 +1,14 @@
 """What sweeping each stage trains and reports: ``OBJECTIVES`` maps every sweepable stage to its ``SweepTarget``.
 
-``train_fr`` trials train on the prepared set's ``train`` split and report ``val/accuracy`` after every epoch (the
-closed-set identification accuracy of its ``val`` split against the margin head's class centres), where Optuna's
-Lightning pruning callback may stop them.
+Every trial reports its metric after every epoch, where Optuna's Lightning pruning callback may stop it, and reads
+no test split:
+
+- ``train_fr``: the prepared set's ``train`` split; ``val/accuracy``, the closed-set identification accuracy of its
+  ``val`` split (images of the training identities not trained on) against the margin head's class centres;
+- ``train_aligner``: the unaligned set's ``train`` split; ``val/nme_box`` (and the other ``val/*``) on its ``val``
+  split, identities neither trained on nor tested on;
+- ``train_discovery``: the GFD split's ``train`` subset; ``val/accuracy``, the nearest-class-mean accuracy of the
+  labelled images held out by ``discovery.val_per_identity`` (the GCD control is not trained in a trial).
 """
 
 from __future__ import annotations
@@ -79,55 +85,160 @@ def _fr_trainer(paths: Paths, params: Mapping[str, Any], metric: str) -> TrialTr
              int(np.max(labels)) + 1, 0 if val is None else len(val[1]))
 
     def train_trial(cfg: Any, trial: Any, tracker: Any) -> float:
-        if cfg.devices * cfg.num_nodes != 1:
-            raise ConfigError(f"sweep trials train on one device (fr.devices = {cfg.devices}, fr.num_nodes = "
-                              f"{cfg.num_nodes}); scale a sweep out with more workers on one study instead")
-        pruning = _fr_pruning(trial, metric)
+        _one_device(cfg, "fr")
+        pruning = _pruning(trial, metric)
         train_fr(cfg, images, labels, loggers=[lightning_logger(tracker)], keypoints=keypoints, progress=False,
-              callbacks=[pruning], val=val)
-        values = pruning.values
-        if not values:
-            raise TrainingError(f"the trial reported no {metric}: training ran no epoch")
-        return values[-1]
+                 callbacks=[pruning], val=val)
+        return _last_value(pruning, metric)
 
     return train_trial
 
 
-def _fr_pruning(trial: Any, metric: str) -> Any:
-    """Optuna's pruning callback on ``metric`` after every epoch; ``values`` keeps what it saw. ``val/accuracy`` is
-    the FR trainer's own (``ml.fr.train.train_fr(..., val=...)``), measured before the callbacks run."""
+def _pruning(trial: Any, metric: str, tracker: Any = None) -> Any:
+    """Optuna's pruning callback on ``metric`` after every epoch; ``values`` keeps what it saw. The value is the
+    trainer's logged metric or its epoch history row (``ml.train.callbacks.EpochHistory``: the ``val/*`` numbers);
+    with ``tracker`` the row is logged to the trial's run."""
     import optuna
-    from optuna_integration import PyTorchLightningPruningCallback
+    from lightning.pytorch.callbacks import Callback
 
-    class EpochPruning(PyTorchLightningPruningCallback):
-        """Optuna's Lightning pruning callback, reporting ``monitor`` after every training epoch (the FR trainer
-        has no validation loop). Raises ``optuna.TrialPruned`` to stop."""
+    from ml.train.callbacks import EpochHistory
+
+    class EpochPruning(Callback):
+        """Reports ``metric`` to the trial after every training epoch (the trainers have no validation loop) and
+        raises ``optuna.TrialPruned`` when the pruner says so."""
 
         def __init__(self) -> None:
-            super().__init__(trial, monitor=metric)
             self.values: list[float] = []
 
         def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-            value = trainer.callback_metrics.get(self.monitor)
+            rows = [c.rows[-1] for c in trainer.callbacks if isinstance(c, EpochHistory) and c.rows]
+            row = rows[0] if rows else {}
+            value = trainer.callback_metrics.get(metric, row.get(metric))
             if value is None:
-                raise TrainingError(f"metric {self.monitor} was not reported this epoch (reported: "
-                                    f"{sorted(trainer.callback_metrics)}); check sweep.train_fr.metric")
-            self.values.append(float(value))
-            try:
-                self.on_validation_end(trainer, pl_module)
-            except optuna.TrialPruned:
-                # Lightning logs an epoch's metrics after its epoch-end hooks, which this stops: log the one the
-                # trial was pruned on now
+                raise TrainingError(f"metric {metric} was not reported this epoch (reported: "
+                                    f"{sorted({*trainer.callback_metrics, *row})}); check sweep.<stage>.metric")
+            value = float(value)
+            self.values.append(value)
+            if tracker is not None and row:
+                tracker.log_metrics({k: float(v) for k, v in row.items() if k != "epoch"}, step=int(row["epoch"]))
+            trial.report(value, step=trainer.current_epoch)
+            if trial.should_prune():
+                # Lightning logs an epoch's metrics after its epoch-end hooks, which this stops: log this one now
                 for logger in trainer.loggers:
-                    logger.log_metrics({self.monitor: float(value)}, step=trainer.global_step - 1)
-                raise
+                    logger.log_metrics({metric: value}, step=trainer.global_step - 1)
+                raise optuna.TrialPruned(f"trial {trial.number} pruned at epoch {trainer.current_epoch}: "
+                                         f"{metric} = {value:.4g}")
 
     return EpochPruning()
+
+
+def _last_value(pruning: Any, metric: str) -> float:
+    if not pruning.values:
+        raise TrainingError(f"the trial reported no {metric}: training ran no epoch")
+    return pruning.values[-1]
+
+
+def _one_device(cfg: Any, section_name: str) -> None:
+    if getattr(cfg, "devices", 1) * getattr(cfg, "num_nodes", 1) != 1:
+        raise ConfigError(f"sweep trials train on one device ({section_name}.devices = {cfg.devices}); scale a "
+                          "sweep out with more workers on one study instead")
+
+
+def _aligner_check_data(paths: Paths, params: Mapping[str, Any], metric: str) -> None:
+    """The unaligned set exists with a ``train`` and a ``val`` split."""
+    from ml.data.dataset import read_manifest
+
+    manifest_path = paths.unaligned_set / "manifest.parquet"
+    if not manifest_path.is_file():
+        raise DataError(f"{paths.unaligned_set} holds no prepared dataset: run `dvc repro prepare` before sweeping "
+                        "train_aligner")
+    splits = set(read_manifest(manifest_path)["split"])
+    for split, advice in (("train", "rerun prepare"), ("val", "set data.unaligned_val_identities > 0 and rerun "
+                                                              "prepare")):
+        if split not in splits:
+            raise DataError(f"{manifest_path}: no rows with split {split!r}; {advice}")
+
+
+def _aligner_trainer(paths: Paths, params: Mapping[str, Any], metric: str) -> TrialTrainer:
+    """Load the unaligned set's train and val splits once; → a function that trains one DFA trial on them."""
+    from ml.aligner.train import train_aligner
+    from ml.data.dataset import landmarks_array, load_images, read_manifest
+    from tasks.train_aligner import aligner_val
+
+    manifest = read_manifest(paths.unaligned_set / "manifest.parquet")
+    rows = manifest[manifest["split"] == "train"].reset_index(drop=True)
+    images, landmarks = load_images(paths.unaligned_set, rows), landmarks_array(rows)
+    val = aligner_val(paths)
+    log.info("train_aligner trials: %d training faces, %d val faces", len(images), len(val[0]))
+
+    def train_trial(cfg: Any, trial: Any, tracker: Any) -> float:
+        _one_device(cfg.train, "aligner.train")
+        pruning = _pruning(trial, metric, tracker)
+        train_aligner(cfg.train, images, landmarks, val=val, progress=False, callbacks=[pruning])
+        return _last_value(pruning, metric)
+
+    return train_trial
+
+
+def _discovery_check_data(paths: Paths, params: Mapping[str, Any], metric: str) -> None:
+    """The GFD split exists, and labelled images are held out when the metric is measured on them."""
+    if not paths.gfd_split.is_file():
+        raise DataError(f"{paths.gfd_split} is missing: run `dvc repro prepare` before sweeping train_discovery")
+    held = section(params, "discovery").get("val_per_identity", 0)
+    if metric.startswith("val/") and not held:
+        raise DataError(f"{metric} is measured on held-out labelled images: set discovery.val_per_identity > 0 "
+                        "(or in sweep.train_discovery.fixed)")
+
+
+def _discovery_trainer(paths: Paths, params: Mapping[str, Any], metric: str) -> TrialTrainer:
+    """Load the GFD split's training images (and the anchor's FR images) once; → a function that trains one FaceGCD
+    trial on them."""
+    import numpy as np
+
+    from ml.data.dataset import load_images
+    from ml.discovery.train import DiscoveryConfig, train_discovery
+    from tasks.prepare import DataConfig
+    from tasks.train_discovery import FR_SOURCE, anchor_set, gfd_rows
+
+    data = from_mapping(DataConfig, section(params, "data"), "data")
+    base = from_mapping(DiscoveryConfig, section(params, "discovery"), "discovery")
+    dataset, rows = gfd_rows(paths)
+    train = rows[rows["subset"] == "train"].reset_index(drop=True)
+    images = load_images(dataset, train, expected_size=(data.image_size, data.image_size))
+    labelled = train["labelled"].to_numpy(bool)
+    labels = np.where(labelled, train["label"].to_numpy(np.int64), -1)
+    anchor = anchor_set(base, data, paths) if base.anchor_weight > 0 else None
+    log.info("train_discovery trials: %d images (%d labelled)", len(labels), int(labelled.sum()))
+
+    def train_trial(cfg: Any, trial: Any, tracker: Any) -> float:
+        _one_device(cfg, "discovery")
+        if cfg.anchor_weight > 0 and anchor is None:
+            raise ConfigError("a trial sets discovery.anchor_weight > 0 but the base params have the anchor off: "
+                              "set discovery.anchor_weight > 0 in params.yaml (or in sweep.train_discovery.fixed)")
+        init = paths.fr_model(FR_SOURCE) if cfg.backbone_init == "fr" else None
+        if init is not None and not (init / "config.json").is_file():
+            raise DataError(f"discovery.backbone_init is 'fr' but {init} holds no model: run `dvc repro "
+                            "train_fr@real` first")
+        pruning = _pruning(trial, metric, tracker)
+        train_discovery(cfg, images, labels, labelled, init_model_dir=init, progress=False, callbacks=[pruning],
+                        anchor=anchor if cfg.anchor_weight > 0 else None)
+        return _last_value(pruning, metric)
+
+    return train_trial
 
 
 OBJECTIVES: dict[str, SweepTarget] = {
     "train_fr": SweepTarget(
         section="fr", config="ml.fr.config:FRConfig", metrics=("val/accuracy", "train/accuracy", "train/loss"),
         check_data=_fr_check_data, trainer=_fr_trainer,
+    ),
+    "train_aligner": SweepTarget(
+        section="aligner", config="tasks.train_aligner:AlignerStageConfig",
+        metrics=("val/nme_box", "val/nme", "val/failure@0.1", "val/auc@0.1", "train/loss", "train/nme"),
+        check_data=_aligner_check_data, trainer=_aligner_trainer,
+    ),
+    "train_discovery": SweepTarget(
+        section="discovery", config="ml.discovery.train:DiscoveryConfig", metrics=("val/accuracy", "loss"),
+        check_data=_discovery_check_data, trainer=_discovery_trainer,
     ),
 }

@@ -332,7 +332,9 @@ def aligner_section(aligner: dict[str, Any], align: dict[str, Any]) -> list[str]
     row = lambda name, p: (f"| {name} | {aligner[p + 'nme']:.4f} | {100 * aligner[p + 'failure@0.1']:.1f} % | "  # noqa: E731
                            f"{aligner[p + 'auc@0.1']:.3f} |")
     lines = ["", f"## Aligner (DFA) on {int(aligner.get('test/faces', 0))} held-out unaligned faces", "",
-             "NME = mean landmark error / inter-pupil distance (5 points have no outer eye corners).", "",
+             "NME = mean landmark error / inter-pupil distance (5 points have no outer eye corners). Chosen on: "
+             "split `val` (the curves, sweeps; the last epoch is kept; the recipe predates `val`, see "
+             "docs/methods/aligner.md). Scored on: split `test`, once.", "",
              "| predictor | NME | failure (NME > 0.1) | AUC@0.1 |", "|---|---|---|---|",
              row("DFA", "test/"), row("mean landmarks (trivial)", "test/mean_shape_")]
     if "test/face_auc" in aligner:
@@ -382,7 +384,8 @@ def synthetic_section(synth: dict[str, Any], metrics: dict[str, float]) -> list[
     lines = ["", f"## Synthetic data (UIFace): {int(k('identities'))} identities × "
              f"{int(k('images')) // max(int(k('identities')), 1)} faces", "",
              "Under the FR model `real`; diversity = mean intra-class (1 − cos), an embedding proxy for LPIPS (whose "
-             "VGG weights are not available offline); precision/recall: Improved P/R against real training faces.", "",
+             "VGG weights are not available offline); precision/recall: Improved P/R against real training faces. "
+             "Chosen on: nothing (the generator keeps its last epoch). Scored on: its samples.", "",
              "| identity consistency (min) | diversity | inter-class cos mean / max | "
              + " | ".join(f"precision / recall @{p}" for p in pr) + " | t0 mean ± std | UNet evals / face |",
              "|---|---|---|" + "---|" * len(pr) + "---|---|",
@@ -472,6 +475,8 @@ def render_report(metrics: dict[str, float], models: dict[str, dict], train_metr
         )
     names = sorted({k.split("/")[-2] for k in metrics if "/verification/" in k and k.endswith("/accuracy")})
     lines += ["", "## Verification (10-fold accuracy ± std over folds, flip TTA, held-out identities)", "",
+              "Chosen on: the FR models keep their last epoch; `faceops sweep train_fr` tunes `fr` on the training "
+              "identities' `val` images. Scored on: the held-out identities below, which nothing above reads.", "",
               "| embedding | " + " | ".join(f"`{n}.bin`" for n in names) + " |", "|---|" + "---|" * len(names)]
     rows = [(f"FR model `{tag}`", f"{tag}/") for tag in models] + [
         ("raw-pixel cosine (baseline)", "baseline/raw_pixels/"), ("linear probe on pixels (baseline)", "baseline/linear_probe/")]

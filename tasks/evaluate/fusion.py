@@ -375,6 +375,9 @@ def render_section(metrics: dict[str, float]) -> list[str]:
         return []
     fars = [f"tar@far={f:.0e}".replace("e-0", "e-") for f in FARS]
     lines = ["", "## Set fusion: IJB-B/C-style templates (1:1 verification, TAR %)", "",
+             "Chosen on: CAFace keeps its last step; its recipe (lr, `lambda_u`, prefix, steps) was picked on the "
+             "video probes below before a val split existed (docs/methods/fusion.md), so its video numbers may be "
+             "optimistic. Scored on: the templates and video probes of held-out identities.", "",
              "| fusion | " + " | ".join(f.replace("tar@far=", "TAR@FAR ") for f in fars) + " |",
              "|---|" + "---|" * len(fars)]
     for m in methods:

@@ -97,6 +97,7 @@ class DataConfig:
     unaligned_identities: int = 100
     unaligned_images_per_identity: int = 20
     unaligned_test_identities: int = 20  # of those, identities kept for testing the aligner (split "test")
+    unaligned_val_identities: int = 0  # and identities for choosing its epoch and recipe (split "val", the last ones)
     unaligned_size: int = 128
 
     def surveillance_config(self) -> SurveillanceConfig:
@@ -148,6 +149,8 @@ class DataConfig:
             "unaligned_identities": self.unaligned_identities >= 2,
             "unaligned_images_per_identity": self.unaligned_images_per_identity >= 1,
             "unaligned_test_identities": 1 <= self.unaligned_test_identities < self.unaligned_identities,
+            "unaligned_val_identities": 0 <= self.unaligned_val_identities
+            < self.unaligned_identities - self.unaligned_test_identities,
             "unaligned_size": 64 <= self.unaligned_size <= 512,
             "ingest_max_images": self.ingest_max_images >= 0,
             "ingest_max_corrupt_fraction": 0.0 <= self.ingest_max_corrupt_fraction < 1.0,

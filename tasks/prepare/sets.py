@@ -299,7 +299,8 @@ def fusion_set(out: Path, gen: ProceduralFaces, cfg: DataConfig, progress: bool 
 
 def unaligned_set(out: Path, cfg: DataConfig, first_identity: int, progress: bool = True) -> int:
     """Unaligned procedural crops (``data.unaligned_size``²) with their exact landmarks; the last
-    ``unaligned_test_identities`` identities are split ``test``, the rest ``train``."""
+    ``unaligned_val_identities`` identities are split ``val``, the ``unaligned_test_identities`` before them
+    ``test``, the rest ``train``."""
     from ml.data.dataset import DatasetWriter
     from ml.data.unaligned import unaligned_faces
 
@@ -307,11 +308,12 @@ def unaligned_set(out: Path, cfg: DataConfig, first_identity: int, progress: boo
         cfg.unaligned_identities, cfg.unaligned_images_per_identity, cfg.unaligned_size, cfg.seed,
         first_identity=first_identity, base=cfg.procedural_config(aligned=False), progress=progress,
     )
-    first_test = first_identity + cfg.unaligned_identities - cfg.unaligned_test_identities
+    first_val = first_identity + cfg.unaligned_identities - cfg.unaligned_val_identities
+    first_test = first_val - cfg.unaligned_test_identities
     with DatasetWriter(out, name="unaligned", source="procedural", aligned=False) as w:
         for image, lm, ident in zip(images, landmarks, identities):
-            w.add(image, identity=f"id{ident:06d}", split="test" if ident >= first_test else "train",
-                  landmarks=lm.reshape(-1))
+            split = "val" if ident >= first_val else "test" if ident >= first_test else "train"
+            w.add(image, identity=f"id{ident:06d}", split=split, landmarks=lm.reshape(-1))
     return len(images)
 
 

@@ -35,8 +35,8 @@ TINY = {  # a prepared set of 4 identities × 6 faces at 32 px (2 val faces each
     "data.verification_pairs": 20, "data.template_identities": 2, "data.templates_per_identity": 2,
     "data.frames_per_template": 1, "data.discovery_identities": 4, "data.discovery_images_per_identity": 4,
     "data.video_identities": 2, "data.video_distractors": 1, "data.video_frames": [2, 3], "data.booking_stills": 1,
-    "data.unaligned_identities": 2, "data.unaligned_images_per_identity": 1, "data.unaligned_test_identities": 1,
-    "data.unaligned_size": 64,
+    "data.unaligned_identities": 4, "data.unaligned_images_per_identity": 2, "data.unaligned_test_identities": 1,
+    "data.unaligned_val_identities": 1, "data.unaligned_size": 64,
     "fr.epochs": 2, "fr.batch_size": 8, "fr.embedding_dim": 16, "fr.warmup_epochs": 0.5, "fr.accelerator": "cpu",
     "sweep.sampler": "random", "sweep.pruner": "none", "sweep.train_fr.trials": 3, "sweep.train_fr.space": SPACE,
 }
@@ -353,3 +353,56 @@ def test_a_killed_workers_trial_is_failed_by_its_silent_heartbeat_and_run_again(
     stuck = plain.ask({"x": optuna.distributions.FloatDistribution(0.0, 1.0)})
     plain.optimize(lambda t: t.suggest_float("x", 0.0, 1.0), n_trials=1)
     assert plain.get_trials()[stuck.number].state == optuna.trial.TrialState.RUNNING
+
+
+# ── every trainer's target, on its val split only ─────────────────────────────────────────────────────────────
+
+TARGETS = {  # stage → (a small space, fixed keys for 2-epoch trials on the tiny workspace, the metric's direction)
+    "train_aligner": ({"aligner.train.lr": {"type": "float", "low": 0.005, "high": 0.05, "log": True}},
+                      {"aligner.train.epochs": 2, "aligner.train.input_size": 64, "aligner.train.batch_size": 4}),
+    "train_discovery": ({"discovery.lr": {"type": "float", "low": 0.0005, "high": 0.005, "log": True}},
+                        {"discovery.epochs": 2, "discovery.batch_size": 8, "discovery.backbone_init": "random",
+                         "discovery.anchor_weight": 0.0, "discovery.labelled_identities_per_batch": 0,
+                         "discovery.val_per_identity": 1, "discovery.gcd_arm": False}),
+}
+
+
+def _poison_test_splits(root: Path) -> None:
+    """Every image a report scores (the aligner's test identities, the GFD test subset, the held-out FR set) made
+    unreadable: a trial that opens one fails."""
+    from ml.data.dataset import read_manifest
+    from ml.discovery.split import read_gfd_split
+
+    paths = Paths(root)
+    manifest = read_manifest(paths.unaligned_set / "manifest.parquet")
+    scored = [paths.unaligned_set / p for p in manifest.loc[manifest["split"] == "test", "path"]]
+    gfd = read_gfd_split(paths.gfd_split)
+    scored += [paths.prepared / "discovery" / p for p in gfd.loc[gfd["subset"] == "test", "path"]]
+    scored += [p for p in (paths.prepared / "heldout").rglob("*") if p.is_file()]
+    assert len(scored) > 3
+    for path in scored:
+        path.write_bytes(b"a test split: not for sweeps")
+
+
+@pytest.mark.parametrize("stage", sorted(TARGETS))
+def test_every_trainer_sweeps_on_its_val_split_and_never_reads_a_test_split(tmp_path, stage):
+    from tasks.prepare import DataConfig, run
+
+    space, fixed = TARGETS[stage]
+    root = _workspace(tmp_path / "ws", {**TINY, f"sweep.{stage}.trials": 2, f"sweep.{stage}.space": space,
+                                        f"sweep.{stage}.fixed": fixed})
+    run(from_mapping(DataConfig, section(load_params(root / "params.yaml"), "data"), "data"), Paths(root), workers=1)
+    _poison_test_splits(root)
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{root / 'mlflow.db'}"
+    try:
+        summary = run_sweep(stage, root=root, study=stage)
+    finally:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    assert summary["trials"]["complete"] == 2, summary
+    metric = section(load_params(root / "params.yaml"), "sweep")[stage]["metric"]
+    assert metric.startswith("val/")
+    parent, children = _runs(root, stage)
+    assert parent.data.params["sweep.metric"] == metric and len(children) == 2
+    for child in children:
+        curve = _client(root).get_metric_history(child.info.run_id, metric)
+        assert len(curve) == 2  # one point per epoch, visible in the nested run

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ml.discovery.protocol import gfd_baselines, gfd_ssk, known_or_new_names
+from ml.discovery.protocol import gfd_baselines, gfd_chance, gfd_ssk, known_or_new_names
 from ml.errors import DataError
 
 
@@ -36,13 +36,49 @@ def test_ssk_on_separable_identities_scores_perfectly_on_both_subsets():
     assert len(novel_names) == 1 and next(iter(novel_names)).startswith("new-")
 
 
-def test_baselines_use_no_labels_and_report_the_chosen_setting():
+def test_baselines_choose_their_setting_without_reading_unlabelled_labels(monkeypatch):
+    import ml.discovery.protocol as protocol
+
+    seen = []  # the labels every choice of setting was made on
+
+    def recording_best_of(preds, y_true, known_mask):
+        seen.append(np.asarray(y_true).copy())
+        return protocol.best_of.__wrapped__(preds, y_true, known_mask)
+
+    recording_best_of.__wrapped__ = protocol.best_of
+    monkeypatch.setattr(protocol, "best_of", recording_best_of)
     x, labels, labelled, known, test = _split()
     out = gfd_baselines(x, labels, labelled, known, test, eps_grid=[0.3, 0.8], min_samples_grid=[2])
     assert set(out) == {"kmeans", "agglomerative", "dbscan"}
     assert out["agglomerative"].setting in {"ward", "average", "complete", "single"}
     assert out["dbscan"].setting in {"(0.3, 2)", "(0.8, 2)"}
     assert all(o.known_classes is None for o in out.values())
+    # the labels of the scored images (test and unlabelled train) permuted among themselves: every choice reads
+    # the same labels and makes the same clusters; only the scores move
+    scrambled = labels.copy()
+    hidden = np.flatnonzero(~labelled)
+    scrambled[hidden] = np.random.default_rng(2).permutation(labels[hidden])
+    first = list(seen)
+    again = gfd_baselines(x, scrambled, labelled, known, test, eps_grid=[0.3, 0.8], min_samples_grid=[2])
+    assert len(seen) == 2 * len(first) == 6
+    for a, b in zip(first, seen[len(first):]):
+        np.testing.assert_array_equal(a, b)
+    for name, outcome in out.items():
+        assert again[name].setting == outcome.setting, name
+        np.testing.assert_array_equal(again[name].pred, outcome.pred)
+    assert again["kmeans"].metrics["test/all"] < out["kmeans"].metrics["test/all"]
+
+
+def test_chance_is_the_expected_accuracy_of_a_random_partition():
+    # 2 identities × 2 images: of the 6 equally likely arrangements 2 are right (accuracy 1) and 4 half right
+    labels = np.array([0, 0, 1, 1])
+    none, test = np.zeros(4, bool), np.ones(4, bool)
+    out = gfd_chance(labels, none, none, test, draws=4000, seed=0)
+    assert out.metrics["test/all"] == pytest.approx(2 / 3, abs=0.02)
+    assert out.metrics["test/all"] > 1 / 2  # far above 1/K
+    x, labels, labelled, known, test = _split()
+    assert gfd_chance(labels, labelled, known, test).metrics["test/all"] < gfd_ssk(
+        x, labels, labelled, known, test, n_init=1).metrics["test/all"]
 
 
 @pytest.mark.parametrize(("mutate", "match"), [
