@@ -17,6 +17,7 @@ import importlib
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ml.config import from_mapping
@@ -45,15 +46,20 @@ class SweepTarget:
         return getattr(importlib.import_module(module), name)
 
 
-def _fr_check_data(paths: Paths, params: Mapping[str, Any], metric: str) -> None:
-    """The prepared training set exists, with a ``val`` split when the metric is measured on it."""
+def _splits(dataset: Path, stage: str) -> tuple[Path, set[str]]:
+    """(the manifest of a prepared ``dataset``, the splits its rows name); DataError when it was not prepared."""
     from ml.data.dataset import read_manifest
 
-    manifest_path = paths.train_set / "manifest.parquet"
+    manifest_path = dataset / "manifest.parquet"
     if not manifest_path.is_file():
-        raise DataError(f"{paths.train_set} holds no prepared dataset: run `dvc repro prepare` "
-                        "(or `faceops run --stage prepare`) before sweeping train_fr")
-    splits = set(read_manifest(manifest_path)["split"])
+        raise DataError(f"{dataset} holds no prepared dataset: run `dvc repro prepare` (or `faceops run --stage "
+                        f"prepare`) before sweeping {stage}")
+    return manifest_path, set(read_manifest(manifest_path)["split"])
+
+
+def _fr_check_data(paths: Paths, params: Mapping[str, Any], metric: str) -> None:
+    """The prepared training set exists, with a ``val`` split when the metric is measured on it."""
+    manifest_path, splits = _splits(paths.train_set, "train_fr")
     if "train" not in splits:
         raise DataError(f"{manifest_path}: no rows with split 'train' to train on")
     if metric.startswith("val/") and "val" not in splits:
@@ -146,13 +152,7 @@ def _one_device(cfg: Any, section_name: str) -> None:
 
 def _aligner_check_data(paths: Paths, params: Mapping[str, Any], metric: str) -> None:
     """The unaligned set exists with a ``train`` and a ``val`` split."""
-    from ml.data.dataset import read_manifest
-
-    manifest_path = paths.unaligned_set / "manifest.parquet"
-    if not manifest_path.is_file():
-        raise DataError(f"{paths.unaligned_set} holds no prepared dataset: run `dvc repro prepare` before sweeping "
-                        "train_aligner")
-    splits = set(read_manifest(manifest_path)["split"])
+    manifest_path, splits = _splits(paths.unaligned_set, "train_aligner")
     for split, advice in (("train", "rerun prepare"), ("val", "set data.unaligned_val_identities > 0 and rerun "
                                                               "prepare")):
         if split not in splits:
