@@ -1,7 +1,7 @@
 """What sweeping each stage trains and reports: ``OBJECTIVES`` maps every sweepable stage to its ``SweepTarget``.
 
-Every trial reports its metric after every epoch, where Optuna's Lightning pruning callback may stop it, and reads
-no test split:
+Every trial reports its metric to Optuna after every epoch, where the study's pruner may stop it (``_pruning``),
+and reads no test split:
 
 - ``train_fr``: the prepared set's ``train`` split; ``val/accuracy``, the closed-set identification accuracy of its
   ``val`` split (images of the training identities not trained on) against the margin head's class centres;
@@ -145,9 +145,10 @@ def _last_value(pruning: Any, metric: str) -> float:
 
 
 def _one_device(cfg: Any, section_name: str) -> None:
-    if getattr(cfg, "devices", 1) * getattr(cfg, "num_nodes", 1) != 1:
-        raise ConfigError(f"sweep trials train on one device ({section_name}.devices = {cfg.devices}); scale a "
-                          "sweep out with more workers on one study instead")
+    devices, nodes = getattr(cfg, "devices", 1), getattr(cfg, "num_nodes", 1)
+    if devices * nodes != 1:
+        raise ConfigError(f"sweep trials train on one device ({section_name}.devices = {devices}, num_nodes = "
+                          f"{nodes}); scale a sweep out with more workers on one study instead")
 
 
 def _aligner_check_data(paths: Paths, params: Mapping[str, Any], metric: str) -> None:
