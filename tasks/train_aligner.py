@@ -98,30 +98,29 @@ def reference_comparison(model: Any, folder: str, max_images: int) -> dict[str, 
             "size": int(size)}
 
 
-def aligner_val(paths: Paths) -> tuple[np.ndarray, np.ndarray] | None:
-    """(images, landmarks) of the unaligned set's split ``val``; None when it has none (``data.unaligned_val_identities:
-    0``)."""
+def unaligned_split(paths: Paths, split: str, progress: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
+    """(images, landmarks) of the unaligned set's ``split`` (``train``, ``val`` or ``test``); None when it has no
+    such rows (``val`` with ``data.unaligned_val_identities: 0``). The stage and the sweep's trials read the same."""
     from ml.data.dataset import landmarks_array, load_images, read_manifest
 
     manifest = read_manifest(paths.unaligned_set / "manifest.parquet")
-    rows = manifest[manifest["split"] == "val"].reset_index(drop=True)
-    return (load_images(paths.unaligned_set, rows, progress=True), landmarks_array(rows)) if len(rows) else None
+    rows = manifest[manifest["split"] == split].reset_index(drop=True)
+    if not len(rows):
+        return None
+    return load_images(paths.unaligned_set, rows, progress=progress), landmarks_array(rows)
 
 
 def run(cfg: AlignerStageConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
-    from ml.data.dataset import landmarks_array, load_images, read_dataset_info, read_manifest
+    from ml.data.dataset import read_dataset_info
     from ml.aligner.metrics import auc_at, failure_rate, nme, nme_box, plot_ced
     from ml.aligner.dfa import save_aligner
     from ml.aligner.train import train_aligner
     from ml.aligner.data import HELDOUT_NONFACE_START, nonface_crops
     from ml.aligner.evaluate import evaluate_aligner
 
-    manifest = read_manifest(paths.unaligned_set / "manifest.parquet")
-    train_rows = manifest[manifest["split"] == "train"].reset_index(drop=True)
-    test_rows = manifest[manifest["split"] == "test"].reset_index(drop=True)
-    x, lm = load_images(paths.unaligned_set, train_rows, progress=True), landmarks_array(train_rows)
-    res = train_aligner(cfg.train, x, lm, val=aligner_val(paths), progress=True)
-    tx, tlm = load_images(paths.unaligned_set, test_rows, progress=True), landmarks_array(test_rows)
+    x, lm = unaligned_split(paths, "train")
+    res = train_aligner(cfg.train, x, lm, val=unaligned_split(paths, "val"), progress=True)
+    tx, tlm = unaligned_split(paths, "test")  # read once, after training
     info = read_dataset_info(paths.unaligned_set)
     save_aligner(paths.aligner_model, res.model, extra={"registered_name": REGISTERED_MODEL,
                                                         "training_data_digest": info["digest"],

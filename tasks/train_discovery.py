@@ -71,6 +71,20 @@ def gfd_rows(paths: Paths) -> tuple[Path, pd.DataFrame]:
     return dataset, rows
 
 
+def training_data(paths: Paths, data: DataConfig, progress: bool = True
+                  ) -> tuple[Path, pd.DataFrame, np.ndarray, np.ndarray, np.ndarray]:
+    """(dataset dir, the GFD split's ``train`` rows, their uint8 images, labels with −1 on every unlabelled image,
+    the labelled mask): what the stage and the sweep's trials train on."""
+    from ml.data.dataset import load_images
+
+    dataset, rows = gfd_rows(paths)
+    train = rows[rows["subset"] == "train"].reset_index(drop=True)
+    images = load_images(dataset, train, expected_size=(data.image_size, data.image_size), progress=progress)
+    labelled = train["labelled"].to_numpy(bool)
+    labels = np.where(labelled, train["label"].to_numpy(np.int64), -1)  # unlabelled images carry no label at all
+    return dataset, train, images, labels, labelled
+
+
 def anchor_set(cfg: DiscoveryConfig, data: DataConfig, paths: Paths) -> tuple[np.ndarray, np.ndarray] | None:
     """The anchor's (uint8 images, labels): the FR model's training rows, at most ``cfg.anchor_images`` of them;
     None when the anchor is off."""
@@ -96,15 +110,11 @@ def anchor_set(cfg: DiscoveryConfig, data: DataConfig, paths: Paths) -> tuple[np
 
 
 def run(cfg: DiscoveryConfig, data: DataConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
-    from ml.data.dataset import load_images, read_dataset_info
+    from ml.data.dataset import read_dataset_info
     from ml.discovery.facegcd import save_facegcd
     from ml.discovery.train import train_discovery
 
-    dataset, rows = gfd_rows(paths)
-    train = rows[rows["subset"] == "train"].reset_index(drop=True)
-    images = load_images(dataset, train, expected_size=(data.image_size, data.image_size), progress=True)
-    labelled = train["labelled"].to_numpy(bool)
-    labels = np.where(labelled, train["label"].to_numpy(np.int64), -1)  # unlabelled images carry no label at all
+    dataset, train, images, labels, labelled = training_data(paths, data)
     init = None
     if cfg.backbone_init == "fr":
         init = paths.fr_model(FR_SOURCE)

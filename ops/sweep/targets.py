@@ -163,13 +163,10 @@ def _aligner_check_data(paths: Paths, params: Mapping[str, Any], metric: str) ->
 def _aligner_trainer(paths: Paths, params: Mapping[str, Any], metric: str) -> TrialTrainer:
     """Load the unaligned set's train and val splits once; → a function that trains one DFA trial on them."""
     from ml.aligner.train import train_aligner
-    from ml.data.dataset import landmarks_array, load_images, read_manifest
-    from tasks.train_aligner import aligner_val
+    from tasks.train_aligner import unaligned_split
 
-    manifest = read_manifest(paths.unaligned_set / "manifest.parquet")
-    rows = manifest[manifest["split"] == "train"].reset_index(drop=True)
-    images, landmarks = load_images(paths.unaligned_set, rows), landmarks_array(rows)
-    val = aligner_val(paths)
+    images, landmarks = unaligned_split(paths, "train", progress=False)
+    val = unaligned_split(paths, "val", progress=False)
     log.info("train_aligner trials: %d training faces, %d val faces", len(images), len(val[0]))
 
     def train_trial(cfg: Any, trial: Any, tracker: Any) -> float:
@@ -185,7 +182,8 @@ def _discovery_check_data(paths: Paths, params: Mapping[str, Any], metric: str) 
     """The GFD split exists, and labelled images are held out when the metric is measured on them."""
     if not paths.gfd_split.is_file():
         raise DataError(f"{paths.gfd_split} is missing: run `dvc repro prepare` before sweeping train_discovery")
-    held = section(params, "discovery").get("val_per_identity", 0)
+    fixed = (section(params, "sweep").get("train_discovery") or {}).get("fixed") or {}
+    held = fixed.get("discovery.val_per_identity", section(params, "discovery").get("val_per_identity", 0))
     if metric.startswith("val/") and not held:
         raise DataError(f"{metric} is measured on held-out labelled images: set discovery.val_per_identity > 0 "
                         "(or in sweep.train_discovery.fixed)")
@@ -194,20 +192,13 @@ def _discovery_check_data(paths: Paths, params: Mapping[str, Any], metric: str) 
 def _discovery_trainer(paths: Paths, params: Mapping[str, Any], metric: str) -> TrialTrainer:
     """Load the GFD split's training images (and the anchor's FR images) once; → a function that trains one FaceGCD
     trial on them."""
-    import numpy as np
-
-    from ml.data.dataset import load_images
     from ml.discovery.train import DiscoveryConfig, train_discovery
     from tasks.prepare import DataConfig
-    from tasks.train_discovery import FR_SOURCE, anchor_set, gfd_rows
+    from tasks.train_discovery import FR_SOURCE, anchor_set, training_data
 
     data = from_mapping(DataConfig, section(params, "data"), "data")
     base = from_mapping(DiscoveryConfig, section(params, "discovery"), "discovery")
-    dataset, rows = gfd_rows(paths)
-    train = rows[rows["subset"] == "train"].reset_index(drop=True)
-    images = load_images(dataset, train, expected_size=(data.image_size, data.image_size))
-    labelled = train["labelled"].to_numpy(bool)
-    labels = np.where(labelled, train["label"].to_numpy(np.int64), -1)
+    _, _, images, labels, labelled = training_data(paths, data, progress=False)
     anchor = anchor_set(base, data, paths) if base.anchor_weight > 0 else None
     log.info("train_discovery trials: %d images (%d labelled)", len(labels), int(labelled.sum()))
 

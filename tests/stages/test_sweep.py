@@ -406,3 +406,18 @@ def test_every_trainer_sweeps_on_its_val_split_and_never_reads_a_test_split(tmp_
     for child in children:
         curve = _client(root).get_metric_history(child.info.run_id, metric)
         assert len(curve) == 2  # one point per epoch, visible in the nested run
+
+
+def test_discovery_val_split_may_be_held_out_by_the_sweeps_fixed_keys(tmp_path):
+    from ml.errors import DataError
+    from ops.sweep.targets import OBJECTIVES
+
+    paths = Paths(tmp_path)
+    paths.gfd_split.parent.mkdir(parents=True)
+    paths.gfd_split.write_bytes(b"")
+    check = OBJECTIVES["train_discovery"].check_data
+    params = {"discovery": {"val_per_identity": 0}}
+    with pytest.raises(DataError, match=r"set discovery.val_per_identity > 0 \(or in sweep.train_discovery.fixed\)"):
+        check(paths, params, "val/accuracy")
+    check(paths, {**params, "sweep": {"train_discovery": {"fixed": {"discovery.val_per_identity": 2}}}}, "val/accuracy")
+    check(paths, params, "train/loss")  # a training metric needs no held-out images
