@@ -25,8 +25,8 @@ app = typer.Typer(
         "**faceops** — reproducible face-recognition research pipelines.\n\n"
         "The stage DAG lives in `dvc.yaml`, its configuration in `params.yaml`: `prepare` → `validate` → "
         "`train_fr@real` (face recognition) and `train_aligner` (landmarks) → `align`; on `train_fr@real`: "
-        "`train_discovery`, `train_fusion` (set fusion) and `train_generator` → `synthesize` → `train_fr@synthetic`; "
-        "`evaluate` last, over every model (`faceops ls` lists them). Every stage execution is an MLflow run (store: "
+        "`train_discovery`, `train_fusion` (set fusion) and `train_generator` → `synthesize` → `train_fr@synthetic` "
+        "and `train_fr@real_matched` (real faces at the synthetic set's budget); `evaluate` last, over every model (`faceops ls` lists them). Every stage execution is an MLflow run (store: "
         "`mlflow.db`, or `MLFLOW_TRACKING_URI`).\n\n"
         "Typical use:\n\n"
         "* `faceops run` — reproduce the whole pipeline as a Prefect flow (skips what DVC finds up to date, "
@@ -47,7 +47,9 @@ def _unknown_stage(name: str, names: list[str], option: str = "") -> str:
 
     items = [n for n in names if n.startswith(f"{name}@")]  # a foreach stage named without its item
     close = items or difflib.get_close_matches(name, names, n=3, cutoff=0.75)
-    hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
+    quoted = [repr(n) for n in close]
+    listed = f"{', '.join(quoted[:-1])} or {quoted[-1]}" if len(quoted) > 1 else "".join(quoted)
+    hint = f" Did you mean {listed}?" if close else ""
     return f"unknown stage '{name}'{f' for {option}' if option else ''}.{hint} dvc.yaml has {', '.join(names)}."
 
 

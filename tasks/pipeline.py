@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 
 from ml.errors import ConfigError
 
-SOURCE_DEPS = {"real": "data/prepared/train", "synthetic": "data/synthetic", "mixed": "data/synthetic"}
-EXCLUSIVE = ("prepare", "validate", "train_fr@real", "synthesize", "train_fr@synthetic", "evaluate")
+SOURCE_DEPS = {"real": "data/prepared/train", "synthetic": "data/synthetic", "mixed": "data/synthetic",
+               "real_matched": "data/synthetic"}  # real_matched reads the synthetic set's size only
+EXCLUSIVE = ("prepare", "validate", "train_fr@real", "synthesize", "train_fr@synthetic", "train_fr@real_matched",
+             "evaluate")
 
 
 @dataclass(frozen=True)
@@ -24,7 +26,8 @@ class PipelineConfig:
     declares (a ``foreach`` over it) to the dataset DVC tracks for it besides the real training set; ``jobs`` is
     how many stages run at once where the DAG allows; ``exclusive`` lists the stages that run alone on all cores."""
 
-    fr_sources: dict[str, str] = field(default_factory=lambda: {k: SOURCE_DEPS[k] for k in ("real", "synthetic")})
+    fr_sources: dict[str, str] = field(
+        default_factory=lambda: {k: SOURCE_DEPS[k] for k in ("real", "synthetic", "real_matched")})
     jobs: int = 2
     exclusive: tuple[str, ...] = EXCLUSIVE
 

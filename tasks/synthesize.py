@@ -3,16 +3,20 @@
 1. Identity contexts: ``candidates`` faces sampled with the empty context only, embedded by the FR model
    ``models/fr/<fr_source>`` and filtered greedily to pairwise cosine < ``max_cosine`` (``ml.generator.contexts``).
 2. Sampling: ``images_per_identity`` faces per context in ``sampler.mode``, with or without attention injection.
-3. Privacy: identity centres against real training ones (faces against up to 2,000 sampled real faces); identities
-   above ``max_real_cosine`` are dropped, fewer than ``min_identities`` left fails; ``plots/synthetic_privacy.png``.
+3. Calibrated gates (``ml.generator.gates``), thresholds from real faces of never-trained identities (the GFD
+   split's labelled images) under the same FR model unless set by hand: more memorised faces than
+   ``max_memorised_fraction`` fails the stage; identities above the privacy threshold to a real training identity
+   (``max_real_cosine``) or below the consistency one (``min_identity_consistency``) are dropped, fewer than
+   ``min_identities`` left fails. Real faces: up to 2,000 sampled training faces; ``plots/synthetic_privacy.png``.
 4. Gate: identity gap ≥ ``min_identity_gap`` and adjacent-pixel correlation ≥ ``min_pixel_correlation``, else the
    stage fails, after writing the metrics and plots and before exporting anything.
 5. Export: ``data/synthetic/`` (source ``synthetic``, DFA landmarks per face, ``contexts.npy``), a sample grid; then
-   the GX ``synthetic`` suite with per-identity consistency ≥ ``min_identity_consistency``.
+   the GX ``synthetic`` suite with per-identity consistency ≥ the consistency threshold.
 
 Metrics (``metrics/synthesize.json``): identity gap, pixel correlation, privacy distributions, SSIM and embedding
 diversity, identity consistency, inter-class separation, Improved P/R (k = 10) against real training faces, the
-t0 distribution and UNet evaluations per face. Keys are ``synthesize.*`` params.
+t0 distribution, UNet evaluations per face and each gate's threshold and reference (``synthetic/gate/*``). Keys
+are ``synthesize.*`` params.
 """
 
 from __future__ import annotations
@@ -48,11 +52,16 @@ class SynthesizeConfig:
     candidates: int = 96                # empty-context samples to find identity contexts among
     max_cosine: float = 0.4             # kept contexts are pairwise below this cosine
     allow_fewer: bool = False           # fewer identities than asked: continue (true) or stop (false)
-    min_identity_consistency: float = 0.0  # gate: each identity's mean intra-class cosine must reach this
+    min_identity_consistency: float | None = None  # drop identities agreeing less (None: consistency_percentile)
+    consistency_percentile: float = 5.0  # … of never-trained real identities' consistency
     min_identity_gap: float = 0.2       # gate: mean intra-class − mean pairwise inter-class cosine (real faces ≈ 0.6)
     min_pixel_correlation: float = 0.9  # gate: adjacent-pixel correlation (faces ≈ 0.95–0.99, colour noise ≲ 0.8)
-    max_real_cosine: float = 0.9        # privacy: identities whose centre is closer to a real identity's are dropped
-    min_identities: int = 2             # fewer left after the privacy check: the stage fails
+    max_real_cosine: float | None = None  # privacy: drop identities closer to a real one (None: privacy_percentile)
+    privacy_percentile: float = 50.0    # … of never-trained real identities' nearest training identity
+    max_face_cosine: float | None = None  # memorisation: a face this near a real one is a copy (None: percentile)
+    memorisation_percentile: float = 99.0  # … of never-trained real faces' nearest face of their own identity
+    max_memorised_fraction: float = 0.01   # more copies than this share of the faces: the stage fails
+    min_identities: int = 2             # fewer left after the drops: the stage fails
     batch_size: int = 64
     sampler: SamplerConfig = field(default_factory=lambda: SamplerConfig(steps=25))
     seed: int = 0
@@ -69,6 +78,12 @@ class SynthesizeConfig:
                               f"({self.identities}): there must be at least one candidate per identity")
         if not -1.0 < self.max_cosine <= 1.0:
             raise ConfigError(f"synthesize.max_cosine = {self.max_cosine!r}: need a cosine in (−1, 1]")
+        for key in ("consistency_percentile", "privacy_percentile", "memorisation_percentile"):
+            if not 0.0 <= getattr(self, key) <= 100.0:
+                raise ConfigError(f"synthesize.{key} = {getattr(self, key)!r}: need a percentile in [0, 100]")
+        if not 0.0 <= self.max_memorised_fraction <= 1.0:
+            raise ConfigError(f"synthesize.max_memorised_fraction = {self.max_memorised_fraction!r}: need a share "
+                              "in [0, 1]")
 
 
 def load_generator_for(paths: Paths, generator_cfg: Any) -> tuple[Any, dict[str, Any], Any]:
@@ -197,10 +212,74 @@ def per_identity_consistency(emb: np.ndarray, labels: np.ndarray) -> dict[int, f
     return per_class_consistency(emb, labels)
 
 
+def reference_faces(paths: Paths) -> tuple[Path, Any]:
+    """(dataset dir, rows) of real faces of identities the FR model never trained on: the labelled images of the
+    GFD split's known identities (labels the discovery methods are given; never a test split)."""
+    from tasks.train_discovery import gfd_rows
+
+    dataset, rows = gfd_rows(paths)
+    rows = rows[(rows["subset"] == "train") & rows["labelled"]].reset_index(drop=True)
+    if rows["identity"].nunique() < 2:
+        raise DataError(f"{paths.gfd_split}: the calibrated synthesize gates need labelled images of ≥ 2 known "
+                        f"identities, found {rows['identity'].nunique()}; set synthesize.max_real_cosine, "
+                        "max_face_cosine and min_identity_consistency by hand")
+    return dataset, rows
+
+
+def calibrated_gates(cfg: SynthesizeConfig, fr: Any, paths: Paths, train_emb: np.ndarray,
+                     train_labels: np.ndarray) -> dict[str, Any]:
+    """{"privacy", "memorisation", "consistency": Threshold}: each gate's param, or its percentile of the reference
+    (``ml.generator.gates``) embedded by ``fr``."""
+    from ml.data.dataset import landmarks_array, load_images
+    from ml.generator.gates import (
+        calibrate, nearest_same_identity, reference_consistency, reference_privacy,
+    )
+    from tasks.train_generator import identity_embeddings
+
+    dataset, rows = reference_faces(paths)
+    emb = identity_embeddings(fr, load_images(dataset, rows, progress=True), landmarks_array(rows))
+    labels = rows["label"].to_numpy()
+    return {
+        "privacy": calibrate(cfg.max_real_cosine, reference_privacy(emb, labels, train_emb, train_labels),
+                             cfg.privacy_percentile, "synthesize.max_real_cosine"),
+        "memorisation": calibrate(cfg.max_face_cosine, nearest_same_identity(emb, labels),
+                                  cfg.memorisation_percentile, "synthesize.max_face_cosine"),
+        "consistency": calibrate(cfg.min_identity_consistency, reference_consistency(emb, labels),
+                                 cfg.consistency_percentile, "synthesize.min_identity_consistency"),
+    }
+
+
+def gate_metrics(gates: dict[str, Any]) -> dict[str, float]:
+    """``synthetic/gate/<gate>/{threshold,reference_median,reference_size,percentile}`` (percentile −1: by hand)."""
+    out = {}
+    for name, t in gates.items():
+        out.update({f"synthetic/gate/{name}/threshold": t.value,
+                    f"synthetic/gate/{name}/reference_median": t.reference_median,
+                    f"synthetic/gate/{name}/reference_size": float(t.reference_size),
+                    f"synthetic/gate/{name}/percentile": -1.0 if t.percentile is None else t.percentile})
+    return out
+
+
+def check_memorisation(cfg: SynthesizeConfig, memorised: np.ndarray, total: int, labels: np.ndarray,
+                       privacy: dict[str, np.ndarray], real_rows: Any, gate: Any) -> None:
+    """Fail when more than ``max_memorised_fraction`` of the faces sit nearer a real training face than the
+    memorisation threshold, naming the synthetic identities and the real faces they copy."""
+    if len(memorised) <= cfg.max_memorised_fraction * total:
+        return
+    worst = memorised[np.argsort(-privacy["face_max_cos"][memorised])][:5]
+    nearest = real_rows["path"].to_numpy()[privacy["face_nearest"]]
+    pairs = "; ".join(f"synthetic identity {int(labels[i])} face {int(i)} ~ {nearest[i]} "
+                      f"(cos {privacy['face_max_cos'][i]:.3f})" for i in worst)
+    raise DataError(
+        f"memorisation: {len(memorised)} of {total} synthetic faces sit nearer a real training face than "
+        f"synthesize.max_face_cosine = {gate.value:.3f} ({gate.source}; a second photo of the same real person "
+        f"sits at median {gate.reference_median:.3f}), above synthesize.max_memorised_fraction = "
+        f"{cfg.max_memorised_fraction}: {pairs}. The generator reproduces training faces: see "
+        "plots/synthetic_privacy.png; train it on more data or for fewer steps")
+
+
 def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Paths, *, tracker: Any = None
         ) -> StageResult:
-    import pandas as pd
-
     from ml.data.dataset import DatasetWriter, landmarks_array, load_images, read_manifest
     from ml.generator.diversity import diversity_report, identity_gap, nearest_real
     from ml.generator.image_diversity import adjacent_pixel_correlation, ssim_diversity
@@ -233,26 +312,38 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
     labels = np.repeat(np.arange(len(keep)), cfg.images_per_identity)
     emb, landmarks = embed_faces(faces)
     faces = resize_faces(faces, data.image_size)
-    # 3. privacy: identities too close to a real training identity are dropped
+    # 3. calibrated gates: memorisation fails the stage; privacy and consistency drop identities
     real_rows = read_manifest(paths.train_set / "manifest.parquet")
     real_rows = real_rows[real_rows["split"] == "train"].reset_index(drop=True)
     real_rows = real_rows.sample(n=min(len(real_rows), 2000), random_state=cfg.seed).reset_index(drop=True)
     real_faces = load_images(paths.train_set, real_rows, progress=True)
     real_emb = identity_embeddings(fr, real_faces, landmarks_array(real_rows))
     privacy = nearest_real(emb, labels, real_emb, real_rows["label"].to_numpy())
-    too_close = np.flatnonzero(privacy["identity_max_cos"] > cfg.max_real_cosine)
-    kept_ids = np.setdiff1d(np.arange(len(keep)), too_close)
     plot_nearest_real(faces, labels, privacy, real_faces, paths.plots / "synthetic_privacy.png")
+    gates = calibrated_gates(cfg, fr, paths, real_emb, real_rows["label"].to_numpy())
+    memorised = np.flatnonzero(privacy["face_max_cos"] > gates["memorisation"].value)
+    if gates["memorisation"].value >= 1.0:  # by hand, off: a cosine of 1 + rounding is not a copy
+        memorised = memorised[:0]
+    check_memorisation(cfg, memorised, len(faces), labels, privacy, real_rows, gates["memorisation"])
+    consistency = per_identity_consistency(emb, labels)
+    too_close = np.flatnonzero(privacy["identity_max_cos"] > gates["privacy"].value)
+    if gates["privacy"].value >= 1.0:
+        too_close = too_close[:0]
+    inconsistent = np.array([c for c, v in consistency.items() if v < gates["consistency"].value], dtype=np.int64)
+    kept_ids = np.setdiff1d(np.arange(len(keep)), np.union1d(too_close, inconsistent))
     if len(kept_ids) < cfg.min_identities:
         raise DataError(
-            f"only {len(kept_ids)} of {len(keep)} synthetic identities are below synthesize.max_real_cosine = "
-            f"{cfg.max_real_cosine} to every real training identity (need synthesize.min_identities = "
-            f"{cfg.min_identities}); the generator reproduces real identities — see plots/synthetic_privacy.png; "
-            "sample more candidates, lower synthesize.max_cosine, or raise max_real_cosine knowingly")
+            f"only {len(kept_ids)} of {len(keep)} synthetic identities pass the privacy and consistency gates "
+            f"(need synthesize.min_identities = {cfg.min_identities}): {len(too_close)} sit closer than "
+            f"{gates['privacy'].value:.3f} ({gates['privacy'].source}) to a real training identity, "
+            f"{len(inconsistent)} agree less than {gates['consistency'].value:.3f} ({gates['consistency'].source}) — "
+            "see plots/synthetic_privacy.png; sample more candidates, lower synthesize.max_cosine, or set "
+            "synthesize.max_real_cosine / min_identity_consistency knowingly")
     rows_kept = np.isin(labels, kept_ids)
     faces, landmarks, emb, t0, evals = (a[rows_kept] for a in (faces, landmarks, emb, t0, evals))
     labels = np.searchsorted(kept_ids, labels[rows_kept])
     contexts = contexts[kept_ids]
+    consistency = per_identity_consistency(emb, labels)
     # 4. faces, not noise; identities, not one face: the gate's numbers
     gap = identity_gap(emb, labels)
     pixel_corr = adjacent_pixel_correlation(faces)
@@ -260,7 +351,6 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
                 title=f"UIFace synthetic identities (one per row): identity gap {gap['gap']:.2f}, adjacent-pixel "
                       f"correlation {pixel_corr:.2f}")
     # the numbers and the gate come before the export: a set that fails leaves no dataset behind
-    consistency = per_identity_consistency(emb, labels)
     report = diversity_report(emb, labels, real_emb=real_emb, k=min(10, len(emb) - 1, len(real_emb) - 1))
     result = StageResult("synthesize", outputs=[paths.synthetic_set])
     result.metrics = {**report, "synthetic/identities": float(len(kept_ids)), "synthetic/images": float(len(faces)),
@@ -272,6 +362,9 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
                       "synthetic/max_real_cosine_mean": float(privacy["identity_max_cos"].mean()),
                       "synthetic/nearest_real_cosine_p99": float(np.percentile(privacy["face_max_cos"], 99)),
                       "synthetic/dropped_too_close_to_real": float(len(too_close)),
+                      "synthetic/dropped_inconsistent": float(len(inconsistent)),
+                      "synthetic/memorised_faces": float(len(memorised)),
+                      **gate_metrics(gates),
                       "synthetic/identity_consistency_min": float(min(consistency.values())),
                       "synthetic/t0_mean": float(t0.mean()), "synthetic/t0_std": float(t0.std()),
                       "synthetic/unet_evals_per_image": float(evals.mean()),
@@ -301,7 +394,7 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
     # 6. the data-quality suite
     manifest = read_manifest(paths.synthetic_set / "manifest.parquet")
     manifest["identity_consistency"] = manifest["label"].map(consistency).astype(float)
-    manifest["min_identity_consistency"] = float(cfg.min_identity_consistency)
+    manifest["min_identity_consistency"] = gates["consistency"].value
     report_dir = paths.root / "reports" / "validation_synthetic"
     with atomic_path(report_dir) as tmp:
         tmp.mkdir(parents=True)

@@ -2,7 +2,9 @@
 
 ``dvc.yaml`` runs it as a ``foreach`` over ``pipeline.fr_sources``: ``real`` is the prepared training set
 (procedural faces, or the user's real set); ``synthetic`` is the synthesize stage's UIFace set
-(``data/synthetic``); ``mixed`` is both, the synthetic identities as extra classes after the real ones.
+(``data/synthetic``); ``mixed`` is both, the synthetic identities as extra classes after the real ones;
+``real_matched`` is the real set cut to the synthetic set's budget — its first K identities (label order), the first
+M training images of each, K × M as the synthetic set's — so that UIFace's Table 3 compares like with like.
 Writes ``models/fr/<source>/`` (``model.safetensors`` + ``config.json``), ``metrics/train_fr_<source>.json`` and
 the loss curve (``plots/train_fr_<source>_history.csv`` for ``dvc plots``, ``plots/train_fr_<source>_loss.png``
 for people). The ``val`` split of the training datasets (the real set's; the synthetic set has none) is measured
@@ -36,7 +38,7 @@ from tasks.prepare import DataConfig
 log = logging.getLogger(__name__)
 
 REGISTERED_MODEL = registered_model("train_fr")
-SOURCES = ("real", "synthetic", "mixed")
+SOURCES = ("real", "synthetic", "mixed", "real_matched")
 
 
 def source_datasets(paths: Paths, source: str) -> list[Path]:
@@ -44,8 +46,8 @@ def source_datasets(paths: Paths, source: str) -> list[Path]:
     if source not in SOURCES:
         raise ConfigError(f"unknown training source {source!r}; available: {', '.join(SOURCES)}")
     found = {"real": [paths.train_set], "synthetic": [paths.synthetic_set],
-             "mixed": [paths.train_set, paths.synthetic_set]}[source]
-    for d in found:
+             "mixed": [paths.train_set, paths.synthetic_set], "real_matched": [paths.train_set]}[source]
+    for d in found + ([paths.synthetic_set] if source == "real_matched" else []):
         if not (d / "manifest.parquet").is_file():
             stage = "synthesize" if d == paths.synthetic_set else "prepare"
             raise DataError(f"training source {source!r} reads {d}, which holds no dataset: run `dvc repro {stage}`.")
@@ -63,6 +65,9 @@ def training_rows(paths: Paths, source: str) -> tuple[list[tuple[Path, Any]], st
     for d in source_datasets(paths, source):
         manifest = read_manifest(d / "manifest.parquet")
         rows = manifest[manifest["split"] == "train"].reset_index(drop=True)
+        if source == "real_matched":
+            rows, budget = matched_rows(rows, read_dataset_info(paths.synthetic_set))
+            digests.append(budget)
         rows["label"] = rows["label"] + offset
         offset = int(rows["label"].max()) + 1
         parts.append((d, rows))
@@ -71,6 +76,21 @@ def training_rows(paths: Paths, source: str) -> tuple[list[tuple[Path, Any]], st
         kinds.append(info["source"])
     digest = digests[0] if len(digests) == 1 else hashlib.sha256("+".join(digests).encode()).hexdigest()
     return parts, digest, "+".join(kinds)
+
+
+def matched_rows(rows: Any, synthetic: dict[str, Any]) -> tuple[Any, str]:
+    """(``rows`` cut to the synthetic set's K identities × M images, a tag of that budget for the digest): the first
+    K identities by label, the first M rows of each; every kept identity must have M training images."""
+    k = int(synthetic["identity_count"])
+    m = int(synthetic["image_count"]) // max(k, 1)
+    counts = rows.groupby("label").size()
+    if len(counts) < k or counts.sort_index().iloc[:k].min() < m:  # labels 0 … K' − 1 (checked by validate)
+        raise DataError(f"training source 'real_matched' needs {k} real identities with {m} training images each "
+                        f"(the synthetic set's budget), but the real set has {len(counts)} identities with "
+                        f"{int(counts.min())}–{int(counts.max())} images; drop `real_matched` from "
+                        "pipeline.fr_sources")
+    kept = rows[rows["label"] < k]  # labels are 0 … K' − 1 in identity order (the validate gate checks it)
+    return kept.groupby("label", sort=False).head(m).reset_index(drop=True), f"matched:{k}x{m}"
 
 
 def validation_rows(parts: list[tuple[Path, Any]]) -> list[tuple[Path, Any]]:

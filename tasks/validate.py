@@ -45,6 +45,7 @@ class ValidateConfig:
     split_tolerance: float = 0.05     # |observed val share − data.val_fraction| allowed
     count_tolerance: float = 0.0      # relative slack on expected image/identity counts (0 = exact)
     min_images_per_identity: int = 2
+    max_shared_fraction: float = 0.5  # two identities sharing more of their images: one person under two names
 
 
 def manifest_view(manifest: pd.DataFrame) -> pd.DataFrame:
@@ -431,6 +432,26 @@ def validate_manifests(
     return results
 
 
+def check_sets(datasets: dict[str, tuple[str, pd.DataFrame]], cfg: ValidateConfig, paths: Paths, reports: Path
+               ) -> dict[str, float]:
+    """The cross-set leakage check (``ml.data.leakage``) over the prepared sets: names everywhere, pixels in the
+    sets that hold faces a model is trained or scored on by identity (train, heldout, templates, discovery).
+    Writes ``leakage.json`` into ``reports``; a failure raises naming every finding."""
+    from ml.data.leakage import check_leakage
+
+    sets = {k: (paths.prepared / k, m) for k, (kind, m) in datasets.items() if kind != "gfd_split"}
+    found = check_leakage(sets, hashed=("train", "heldout", "templates", "discovery"),
+                          max_shared_fraction=cfg.max_shared_fraction)
+    write_json(reports / "leakage.json", {"failures": found.failures, "notes": found.notes, **found.metrics})
+    for note in found.notes:
+        log.warning("leakage check: %s", note)
+    if found.failures:
+        raise DataError("the leakage check failed — the same person or image is where it must not be (reports/"
+                        "validation-failed/leakage.json); remove or rename them in the source and rerun prepare:\n  "
+                        + "\n  ".join(found.failures))
+    return found.metrics
+
+
 def run(data: DataConfig, cfg: ValidateConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
     from ml.data.dataset import MANIFEST_COLUMNS, read_manifest
     from ml.discovery.split import read_gfd_split
@@ -452,6 +473,7 @@ def run(data: DataConfig, cfg: ValidateConfig, paths: Paths, *, tracker: Any = N
         tmp.mkdir(parents=True)
         try:
             results = validate_manifests(datasets, data, cfg, tmp)
+            result.metrics.update(check_sets(datasets, cfg, paths, tmp))
         except DataError:
             # keep the evidence: reports of a failed gate still land, then the stage fails
             _publish_failed(tmp, paths.validation_reports)

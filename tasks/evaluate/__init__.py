@@ -30,7 +30,7 @@ import numpy as np
 
 from ml.config import from_mapping
 from tasks.common import (
-    Paths, StageResult, load_params, section, stage_main, write_json, write_text, pyplot, save_figure,
+    Paths, StageResult, load_params, section, write_json, write_text, pyplot, save_figure,
 )
 from tasks.prepare import DataConfig
 
@@ -300,6 +300,35 @@ def evaluate_model(model: Any, tag: str, cfg: EvaluateConfig, paths: Paths, sets
     return metrics, curves
 
 
+def chance_metrics(cfg: EvaluateConfig, paths: Paths, sets: list) -> dict[str, float]:
+    """What random scores get on each benchmark, keyed ``chance/...`` like a model's numbers: verification the
+    majority share of the pairs, TAR@FAR the FAR, closed-set rank-r r/G over G gallery identities, open-set
+    TPIR@FPIR FPIR/G_enrolled, rank-r with distractors r/(G_enrolled + distractor images)."""
+    from ml.data.dataset import read_manifest
+
+    out: dict[str, float] = {}
+    for name, _, issame, _ in sets:
+        share = float(np.mean(issame))
+        out[f"chance/verification/{name}/accuracy"] = max(share, 1.0 - share)
+        out[f"chance/verification/{name}/std"] = 0.0
+    for far in cfg.fars:
+        out[f"chance/templates/tar@far={_fmt_far(far)}"] = float(far)
+    manifest = read_manifest(paths.heldout_set / "manifest.parquet")
+    gallery = (manifest["split"] == "gallery").to_numpy()
+    label = manifest["label"].to_numpy()
+    identities = len(np.unique(label[gallery]))
+    for r in cfg.ranks:
+        out[f"chance/identification/rank{r}"] = min(1.0, r / identities)
+    enrolled = label % 2 == 0  # as evaluate_model's open set
+    if enrolled.any() and (~enrolled).any():
+        g = len(np.unique(label[gallery & enrolled]))
+        for f in cfg.fpirs:
+            out[f"chance/open_set/tpir@fpir={_fmt_far(f)}"] = float(f) / g
+        for r in cfg.distractor_ranks:
+            out[f"chance/distractors/rank{r}"] = min(1.0, r / (g + int((~enrolled).sum())))
+    return out
+
+
 def model_dirs(paths: Paths) -> list[tuple[str, Path]]:
     """``(source, directory)`` of every trained FR model under ``models/fr/``."""
     found = sorted((d.name, d) for d in paths.fr_models.glob("*") if (d / "config.json").is_file())
@@ -359,49 +388,6 @@ def aligner_section(aligner: dict[str, Any], align: dict[str, Any]) -> list[str]
                   f"{ref['median_nme_vs_yunet']:.4f}), {100 * ref['failure@0.1_vs_yunet']:.1f} % above 0.1. DFA was "
                   "trained on procedural faces only."]
     return lines + ["", "![CED](../plots/aligner_ced.png)"]
-
-
-def synthetic_gap(metrics: dict[str, float]) -> dict[str, float]:
-    """UIFace Table 3's synthetic–real gap ``(REAL − SYN)/SYN`` of verification accuracy, per verification set and
-    per non-real model (``synthetic``, ``mixed``): ``gap/<model>/<set>``."""
-    out = {}
-    for key, real in metrics.items():
-        if key.startswith("real/verification/") and key.endswith("/accuracy"):
-            name = key.split("/")[-2]
-            for tag in ("synthetic", "mixed"):
-                syn = metrics.get(f"{tag}/verification/{name}/accuracy")
-                if syn:
-                    out[f"gap/{tag}/{name}"] = (real - syn) / syn
-    return out
-
-
-def synthetic_section(synth: dict[str, Any], metrics: dict[str, float]) -> list[str]:
-    """Markdown for the UIFace synthetic set: its diversity metrics and the synthetic–real gap."""
-    if not synth:
-        return []
-    k = lambda name: synth.get(f"synthetic/{name}", float("nan"))  # noqa: E731
-    pr = sorted(key.split("@")[1] for key in synth if key.startswith("synthetic/precision@"))
-    lines = ["", f"## Synthetic data (UIFace): {int(k('identities'))} identities × "
-             f"{int(k('images')) // max(int(k('identities')), 1)} faces", "",
-             "Under the FR model `real`; diversity = mean intra-class (1 − cos), an embedding proxy for LPIPS (whose "
-             "VGG weights are not available offline); precision/recall: Improved P/R against real training faces. "
-             "Chosen on: nothing (the generator keeps its last epoch). Scored on: its samples.", "",
-             "| identity consistency (min) | diversity | inter-class cos mean / max | "
-             + " | ".join(f"precision / recall @{p}" for p in pr) + " | t0 mean ± std | UNet evals / face |",
-             "|---|---|---|" + "---|" * len(pr) + "---|---|",
-             f"| {k('identity_consistency'):.3f} ({k('identity_consistency_min'):.3f}) | {k('diversity'):.3f} | "
-             f"{k('inter_class_mean_cos'):.3f} / {k('inter_class_max_cos'):.3f} | "
-             + " | ".join(f"{k('precision@' + p):.3f} / {k('recall@' + p):.3f}" for p in pr)
-             + f" | {k('t0_mean'):.0f} ± {k('t0_std'):.0f} | {k('unet_evals_per_image'):.1f} |"]
-    gaps = {key: v for key, v in metrics.items() if key.startswith("gap/")}
-    if gaps:
-        lines += ["", "Synthetic–real gap `(REAL − SYN)/SYN` of verification accuracy (UIFace Table 3; 0 = no gap):", "",
-                  "| model | set | REAL | SYN | gap |", "|---|---|---|---|---|"]
-        for key, gap in sorted(gaps.items()):
-            _, tag, name = key.split("/")
-            real, syn = metrics[f"real/verification/{name}/accuracy"], metrics[f"{tag}/verification/{name}/accuracy"]
-            lines.append(f"| `{tag}` | `{name}.bin` | {100 * real:.2f} % | {100 * syn:.2f} % | {gap:+.3f} |")
-    return lines + ["", "![synthetic faces](../plots/synthetic_samples.png)"]
 
 
 def data_section(paths: Paths, bins: list[Path], metrics: dict[str, float], models: dict[str, dict]) -> list[str]:
@@ -479,7 +465,8 @@ def render_report(metrics: dict[str, float], models: dict[str, dict], train_metr
               "identities' `val` images. Scored on: the held-out identities below, which nothing above reads.", "",
               "| embedding | " + " | ".join(f"`{n}.bin`" for n in names) + " |", "|---|" + "---|" * len(names)]
     rows = [(f"FR model `{tag}`", f"{tag}/") for tag in models] + [
-        ("raw-pixel cosine (baseline)", "baseline/raw_pixels/"), ("linear probe on pixels (baseline)", "baseline/linear_probe/")]
+        ("raw-pixel cosine (baseline)", "baseline/raw_pixels/"), ("linear probe on pixels (baseline)", "baseline/linear_probe/"),
+        ("chance (majority share of the pairs)", "chance/")]
     for label, prefix in rows:
         cells = []
         for n in names:
@@ -495,11 +482,15 @@ def render_report(metrics: dict[str, float], models: dict[str, dict], train_metr
     for tag in models:
         lines.append(f"| `{tag}` | " + " | ".join(pct(metrics.get(f"{tag}/templates/{f}")) for f in fars) +
                      f" | {int(metrics.get(f'{tag}/templates/pairs', 0))} ({int(metrics.get(f'{tag}/templates/impostor_pairs', 0))}) |")
+    if any(f"chance/templates/{f}" in metrics for f in fars):
+        lines.append("| chance (random scores) | " + " | ".join(pct(metrics.get(f"chance/templates/{f}")) for f in fars)
+                     + " | |")
     ranks = sorted({int(k.rsplit("rank", 1)[1]) for k in metrics if "/identification/rank" in k})
     lines += ["", "## Identification (closed set, held-out identities, cosine)", "",
               "| model | " + " | ".join(f"rank-{r}" for r in ranks) + " |", "|---|" + "---|" * len(ranks)]
-    for tag in models:
-        lines.append(f"| `{tag}` | " + " | ".join(pct(metrics.get(f"{tag}/identification/rank{r}")) for r in ranks) + " |")
+    for tag in [*models, "chance"]:
+        name = "chance (r / gallery identities)" if tag == "chance" else f"`{tag}`"
+        lines.append(f"| {name} | " + " | ".join(pct(metrics.get(f"{tag}/identification/rank{r}")) for r in ranks) + " |")
     open_keys = sorted({k.split("/", 1)[1] for k in metrics if "/open_set/" in k or "/distractors/rank" in k},
                        key=lambda k: (k.startswith("distractors"), int(k.rsplit("rank", 1)[1]) if "rank" in k else 0, k))
     if open_keys:
@@ -509,8 +500,9 @@ def render_report(metrics: dict[str, float], models: dict[str, dict], train_metr
                   "added to the gallery as its own identity.", "",
                   "| model | " + " | ".join(k.replace("open_set/", "").replace("distractors/", "distractors ") for k in open_keys) + " |",
                   "|---|" + "---|" * len(open_keys)]
-        for tag in models:
-            lines.append(f"| `{tag}` | " + " | ".join(pct(metrics.get(f"{tag}/{k}")) for k in open_keys) + " |")
+        for tag in [*models, "chance"]:
+            name = "chance (random scores)" if tag == "chance" else f"`{tag}`"
+            lines.append(f"| {name} | " + " | ".join(pct(metrics.get(f"{tag}/{k}")) for k in open_keys) + " |")
     lines += ["", "![ROC](../plots/roc.png)"]
     from tasks.evaluate import discovery as discovery_eval, fusion as sets_eval
 
@@ -520,6 +512,8 @@ def render_report(metrics: dict[str, float], models: dict[str, dict], train_metr
 
 def run(cfg: EvaluateConfig, data: DataConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
     import json
+
+    from tasks.evaluate.synthetic import synthetic_gap, synthetic_section
 
     from ml.models.io import load_model
 
@@ -545,6 +539,7 @@ def run(cfg: EvaluateConfig, data: DataConfig, paths: Paths, *, tracker: Any = N
 
         metrics.update(evaluate_sets(cfg, data, paths, loaded.get("real", next(iter(loaded.values()))),
                                      chunk_size=cfg.fusion_chunk_size))
+    metrics.update(chance_metrics(cfg, paths, sets))
     if cfg.baselines:
         m, c = evaluate_baselines(cfg, paths, data, sets)
         metrics.update(m)
@@ -566,7 +561,7 @@ def run(cfg: EvaluateConfig, data: DataConfig, paths: Paths, *, tracker: Any = N
         data_section(paths, bins, metrics, models)
         + ijb_section(metrics, models, ijb)
         + aligner_section(stage_json["train_aligner"], stage_json["align"])
-        + synthetic_section(stage_json["synthesize"], metrics)))
+        + synthetic_section(stage_json["synthesize"], metrics, models)))
     result = StageResult("evaluate", metrics=metrics,
                          outputs=[paths.metrics / "evaluate.json", paths.plots / "roc.png", paths.benchmark_report])
     result.summary = "; ".join(

@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 FARS = (1e-5, 1e-4, 1e-3, 1e-2)
 LABELS = {"average": "average", "norm_weighted": "norm-weighted average",
           "landmark_score": "KP-RPE landmark × face score", "caface": "CAFace",
-          "quality_oracle": "true-quality oracle (renderer quality as weights; headroom, not a method)"}
+          "quality_oracle": "weighted by the renderer's true quality (a reference row: neither a method nor a bound)"}
+CHANCE = "chance (random scores)"
 ZERO_QUALITY = 0.05  # a probe whose every frame is below this true quality holds no usable frame
 
 
@@ -268,6 +269,7 @@ def evaluate_sets(cfg: Any, data: Any, paths: Paths, fr_model: Any, chunk_size: 
                                   ranks=cfg.ranks, fpirs=cfg.fpirs, seed=data.seed)
         metrics.update({f"sets/order/caface/{k}": v for k, v in robust.items()})
     metrics["sets/videos/mated_probes"] = float(mated.sum())
+    metrics.update(chance_metrics(len(np.unique(gallery_ids)), cfg, sizes))
     write_json(paths.metrics / "sets.json", metrics)
     return metrics
 
@@ -324,8 +326,8 @@ def gain_note(metrics: dict[str, float]) -> str:
         key = f"sets/videos_single/{method}_minus_average/rank1"
         if key in metrics:
             low, high = metrics[f"{key}/ci_low"], metrics[f"{key}/ci_high"]
-            tail = " (the headroom that weighting frames by their quality alone offers)" \
-                if method == "quality_oracle" else ""
+            tail = (" (a reference: frames weighted by the renderer's quality, which CAFace does not see; not an "
+                    "upper bound)") if method == "quality_oracle" else ""
             if method == "caface" and "sets/caface/train_seed" in metrics:
                 tail = (f" (one training run: seed {int(metrics['sets/caface/train_seed'])}, "
                         f"{int(metrics['sets/caface/train_steps'])} steps)")
@@ -367,12 +369,26 @@ def diagnostics_note(metrics: dict[str, float]) -> str:
             f"the frames use {effective:.2f} effective clusters{of}{pushed}.")
 
 
+def chance_metrics(identities: int, cfg: Any, sizes: list[int]) -> dict[str, float]:
+    """Random scores' numbers, keyed like a fusion method's (``sets/<part>/chance/...``): TAR@FAR = FAR,
+    rank-r = r/G and TPIR@FPIR = FPIR/G over the G gallery identities, at every probe size."""
+    out = {f"sets/templates/chance/tar@far={f:.0e}".replace("e-0", "e-"): f for f in FARS}
+    for g in ("single", "booking"):
+        out.update({f"sets/videos_{g}/chance/rank{r}": min(1.0, r / identities) for r in cfg.ranks})
+        out.update({f"sets/videos_{g}/chance/tpir@fpir={f:.0e}".replace("e-0", "e-"): f / identities
+                    for f in cfg.fpirs})
+    out.update({f"sets/gain/chance/n={size}/rank1": 1.0 / identities for size in sizes})
+    return out
+
+
 def render_section(metrics: dict[str, float]) -> list[str]:
     """Markdown for ``reports/benchmark.md``."""
     pct = lambda v: "—" if v is None or v != v else f"{100 * v:.1f}"  # noqa: E731
     methods = [m for m in LABELS if f"sets/templates/{m}/tar@far=1e-2" in metrics]
     if not methods:
         return []
+    labels = {**LABELS, "chance": CHANCE}
+    rows = methods + (["chance"] if "sets/templates/chance/tar@far=1e-2" in metrics else [])
     fars = [f"tar@far={f:.0e}".replace("e-0", "e-") for f in FARS]
     lines = ["", "## Set fusion: IJB-B/C-style templates (1:1 verification, TAR %)", "",
              "Chosen on: CAFace keeps its last step; its recipe (lr, `lambda_u`, prefix, steps) was picked on the "
@@ -380,8 +396,8 @@ def render_section(metrics: dict[str, float]) -> list[str]:
              "optimistic. Scored on: the templates and video probes of held-out identities.", "",
              "| fusion | " + " | ".join(f.replace("tar@far=", "TAR@FAR ") for f in fars) + " |",
              "|---|" + "---|" * len(fars)]
-    for m in methods:
-        lines.append(f"| {LABELS[m]} | " + " | ".join(pct(metrics.get(f"sets/templates/{m}/{f}")) for f in fars) + " |")
+    for m in rows:
+        lines.append(f"| {labels[m]} | " + " | ".join(pct(metrics.get(f"sets/templates/{m}/{f}")) for f in fars) + " |")
     if "landmark_score" in methods:
         lines += ["", face_inputs_note(metrics)]
     lines += ["", f"## Set fusion: IJB-S-style video probes ({int(metrics.get('sets/videos/mated_probes', 0))} mated "
@@ -389,13 +405,13 @@ def render_section(metrics: dict[str, float]) -> list[str]:
               f"{int(metrics.get('sets/videos/frames_max', 0))})", "",
               "| fusion | single: rank-1 (95 % CI) | single: rank-5 | single: TPIR@FPIR 1 % | booking: rank-1 | "
               "booking: rank-5 | booking: TPIR@FPIR 1 % |", "|---|---|---|---|---|---|---|"]
-    for m in methods:
+    for m in rows:
         cells = [pct(metrics.get(f"sets/videos_{g}/{m}/{k}")) for g in ("single", "booking")
                  for k in ("rank1", "rank5", "tpir@fpir=1e-2")]
         if f"sets/videos_single/{m}/rank1_ci_low" in metrics:
             cells[0] += (f" ({pct(metrics[f'sets/videos_single/{m}/rank1_ci_low'])}–"
                          f"{pct(metrics[f'sets/videos_single/{m}/rank1_ci_high'])})")
-        lines.append(f"| {LABELS[m]} | " + " | ".join(cells) + " |")
+        lines.append(f"| {labels[m]} | " + " | ".join(cells) + " |")
     zero = int(metrics.get("sets/videos/zero_quality_probes", 0))
     if zero:
         lines += ["", f"{zero} probe(s) hold no frame of true quality ≥ {ZERO_QUALITY} (kept: every fusion still "
@@ -407,8 +423,8 @@ def render_section(metrics: dict[str, float]) -> list[str]:
     if sizes:
         lines += ["", "Rank-1 (booking gallery) when each probe is fused from N random frames (CAFace Fig. 1c):", "",
                   "| fusion | " + " | ".join(f"N = {s}" for s in sizes) + " |", "|---|" + "---|" * len(sizes)]
-        for m in methods:
-            lines.append(f"| {LABELS[m]} | " + " | ".join(pct(metrics.get(f"sets/gain/{m}/n={s}/rank1")) for s in sizes) + " |")
+        for m in rows:
+            lines.append(f"| {labels[m]} | " + " | ".join(pct(metrics.get(f"sets/gain/{m}/n={s}/rank1")) for s in sizes) + " |")
     if "sets/order/caface/rank1/mean" in metrics:
         lines += ["", f"CAFace under 5 random frame orders (streamed in chunks): rank-1 "
                   f"{pct(metrics['sets/order/caface/rank1/mean'])} ± {pct(metrics['sets/order/caface/rank1/std'])} %, "

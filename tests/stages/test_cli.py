@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,7 +47,8 @@ def test_help_names_every_stage_of_the_dag(workspace):
 def test_stage_name_suggests_the_closest_stages(workspace):
     out = _run(["stage", "train_fr"], workspace)  # a foreach stage without its item
     assert out.returncode == 2
-    assert "unknown stage 'train_fr'. Did you mean 'train_fr@real' or 'train_fr@synthetic'?" in out.stderr
+    assert "unknown stage 'train_fr'. Did you mean 'train_fr@real', 'train_fr@synthetic' or 'train_fr@real_matched'?" \
+        in out.stderr
     typo = _run(["stage", "train_fusoin"], workspace)
     assert typo.returncode == 2 and "Did you mean 'train_fusion'?" in typo.stderr
 
@@ -62,8 +64,9 @@ def test_run_stage_suggests_the_closest_stages_and_starts_nothing(workspace, mon
     before = (workspace / "params.yaml").read_bytes()
     result = CliRunner().invoke(app, ["run", "--set", "fr.epochs=3", "--stage", "train_fr"])
     assert result.exit_code == 2
-    assert ("unknown stage 'train_fr' for --stage. Did you mean 'train_fr@real' or 'train_fr@synthetic'?"
-            in result.output)
+    hint = re.search(r"unknown stage 'train_fr' for --stage\. Did you mean ('[^?]+)\?", result.output)
+    assert hint and sorted(re.findall(r"'([^']+)'", hint.group(1))) == [
+        "train_fr@real", "train_fr@real_matched", "train_fr@synthetic"], result.output
     assert (workspace / "params.yaml").read_bytes() == before
 
 

@@ -143,6 +143,11 @@ def test_evaluate_sets_adds_the_oracle_intervals_and_caface_diagnostics(workspac
     assert f"| {sets_eval.LABELS['quality_oracle']} |" in report
     assert "Gain over averaging" in report and "the true-quality oracle" in report
     assert "Does CAFace weight frames by quality?" in report and "Spearman ρ" in report
+    gallery = metrics["sets/videos_single/chance/rank1"]  # random scores: one hit in G identities
+    assert 0.0 < gallery < 1.0 and metrics["sets/videos_booking/chance/rank5"] == pytest.approx(min(1.0, 5 * gallery))
+    assert metrics["sets/videos_single/chance/tpir@fpir=1e-2"] == pytest.approx(0.01 * gallery)
+    assert metrics["sets/templates/chance/tar@far=1e-3"] == 1e-3 and metrics["sets/gain/chance/n=1/rank1"] == gallery
+    assert f"| {sets_eval.CHANCE} | " in report
     recipe = json.loads((workspace.fusion_model / "config.json").read_text())["extra"]["recipe"]
     steps = recipe["epochs"] * recipe["steps_per_epoch"]
     assert metrics["sets/caface/lambda_u"] == recipe["lambda_u"] and metrics["sets/caface/train_steps"] == steps

@@ -10,7 +10,7 @@ import pytest
 from ml.config import from_mapping
 from ml.errors import ConfigError, DataError
 from tasks.common import Paths
-from tasks.evaluate import synthetic_gap
+from tasks.evaluate.synthetic import synthetic_gap
 from tasks.synthesize import SynthesizeConfig, per_identity_consistency
 from tasks.pipeline import PipelineConfig
 from tasks.train_fr import source_datasets, training_rows
@@ -93,6 +93,37 @@ def test_mixed_source_offsets_synthetic_labels_after_real_ones(tmp_path):
     assert sorted(set(labels)) == [0, 1, 2, 3, 4] and kind == "procedural+synthetic" and len(digest) == 64
     _, real_digest, _ = training_rows(paths, "real")
     assert real_digest != digest
+
+
+def test_real_matched_source_cuts_the_real_set_to_the_synthetic_budget(tmp_path):
+    """UIFace Table 3 like for like: as many real identities × images as the synthetic set holds."""
+    from ml.data.dataset import DatasetWriter
+    from tasks.train_fr import validation_rows
+
+    paths = Paths(tmp_path)
+    rng = np.random.default_rng(0)
+    with DatasetWriter(paths.train_set, name="train", source="procedural", aligned=True) as w:
+        for identity in ("a", "b", "c", "d"):
+            for i in range(5):
+                w.add(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8), identity=identity,
+                      split="val" if i == 4 else "train")
+    with DatasetWriter(paths.synthetic_set, name="synthetic", source="synthetic", aligned=True) as w:
+        for identity in ("syn_0", "syn_1", "syn_2"):
+            for _ in range(3):
+                w.add(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8), identity=identity)
+    parts, digest, kind = training_rows(paths, "real_matched")
+    (d, rows), = parts
+    assert d == paths.train_set and kind == "procedural"
+    assert rows.groupby("identity").size().to_dict() == {"a": 3, "b": 3, "c": 3}
+    assert rows["label"].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2] and set(rows["split"]) == {"train"}
+    assert digest != training_rows(paths, "real")[1]  # a different training set, a different digest
+    assert [len(v) for _, v in validation_rows(parts)] == [3]  # the kept identities' val images only
+    with DatasetWriter(paths.synthetic_set, name="synthetic", source="synthetic", aligned=True) as w:
+        for identity in ("syn_0", "syn_1"):
+            for _ in range(6):
+                w.add(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8), identity=identity)
+    with pytest.raises(DataError, match=r"'real_matched' needs 2 real identities with 6 training images each"):
+        training_rows(paths, "real_matched")
 
 
 def test_synthetic_source_without_data_names_the_stage_to_run(tmp_path):

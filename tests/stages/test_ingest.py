@@ -109,6 +109,32 @@ def test_real_faces_replace_the_procedural_training_and_heldout_sets(glint24, tm
     assert set(_manifests(again)["heldout"]["identity"]) != ids["heldout"]
 
 
+def test_one_person_under_two_folder_names_is_refused_at_validate_naming_the_folders(glint24, tmp_path):
+    """Every glint24 person copied under a second folder name (48 folders, each image twice): wherever the seed puts
+    the two copies — one training group, or training and held-out — the gate stops before anything trains."""
+    import re
+    import shutil
+
+    from tasks.validate import ValidateConfig, run as validate
+
+    folder = tmp_path / "faces"
+    for person in sorted(p for p in glint24.iterdir() if p.is_dir()):
+        shutil.copytree(person, folder / person.name)
+        shutil.copytree(person, folder / f"{person.name}_again")
+    cfg = dataclasses.replace(TINY, ingest_folder=str(folder), verification_pairs=600)
+    paths = Paths(tmp_path / "ws")
+    run(cfg, paths, workers=1)
+    with pytest.raises(DataError, match="the leakage check failed") as err:
+        validate(cfg, ValidateConfig(), paths)
+    message = str(err.value)
+    named = re.findall(r"(\S+) and \1_again share (\d+) of (\d+)", message)
+    crossed = re.findall(r"images in both (\w+) and (\w+) \((\d+)\)", message)
+    assert named and all(int(a) >= 0.9 * int(b) for _, a, b in named), message  # one set: (nearly) every image
+    assert crossed, message  # the copies the seed split apart: the same images on both sides
+    assert (paths.root / "reports" / "validation-failed" / "leakage.json").is_file()
+    assert not paths.validation_reports.exists()
+
+
 def test_recordio_ingest_streams_and_checks_the_header_ranges(tmp_path):
     images, labels = _faces(8, 5)
     rec = tmp_path / "in" / "train.rec"

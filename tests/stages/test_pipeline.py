@@ -26,7 +26,7 @@ from tests.servers import mlflow_server, prefect_server
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
 STAGES = ["prepare", "validate", "train_aligner", "align", "train_fr@real", "train_discovery", "train_fusion",
-          "train_generator", "synthesize", "train_fr@synthetic", "evaluate"]
+          "train_generator", "synthesize", "train_fr@synthetic", "train_fr@real_matched", "evaluate"]
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +72,10 @@ def test_smoke_run_leaves_every_artifact(smoke_run):
     assert "real/identification/rank1" in metrics and "real/templates/tar@far=1e-2" in metrics
     assert "baseline/linear_probe/verification/procedural/accuracy" in metrics
     assert "real/open_set/tpir@fpir=1e-2" in metrics and "real/distractors/rank20" in metrics
+    heldout = pd.read_parquet(root / "data/prepared/heldout/manifest.parquet")  # chance beside every model row
+    gallery = heldout.loc[heldout["split"] == "gallery", "identity"].nunique()
+    assert metrics["chance/identification/rank1"] == pytest.approx(1 / gallery)
+    assert metrics["chance/verification/procedural/accuracy"] == 0.5 and metrics["chance/templates/tar@far=1e-2"] == 0.01
     assert "reports/benchmark.md" in stdout
     written = json.loads((root / "metrics/discovery.json").read_text())
     discovery = written["metrics"]
@@ -84,8 +88,12 @@ def test_smoke_run_leaves_every_artifact(smoke_run):
     report = (root / "reports/benchmark.md").read_text()
     assert "Generalized face discovery" in report and "IJB-S-style video probes" in report
     assert "Synthetic data (UIFace)" in report and "gap/synthetic/procedural" in metrics
+    assert "| chance (r / gallery identities) |" in report and "| chance (majority share of the pairs) |" in report
+    assert "| memorisation | synthetic face ↔ nearest real training face (cosine) | 1.000 | set by hand |" in report
     synth = json.loads((root / "metrics/synthesize.json").read_text())
     assert 0 < synth["synthetic/identities"] <= 4 and -1.0 <= synth["synthetic/identity_consistency"] <= 1.0
+    for gate in ("privacy", "memorisation", "consistency"):  # set by hand in the smoke preset, reference still measured
+        assert synth[f"synthetic/gate/{gate}/percentile"] == -1 and synth[f"synthetic/gate/{gate}/reference_size"] > 0
     manifest = pd.read_parquet(root / "data/synthetic/manifest.parquet")
     assert set(manifest["source"]) == {"synthetic"} and manifest["landmarks"].notna().all()
     sets = json.loads((root / "metrics/sets.json").read_text())
@@ -203,7 +211,7 @@ def test_second_repro_skips_every_stage_and_set_reruns_downstream(smoke_run):
     assert status == {"prepare": "up to date", "validate": "up to date", "train_aligner": "up to date",
                       "align": "up to date", "train_fr@real": "ran", "train_discovery": "ran", "train_fusion": "ran",
                       "train_generator": "ran", "synthesize": "ran", "train_fr@synthetic": "ran",
-                      "evaluate": "ran"}, out.stdout
+                      "train_fr@real_matched": "ran", "evaluate": "ran"}, out.stdout
 
 
 def test_ls_lists_stages_datasets_and_registry(smoke_run):
@@ -240,4 +248,43 @@ def test_synthetic_gate_stops_a_generator_that_learned_no_identity(smoke_run):
         params_path.write_bytes(original)
     assert out.returncode != 0
     assert re.search(r"identity gap -?\d\.\d{3} < synthesize\.min_identity_gap = 0\.2", out.stderr + out.stdout)
+    assert (root / "data/synthetic/manifest.parquet").read_bytes() == before
+
+
+def test_copied_training_faces_stop_synthesize_naming_what_they_copy(smoke_run, tmp_path, monkeypatch):
+    """Plant real training faces as the generator's output: the memorisation gate, calibrated on the run's own
+    never-trained identities, stops the stage naming a synthetic identity and the training face it copies; nothing
+    is exported."""
+    import shutil
+
+    from ml.config import from_mapping
+    from ml.data.dataset import load_images, read_manifest
+    from ml.errors import DataError
+    from tasks import synthesize
+    from tasks.common import Paths, load_params, section
+    from tasks.prepare import DataConfig
+    from tasks.train_generator import GeneratorStageConfig
+
+    root = Path(shutil.copytree(smoke_run[0], tmp_path / "ws", ignore=shutil.ignore_patterns("mlruns", ".dvc")))
+    paths = Paths(root=root)
+    params = load_params(paths.params)
+    cfg = from_mapping(synthesize.SynthesizeConfig, {**section(params, "synthesize"), "max_face_cosine": None},
+                       "synthesize")
+    real = read_manifest(paths.train_set / "manifest.parquet")
+    real = real[real["split"] == "train"].reset_index(drop=True)
+    original = synthesize.generate
+
+    def planted(model, contexts, count, sampler, **kw):
+        images, t0, evals = original(model, contexts, count, sampler, **kw)
+        if contexts is None:
+            return images, t0, evals
+        return load_images(paths.train_set, real.iloc[:len(images)]), t0, evals
+
+    monkeypatch.setattr(synthesize, "generate", planted)
+    before = (root / "data/synthetic/manifest.parquet").read_bytes()
+    with pytest.raises(DataError, match=r"memorisation: \d+ of \d+ synthetic faces sit nearer a real training face "
+                                        r"than synthesize\.max_face_cosine = .*p99 of \d+ real reference values.*"
+                                        r"synthetic identity \d+ face \d+ ~ images/"):
+        synthesize.run(cfg, from_mapping(DataConfig, section(params, "data"), "data"),
+                       from_mapping(GeneratorStageConfig, section(params, "generator"), "generator"), paths)
     assert (root / "data/synthetic/manifest.parquet").read_bytes() == before

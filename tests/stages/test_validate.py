@@ -39,6 +39,9 @@ def test_clean_data_passes_and_writes_reports(prepared, tmp_path):
     assert (paths.validation_reports / "docs" / "index.html").is_file()
     summary = (paths.validation_reports / validate.SUMMARY_NAME).read_text()
     assert 'class="status fail"' not in summary and "every expectation met" in summary
+    leakage = json.loads((paths.validation_reports / "leakage.json").read_text())
+    assert leakage["failures"] == [] and leakage["validate/leakage/train_heldout/shared_identities"] == 0
+    assert result.metrics["validate/leakage/train/identities_under_two_names"] == 0
 
 
 def _corrupt(paths, kind, fn):
@@ -114,6 +117,23 @@ def test_failed_gate_leaves_no_half_written_reports(prepared, tmp_path, monkeypa
     assert not target.validation_reports.exists()
     assert (tmp_path / "reports" / "validation-failed" / "train.json").is_file()
     assert not [p for p in (tmp_path / "reports").iterdir() if p.name.startswith(".")]
+
+
+def test_an_image_planted_in_two_sets_stops_the_gate_naming_both_paths(prepared, tmp_path):
+    """A training face copied over a held-out one (a new file, same pixels): names differ, pixels do not."""
+    import shutil
+
+    data, paths = prepared
+    target = Paths(tmp_path)
+    shutil.copytree(paths.prepared, target.prepared)
+    train, heldout = (read_manifest(target.prepared / k / "manifest.parquet") for k in ("train", "heldout"))
+    shutil.copyfile(target.prepared / "train" / train["path"][4], target.prepared / "heldout" / heldout["path"][2])
+    with pytest.raises(DataError, match=re.escape(f"images in both train and heldout (1): train/{train['path'][4]} = "
+                                                  f"heldout/{heldout['path'][2]}")):
+        validate.run(data, validate.ValidateConfig(), target)
+    leakage = json.loads((tmp_path / "reports" / "validation-failed" / "leakage.json").read_text())
+    assert leakage["validate/leakage/train_heldout/shared_images"] == 1
+    assert not target.validation_reports.exists()
 
 
 def _gfd(paths):

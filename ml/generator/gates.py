@@ -1,0 +1,94 @@
+"""Calibrated gates of a synthetic face set: thresholds read off real faces under the same FR model.
+
+A fixed cosine means nothing across FR models (a model trained longer spreads identities further apart), so each
+gate's default threshold is a percentile of a *reference*: real faces of identities the FR model never trained on,
+embedded by the same model in the same run.
+
+- **Privacy** (identities). ``reference_privacy``: for each never-trained real identity, the highest cosine between
+  its centre and a training identity's centre — how close a stranger comes to somebody in the training set. A
+  synthetic identity closer than the ``privacy_percentile`` of that is dropped.
+- **Memorisation** (faces). ``nearest_same_identity``: for each never-trained real face, the cosine to the nearest
+  other face of its own identity — how close a second photo of the same person comes. A synthetic face nearer to a
+  real training face than the ``memorisation_percentile`` of that is a copy; more than ``max_memorised_fraction``
+  of them fails the stage (a generator that reproduces training faces is a defect, not something to filter).
+- **Consistency** (identities). ``per_class_consistency`` of the never-trained real identities: a synthetic identity
+  whose faces agree less than the ``consistency_percentile`` of real people's do carries no identity and is dropped.
+
+``calibrate`` turns an explicit threshold (a param) or a reference percentile into a ``Threshold`` that says which
+it was. A threshold ≥ 1 on a cosine (≤ −1 for consistency) keeps everything: the gate reports only.
+
+Differences from the reference: UIFace (and DCFace) filter identities with a fixed cosine to the training set chosen
+by hand; neither measures memorisation face by face nor calibrates on never-trained identities.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ml.errors import DataError
+from ml.generator.diversity import nearest_real, per_class_consistency
+
+__all__ = ["Threshold", "calibrate", "nearest_same_identity", "reference_consistency", "reference_privacy"]
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """A gate's threshold and where it came from: ``percentile`` of the reference (None when set by hand)."""
+
+    value: float
+    percentile: float | None
+    reference_median: float
+    reference_size: int
+
+    @property
+    def source(self) -> str:
+        if self.percentile is None:
+            return "set by hand"
+        return f"p{self.percentile:g} of {self.reference_size} real reference values"
+
+
+def calibrate(explicit: float | None, reference: np.ndarray, percentile: float, name: str) -> Threshold:
+    """``explicit`` when given, else the ``percentile`` (0–100) of the finite values of ``reference``."""
+    values = np.asarray(reference, dtype=np.float64).reshape(-1)
+    values = values[np.isfinite(values)]
+    if values.size == 0:
+        raise DataError(f"{name}: the real reference holds no value to calibrate on (it needs never-trained "
+                        "identities with ≥ 2 faces each); set the threshold by hand")
+    median = float(np.median(values))
+    if explicit is not None:
+        return Threshold(float(explicit), None, median, int(values.size))
+    return Threshold(float(np.percentile(values, percentile)), float(percentile), median, int(values.size))
+
+
+def reference_privacy(emb: np.ndarray, labels: np.ndarray, train_emb: np.ndarray,
+                      train_labels: np.ndarray) -> np.ndarray:
+    """(C,) each never-trained identity's highest centre cosine to a training identity's centre."""
+    return nearest_real(emb, labels, train_emb, train_labels)["identity_max_cos"]
+
+
+def nearest_same_identity(emb: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """(N,) cosine of each row to the nearest *other* row of its label; NaN for a label with one row."""
+    x = np.asarray(emb, dtype=np.float64)
+    x = x / np.linalg.norm(x, axis=1, keepdims=True).clip(1e-12)
+    labels = np.asarray(labels)
+    out = np.full(len(x), np.nan)
+    for label in np.unique(labels):
+        rows = np.flatnonzero(labels == label)
+        if rows.size < 2:
+            continue
+        sim = x[rows] @ x[rows].T
+        np.fill_diagonal(sim, -np.inf)
+        out[rows] = sim.max(axis=1)
+    return out
+
+
+def reference_consistency(emb: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """(C,) mean pairwise cosine within each never-trained identity that has ≥ 2 faces."""
+    labels = np.asarray(labels)
+    classes, counts = np.unique(labels, return_counts=True)
+    keep = np.isin(labels, classes[counts >= 2])
+    if not keep.any():
+        return np.empty(0)
+    return np.fromiter(per_class_consistency(np.asarray(emb)[keep], labels[keep]).values(), dtype=np.float64)

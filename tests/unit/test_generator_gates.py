@@ -1,0 +1,47 @@
+"""The calibrated synthetic-set gates: references computed by hand, thresholds from percentiles or params."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ml.errors import DataError
+from ml.generator.gates import (
+    calibrate, nearest_same_identity, reference_consistency, reference_privacy,
+)
+
+
+def _unit(*angles_deg):
+    a = np.deg2rad(np.asarray(angles_deg, dtype=np.float64))
+    return np.stack([np.cos(a), np.sin(a)], axis=1)
+
+
+def test_nearest_same_identity_is_the_closest_other_face_of_the_label():
+    emb = _unit(0, 10, 60, 90, 180)  # labels 0, 0, 0, 1, 2
+    out = nearest_same_identity(emb, np.array([0, 0, 0, 1, 2]))
+    np.testing.assert_allclose(out[:3], np.cos(np.deg2rad([10, 10, 50])))
+    assert np.isnan(out[3]) and np.isnan(out[4])  # one face: no second photo to compare with
+
+
+def test_reference_privacy_is_each_identity_centre_nearest_training_centre():
+    train = _unit(0, 0, 90, 90)
+    held = _unit(20, 40, 170, 190)  # centres at 30° and 180°
+    out = reference_privacy(held, np.array([0, 0, 1, 1]), train, np.array([0, 0, 1, 1]))
+    np.testing.assert_allclose(out, [np.cos(np.deg2rad(30)), np.cos(np.deg2rad(90))], atol=1e-12)
+
+
+def test_reference_consistency_skips_single_face_identities():
+    out = reference_consistency(_unit(0, 60, 0, 45), np.array([0, 0, 1, 2]))
+    np.testing.assert_allclose(out, [0.5])
+
+
+def test_calibrate_takes_the_percentile_or_the_param_and_says_which():
+    ref = np.array([0.1, 0.2, 0.3, 0.4, np.nan])
+    t = calibrate(None, ref, 50, "k")
+    assert t.value == pytest.approx(0.25) and t.percentile == 50 and t.reference_size == 4
+    assert "p50 of 4 real reference values" in t.source
+    hand = calibrate(0.9, ref, 50, "k")
+    assert hand.value == 0.9 and hand.percentile is None and hand.source == "set by hand"
+    assert hand.reference_median == pytest.approx(0.25)
+    with pytest.raises(DataError, match="synthesize.max_face_cosine: the real reference holds no value"):
+        calibrate(None, np.array([np.nan]), 99, "synthesize.max_face_cosine")
