@@ -226,7 +226,7 @@ MODEL_FACTS = (("source", "training_source"), ("data", "training_data_source"), 
                ("fr", "fr_model"), ("init", "backbone_init"), ("space", "space"), ("ids", "training_identities"))
 # model version tags shown by `faceops ls` (label, tag), as the stages set them when registering
 VERSION_FACTS = (("source", "source"), ("backbone", "backbone"), ("fr", "fr_model"), ("init", "backbone_init"),
-                 ("data", "training_data"))
+                 ("data", "training_data"), ("config", "faceops.config"))
 
 
 def model_row(cfg: dict[str, Any]) -> tuple[str, str]:
@@ -250,6 +250,8 @@ def version_facts(tags: dict[str, str]) -> str:
     facts = [f"{label}={tags[key]}" for label, key in VERSION_FACTS if tags.get(key)]
     if tags.get("data_digest"):
         facts.append(f"digest={tags['data_digest'][:12]}")
+    if tags.get("faceops.alias_withheld"):  # a toy or custom run: registered, never a candidate
+        facts.append(f"not @{tags['faceops.alias_withheld']}")
     return " ".join(facts)
 
 

@@ -4,6 +4,7 @@ module can use it without importing the others."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import NoReturn
@@ -35,3 +36,24 @@ def repo_root(command: str = "faceops") -> Path:
     if not (root / "dvc.yaml").is_file():
         fail(f"no dvc.yaml in {root}: run {command} from the repository root.")
     return root
+
+
+class _RefusalWithoutTraceback(logging.Filter):
+    """Keeps an expected refusal (a ``FaceopsError``) that Prefect logs for a failed task or flow run to its message:
+    the command prints the reason once, and the traceback of a refusal says nothing more."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from ml.errors import FaceopsError
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, FaceopsError):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def refusals_without_traceback() -> None:
+    """Install ``_RefusalWithoutTraceback`` on Prefect's run loggers (once): expected refusals print one line."""
+    for name in ("prefect.task_runs", "prefect.flow_runs", "prefect.engine"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _RefusalWithoutTraceback) for f in logger.filters):
+            logger.addFilter(_RefusalWithoutTraceback())

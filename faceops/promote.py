@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from faceops.console import fail, quiet_env, repo_root
+from faceops.console import fail, quiet_env, refusals_without_traceback, repo_root
 
 
 def promote_cmd(
@@ -53,6 +53,7 @@ def promote_cmd(
 
     root = repo_root()
     quiet_env()
+    refusals_without_traceback()
     from mlflow.exceptions import MlflowException
 
     from flows.promote import promote_flow

@@ -6,8 +6,8 @@ folder or RecordIO) and ``pipeline`` (the whole DAG). Which stages belong to an 
 Each flow first writes ``preset`` then ``params_delta`` into params.yaml (``flows.routing.apply_params``; an unknown
 key fails the run at once, naming it) in the working copy it runs in — on a worker, the run's fresh clone — then
 runs the stages as a ``faceops-pipeline`` subflow run. ``register_candidates`` decides whether the models trained
-become ``@candidate``: by default yes, except with ``preset: smoke``, whose toy models are registered as versions
-tagged ``faceops.alias_withheld``. The ``Args:`` section of each flow's docstring is what the Prefect UI shows beside
+become ``@candidate``: by default the run's params do (``ops.tracking.promotable``: the default or a real-data preset
+yes; ``preset: smoke`` or any other delta no, registered as versions tagged ``faceops.alias_withheld``). The ``Args:`` section of each flow's docstring is what the Prefect UI shows beside
 each field of a deployment's run form.
 """
 
@@ -23,9 +23,8 @@ from flows.pipeline import pipeline, with_jobs
 from flows.routing import apply_params, moving_aliases, yaml_value
 from flows.stages import stage_order
 from ml.errors import ConfigError
+from ops.tracking import TOY_PRESETS
 from tasks import STAGES
-
-TOY_PRESETS = frozenset({"smoke"})  # presets whose models must not become @candidate unless asked
 
 # area → the dvc.yaml stages it runs, by base name (``train_fr`` covers every ``train_fr@<source>``): tasks.STAGES
 AREAS: dict[str, tuple[str, ...]] = {
@@ -53,9 +52,8 @@ def _run_area(area: str | None, root: str, only: list[str] | None, params_delta:
     root_path = Path(root).resolve()
     apply_params(root_path, preset, with_jobs(params_delta, jobs), logger)
     stages = area_stages(area, stage_order(root_path), only) if area else only
-    move = register_candidates if register_candidates is not None else preset not in TOY_PRESETS
-    with moving_aliases(move):
-        if not move:
+    with moving_aliases(register_candidates):
+        if register_candidates is None and preset in TOY_PRESETS:
             logger.info("new model versions are registered without @candidate (preset %s; set "
                         "register_candidates to true to move the aliases)", preset)
         return pipeline(root=str(root_path), stages=stages, force=force)
@@ -76,7 +74,8 @@ def whole_pipeline(params_delta: dict[str, str] | None = None, preset: str | Non
         force: rerun the stages even when DVC finds them up to date.
         jobs: how many independent stages run at once (params pipeline.jobs); empty: params.yaml's.
         register_candidates: make the models trained `@candidate` in the MLflow registry (what the promote
-            deployment judges); empty: yes, except with preset smoke (toy models).
+            deployment judges); empty: when the params are the default or a real-data preset, not the smoke
+            preset (toy models) or another delta.
         root: the repository root (on a worker: the clone its pull steps made).
     """
     return _run_area(None, root, stages, params_delta, preset, force, jobs, register_candidates)
@@ -94,7 +93,8 @@ def synthesize(params_delta: dict[str, str] | None = None, preset: str | None = 
         force: rerun the stages even when DVC finds them up to date.
         jobs: how many independent stages run at once (params pipeline.jobs); empty: params.yaml's.
         register_candidates: make the models trained `@candidate` in the MLflow registry (what the promote
-            deployment judges); empty: yes, except with preset smoke (toy models).
+            deployment judges); empty: when the params are the default or a real-data preset, not the smoke
+            preset (toy models) or another delta.
         root: the repository root (on a worker: the clone its pull steps made).
     """
     return _run_area("synthesize", root, None, params_delta, preset, force, jobs, register_candidates)
@@ -114,7 +114,8 @@ def train(stages: list[str] | None = None, params_delta: dict[str, str] | None =
         force: rerun the stages even when DVC finds them up to date.
         jobs: how many independent stages run at once (params pipeline.jobs); empty: params.yaml's.
         register_candidates: make the models trained `@candidate` in the MLflow registry (what the promote
-            deployment judges); empty: yes, except with preset smoke (toy models).
+            deployment judges); empty: when the params are the default or a real-data preset, not the smoke
+            preset (toy models) or another delta.
         root: the repository root (on a worker: the clone its pull steps made).
     """
     return _run_area("train", root, stages, params_delta, preset, force, jobs, register_candidates)
@@ -136,7 +137,8 @@ def evaluate(ingest_folder: str = "", ingest_recordio: str = "", params_delta: d
         force: rerun the stages even when DVC finds them up to date.
         jobs: how many independent stages run at once (params pipeline.jobs); empty: params.yaml's.
         register_candidates: make the models trained `@candidate` in the MLflow registry (what the promote
-            deployment judges); empty: yes, except with preset smoke (toy models).
+            deployment judges); empty: when the params are the default or a real-data preset, not the smoke
+            preset (toy models) or another delta.
         root: the repository root (on a worker: the clone its pull steps made).
     """
     datasets = {key: yaml_value(value) for key, value in

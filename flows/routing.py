@@ -77,11 +77,12 @@ def dispatch_target(stage: str) -> str | None:
 
 
 @contextlib.contextmanager
-def moving_aliases(move: bool) -> Iterator[None]:
+def moving_aliases(move: bool | None) -> Iterator[None]:
     """``FACEOPS_MOVE_ALIASES`` for what runs inside (the stages, the flow's tracking relay, the stages dispatched to
-    the GPU pool), restored after: False registers new model versions without moving ``@candidate``."""
+    the GPU pool), restored after: True moves ``@candidate`` to new model versions, False never does, None leaves it
+    to each run's params (``ops.tracking.promotable``: the default or a real preset, not a toy or a custom delta)."""
     before = os.environ.get(tracking.ENV_MOVE_ALIASES)
-    os.environ[tracking.ENV_MOVE_ALIASES] = "1" if move else "0"
+    os.environ[tracking.ENV_MOVE_ALIASES] = {True: "1", False: "0", None: "auto"}[move]
     try:
         yield
     finally:
@@ -387,7 +388,7 @@ def dispatch_stage(stage: str, root: Path, deployment: str, parent_run_id: str |
         dvc_push(str(root), inputs)
     parameters = {"stage": stage, "commit": code_commit(root, logger), "params_delta": params_delta_from_head(root),
                   "lock": {u: lock[u] for u in upstream}, "parent_run_id": parent_run_id, "force": force,
-                  "move_aliases": tracking.aliases_moved()}
+                  "move_aliases": tracking.alias_policy()}
     logger.info("%s: running on deployment %s (%s)", stage, deployment, "; ".join(reasons) or "--force")
     try:
         remote = run_deployment(deployment, parameters=parameters, timeout=None, poll_interval=2)
@@ -426,7 +427,7 @@ def _reachable_parent(root: Path, parent_run_id: str | None, logger: Any) -> str
 @flow(name=STAGE_FLOW, flow_run_name="{stage}")
 def run_stage_remote(stage: str, root: str = ".", params_delta: dict[str, str] | None = None,
                      lock: dict[str, Any] | None = None, commit: str | None = None,
-                     parent_run_id: str | None = None, force: bool = False, move_aliases: bool = True
+                     parent_run_id: str | None = None, force: bool = False, move_aliases: bool | None = None
                      ) -> dict[str, Any]:
     """Reproduce one pipeline stage on this worker (step 2 of the module docstring): check out ``commit``, apply
     ``params_delta``, pull the outputs the ``lock`` entries of the upstream stages record, reproduce the stage,
@@ -440,7 +441,8 @@ def run_stage_remote(stage: str, root: str = ".", params_delta: dict[str, str] |
         commit: the git commit the pipeline runs.
         parent_run_id: the pipeline's MLflow run, under which the stage's run nests.
         force: rerun the stage even when DVC finds it up to date.
-        move_aliases: false registers the stage's model without moving `@candidate` (a smoke run's toy model).
+        move_aliases: true moves `@candidate` to the stage's new model, false never does, empty leaves it to the
+            run's params (the default or a real-data preset move it; the smoke preset or a custom delta do not).
     """
     logger = get_run_logger()
     path = Path(root).resolve()

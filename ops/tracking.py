@@ -66,9 +66,69 @@ def tracking_uri(root: Path) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or default_store(root)
 
 
-def aliases_moved() -> bool:
-    """False when ``FACEOPS_MOVE_ALIASES=0``: new model versions are registered but keep no alias."""
-    return os.environ.get(ENV_MOVE_ALIASES, "1").strip().lower() not in ("0", "false", "no")
+def alias_policy() -> bool | None:
+    """``FACEOPS_MOVE_ALIASES``: ``1`` moves a new version's alias (``@candidate``) whatever the run's params, ``0``
+    never does, unset (or ``auto``) leaves it to the run's configuration (``promotable``)."""
+    value = os.environ.get(ENV_MOVE_ALIASES, "").strip().lower()
+    if value in ("1", "true", "yes"):
+        return True
+    if value in ("0", "false", "no"):
+        return False
+    return None
+
+
+# presets whose models are toys: registered and tagged, never moved to @candidate
+TOY_PRESETS = ("smoke",)
+# params keys that name the user's data, not the recipe: a default or preset run on other data keeps its config
+DATA_KEYS = ("data.ingest_folder", "data.ingest_recordio")
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(node, Mapping):
+        return {prefix: node}
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def run_config(root: Path) -> dict[str, str]:
+    """Which configuration ``root``'s ``params.yaml`` is, against the one committed at git HEAD: tags
+    ``faceops.config`` — ``default`` (the same, data paths aside), ``preset:<name>`` (exactly a ``presets.yaml``
+    delta), ``custom`` (any other delta, listed in ``faceops.config_delta``) or ``unknown`` (no params.yaml or no
+    git history to compare with) — and ``faceops.params_digest`` (SHA-256 of the params file)."""
+    import hashlib
+
+    import yaml
+
+    params = Path(root) / "params.yaml"
+    if not params.is_file():
+        return {"faceops.config": "unknown"}
+    text = params.read_bytes()
+    tags = {"faceops.config": "unknown", "faceops.params_digest": hashlib.sha256(text).hexdigest()}
+    head = subprocess.run(["git", "show", "HEAD:./params.yaml"], cwd=root, capture_output=True)
+    if head.returncode != 0:
+        return tags
+    now, base = _flat(yaml.safe_load(text) or {}), _flat(yaml.safe_load(head.stdout) or {})
+    delta = {k: v for k, v in now.items() if base.get(k, object()) != v and k not in DATA_KEYS}
+    delta.update({k: None for k in base if k not in now})
+    if not delta:
+        return {**tags, "faceops.config": "default"}
+    presets_file = Path(root) / "presets.yaml"
+    presets = yaml.safe_load(presets_file.read_text()) if presets_file.is_file() else {}
+    for name, values in (presets or {}).items():
+        expected = {k: v for k, v in (values or {}).items() if base.get(k, object()) != v}
+        if expected == delta:
+            return {**tags, "faceops.config": f"preset:{name}"}
+    shown = ", ".join(f"{k}={v}" for k, v in sorted(delta.items()))
+    return {**tags, "faceops.config": "custom", "faceops.config_delta": shown[:500]}
+
+
+def promotable(config: str) -> bool:
+    """Whether a model of ``config`` (a ``faceops.config`` tag) may move ``@candidate``: the default, a preset that
+    is not a toy, or an unknown configuration (a folder that is not a faceops project)."""
+    return config in ("default", "unknown") or (config.startswith("preset:")
+                                                 and config.split(":", 1)[1] not in TOY_PRESETS)
 
 
 def configure(root: Path) -> str:
@@ -277,11 +337,15 @@ class StageTracker(_Tracker):
         from mlflow import MlflowClient
 
         client = MlflowClient()
-        if aliases_moved():
+        config = run_config(self.root)
+        tags = {**tags, **config}
+        policy = alias_policy()
+        if policy or (policy is None and promotable(config["faceops.config"])):
             client.set_registered_model_alias(name, alias, version)
         else:  # a toy model (a smoke run) must not become what promotion judges in a shared registry
             tags = {**tags, "faceops.alias_withheld": alias}
-            log.info("%s v%s registered without @%s (%s=0)", name, version, alias, ENV_MOVE_ALIASES)
+            why = f"{ENV_MOVE_ALIASES}=0" if policy is False else f"params: {config['faceops.config']}"
+            log.info("%s v%s registered without @%s (%s)", name, version, alias, why)
         for k, v in {**tags, "run_id": self.run_id}.items():
             client.set_model_version_tag(name, version, k, str(v))
 
@@ -331,10 +395,16 @@ class JournalTracker(_Tracker):
                    artifact_path=artifact_path, alias=alias, tags=dict(tags))
 
 
-def registered_note(name: str, version: str | None, alias: str = "candidate") -> str:
-    """``registered faceops-fr v3 @candidate``; with a relayed run the relay logs the version."""
-    if not aliases_moved():
+def registered_note(name: str, version: str | None, alias: str = "candidate", root: Path | None = None) -> str:
+    """``registered faceops-fr v3 @candidate``; with a relayed run the relay logs the version. ``root`` (the project,
+    by default the working directory a stage runs in) tells whether its params let the alias move (``promotable``)."""
+    policy = alias_policy()
+    if policy is False:
         alias = f"{alias} withheld ({ENV_MOVE_ALIASES}=0)"
+    elif policy is None:
+        config = run_config(Path.cwd() if root is None else root)["faceops.config"]
+        if not promotable(config):
+            alias = f"{alias} withheld (params: {config})"
     return f"registered {name} v{version} @{alias}" if version else f"registering {name} @{alias} (version in the flow log)"
 
 
@@ -520,6 +590,6 @@ class StageRelay:
             result = getattr(self._tracker, op)(*args, **kwargs)
             if op in ("log_model_dir", "register_model_dir"):
                 name = args[1] if op == "log_model_dir" else args[0]
-                self.log.info(registered_note(name, result, kwargs.get("alias", "candidate")))
+                self.log.info(registered_note(name, result, kwargs.get("alias", "candidate"), self.root))
         else:
             raise ValueError(f"{self.path}: unexpected journal entry {op!r} (outside a run or unknown)")

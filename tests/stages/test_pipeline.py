@@ -1,8 +1,8 @@
 """Smoke pipeline end to end against real servers on loopback: a Prefect server and an MLflow tracking server.
 
 `faceops run --preset smoke` must leave every artifact, one MLflow run per stage nested under the flow's run
-(with params, metrics, dataset digests, git commit and DVC tags), a `faceops-fr` version with alias
-`candidate`, and a Prefect flow run with one task run per stage. `dvc repro` afterwards skips everything;
+(with params, metrics, dataset digests, git commit and DVC tags), a `faceops-fr` version tagged as the smoke
+preset's toy and kept off `@candidate`, and a Prefect flow run with one task run per stage. `dvc repro` afterwards skips everything;
 `--set fr.epochs=2` reruns exactly the stages that read `fr`.
 """
 
@@ -104,7 +104,7 @@ def test_smoke_run_leaves_every_artifact(smoke_run):
     assert config["backbone"] == "vit_tiny" and config["input_contract"]["size"] == 64
 
 
-def test_every_stage_is_a_nested_mlflow_run_and_model_is_candidate(smoke_run):
+def test_every_stage_is_a_nested_mlflow_run_and_toy_models_are_no_candidates(smoke_run):
     from mlflow import MlflowClient
 
     _, env, _ = smoke_run
@@ -126,16 +126,25 @@ def test_every_stage_is_a_nested_mlflow_run_and_model_is_candidate(smoke_run):
     assert by_name["prepare"].data.tags["dataset.train.digest"] == json.loads(
         (smoke_run[0] / "data/prepared/train/dataset.json").read_text())["digest"]
     assert by_name["train_fr@real"].inputs.dataset_inputs
-    version = client.get_model_version_by_alias("faceops-fr", "candidate")
+    version = _version(client, "faceops-fr", by_name["train_fr@real"])
     assert version.tags["source"] == "real" and version.tags["data_source"] == "procedural"
-    assert version.run_id == by_name["train_fr@real"].info.run_id
     artifacts = {a.path for a in client.list_artifacts(by_name["evaluate"].info.run_id)}
     assert {"plots", "reports", "discovery"} <= artifacts
-    synthetic = client.get_model_version_by_alias("faceops-fr", "candidate-synthetic")
-    assert synthetic.tags["source"] == "synthetic" and synthetic.run_id == by_name["train_fr@synthetic"].info.run_id
-    for name, stage in (("faceops-discovery", "train_discovery"), ("faceops-fusion", "train_fusion"),
-                        ("faceops-aligner", "train_aligner"), ("faceops-generator", "train_generator")):
-        assert client.get_model_version_by_alias(name, "candidate").run_id == by_name[stage].info.run_id, name
+    synthetic = _version(client, "faceops-fr", by_name["train_fr@synthetic"])
+    assert synthetic.tags["source"] == "synthetic" and synthetic.tags["faceops.alias_withheld"] == "candidate-synthetic"
+    # a smoke run's models are toys: registered and tagged with their configuration, never moved to @candidate
+    for name, stage in (("faceops-fr", "train_fr@real"), ("faceops-discovery", "train_discovery"),
+                        ("faceops-fusion", "train_fusion"), ("faceops-aligner", "train_aligner"),
+                        ("faceops-generator", "train_generator")):
+        tags = _version(client, name, by_name[stage]).tags
+        assert tags["faceops.config"] == "preset:smoke" and tags["faceops.alias_withheld"] == "candidate", name
+        assert len(tags["faceops.params_digest"]) == 64 and not client.get_registered_model(name).aliases, name
+
+
+def _version(client, name: str, run):
+    """The version of ``name`` that ``run`` registered."""
+    (version,) = client.search_model_versions(f"name = '{name}' and run_id = '{run.info.run_id}'")
+    return version
 
 
 def test_mlflow_curves_rise_in_steps_and_the_pipeline_times_say_what_they_are(smoke_run):
@@ -171,7 +180,7 @@ def test_digests_in_mlflow_tags_are_the_ones_dvc_recorded(smoke_run):
             recorded = {d["path"]: d["md5"] for d in lock[stage].get(kind, [])}
             tagged = {k.split(".", 2)[2]: v for k, v in tags.items() if k.startswith(f"dvc.{kind[:-1]}.")}
             assert tagged == recorded, (stage, kind)
-    version = client.get_model_version_by_alias("faceops-fr", "candidate")
+    version = _version(client, "faceops-fr", runs["train_fr@real"])
     assert version.tags["dvc.out.models/fr/real"] == next(
         o["md5"] for o in lock["train_fr@real"]["outs"] if o["path"] == "models/fr/real")
     for context, name in (("train", "train"), ("heldout", "heldout")):
@@ -221,7 +230,8 @@ def test_ls_lists_stages_datasets_and_registry(smoke_run):
     for stage in STAGES:
         assert stage in out.stdout
     assert "data/prepared/train" in out.stdout and "models/fr/real" in out.stdout
-    assert re.search(r"faceops-fr\s+v1\b", out.stdout) and "@candidate" in out.stdout  # columns are padded
+    assert re.search(r"faceops-fr\s+v1\b", out.stdout)  # columns are padded
+    assert "config=preset:smoke not @candidate" in out.stdout and "@candidate " not in out.stdout
 
 
 def test_synthetic_gate_stops_a_generator_that_learned_no_identity(smoke_run):

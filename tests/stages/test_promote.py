@@ -433,7 +433,7 @@ def test_aligner_first_candidate_registered_as_run_artifact(ws, tmp_path):
 # ───────────────────────────────────────────────────────────────────────── CLI
 
 
-def test_cli_dry_run_prints_the_table_and_writes_nothing(lifecycle, ws, monkeypatch):
+def test_cli_dry_run_prints_the_table_and_writes_nothing(lifecycle, ws, monkeypatch, capfd):
     from typer.testing import CliRunner
 
     from faceops.cli import app
@@ -445,8 +445,11 @@ def test_cli_dry_run_prints_the_table_and_writes_nothing(lifecycle, ws, monkeypa
     assert "DRY RUN, nothing written — would be REJECTED: faceops-fr v4" in out.output
     assert "| rule | metric | check | result |" in out.output and "candidate v4" in out.output
     assert registry() == before and len(promote_runs()) == runs
+    capfd.readouterr()
     out = CliRunner().invoke(app, ["promote", "faceops-fr", "--rollback"])
     assert out.exit_code == 2 and "no @previous version" in out.output
+    logged = capfd.readouterr()  # what Prefect's handlers wrote besides the command's own line
+    assert "Traceback" not in logged.out + logged.err, logged  # an expected refusal: its reason, once
 
 
 def test_cli_help_teaches():
