@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-GATES = (  # (gate, what it compares, what crossing it does)
-    ("privacy", "synthetic identity centre ↔ nearest real training identity (cosine)", "identity dropped"),
-    ("memorisation", "synthetic face ↔ nearest real training face (cosine)", "stage fails"),
-    ("consistency", "mean cosine within a synthetic identity", "identity dropped"),
+GATES = (  # (gate, what it compares, its outcome: the count past the threshold and what that does)
+    ("privacy", "synthetic identity centre ↔ nearest real training identity (cosine)",
+     "{n} identities above: dropped"),
+    ("memorisation", "synthetic face ↔ nearest real training face (cosine)",
+     "{n} faces above (above `synthesize.max_memorised_fraction` of the faces the stage fails)"),
+    ("consistency", "mean cosine within a synthetic identity", "{n} identities below: dropped"),
 )
 
 
@@ -31,7 +33,7 @@ def gates_table(synth: dict[str, Any]) -> list[str]:
         how = how.format(max_real_cosine=synth.get("synthetic/max_real_cosine", float("nan")))
         lines.append(f"| {gate} | {compares} | {g('threshold'):.3f} | {source} | {g('reference_median'):.3f} | "
                      f"{synth.get(f'synthetic/{key}', float('nan')):.3f} ({how}) | "
-                     f"{int(synth.get(f'synthetic/{count}', 0))} × {action} |")
+                     + action.format(n=int(synth.get(f"synthetic/{count}", 0))) + " |")
     return lines
 
 
