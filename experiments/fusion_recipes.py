@@ -1,13 +1,15 @@
 """CAFace training recipes compared over seeds on a finished run's data: ``python -m experiments.fusion_recipes``.
 
 Does a recipe change help for every seed? The run's frozen FR model (``fusion.fr_source``) embeds the
-``train_fusion`` stage's material and the ``evaluate`` stage's IJB-S-style video probes once; CAFace is then
-trained per (variant, seed) and scored on those same probes (single gallery).
+``train_fusion`` stage's material once; CAFace is then trained per (variant, seed) on its training identities and
+scored on the fixed sets of its ``fusion.val_identities`` held-out identities (``ml.fusion.train.val_sets``), as the
+stage and ``faceops sweep train_fusion`` score it. The video and template test sets are not read: recipes are chosen
+on val, and ``evaluate`` reports the chosen one on test.
 
 - Variants: JSON objects of ``fusion.train`` keys over params.yaml's recipe (``'{"lambda_u": 0}'``); seeds replace
   ``seed``; the same data for every run.
-- Per run: rank-1 of the mated probes, its paired difference to averaging (bootstrap 95 % interval), the last
-  epoch's ``Lt`` against averaging's and the frame-weight diagnostics (``ml.fusion.diagnostics``).
+- Per run: val rank-1, its paired difference to averaging the same sets (bootstrap 95 % interval over val sets) and
+  the last epoch's val ``Lt`` against averaging's.
 - Per variant: mean ± sample std over seeds of the gain over averaging, and per seed the paired difference to the
   first variant, so a recipe is judged seed by seed, not by its best seed.
 
@@ -29,23 +31,9 @@ from ml.config import from_mapping
 from ml.errors import ConfigError, DataError
 from tasks.common import Paths, load_params, section, write_text
 from tasks.prepare import DataConfig
-from tasks.evaluate.fusion import VideoSplit
 from tasks.train_fusion import FusionStageConfig
 
 __all__ = ["compare_recipes", "render", "main"]
-
-
-def load_probes(paths: Paths, data: DataConfig, fr_model: Any, batch_size: int = 256) -> VideoSplit:
-    """``data/prepared/videos`` embedded by ``fr_model`` (as the ``evaluate`` stage does, manifest landmarks) and
-    split into probes and galleries by ``tasks.evaluate.fusion.split_videos``."""
-    from ml.data.dataset import read_manifest
-    from tasks.evaluate.fusion import _frames, split_videos
-
-    manifest = paths.video_set / "manifest.parquet"
-    if not manifest.is_file():
-        raise DataError(f"{manifest} is missing: run `dvc repro prepare` (or `make run`) first")
-    rows = read_manifest(manifest)
-    return split_videos(rows, _frames(fr_model, None, paths.video_set, rows, data, batch_size))
 
 
 def _recipe(base: Any, variant: dict[str, Any], seed: int) -> Any:
@@ -60,45 +48,38 @@ def _recipe(base: Any, variant: dict[str, Any], seed: int) -> Any:
 
 def compare_recipes(paths: Paths, data: DataConfig, stage: FusionStageConfig, variants: list[dict[str, Any]],
                     seeds: list[int], progress: bool = False) -> tuple[list[dict[str, Any]], dict[str, float]]:
-    """Train CAFace per (variant, seed) on the run's material and score it on its video probes → (one row per run,
-    the baselines' rank-1: ``average``, ``norm_weighted``, ``quality_oracle``)."""
-    from ml.fusion.diagnostics import caface_diagnostics, paired_difference, rank1_hits
-    from ml.fusion.sets import fuse_templates
-    from ml.models.io import load_model
-    from ml.fusion.train import train_fusion
-    from tasks.train_fusion import procedural_material, real_material
+    """Train CAFace per (variant, seed) on the stage's training identities and score it on its val sets → (one row
+    per run, plain averaging's val rank-1 under ``average``)."""
+    from ml.fusion.diagnostics import paired_difference
+    from ml.fusion.train import train_fusion, val_scores
+    from tasks.train_fusion import load_material, split_val
 
     if not variants or not seeds:
         raise ConfigError("give at least one variant (e.g. '{}' for params.yaml's recipe) and one seed")
+    if not stage.val_identities:
+        raise ConfigError("fusion.val_identities is 0: recipes are compared on held-out identities, never on the "
+                          "test probes; set it > 0")
     fr_dir = paths.fr_model(stage.fr_source)
     if not (fr_dir / "config.json").is_file():
         raise DataError(f"fusion.fr_source is {stage.fr_source!r} but {fr_dir} holds no model: run `make run` first")
-    model, fr_config = load_model(fr_dir)
-    contract = fr_config["input_contract"]
-    base = dataclasses.replace(stage.train, feature_dim=int(contract["embedding_dim"]),
-                               style_dim=int(contract["style_dim"]))
-    recipes = [[_recipe(base, v, s) for s in seeds] for v in variants]  # every variant checked before any training
-    material = real_material(model, paths, data, base.seed) if data.ingested else procedural_material(model, paths, data)
-    videos = load_probes(paths, data, model)
-    probe, groups, gallery = videos.probe, videos.probe_groups, videos.single  # scored on the single gallery
-    hits = {m: rank1_hits(fuse_templates(m, probe.feats, groups, quality=probe.quality), videos.probe_ids, gallery,
-                          videos.gallery_ids) for m in ("average", "norm_weighted", "quality_oracle")}
-    rows = []
+    recipes = [[_recipe(stage.train, v, s) for s in seeds] for v in variants]  # every variant checked before any training
+    material, base, _, _ = load_material(stage, data, paths)
+    material, val = split_val(material, stage)
+    rows, average = [], None
     for variant, row_recipes in zip(variants, recipes):
         for seed, cfg in zip(seeds, row_recipes):
+            cfg = dataclasses.replace(cfg, feature_dim=base.feature_dim, style_dim=base.style_dim)
             start = time.perf_counter()
             res = train_fusion(cfg, material.features, material.styles, material.labels, sources=material.sources,
                                centres=material.centres, progress=progress)
-            fused = fuse_templates("caface", probe.feats, groups, styles=probe.styles, model=res.model, chunk_size=64)
-            h = rank1_hits(fused, videos.probe_ids, gallery, videos.gallery_ids)
-            diff = paired_difference(h, hits["average"], seed=seed)
-            diag = caface_diagnostics(res.model, probe.feats, probe.styles, groups, probe.quality)
-            last = res.history[-1]
+            scores = val_scores(res.model, val)
+            h, average = scores["caface/hit"].astype(float), scores["average/hit"].astype(float)
+            diff = paired_difference(h, average, seed=seed)
             rows.append({"variant": variant, "seed": seed, "steps": res.steps, "seconds": time.perf_counter() - start,
                          "rank1": float(h.mean()), "minus_average": diff["mean"], "ci_low": diff["ci_low"],
-                         "ci_high": diff["ci_high"], "lt": last["train/lt"], "lt_average": last["train/lt_average"],
-                         "hits": h, **diag})
-    return rows, {m: float(h.mean()) for m, h in hits.items()}
+                         "ci_high": diff["ci_high"], "lt": float(scores["caface/lt"].mean()),
+                         "lt_average": float(scores["average/lt"].mean()), "hits": h})
+    return rows, {"average": float(average.mean()), "chance": 1.0 / stage.val_identities}
 
 
 def _mean_std(values: list[float]) -> str:
@@ -111,16 +92,15 @@ def render(rows: list[dict[str, Any]], baselines: dict[str, float], probes: int)
     averaging and the per-seed paired difference to the first variant."""
     pct = lambda v: f"{100 * v:.1f}"  # noqa: E731
     lines = ["# CAFace recipes over seeds", "",
-             f"{probes} mated IJB-S-style video probes, single gallery, rank-1 (%): average {pct(baselines['average'])}, "
-             f"norm-weighted {pct(baselines['norm_weighted'])}, true-quality oracle {pct(baselines['quality_oracle'])} "
-             "(headroom).", "",
-             "| variant | seed | steps | rank-1 | − average (95 % CI) | Lt / Lt of averaging | weight–quality ρ | "
-             "weight CV | effective clusters | s |", "|---|---|---|---|---|---|---|---|---|---|"]
+             f"Chosen and scored on val: {probes} fixed sets of the stage's held-out identities (`fusion.val_identities`), "
+             f"rank-1 against their targets (%): plain average {pct(baselines['average'])}, chance "
+             f"{pct(baselines['chance'])}. No test probe is read.", "",
+             "| variant | seed | steps | val rank-1 | − average (95 % CI) | val Lt / Lt of averaging | s |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| `{json.dumps(r['variant'])}` | {r['seed']} | {r['steps']} | {pct(r['rank1'])} | "
                      f"{100 * r['minus_average']:+.1f} ({100 * r['ci_low']:+.1f} to {100 * r['ci_high']:+.1f}) | "
-                     f"{r['lt'] / r['lt_average']:.3f} | {r['weight_quality_spearman']:.2f} | {r['weight_cv']:.2f} | "
-                     f"{r['effective_clusters']:.2f} | {r['seconds']:.0f} |")
+                     f"{r['lt'] / r['lt_average']:.3f} | {r['seconds']:.0f} |")
     names = list(dict.fromkeys(json.dumps(r["variant"]) for r in rows))
     first = {r["seed"]: r for r in rows if json.dumps(r["variant"]) == names[0]}
     lines += ["", "| variant | gain over averaging, mean ± sd over seeds (pp) | paired − first variant, per seed (pp) |",

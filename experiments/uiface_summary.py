@@ -17,7 +17,7 @@ class Scale:
     # real procedural faces
     image_size: int = 64
     train_identities: int = 150  # (a): teacher FR + generator training set, and the real-budget subsets
-    images_per_identity: int = 12
+    images_per_identity: int = 16  # ≥ M: the real arm takes M images of each of K identities
     test_identities: int = 150  # (b): held-out real identities for verification (8 images: 4,200 distinct genuine pairs)
     test_images_per_identity: int = 8
     pairs: int = 6000  # half genuine, half impostor
@@ -52,6 +52,12 @@ class Scale:
     threshold_per_paper_step: bool = True  # th × Δt/20: d_t is a change per step, ∝ Δt to first order
     sample_batch_size: int = 128
     recall_k: int = 10
+
+    def __post_init__(self) -> None:
+        if self.images_per_identity < self.images_per_synthetic_identity:
+            raise ValueError(f"images_per_identity = {self.images_per_identity} < images_per_synthetic_identity = "
+                             f"{self.images_per_synthetic_identity}: the real arm of a K × M budget needs M real "
+                             "images of each identity")
 
     @property
     def unet_side(self) -> int:

@@ -14,7 +14,7 @@ from faceops.console import fail, quiet_env, repo_root
 
 
 def sweep_command(
-    stage: Annotated[str, typer.Argument(help="the stage whose params to search: `train_fr`, `train_aligner` or `train_discovery`")] = "train_fr",
+    stage: Annotated[str, typer.Argument(help="the stage whose params to search: `train_fr`, `train_aligner`, `train_discovery`, `train_fusion` or `train_generator`")] = "train_fr",
     trials: Annotated[Optional[int], typer.Option(
         help="trials this command runs (split over --workers; 0 = only report/apply); default `sweep.<stage>.trials`")] = None,
     storage: Annotated[Optional[str], typer.Option(
@@ -45,6 +45,11 @@ def sweep_command(
     * `faceops sweep train_fr --trials 20 --workers 2` — two processes on this machine, one study
 
     * `faceops sweep train_aligner --trials 3` — the DFA aligner on its val identities
+
+    * `faceops sweep train_fusion --trials 10` — CAFace's recipe, chosen by rank-1 of sets of its val identities
+
+    * `faceops sweep train_generator --trials 4` — UIFace: identity gap + val accuracy of a small FR model trained
+      on a small synthetic set (`generator.probe`)
 
     * `faceops sweep train_fr --trials 10 --storage journal:sweeps/fr.log --study fr-lr` in each of two
       terminals — two independent commands, one study (20 trials); any number of them may join

@@ -91,7 +91,7 @@ def sweep_flow(stage: str = "train_fr", trials: int | None = None, storage: str 
     ``workers`` processes; summarise the study; with ``apply`` write its best params into ``params.yaml``.
 
     Args:
-        stage: the stage whose params are searched: train_fr, train_aligner or train_discovery
+        stage: the stage whose params are searched: train_fr, train_aligner, train_discovery, train_fusion or train_generator
             (the search space is params.yaml's sweep.<stage>).
         trials: trials this run adds to the study; empty: sweep.<stage>.trials in params.yaml.
         storage: the Optuna storage shared by the workers (postgresql://user@host/db, sqlite:///optuna.db,

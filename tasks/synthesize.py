@@ -86,17 +86,33 @@ class SynthesizeConfig:
                               "in [0, 1]")
 
 
-def load_generator_for(paths: Paths, generator_cfg: Any) -> tuple[Any, dict[str, Any], Any]:
-    """(EMA generator in eval mode, its saved ``extra``, autoencoder or None) from ``models/generator``."""
+def load_generator_for(paths: Paths, generator_cfg: Any, model_dir: Path | None = None
+                       ) -> tuple[Any, dict[str, Any], Any]:
+    """(EMA generator in eval mode, its saved ``extra``, autoencoder or None) from ``model_dir`` (default
+    ``models/generator``)."""
     from ml.generator.uiface import load_generator
     from ml.models.io import read_model_config
     from tasks.train_generator import generator_autoencoder
 
-    if not (paths.generator_model / "config.json").is_file():
-        raise DataError(f"{paths.generator_model} holds no generator: run `dvc repro train_generator` first.")
-    model, _ = load_generator(paths.generator_model)
-    extra = read_model_config(paths.generator_model, what="UIFace generator").get("extra", {})
-    return model.eval(), extra, generator_autoencoder(paths, extra, generator_cfg)
+    model_dir = model_dir or paths.generator_model
+    if not (model_dir / "config.json").is_file():
+        raise DataError(f"{model_dir} holds no generator: run `dvc repro train_generator` first.")
+    model, _ = load_generator(model_dir)
+    extra = read_model_config(model_dir, what="UIFace generator").get("extra", {})
+    return model.eval(), extra, generator_autoencoder(paths, extra, generator_cfg, model_dir)
+
+
+def embed_generated(fr: Any, aligner: Any, faces: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """(unit FR embeddings, landmarks or None) of generated faces resized to ``size``: the aligner's landmarks,
+    clipped into the face (a prediction past the border of a generated face goes on it), when an aligner is given."""
+    from tasks.train_generator import identity_embeddings, resize_faces
+
+    faces = resize_faces(faces, size)
+    landmarks = None
+    if aligner is not None:
+        landmarks, _ = aligner.predict(faces)
+        landmarks = np.clip(landmarks, 0.0, float(faces.shape[1] - 1))  # pixel centres 0 … size − 1
+    return identity_embeddings(fr, faces, landmarks), landmarks
 
 
 def sampler_for(cfg: SamplerConfig, extra: dict[str, Any]) -> SamplerConfig:
@@ -294,11 +310,7 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
     aligner, _ = load_aligner(paths.aligner_model)
 
     def embed_faces(faces: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        faces = resize_faces(faces, data.image_size)
-        landmarks, _ = aligner.predict(faces)
-        # a prediction, not ground truth: a point the aligner puts past the border of a generated face goes on it
-        landmarks = np.clip(landmarks, 0.0, float(faces.shape[1] - 1))  # pixel centres 0 … size − 1
-        return identity_embeddings(fr, faces, landmarks), landmarks
+        return embed_generated(fr, aligner, faces, data.image_size)
 
     # 1. identity contexts among empty-context faces
     candidates, _, _ = generate(model, None, cfg.candidates, sampler, batch_size=cfg.batch_size,
@@ -343,7 +355,7 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
     faces, landmarks, emb, t0, evals = (a[rows_kept] for a in (faces, landmarks, emb, t0, evals))
     labels = np.searchsorted(kept_ids, labels[rows_kept])
     contexts = contexts[kept_ids]
-    consistency = per_identity_consistency(emb, labels)
+    consistency = {new: consistency[int(old)] for new, old in enumerate(kept_ids)}  # per identity: unchanged
     # 4. faces, not noise; identities, not one face: the gate's numbers
     gap = identity_gap(emb, labels)
     pixel_corr = adjacent_pixel_correlation(faces)
@@ -411,6 +423,54 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
             tracker.log_artifact(paths.plots / plot, artifact_path="plots")
         tracker.log_artifact(report_dir, artifact_path="validation")
     return result
+
+
+def probe_generator(model_dir: Path, generator_cfg: Any, cfg: SynthesizeConfig, data: DataConfig, fr_cfg: Any,
+                    paths: Paths) -> dict[str, float]:
+    """The generator's val objective (``faceops sweep train_generator``): ``generator.probe`` sets the size of a
+    small synthetic set sampled from ``model_dir`` as this stage samples (contexts among empty-context candidates,
+    same sampler, no gates) → ``val/identity_gap`` (its identity gap under the ``synthesize.fr_source`` FR model),
+    ``val/accuracy`` (a small FR model, params ``fr`` for ``probe.fr_epochs`` epochs, trained on it and scored on real
+    faces of val identities — the GFD split's labelled images, never trained on, no test split: each identity's
+    even-numbered images are its gallery, the odd ones probes, nearest class mean), ``val/chance`` (1 / val
+    identities) and ``val/objective`` = gap + accuracy."""
+    from ml.aligner.dfa import load_aligner
+    from ml.data.dataset import landmarks_array, load_images
+    from ml.discovery.train import nearest_mean_accuracy
+    from ml.fr.train import embed, needs_keypoints, train_fr
+    from ml.generator.contexts import select_identity_contexts
+    from ml.generator.diversity import identity_gap
+    from tasks.train_generator import load_fr, resize_faces
+
+    probe = generator_cfg.probe
+    fr, _, _ = load_fr(paths, cfg.fr_source, "synthesize.fr_source")
+    model, extra, autoencoder = load_generator_for(paths, generator_cfg, model_dir)
+    sampler = sampler_for(cfg.sampler, extra)
+    aligner = load_aligner(paths.aligner_model)[0] if (paths.aligner_model / "config.json").is_file() else None
+    k = probe.synthetic_identities
+    candidates, _, _ = generate(model, None, max(k, round(cfg.candidates * k / cfg.identities)), sampler,
+                                batch_size=cfg.batch_size, seed=cfg.seed * 1_000_003, autoencoder=autoencoder,
+                                desc="probe candidates")
+    cand_emb, _ = embed_generated(fr, aligner, candidates, data.image_size)
+    keep = select_identity_contexts(cand_emb, k, cfg.max_cosine, allow_fewer=True)
+    faces, _, _ = generate(model, cand_emb[keep], probe.images_per_identity, sampler, batch_size=cfg.batch_size,
+                           seed=cfg.seed * 1_000_003 + 7919, autoencoder=autoencoder, desc="probe faces")
+    labels = np.repeat(np.arange(len(keep)), probe.images_per_identity)
+    emb, landmarks = embed_generated(fr, aligner, faces, data.image_size)
+    small = train_fr(dataclasses.replace(fr_cfg, epochs=probe.fr_epochs), resize_faces(faces, data.image_size),
+                     labels, keypoints=landmarks, progress=False).model.eval()
+    dataset, rows = reference_faces(paths)
+    raw = load_images(dataset, rows)
+    images, landmarks = resize_faces(raw, data.image_size), landmarks_array(rows)
+    keypoints = None if landmarks is None or not needs_keypoints(small) else landmarks * (data.image_size / raw.shape[1])
+    real = embed(small, images, keypoints=keypoints, progress=False)
+    real = real / np.linalg.norm(real, axis=1, keepdims=True).clip(1e-12)
+    real_labels = rows["label"].to_numpy()
+    gallery = rows.groupby("label").cumcount().to_numpy() % 2 == 0
+    accuracy = nearest_mean_accuracy(real[gallery], real_labels[gallery], real[~gallery], real_labels[~gallery])
+    gap = identity_gap(emb, labels)["gap"]
+    return {"val/identity_gap": float(gap), "val/accuracy": accuracy, "val/objective": float(gap) + accuracy,
+            "val/chance": 1.0 / len(np.unique(real_labels)), "val/synthetic_identities": float(len(keep))}
 
 
 def main() -> None:

@@ -9,6 +9,11 @@ feature ``f(x) + f(flip x)`` of *clean* images, its set items heavily degraded c
 - real faces ingested: ``data/prepared/train`` split ``train``; every image is a clean image and a source of
   ``data.fusion_copies`` copies degraded in image space (``degrade_image``, seeded by ``fusion.train.seed``).
 
+The last ``fusion.val_identities`` identities (by name) are held out: after every epoch CAFace fuses fixed sets of
+theirs (``ml.fusion.train.val_sets``) and is scored against their targets (``val/lt``, ``val/rank1``, beside plain
+averaging's), which is what the recipe and ``faceops sweep train_fusion`` are chosen on; the video and template test
+sets are read by ``evaluate`` alone.
+
 Features and styles come from ``models/fr/<fusion.fr_source>`` (set items without flip, as probes are embedded);
 training is ``ml.fusion.train``. Writes ``models/fusion/`` (``training_data``: ``procedural-fusion`` or
 ``real-degraded``), ``metrics/train_fusion.json`` and the loss curve; registers ``faceops-fusion`` as ``candidate``.
@@ -44,13 +49,24 @@ FEATURE_BATCH = 256  # images per FR forward pass
 @dataclass(frozen=True)
 class FusionStageConfig:
     """``params.yaml`` section ``fusion``; ``train`` holds ml/fusion/train.py's FusionConfig keys (its feature and
-    style sizes are taken from the FR model, whatever is written there)."""
+    style sizes are taken from the FR model, whatever is written there). ``val_*``: the held-out identities and the
+    fixed sets of theirs scored every epoch."""
 
     fr_source: str = "real"
+    val_identities: int = 50
+    val_set_size: int = 16
+    val_sets_per_identity: int = 4
     train: FusionConfig = field(
         default_factory=lambda: FusionConfig(epochs=5, steps_per_epoch=100, lr_steps=(4,), batch_size=32, lr=1e-4,
                                              lambda_p=0.0, lambda_u=0.3)
     )
+
+    def __post_init__(self) -> None:
+        for key in ("val_identities", "val_set_size", "val_sets_per_identity"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if key == "val_identities" else 1):
+                raise ConfigError(f"fusion.{key} must be an integer ≥ {0 if key == 'val_identities' else 1}, got "
+                                  f"{value!r}")
 
 
 @dataclass(frozen=True)
@@ -171,11 +187,34 @@ def real_material(model: Any, paths: Paths, data: DataConfig, seed: int) -> Fusi
                           paths.train_set, "real-degraded")
 
 
-def run(cfg: FusionStageConfig, data: DataConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
-    from ml.data.dataset import read_dataset_info
-    from ml.fusion.caface import save_caface
+def split_val(material: FusionMaterial, cfg: FusionStageConfig) -> tuple[FusionMaterial, Any]:
+    """(the material of the identities CAFace trains on, ``FusionVal`` sets of the last ``cfg.val_identities``
+    identities — None when 0); the labels of both stay contiguous."""
+    from ml.fusion.train import val_sets
+
+    k = len(material.centres)
+    if not cfg.val_identities:
+        return material, None
+    first = k - cfg.val_identities
+    if first < 2:
+        raise ConfigError(f"fusion.val_identities = {cfg.val_identities} leaves {max(first, 0)} of the {k} identities "
+                          f"in {material.dataset} to train on; CAFace needs at least 2: lower fusion.val_identities "
+                          "(0 trains on all of them without val/*)")
+    held = material.labels >= first
+    val = val_sets(material.features[held], material.styles[held], material.labels[held] - first,
+                   material.centres[first:], sources=material.sources[held], set_size=cfg.val_set_size,
+                   sets_per_identity=cfg.val_sets_per_identity)
+    keep = ~held
+    train = dataclasses.replace(material, features=material.features[keep], styles=material.styles[keep],
+                                labels=material.labels[keep], sources=material.sources[keep],
+                                centres=material.centres[:first])
+    return train, val
+
+
+def load_material(cfg: FusionStageConfig, data: DataConfig, paths: Paths) -> tuple[FusionMaterial, Any, Path, dict]:
+    """(CAFace's material, ``cfg.train`` sized to the FR model, the FR model's folder, its config): the frozen FR
+    model's features of the fusion set (the real training faces' degraded copies when ingesting)."""
     from ml.models.io import load_model
-    from ml.fusion.train import train_fusion
 
     fr_dir = paths.fr_model(cfg.fr_source)
     if not (fr_dir / "config.json").is_file():
@@ -195,8 +234,18 @@ def run(cfg: FusionStageConfig, data: DataConfig, paths: Paths, *, tracker: Any 
     else:
         raise DataError(f"{paths.fusion_set} holds no dataset: CAFace trains on it when no real faces are ingested; "
                         "run `dvc repro prepare`.")
+    return material, train_cfg, fr_dir, fr_config
+
+
+def run(cfg: FusionStageConfig, data: DataConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
+    from ml.data.dataset import read_dataset_info
+    from ml.fusion.caface import save_caface
+    from ml.fusion.train import train_fusion
+
+    material, train_cfg, fr_dir, fr_config = load_material(cfg, data, paths)
+    material, val = split_val(material, cfg)
     res = train_fusion(train_cfg, material.features, material.styles, material.labels, sources=material.sources,
-                       centres=material.centres, progress=True)
+                       centres=material.centres, progress=True, val=val)
     info = read_dataset_info(material.dataset)
     identities = len(material.centres)
     extra = {"registered_name": REGISTERED_MODEL, "fr_model": str(fr_dir.relative_to(paths.root)),
@@ -204,26 +253,34 @@ def run(cfg: FusionStageConfig, data: DataConfig, paths: Paths, *, tracker: Any 
              "training_data": material.kind, "training_data_digest": info["digest"],
              "training_features": int(len(material.features)), "training_identities": identities,
              "training_sources": int(np.unique(material.sources).size), "recipe": train_cfg.to_dict(),
+             "val_identities": cfg.val_identities,
+             "val": {k: float(v) for k, v in (res.history[-1] if res.history else {}).items() if k.startswith("val/")},
              **numerics(train_cfg.accelerator, train_cfg.precision)}
     save_caface(res.model, paths.fusion_model, extra=extra)
 
     last = res.history[-1] if res.history else {}
     result = StageResult("train_fusion", outputs=[paths.fusion_model])
-    result.metrics = {k: float(v) for k, v in last.items() if k.startswith("train/")}
+    result.metrics = {k: float(v) for k, v in last.items() if k.startswith(("train/", "val/"))}
     result.metrics.update({"train/features": float(len(material.features)), "train/identities": float(identities),
                            "train/steps": float(res.steps)})
     write_json(paths.metrics / "train_fusion.json", result.metrics)
     write_history_csv(paths.plots / "train_fusion_history.csv", res.history)
-    plot_history(paths.plots / "train_fusion_loss.png", [{
-        "title": "CAFace: Lt + λp·Lp (Lt of plain averaging for reference)", "ylabel": "loss",
-        "curves": [(k, res.history, k) for k in ("train/loss", "train/lt", "train/lp", "train/lt_average")]}])
+    panels = [{"title": "CAFace: Lt + λp·Lp (Lt of plain averaging for reference)", "ylabel": "loss",
+               "curves": [(k, res.history, k) for k in ("train/loss", "train/lt", "train/lp", "train/lt_average")]}]
+    if val is not None:
+        panels += [{"title": f"val: {cfg.val_identities} held-out identities", "ylabel": "Lt",
+                    "curves": [(k, res.history, k) for k in ("val/lt", "val/lt_average")]},
+                   {"title": f"val rank-1 (chance {1 / cfg.val_identities:.3f})", "ylabel": "rank-1",
+                    "curves": [(k, res.history, k) for k in ("val/rank1", "val/rank1_average")]}]
+    plot_history(paths.plots / "train_fusion_loss.png", panels)
     result.summary = (f"CAFace trained {res.steps} steps on {len(material.features)} degraded faces of {identities} "
                       f"identities ({material.kind}: {material.dataset.relative_to(paths.root)}) with features of "
                       f"{fr_dir.name} → {paths.fusion_model}")
     if tracker is not None:
         tracker.log_dataset(material.dataset, context="train")
         for h in res.history:
-            tracker.log_metrics({k: v for k, v in h.items() if k.startswith("train/")}, step=int(h["epoch"]))
+            tracker.log_metrics({k: v for k, v in h.items() if k.startswith(("train/", "val/"))},
+                                step=int(h["epoch"]))
         tracker.log_metrics(result.metrics)  # the curves' last points are not repeated (StageTracker)
         tracker.log_artifact(paths.plots / "train_fusion_loss.png", artifact_path="plots")
         version = tracker.register_model_dir(REGISTERED_MODEL, model_dir=paths.fusion_model,

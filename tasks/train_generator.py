@@ -51,6 +51,23 @@ AUTOENCODER_DIR = "autoencoder"  # models/generator/autoencoder: the autoencoder
 
 
 @dataclass(frozen=True)
+class GeneratorProbe:
+    """What ``faceops sweep train_generator`` scores a trial's generator on (``tasks.synthesize.probe_generator``):
+    ``synthetic_identities`` × ``images_per_identity`` faces sampled as ``synthesize`` samples them, and a small FR
+    model trained on them for ``fr_epochs`` epochs (params ``fr`` otherwise)."""
+
+    synthetic_identities: int = 16
+    images_per_identity: int = 8
+    fr_epochs: int = 4
+
+    def __post_init__(self) -> None:
+        for key, low in (("synthetic_identities", 2), ("images_per_identity", 2), ("fr_epochs", 1)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"generator.probe.{key} = {value!r}: need an integer ≥ {low}")
+
+
+@dataclass(frozen=True)
 class GeneratorStageConfig:
     """``params.yaml`` section ``generator``; ``train`` holds ml/generator/train.py's GeneratorConfig keys (the
     context size ``train.model.id_dim`` is taken from the FR model, whatever is written there)."""
@@ -64,6 +81,7 @@ class GeneratorStageConfig:
     max_images: int = 0                # train on the first N training faces (0 = all)
     train: GeneratorConfig = field(default_factory=lambda: GeneratorConfig(
         model=GeneratorModelConfig(image_size=32, block_out_channels=(32, 64, 64)), epochs=8, batch_size=64))
+    probe: GeneratorProbe = field(default_factory=GeneratorProbe)  # the sweep's objective (not used by the stage)
 
     def __post_init__(self) -> None:
         if self.autoencoder_kind not in AUTOENCODER_KINDS:
@@ -178,7 +196,24 @@ def reconstruction_report(autoencoder: Any, fr: Any, images: np.ndarray, context
     return {"autoencoder/psnr": psnr, "autoencoder/fr_cosine": cosine}
 
 
-def run(cfg: GeneratorStageConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
+@dataclass
+class Fitted:
+    """A trained generator saved in ``model_dir`` and what the stage reports about it."""
+
+    result: Any  # ml.generator.train.GeneratorResult
+    model_dir: Path
+    metrics: dict[str, float]  # autoencoder/* when one was trained or given
+    extra: dict[str, Any]  # the saved config's extra
+    rows: Any  # the training faces' manifest rows
+    size: int  # the side of the faces the generator makes
+    info: dict[str, Any]  # the training set's dataset info
+
+
+def fit(cfg: GeneratorStageConfig, paths: Paths, model_dir: Path, *, report: bool = True) -> Fitted:
+    """Train the generator (and, for ``space: latent`` without a given autoencoder, its autoencoder first) on the
+    training faces with the FR model's contexts and save both into ``model_dir`` together. ``report``: progress
+    bars, the autoencoder's history CSV and reconstruction figure (``autoencoder/psnr``, ``autoencoder/fr_cosine``)
+    in ``plots/``, as the stage writes them; a sweep trial goes without."""
     from ml.data.dataset import landmarks_array, load_images, read_dataset_info, read_manifest
     from ml.generator.train import train_generator
 
@@ -189,7 +224,7 @@ def run(cfg: GeneratorStageConfig, paths: Paths, *, tracker: Any = None) -> Stag
     rows = manifest[manifest["split"] == "train"].reset_index(drop=True)
     if cfg.max_images:
         rows = rows.iloc[: cfg.max_images].reset_index(drop=True)
-    images = load_images(paths.train_set, rows, progress=True)
+    images = load_images(paths.train_set, rows, progress=report)
     landmarks = landmarks_array(rows)
     metrics: dict[str, float] = {}
     autoencoder = load_autoencoder_for(cfg, paths)
@@ -211,17 +246,18 @@ def run(cfg: GeneratorStageConfig, paths: Paths, *, tracker: Any = None) -> Stag
         ae_cfg = cfg.autoencoder_train
         autoencoder, ae_history, ae_seconds = train_autoencoder(
             ae_cfg, faces, contexts, fr if ae_cfg.fr_weight > 0 else None, face_landmarks,
-            progress=True)
+            progress=report)
         metrics["autoencoder/seconds"] = float(ae_seconds)
-        write_history_csv(paths.plots / "train_autoencoder_history.csv", ae_history,
-                          ["epoch", "train/loss", "train/pixel", "train/fr_cosine"])
-    if autoencoder is not None:
+        if report:
+            write_history_csv(paths.plots / "train_autoencoder_history.csv", ae_history,
+                              ["epoch", "train/loss", "train/pixel", "train/fr_cosine"])
+    if autoencoder is not None and report:
         report_rows = min(len(faces), 1024)
         metrics.update(reconstruction_report(
             autoencoder, fr, faces[:report_rows], contexts[:report_rows],
             None if face_landmarks is None else face_landmarks[:report_rows],
             paths.plots / "autoencoder_reconstructions.png"))
-    res = train_generator(train_cfg, faces, contexts, autoencoder=autoencoder, progress=True)
+    res = train_generator(train_cfg, faces, contexts, autoencoder=autoencoder, progress=report)
     info = read_dataset_info(paths.train_set)
     extra = {"registered_name": REGISTERED_MODEL, "fr_model": str(fr_dir.relative_to(paths.root)),
              "fr_data_digest": fr_config.get("extra", {}).get("training_data_digest", ""),
@@ -229,14 +265,23 @@ def run(cfg: GeneratorStageConfig, paths: Paths, *, tracker: Any = None) -> Stag
              "autoencoder": cfg.autoencoder or "", "autoencoder_kind": cfg.autoencoder_kind if cfg.autoencoder else "",
              "context_size": int(size), **numerics(train_cfg.accelerator, train_cfg.precision)}
     if trained_autoencoder:
-        extra["autoencoder"] = str((paths.generator_model / AUTOENCODER_DIR).relative_to(paths.root))
+        extra["autoencoder"] = str((model_dir / AUTOENCODER_DIR).relative_to(paths.root)
+                                   if model_dir.is_relative_to(paths.root) else model_dir / AUTOENCODER_DIR)
         extra["autoencoder_kind"] = "kl"
         extra["autoencoder_train"] = {k: (list(v) if isinstance(v, tuple) else v)
                                       for k, v in dataclasses.asdict(cfg.autoencoder_train).items()}
-    with atomic_path(paths.generator_model) as tmp:  # the UNet and its autoencoder appear together
+    with atomic_path(model_dir) as tmp:  # the UNet and its autoencoder appear together
         res.save(tmp, extra=extra)
         if trained_autoencoder:
             autoencoder.save_pretrained(str(tmp / AUTOENCODER_DIR))
+    return Fitted(res, model_dir, metrics, extra, rows, size, info)
+
+
+def run(cfg: GeneratorStageConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
+    fitted = fit(cfg, paths, paths.generator_model)
+    res, metrics, extra, rows, size, info = (fitted.result, fitted.metrics, fitted.extra, fitted.rows, fitted.size,
+                                             fitted.info)
+    fr_dir = paths.root / extra["fr_model"]
 
     last = res.history[-1] if res.history else {}
     result = StageResult("train_generator", outputs=[paths.generator_model])

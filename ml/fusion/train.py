@@ -6,7 +6,9 @@ every even length in [min_len, max_len] are the sets (one masked call). ``Lt = m
 ``f_GT`` the clean-image ``centres`` (else the identity mean); ``Lp = mean(1 − cos(f_streamed, f_all_at_once))`` over
 the groups (Eq. 10); ``L = Lt + λp·Lp + λu·Lu``, ``Lu = mean(1 − H(u)/log M)``, ``u`` a set's mass share per cluster.
 AdamW, LR ×0.1 from each epoch of ``lr_steps``. Batches and drop path are functions of (seed, epoch, step), so a run
-resumed from ``last.ckpt`` ends as an uninterrupted one. ``fuse_sets``: eval-mode templates, long sets in chunks.
+resumed from ``last.ckpt`` ends as an uninterrupted one. ``val_sets`` / ``validate_fusion``: fixed sets of held-out
+identities scored after every epoch (``val/lt``, ``val/rank1`` against their targets, beside plain averaging's).
+``fuse_sets``: eval-mode templates, long sets in chunks.
 
 Differences from the reference (``mk-minchul/caface``, ``trainer.py``, datafeed ``dual_multi_v1``):
 - ``Lu`` (``lambda_u``) is not in the paper or the reference; ``prefixes: one`` (one length per step) is an option.
@@ -42,7 +44,8 @@ from ml.train.device import check_device_keys, rng_devices
 from ml.train.checkpoint import check_resume, mix_seed, resume_path
 from ml.train.schedules import adamw, lambda_schedule, multistep
 
-__all__ = ["FusionConfig", "FusionModule", "FusionResult", "fuse_sets", "identity_centres", "step_lr", "train_fusion"]
+__all__ = ["FusionConfig", "FusionModule", "FusionResult", "FusionVal", "fuse_sets", "identity_centres", "step_lr",
+           "train_fusion", "val_scores", "val_sets", "validate_fusion"]
 
 log = logging.getLogger(__name__)
 
@@ -137,10 +140,21 @@ class FusionConfig:
         return out
 
 
+@dataclass(frozen=True)
+class FusionVal:
+    """Fixed validation sets of identities CAFace does not train on: S sets of n items each."""
+
+    features: torch.Tensor  # (S, n, D) the sets' items
+    styles: torch.Tensor  # (S, n, style_dim, 2)
+    labels: torch.Tensor  # (S,) the identity 0..Kv-1 of each set
+    centres: torch.Tensor  # (Kv, D) unit targets f_GT of the held-out identities: the val gallery
+
+
 @dataclass
 class FusionResult:
     model: CAFace  # in eval mode, on the CPU
-    # per epoch: epoch, lr, train/loss, train/lt, train/lp, train/lt_average (Lt of the plain average, same sets)
+    # per epoch: epoch, lr, train/loss, train/lt, train/lp, train/lt_average (Lt of the plain average, same sets),
+    # and val/* (validate_fusion) when val sets were given
     history: list[dict[str, float]] = field(default_factory=list)
     checkpoint: Path | None = None  # last.ckpt when a checkpoint_dir was given
     steps: int = 0  # optimiser steps taken in all (resumed ones included): epochs × steps_per_epoch
@@ -252,6 +266,60 @@ def _draw_rows(rng: np.random.Generator, sources: list[list[np.ndarray]], ids: n
     return np.stack(out)
 
 
+def val_sets(features: Any, styles: Any, labels: Any, centres: Any, *, sources: Any = None, set_size: int = 16,
+             sets_per_identity: int = 4, max_sources: int = 3, seed: int = 0) -> FusionVal:
+    """``sets_per_identity`` sets of ``set_size`` items for each held-out identity, drawn once as training draws
+    them (1..``max_sources`` of the identity's sources, without replacement where it has enough items) from a
+    generator seeded by ``seed`` alone, so every trial of a sweep is scored on the same sets. ``labels`` (N,) are
+    0..Kv-1, ``centres`` (Kv, D) their targets."""
+    features, styles, labels = _as_tensor(features, "val features"), _as_tensor(styles, "val styles"), \
+        _as_tensor(labels, "val labels").long()
+    num_classes = int(labels.max()) + 1 if labels.numel() else 0
+    if num_classes < 2 or torch.bincount(labels).min() == 0:
+        raise DataError(f"val sets need items of at least 2 identities labelled 0..Kv-1, got {num_classes}")
+    c = _as_tensor(centres, "val centres").float()
+    if tuple(c.shape) != (num_classes, features.shape[1]):
+        raise DataError(f"val centres must be (Kv, D) = ({num_classes}, {features.shape[1]}), got {tuple(c.shape)}")
+    source_of = _check_sources(sources, labels)
+    rng = np.random.default_rng(mix_seed(seed, 2))
+    per_source = []
+    for k in range(num_classes):
+        rows = np.flatnonzero(labels.numpy() == k)
+        per_source.append([rows[source_of[rows] == u] for u in np.unique(source_of[rows])])
+    ids = np.repeat(np.arange(num_classes), sets_per_identity)
+    rows = torch.from_numpy(np.stack([_draw_rows(rng, per_source, [i], set_size, max_sources)[0] for i in ids]))
+    return FusionVal(features[rows].float(), styles[rows].float(), torch.from_numpy(ids), F.normalize(c, dim=-1))
+
+
+@torch.no_grad()
+def val_scores(model: CAFace, val: FusionVal) -> dict[str, np.ndarray]:
+    """Per val set (S,): ``lt`` = ``1 − cos(template, f_GT)`` and ``hit`` = whether its nearest val target is its
+    own, for CAFace's template (``caface/*``) and plain averaging's (``average/*``). Eval mode; the model's mode is
+    restored."""
+    was_training = model.training
+    model.eval()
+    device = model.cn.centres.device
+    try:
+        fused = model(val.features.to(device), val.styles.to(device)).float().cpu()
+    finally:
+        model.train(was_training)
+    out = {}
+    for name, templates in (("caface", fused), ("average", F.normalize(F.normalize(val.features, dim=-1).sum(1), dim=-1))):
+        cos = F.normalize(templates, dim=-1) @ val.centres.T  # (S, Kv)
+        out[f"{name}/lt"] = (1.0 - cos[torch.arange(len(cos)), val.labels]).numpy()
+        out[f"{name}/hit"] = (cos.argmax(dim=1) == val.labels).numpy()
+    return out
+
+
+def validate_fusion(model: CAFace, val: FusionVal) -> dict[str, float]:
+    """Means over the val sets of :func:`val_scores`: ``val/lt`` (Eq. 9 on held-out identities), ``val/rank1``
+    (chance ``1/Kv``) and plain averaging's ``val/lt_average``, ``val/rank1_average``."""
+    scores = val_scores(model, val)
+    return {f"val/{kind}{suffix}": float(scores[f"{name}/{key}"].mean())
+            for name, suffix in (("caface", ""), ("average", "_average"))
+            for kind, key in (("lt", "lt"), ("rank1", "hit"))}
+
+
 def usage_loss(count: torch.Tensor) -> torch.Tensor:
     """``Lu = mean over sets of 1 − H(u)/log M`` with ``u = c / Σ_m c`` (B, M) a set's share of assignment mass per
     cluster: 0 when every cluster gets an equal share, 1 when one cluster takes every item (collapse)."""
@@ -327,10 +395,11 @@ class _StepBatches(Dataset):
 class FusionModule(lightning.LightningModule):
     """CAFace under ``Lt + λp·Lp``; AdamW with the LR ×0.1 from each epoch of ``lr_steps``."""
 
-    def __init__(self, model: CAFace, cfg: FusionConfig) -> None:
+    def __init__(self, model: CAFace, cfg: FusionConfig, val: FusionVal | None = None) -> None:
         super().__init__()
         self.model = model
         self.cfg = cfg
+        self.val = val
         self._epoch_lr = cfg.lr
 
     def on_train_epoch_start(self) -> None:
@@ -353,8 +422,9 @@ class FusionModule(lightning.LightningModule):
         return loss
 
     def epoch_summary(self) -> dict[str, float]:
-        """The epoch's learning rate, for the history (Lightning steps an epoch schedule before the epoch's end)."""
-        return {"lr": self._epoch_lr}
+        """The epoch's learning rate (Lightning steps an epoch schedule before the epoch's end) and, with val sets,
+        :func:`validate_fusion`'s ``val/*``, for the history."""
+        return {"lr": self._epoch_lr, **(validate_fusion(self.model, self.val) if self.val is not None else {})}
 
     def configure_optimizers(self) -> Any:
         optimizer = adamw(self.model.parameters(), self, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
@@ -373,6 +443,7 @@ def train_fusion(
     resume: bool = False,
     progress: bool = True,
     callbacks: Sequence[Callback] = (),
+    val: FusionVal | None = None,
 ) -> FusionResult:
     """Fit a CAFace on ``features`` (N, D), ``styles`` (N, style_dim, 2), ``labels`` (N,) 0..K-1 for
     ``epochs × steps_per_epoch`` steps on ``fusion.train.accelerator``.
@@ -384,14 +455,16 @@ def train_fusion(
 
     ``checkpoint_dir``: where ``last.ckpt`` is written after every epoch (an existing one is an error unless
     ``resume``); with ``resume`` the run continues from it (a missing checkpoint starts afresh).
-    ``callbacks``: extra Lightning callbacks (e.g. a progress bar).
+    ``callbacks``: extra Lightning callbacks (e.g. a progress bar). ``val``: sets of held-out identities
+    (:func:`val_sets`) scored after every epoch (``val/*`` in the history rows).
     """
     features, styles, labels, num_classes = _check_data(cfg, features, styles, labels)
     source_of = _check_sources(sources, labels)
     targets = identity_centres(features, labels, num_classes) if centres is None else \
         _check_centres(cfg, centres, num_classes)  # (K, D), frozen
     ckpt_path = resume_path(checkpoint_dir, resume, LAST_CHECKPOINT, "train_fusion")
-    info = {"config": cfg.to_dict(), "data": _digest(features, styles, labels, source_of, targets)}
+    val_data = () if val is None else (val.features, val.styles, val.labels, val.centres)
+    info = {"config": cfg.to_dict(), "data": _digest(features, styles, labels, source_of, targets, *val_data)}
     if ckpt_path is not None:
         check_resume(ckpt_path, CHECKPOINT_KEY, "fusion.train", info, data_keys=("data",))
     rows_of = np.argsort(labels.numpy(), kind="stable")
@@ -406,7 +479,7 @@ def train_fusion(
         torch.manual_seed(cfg.seed)  # seeded initialisation
         model = CAFace(**cfg.model_kwargs)
         info["model"] = model.config
-        module = FusionModule(model, cfg)
+        module = FusionModule(model, cfg, val)
         log.info("training CAFace on %d features of %d identities: %d steps/epoch × %d epochs of %d identities%s",
                  features.shape[0], num_classes, cfg.steps_per_epoch, cfg.epochs, dataset.batch,
                  f", resuming {ckpt_path}" if ckpt_path else "")
@@ -417,8 +490,10 @@ def train_fusion(
             last_checkpoint=LAST_CHECKPOINT, ckpt_path=ckpt_path, callbacks=callbacks, progress=progress,
         )
     for row in fitted.history:
-        log.info("fusion epoch %d: loss %.4f (Lt %.4f vs %.4f for the average, Lp %.4f), lr %.2e", row["epoch"],
-                 row["train/loss"], row["train/lt"], row["train/lt_average"], row["train/lp"], row["lr"])
+        log.info("fusion epoch %d: loss %.4f (Lt %.4f vs %.4f for the average, Lp %.4f), lr %.2e%s", row["epoch"],
+                 row["train/loss"], row["train/lt"], row["train/lt_average"], row["train/lp"], row["lr"],
+                 f"; val Lt {row['val/lt']:.4f} vs {row['val/lt_average']:.4f}, rank-1 {row['val/rank1']:.3f} vs "
+                 f"{row['val/rank1_average']:.3f}" if "val/lt" in row else "")
     return FusionResult(model=module.model.cpu().eval(), history=fitted.history, checkpoint=fitted.checkpoint,
                         steps=int(fitted.trainer.global_step))
 

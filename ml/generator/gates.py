@@ -1,21 +1,12 @@
 """Calibrated gates of a synthetic face set: thresholds read off real faces under the same FR model.
 
-A fixed cosine means nothing across FR models (a model trained longer spreads identities further apart), so each
-gate's default threshold is a percentile of a *reference*: real faces of identities the FR model never trained on,
-embedded by the same model in the same run.
-
-- **Privacy** (identities). ``reference_privacy``: for each never-trained real identity, the highest cosine between
-  its centre and a training identity's centre — how close a stranger comes to somebody in the training set. A
-  synthetic identity closer than the ``privacy_percentile`` of that is dropped.
-- **Memorisation** (faces). ``nearest_same_identity``: for each never-trained real face, the cosine to the nearest
-  other face of its own identity — how close a second photo of the same person comes. A synthetic face nearer to a
-  real training face than the ``memorisation_percentile`` of that is a copy; more than ``max_memorised_fraction``
-  of them fails the stage (a generator that reproduces training faces is a defect, not something to filter).
-- **Consistency** (identities). ``per_class_consistency`` of the never-trained real identities: a synthetic identity
-  whose faces agree less than the ``consistency_percentile`` of real people's do carries no identity and is dropped.
-
-``calibrate`` turns an explicit threshold (a param) or a reference percentile into a ``Threshold`` that says which
-it was. A threshold ≥ 1 on a cosine (≤ −1 for consistency) keeps everything: the gate reports only.
+A fixed cosine means nothing across FR models, so each gate's default threshold is a percentile of a reference:
+real faces of identities the FR model never trained on, embedded by the same model in the same run.
+``reference_privacy`` (per identity: the highest centre cosine to a training identity), ``nearest_same_identity``
+(per face: the cosine to the nearest other face of its identity) and ``reference_consistency`` (per identity: mean
+intra-class cosine) are the references of the privacy, memorisation and consistency gates; ``calibrate`` turns a
+param or a reference percentile into a ``Threshold`` that says which it was (≥ 1 on a cosine, ≤ −1 for
+consistency: report only). What each gate does with its threshold: ``docs/methods/generator.md``.
 
 Differences from the reference: UIFace (and DCFace) filter identities with a fixed cosine to the training set chosen
 by hand; neither measures memorisation face by face nor calibrates on never-trained identities.

@@ -1,5 +1,5 @@
 """Optuna hyperparameter sweeps over one stage's params: ``faceops sweep train_fr`` (``train_aligner``,
-``train_discovery``; flow ``sweep``).
+``train_discovery``, ``train_fusion``, ``train_generator``; flow ``sweep``).
 
 The search space is data (params ``sweep``, ``ops.sweep.config``): each range is checked against the stage's config
 class before a trial starts. A trial applies its values as an in-memory delta (``params.yaml`` is never written

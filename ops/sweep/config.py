@@ -78,6 +78,8 @@ class SweepConfig:
     train_fr: StageSweep = field(default_factory=StageSweep)
     train_aligner: StageSweep = field(default_factory=lambda: StageSweep(metric="val/nme_box", direction="minimize"))
     train_discovery: StageSweep = field(default_factory=StageSweep)
+    train_fusion: StageSweep = field(default_factory=lambda: StageSweep(metric="val/rank1"))
+    train_generator: StageSweep = field(default_factory=lambda: StageSweep(metric="val/objective"))
 
     def __post_init__(self) -> None:
         for key, valid in (("sampler", SAMPLERS), ("pruner", PRUNERS)):

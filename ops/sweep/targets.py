@@ -8,7 +8,12 @@ and reads no test split:
 - ``train_aligner``: the unaligned set's ``train`` split; ``val/nme_box`` (and the other ``val/*``) on its ``val``
   split, identities neither trained on nor tested on;
 - ``train_discovery``: the GFD split's ``train`` subset; ``val/accuracy``, the nearest-class-mean accuracy of the
-  labelled images held out by ``discovery.val_per_identity`` (the GCD control is not trained in a trial).
+  labelled images held out by ``discovery.val_per_identity`` (the GCD control is not trained in a trial);
+- ``train_fusion``: CAFace on the frozen FR model's features of the fusion set but its last ``fusion.val_identities``
+  identities; ``val/rank1`` (and ``val/lt``) of fixed sets of those identities against their targets;
+- ``train_generator``: UIFace (its autoencoder first in latent space) on the training faces; ``val/objective`` =
+  the identity gap of a small synthetic set + the accuracy on val identities (the GFD split's labelled images) of a
+  small FR model trained on it (``tasks.synthesize.probe_generator``), measured once, after training (no pruning).
 """
 
 from __future__ import annotations
@@ -219,6 +224,96 @@ def _discovery_trainer(paths: Paths, params: Mapping[str, Any], metric: str) -> 
     return train_trial
 
 
+def _fusion_check_data(paths: Paths, params: Mapping[str, Any], metric: str) -> None:
+    """CAFace's material and FR model exist, and identities are held out when the metric is measured on them."""
+    from tasks.prepare import DataConfig
+
+    data = from_mapping(DataConfig, section(params, "data"), "data")
+    dataset = paths.train_set if data.ingested else paths.fusion_set
+    _splits(dataset, "train_fusion")
+    source = section(params, "fusion").get("fr_source", "real")
+    if not (paths.fr_model(source) / "config.json").is_file():
+        raise DataError(f"fusion.fr_source is {source!r} but {paths.fr_model(source)} holds no model: run `dvc repro "
+                        f"train_fr@{source}` before sweeping train_fusion")
+    fixed = (section(params, "sweep").get("train_fusion") or {}).get("fixed") or {}
+    held = fixed.get("fusion.val_identities", section(params, "fusion").get("val_identities", 0))
+    if metric.startswith("val/") and not held:
+        raise DataError(f"{metric} is measured on held-out identities: set fusion.val_identities > 0")
+
+
+def _fusion_trainer(paths: Paths, params: Mapping[str, Any], metric: str) -> TrialTrainer:
+    """Embed CAFace's material with the frozen FR model once and hold out its val identities; → a function that
+    trains one CAFace trial on the rest."""
+    import dataclasses
+
+    from ml.fusion.train import train_fusion
+    from tasks.prepare import DataConfig
+    from tasks.train_fusion import FusionStageConfig, load_material, split_val
+
+    data = from_mapping(DataConfig, section(params, "data"), "data")
+    fixed_keys = ("fr_source", "val_identities", "val_set_size", "val_sets_per_identity")
+    fixed = (section(params, "sweep").get("train_fusion") or {}).get("fixed") or {}
+    base = from_mapping(FusionStageConfig, section(params, "fusion"), "fusion")
+    base = dataclasses.replace(base, **{k: fixed[f"fusion.{k}"] for k in fixed_keys if f"fusion.{k}" in fixed})
+    material, sized, _, _ = load_material(base, data, paths)
+    material, val = split_val(material, base)
+    log.info("train_fusion trials: %d set items of %d identities, %d val sets", len(material.labels),
+             len(material.centres), 0 if val is None else len(val.labels))
+
+    def train_trial(cfg: Any, trial: Any, tracker: Any) -> float:
+        _one_device(cfg.train, "fusion.train")
+        moved = [k for k in fixed_keys if getattr(cfg, k) != getattr(base, k)]
+        if moved:
+            raise ConfigError(f"a trial changes fusion.{moved[0]}, which fixes what every trial is trained and measured "
+                              "on: keep it out of sweep.train_fusion.space")
+        train_cfg = dataclasses.replace(cfg.train, feature_dim=sized.feature_dim, style_dim=sized.style_dim)
+        pruning = _pruning(trial, metric, tracker)
+        train_fusion(train_cfg, material.features, material.styles, material.labels, sources=material.sources,
+                     centres=material.centres, progress=False, callbacks=[pruning], val=val)
+        return _last_value(pruning, metric)
+
+    return train_trial
+
+
+def _generator_check_data(paths: Paths, params: Mapping[str, Any], metric: str) -> None:
+    """The training faces, the FR models the generator is conditioned and probed with, and the val faces exist."""
+    _splits(paths.train_set, "train_generator")
+    for key in ("generator", "synthesize"):
+        source = section(params, key).get("fr_source", "real")
+        if not (paths.fr_model(source) / "config.json").is_file():
+            raise DataError(f"{key}.fr_source is {source!r} but {paths.fr_model(source)} holds no model: run `dvc "
+                            f"repro train_fr@{source}` before sweeping train_generator")
+    if not paths.gfd_split.is_file():
+        raise DataError(f"{paths.gfd_split} is missing: the generator's val faces are its labelled images; run `dvc "
+                        "repro prepare` before sweeping train_generator")
+
+
+def _generator_trainer(paths: Paths, params: Mapping[str, Any], metric: str) -> TrialTrainer:
+    """→ a function that trains one generator into a temporary folder and scores it with ``probe_generator``."""
+    import tempfile
+
+    from ml.fr.config import FRConfig
+    from tasks.prepare import DataConfig
+    from tasks.synthesize import SynthesizeConfig, probe_generator
+    from tasks.train_generator import fit
+
+    data = from_mapping(DataConfig, section(params, "data"), "data")
+    synthesize = from_mapping(SynthesizeConfig, section(params, "synthesize"), "synthesize")
+    fr = from_mapping(FRConfig, section(params, "fr"), "fr")
+
+    def train_trial(cfg: Any, trial: Any, tracker: Any) -> float:
+        _one_device(cfg.train, "generator.train")
+        with tempfile.TemporaryDirectory(prefix="faceops-generator-trial-") as tmp:
+            fit(cfg, paths, Path(tmp) / "generator", report=False)
+            scores = probe_generator(Path(tmp) / "generator", cfg, synthesize, data, fr, paths)
+        if tracker is not None:
+            tracker.log_metrics(scores)
+        log.info("generator trial %d: %s", trial.number, ", ".join(f"{k} {v:.4g}" for k, v in scores.items()))
+        return scores[metric]
+
+    return train_trial
+
+
 OBJECTIVES: dict[str, SweepTarget] = {
     "train_fr": SweepTarget(
         section="fr", config="ml.fr.config:FRConfig", metrics=("val/accuracy", "train/accuracy", "train/loss"),
@@ -232,5 +327,15 @@ OBJECTIVES: dict[str, SweepTarget] = {
     "train_discovery": SweepTarget(
         section="discovery", config="ml.discovery.train:DiscoveryConfig", metrics=("val/accuracy", "loss"),
         check_data=_discovery_check_data, trainer=_discovery_trainer,
+    ),
+    "train_fusion": SweepTarget(
+        section="fusion", config="tasks.train_fusion:FusionStageConfig",
+        metrics=("val/rank1", "val/lt", "val/rank1_average", "val/lt_average", "train/loss", "train/lt"),
+        check_data=_fusion_check_data, trainer=_fusion_trainer,
+    ),
+    "train_generator": SweepTarget(
+        section="generator", config="tasks.train_generator:GeneratorStageConfig",
+        metrics=("val/objective", "val/accuracy", "val/identity_gap"),
+        check_data=_generator_check_data, trainer=_generator_trainer,
     ),
 }

@@ -29,12 +29,12 @@ from tasks.train_fusion import (
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 VIT = dict(depth=4, dim=32, heads=2, embed_dim=16, drop_path=0.0)  # 64 px; taps blocks 2 and 3: style_dim 64
-DATA = DataConfig(train_identities=3, images_per_identity=3, val_fraction=0.0, heldout_identities=4,
+DATA = DataConfig(train_identities=4, images_per_identity=3, val_fraction=0.0, heldout_identities=4,
                   heldout_images_per_identity=3, gallery_images_per_identity=1, verification_pairs=20,
                   template_identities=2, templates_per_identity=2, frames_per_template=2, discovery_identities=4,
                   discovery_images_per_identity=4, video_identities=3, video_distractors=1, video_frames=(6, 12),
                   fusion_identities=4, fusion_clean_images=2, fusion_sources=2, fusion_copies=3)
-STAGE = FusionStageConfig(train=FusionConfig(epochs=1, steps_per_epoch=2, lr_steps=(), batch_size=4, per_identity=8,
+STAGE = FusionStageConfig(val_identities=2, train=FusionConfig(epochs=1, steps_per_epoch=2, lr_steps=(), batch_size=4, per_identity=8,
                                              group=4, max_len=4, accelerator="cpu"))
 
 
@@ -84,12 +84,15 @@ def test_degraded_copies_do_not_depend_on_the_batch_size(workspace):
 
 def test_train_fusion_on_the_procedural_fusion_set(workspace, trained):
     metrics = json.loads((workspace.metrics / "train_fusion.json").read_text())
-    assert metrics["train/features"] == 4 * 2 * 3 and metrics["train/identities"] == 4 and metrics["train/steps"] == 2
-    assert {"train/loss", "train/lt", "train/lp", "train/lt_average"} <= set(metrics)
+    # 4 identities: the last 2 (fusion.val_identities) are held out for val/*
+    assert metrics["train/features"] == 2 * 2 * 3 and metrics["train/identities"] == 2 and metrics["train/steps"] == 2
+    assert {"train/loss", "train/lt", "train/lp", "train/lt_average", "val/lt", "val/lt_average", "val/rank1",
+            "val/rank1_average"} <= set(metrics)
+    assert 0.0 <= metrics["val/rank1"] <= 1.0 and metrics["val/lt"] > 0.0
     extra = json.loads((workspace.fusion_model / "config.json").read_text())["extra"]
-    assert extra["training_data"] == "procedural-fusion"
+    assert extra["training_data"] == "procedural-fusion" and extra["val_identities"] == 2
     assert extra["training_data_digest"] == read_dataset_info(workspace.fusion_set)["digest"]
-    assert extra["training_features"] == 24 and extra["training_sources"] == 8
+    assert extra["training_features"] == 12 and extra["training_sources"] == 4
     assert (workspace.plots / "train_fusion_loss.png").is_file()
 
 
@@ -107,12 +110,14 @@ def test_train_fusion_on_degraded_real_faces_when_ingested(workspace, tmp_path):
     m = real_material(model, paths, data, seed=0)
     n = len(read_manifest(paths.train_set / "manifest.parquet").query("split == 'train'"))
     assert m.kind == "real-degraded" and m.features.shape == (2 * n, 16)
-    assert m.sources.tolist() == np.repeat(np.arange(n), 2).tolist() and m.centres.shape == (3, 16)
+    assert m.sources.tolist() == np.repeat(np.arange(n), 2).tolist() and m.centres.shape == (4, 16)
     run(STAGE, data, paths)
     extra = json.loads((paths.fusion_model / "config.json").read_text())["extra"]
     assert extra["training_data"] == "real-degraded"
     assert extra["training_data_digest"] == read_dataset_info(workspace.train_set)["digest"]
-    assert json.loads((paths.metrics / "train_fusion.json").read_text())["train/features"] == 2 * n
+    assert json.loads((paths.metrics / "train_fusion.json").read_text())["train/features"] == 2 * n // 2  # 2 of 4 ids
+    with pytest.raises(ConfigError, match=r"fusion.val_identities = 3 leaves 1 of the 4 identities"):
+        run(dataclasses.replace(STAGE, val_identities=3), data, paths)
 
 
 def test_zero_quality_probes_by_hand():
@@ -152,16 +157,26 @@ def test_evaluate_sets_adds_the_oracle_intervals_and_caface_diagnostics(workspac
     steps = recipe["epochs"] * recipe["steps_per_epoch"]
     assert metrics["sets/caface/lambda_u"] == recipe["lambda_u"] and metrics["sets/caface/train_steps"] == steps
     assert f"(one training run: seed {recipe['seed']}, {steps} steps)" in report
+    val = json.loads((workspace.metrics / "train_fusion.json").read_text())  # the recipe's val numbers, reported
+    assert metrics["sets/caface/val/rank1"] == val["val/rank1"] and metrics["sets/caface/val/identities"] == 2
+    assert "On its val split (2 identities" in report and "(chance 50.0 %)" in report
 
 
-def test_fusion_recipes_compares_variants_seed_by_seed(workspace):
+def test_fusion_recipes_compares_variants_seed_by_seed_on_val(workspace):
     from experiments.fusion_recipes import compare_recipes, render
 
     variants = [{"lambda_u": 0.0}, {"lambda_u": 0.3}]
-    rows, baselines = compare_recipes(workspace, DATA, STAGE, variants, seeds=[0, 1])
+    for path in workspace.video_set.rglob("*"):  # recipes are chosen on val: a test probe read is an error
+        if path.is_file():
+            path.rename(path.with_name(path.name + ".hidden"))
+    try:
+        rows, baselines = compare_recipes(workspace, DATA, STAGE, variants, seeds=[0, 1])
+    finally:
+        for path in workspace.video_set.rglob("*.hidden"):
+            path.rename(path.with_name(path.name.removesuffix(".hidden")))
     assert [(r["variant"], r["seed"]) for r in rows] == [(v, s) for v in variants for s in (0, 1)]
     for r in rows:
-        assert r["steps"] == 2 and 0.0 <= r["rank1"] <= 1.0
+        assert r["steps"] == 2 and 0.0 <= r["rank1"] <= 1.0 and r["hits"].size == 2 * 4  # 2 val ids × 4 sets
         assert r["minus_average"] == pytest.approx(r["rank1"] - baselines["average"])
         assert r["ci_low"] <= r["minus_average"] <= r["ci_high"]
     report = render(rows, baselines, int(rows[0]["hits"].size))

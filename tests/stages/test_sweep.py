@@ -36,7 +36,8 @@ TINY = {  # a prepared set of 4 identities × 6 faces at 32 px (2 val faces each
     "data.frames_per_template": 1, "data.discovery_identities": 4, "data.discovery_images_per_identity": 4,
     "data.video_identities": 2, "data.video_distractors": 1, "data.video_frames": [2, 3], "data.booking_stills": 1,
     "data.unaligned_identities": 4, "data.unaligned_images_per_identity": 2, "data.unaligned_test_identities": 1,
-    "data.unaligned_val_identities": 1, "data.unaligned_size": 64,
+    "data.unaligned_val_identities": 1, "data.unaligned_size": 64, "data.fusion_identities": 6,
+    "data.fusion_clean_images": 2, "data.fusion_sources": 2, "data.fusion_copies": 4, "fusion.val_identities": 2,
     "fr.epochs": 2, "fr.batch_size": 8, "fr.embedding_dim": 16, "fr.warmup_epochs": 0.5, "fr.accelerator": "cpu",
     "sweep.sampler": "random", "sweep.pruner": "none", "sweep.train_fr.trials": 3, "sweep.train_fr.space": SPACE,
 }
@@ -129,13 +130,13 @@ def test_invalid_space_names_the_key(space, key, words):
 
 
 def test_unknown_stage_and_a_password_in_params_are_refused():
-    with pytest.raises(ConfigError, match="sweep.train_generator"):
-        from_mapping(SweepConfig, {"train_generator": {"space": {}}}, "sweep")
+    with pytest.raises(ConfigError, match="sweep.validate"):
+        from_mapping(SweepConfig, {"validate": {"space": {}}}, "sweep")
     with pytest.raises(ConfigError) as err:
         from_mapping(SweepConfig, {"storage": "postgresql://optuna:hunter2@db:5432/optuna"}, "sweep")
     assert "sweep.storage" in str(err.value) and "optuna:***@db" in str(err.value) and "hunter2" not in str(err.value)
     with pytest.raises(ConfigError, match="has no sweep objective; sweepable stages: train_fr"):
-        SweepConfig().stage("train_generator")
+        SweepConfig().stage("evaluate")
 
 
 def test_messages_mask_url_passwords_and_aws_credentials_everywhere(monkeypatch):
@@ -364,12 +365,22 @@ TARGETS = {  # stage → (a small space, fixed keys for 2-epoch trials on the ti
                         {"discovery.epochs": 2, "discovery.batch_size": 8, "discovery.backbone_init": "random",
                          "discovery.anchor_weight": 0.0, "discovery.labelled_identities_per_batch": 0,
                          "discovery.val_per_identity": 1, "discovery.gcd_arm": False}),
+    "train_fusion": ({"fusion.train.lr": {"type": "float", "low": 0.0001, "high": 0.001, "log": True}},
+                     {"fusion.train.epochs": 2, "fusion.train.steps_per_epoch": 2, "fusion.train.batch_size": 4,
+                      "fusion.train.per_identity": 8, "fusion.train.group": 4, "fusion.train.max_len": 4,
+                      "fusion.train.accelerator": "cpu"}),
+    "train_generator": ({"generator.train.lr": {"type": "float", "low": 0.0005, "high": 0.002, "log": True}},
+                        {"generator.space": "pixel", "generator.max_images": 16, "generator.train.epochs": 1,
+                         "generator.train.batch_size": 8, "generator.train.model.image_size": 16,
+                         "generator.train.model.in_channels": 3, "generator.train.model.block_out_channels": [8, 16],
+                         "generator.train.accelerator": "cpu", "generator.probe.synthetic_identities": 2,
+                         "generator.probe.images_per_identity": 2, "generator.probe.fr_epochs": 1}),
 }
 
 
 def _poison_test_splits(root: Path) -> None:
-    """Every image a report scores (the aligner's test identities, the GFD test subset, the held-out FR set) made
-    unreadable: a trial that opens one fails."""
+    """Every image a report scores (the aligner's test identities, the GFD test subset, the held-out FR set, the
+    video probes and templates) made unreadable: a trial that opens one fails."""
     from ml.data.dataset import read_manifest
     from ml.discovery.split import read_gfd_split
 
@@ -378,7 +389,8 @@ def _poison_test_splits(root: Path) -> None:
     scored = [paths.unaligned_set / p for p in manifest.loc[manifest["split"] == "test", "path"]]
     gfd = read_gfd_split(paths.gfd_split)
     scored += [paths.prepared / "discovery" / p for p in gfd.loc[gfd["subset"] == "test", "path"]]
-    scored += [p for p in (paths.prepared / "heldout").rglob("*") if p.is_file()]
+    for part in ("heldout", "videos", "templates"):
+        scored += [p for p in (paths.prepared / part).rglob("*") if p.is_file()]
     assert len(scored) > 3
     for path in scored:
         path.write_bytes(b"a test split: not for sweeps")
@@ -390,8 +402,16 @@ def test_every_trainer_sweeps_on_its_val_split_and_never_reads_a_test_split(tmp_
 
     space, fixed = TARGETS[stage]
     root = _workspace(tmp_path / "ws", {**TINY, f"sweep.{stage}.trials": 2, f"sweep.{stage}.space": space,
-                                        f"sweep.{stage}.fixed": fixed})
-    run(from_mapping(DataConfig, section(load_params(root / "params.yaml"), "data"), "data"), Paths(root), workers=1)
+                                        f"sweep.{stage}.fixed": fixed, "synthesize.candidates": 4,
+                                        "synthesize.identities": 2, "synthesize.sampler.steps": 2})
+    params = load_params(root / "params.yaml")
+    data = from_mapping(DataConfig, section(params, "data"), "data")
+    run(data, Paths(root), workers=1)
+    if stage in ("train_fusion", "train_generator"):  # on the features of a trained FR model
+        from ml.fr.config import FRConfig
+        from tasks import train_fr
+
+        train_fr.run(from_mapping(FRConfig, section(params, "fr"), "fr"), data, Paths(root))
     _poison_test_splits(root)
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{root / 'mlflow.db'}"
     try:
@@ -405,7 +425,12 @@ def test_every_trainer_sweeps_on_its_val_split_and_never_reads_a_test_split(tmp_
     assert parent.data.params["sweep.metric"] == metric and len(children) == 2
     for child in children:
         curve = _client(root).get_metric_history(child.info.run_id, metric)
-        assert len(curve) == 2  # one point per epoch, visible in the nested run
+        # one point per epoch, visible in the nested run; the generator's objective is measured once, after training
+        assert len(curve) == (1 if stage == "train_generator" else 2)
+        if stage == "train_generator":  # gap + the small synthetic-trained FR model's accuracy on val identities
+            m = child.data.metrics
+            assert m["val/objective"] == pytest.approx(m["val/identity_gap"] + m["val/accuracy"])
+            assert 0.0 <= m["val/accuracy"] <= 1.0 and 0.0 < m["val/chance"] < 1.0
 
 
 def test_discovery_val_split_may_be_held_out_by_the_sweeps_fixed_keys(tmp_path):

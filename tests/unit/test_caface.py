@@ -23,7 +23,9 @@ from ml.fusion import (
     save_caface,
 )
 from ml.fusion.caface import assign_average, sinusoid_table
-from ml.fusion.train import FusionConfig, fuse_sets, step_lr, train_fusion, usage_loss
+from ml.fusion.train import (
+    FusionConfig, FusionVal, fuse_sets, step_lr, train_fusion, usage_loss, val_sets, validate_fusion,
+)
 
 from tests.conftest import TRAIN_DEVICE, caface_toy, spread_caface
 
@@ -380,21 +382,54 @@ def test_training_beats_averaging_for_every_seed(seed: int) -> None:
     # nearly (0.97×); with lambda_u 0.3 all eight reach 0.42-0.53× (the paper trains with 512 identities a batch).
     feats, styles, labels, _ = caface_toy()
     cfg = FusionConfig(**{**TOY_CFG, **TRAIN_DEVICE}, lambda_u=0.3, seed=seed)
-    result = train_fusion(cfg, feats, styles, labels, progress=False)
+    # held-out identities, one set of 4 each, against the true (noise-free) centres
+    tf, ts, tl, tc = caface_toy(k=32, per=4, seed=100)
+    val = val_sets(tf, ts, tl, tc, set_size=4, sets_per_identity=1)
+    result = train_fusion(cfg, feats, styles, labels, progress=False, val=val)
     assert not result.model.training
     first, last = result.history[0], result.history[-1]
     assert len(result.history) == 4 and all(np.isfinite(list(row.values())).all() for row in result.history)
     assert last["train/loss"] < first["train/loss"]
     assert last["train/lt"] < 0.8 * last["train/lt_average"]  # better than averaging the same training sets
     assert last["train/lu"] < 0.5  # the clusters share the items: no collapse into one
-    # held-out identities, sets of 4, against the true (noise-free) centres
-    tf, ts, _, tc = caface_toy(k=32, per=4, seed=100)
-    sets, centres = torch.from_numpy(tf).reshape(32, 4, 32), torch.from_numpy(tc)
     with torch.no_grad():
-        fused = result.model(sets, torch.from_numpy(ts).reshape(32, 4, 8, 2))
-    lt_caface = (1 - F.cosine_similarity(fused, centres)).mean().item()
-    lt_average = (1 - F.cosine_similarity(average_fusion(sets), centres)).mean().item()
+        fused = result.model(val.features, val.styles)
+    lt_caface = (1 - F.cosine_similarity(fused, val.centres[val.labels])).mean().item()
+    lt_average = (1 - F.cosine_similarity(average_fusion(val.features), val.centres[val.labels])).mean().item()
+    assert last["val/lt"] == pytest.approx(lt_caface, abs=1e-5)  # the history's val row is the trained model's
+    assert last["val/lt_average"] == pytest.approx(lt_average, abs=1e-5)
     assert lt_caface < 0.7 * lt_average
+    assert last["val/rank1"] >= last["val/rank1_average"]
+
+
+def test_validate_fusion_by_hand() -> None:
+    e1, e2 = torch.eye(2)
+    sets = torch.stack([torch.stack([e1, e1, e1]), torch.stack([e1, e1, e2])])  # (2 sets, 3 items, D = 2)
+    val = FusionVal(features=sets, styles=torch.zeros(2, 3, 4, 2), labels=torch.tensor([0, 1]),
+                    centres=torch.stack([e1, e2]))
+    model = CAFace(feature_dim=2, style_dim=4, num_clusters=2).train()
+    out = validate_fusion(model, val)
+    assert model.training  # its mode is restored
+    # plain average: set 0 is e1 (cos 1, nearest e1: hit); set 1 is (2e1 + e2)/√5 (cos 1/√5 to e2, nearest e1: miss)
+    assert out["val/lt_average"] == pytest.approx((0.0 + 1 - 1 / math.sqrt(5)) / 2, abs=1e-6)
+    assert out["val/rank1_average"] == 0.5
+    assert 0.0 <= out["val/lt"] <= 2.0 and out["val/rank1"] in (0.0, 0.5, 1.0)
+
+
+def test_val_sets_draw_only_their_identities_sources() -> None:
+    labels = np.repeat([0, 1, 2], 6)
+    sources = np.arange(18) // 3  # two sources of 3 items per identity: identity k owns sources 2k and 2k + 1
+    feats = np.eye(18, dtype=np.float32)  # item i is e_i: a set's rows are readable from its features
+    styles = np.zeros((18, 4, 2), np.float32)
+    centres = np.eye(3, 18, dtype=np.float32)
+    val = val_sets(feats, styles, labels, centres, sources=sources, set_size=5, sets_per_identity=2, max_sources=1)
+    assert val.features.shape == (6, 5, 18) and val.labels.tolist() == [0, 0, 1, 1, 2, 2]
+    rows = val.features.argmax(dim=-1).numpy()  # (6, 5) item indices
+    assert all(len(set(sources[r])) == 1 and set(labels[r]) == {k} for r, k in zip(rows, val.labels.tolist()))
+    again = val_sets(feats, styles, labels, centres, sources=sources, set_size=5, sets_per_identity=2, max_sources=1)
+    assert torch.equal(again.features, val.features)  # seeded: every trial of a sweep scores the same sets
+    with pytest.raises(DataError, match="at least 2 identities"):
+        val_sets(feats[:6], styles[:6], labels[:6], centres[:1])
 
 
 def test_resume_equals_uninterrupted(tmp_path) -> None:
