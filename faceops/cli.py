@@ -232,8 +232,8 @@ VERSION_FACTS = (("source", "source"), ("backbone", "backbone"), ("fr", "fr_mode
 def model_row(cfg: dict[str, Any]) -> tuple[str, str]:
     """(kind, facts) of a model directory's config.json: ``("vit_tiny", "source=real data=procedural ids=200
     64px digest=ac158c365b16")``. The kind is the backbone (FR models) or the model's own name (dfa, caface,
-    facegcd, uiface)."""
-    kind = cfg.get("backbone") or cfg.get("architecture") or cfg.get("model") or "unknown"
+    facegcd, uiface; a diffusers folder's class, e.g. the generator's AutoencoderKL)."""
+    kind = cfg.get("backbone") or cfg.get("architecture") or cfg.get("model") or cfg.get("_class_name") or "unknown"
     extra = cfg.get("extra") or {}
     facts = [f"{label}={extra[key]}" for label, key in MODEL_FACTS if extra.get(key) not in (None, "")]
     size = (cfg.get("input_contract") or {}).get("size") or (cfg.get("config") or {}).get("input_size")
@@ -341,6 +341,10 @@ app.command("promote")(promote_cmd)
 from faceops.doctor import doctor_cmd  # noqa: E402
 
 app.command("doctor")(doctor_cmd)
+
+from faceops.plots import plots_cmd  # noqa: E402
+
+app.command("plots")(plots_cmd)
 
 from faceops.stack.cli import stack_app  # noqa: E402
 

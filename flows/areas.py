@@ -6,7 +6,7 @@ folder or RecordIO) and ``pipeline`` (the whole DAG). Which stages belong to an 
 Each flow first writes ``preset`` then ``params_delta`` into params.yaml (``flows.routing.apply_params``; an unknown
 key fails the run at once, naming it) in the working copy it runs in — on a worker, the run's fresh clone — then
 runs the stages as a ``faceops-pipeline`` subflow run. ``register_candidates`` decides whether the models trained
-become ``@candidate``: by default the run's params do (``ops.tracking.promotable``: the default or a real-data preset
+become ``@candidate``: by default the run's params do (``ops.run_config.promotable``: the default or a real-data preset
 yes; ``preset: smoke`` or any other delta no, registered as versions tagged ``faceops.alias_withheld``). The ``Args:`` section of each flow's docstring is what the Prefect UI shows beside
 each field of a deployment's run form.
 """
@@ -23,7 +23,7 @@ from flows.pipeline import pipeline, with_jobs
 from flows.routing import apply_params, moving_aliases, yaml_value
 from flows.stages import stage_order
 from ml.errors import ConfigError
-from ops.tracking import TOY_PRESETS
+from ops.run_config import TOY_PRESETS
 from tasks import STAGES
 
 # area → the dvc.yaml stages it runs, by base name (``train_fr`` covers every ``train_fr@<source>``): tasks.STAGES

@@ -80,7 +80,7 @@ def dispatch_target(stage: str) -> str | None:
 def moving_aliases(move: bool | None) -> Iterator[None]:
     """``FACEOPS_MOVE_ALIASES`` for what runs inside (the stages, the flow's tracking relay, the stages dispatched to
     the GPU pool), restored after: True moves ``@candidate`` to new model versions, False never does, None leaves it
-    to each run's params (``ops.tracking.promotable``: the default or a real preset, not a toy or a custom delta)."""
+    to each run's params (``ops.run_config.promotable``: the default or a real preset, not a toy or a custom delta)."""
     before = os.environ.get(tracking.ENV_MOVE_ALIASES)
     os.environ[tracking.ENV_MOVE_ALIASES] = {True: "1", False: "0", None: "auto"}[move]
     try:

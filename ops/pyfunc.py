@@ -41,9 +41,13 @@ def signature(model_dir: Path) -> ModelSignature:
 
 
 def input_example(model_dir: Path) -> np.ndarray:
-    """One mid-grey image of the model's input size: uint8 (1, S, S, 3)."""
+    """One aligned face of the model's input size, uint8 (1, S, S, 3): a procedural face (no real person's), so
+    the example a user copies from the MLflow UI returns a face's embedding, not a grey square's."""
+    from ml.data.procedural import ProceduralConfig, ProceduralFaces
+
     size, _ = model_contract(model_dir)
-    return np.full((1, size, size, 3), 128, dtype=np.uint8)
+    faces = ProceduralFaces(ProceduralConfig(image_size=size), seed=0)
+    return faces.render(0, faces.sample_nuisance(0, 0)).image[None].astype(np.uint8)
 
 
 def check_images(model_input: Any, size: int) -> np.ndarray:
@@ -86,7 +90,9 @@ class FaceEmbedder(mlflow.pyfunc.PythonModel):
             self.model, self.config = load_model(model_dir)
         self.size, _ = model_contract(model_dir)
 
-    def predict(self, context: Any, model_input: Any, params: dict | None = None) -> np.ndarray:
+    # no type hints: MLflow reads the hint of ``model_input`` as a schema and warns at every load that ``Any`` is
+    # not one (the signature logged with the model is the schema)
+    def predict(self, context, model_input, params=None):
         images = check_images(model_input, self.size)
         if self.architecture == "facegcd":  # the discovery model's clustering features (no flip TTA in FaceGCD)
             return self.model.embed(images)

@@ -28,18 +28,20 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from ops.run_config import ENV_MOVE_ALIASES, alias_policy, promotable, run_config  # the registry rule
+
 EXPERIMENT = "faceops"
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"  # MLflow 3's UI: not GenAI
 ENV_PARENT_RUN = "FACEOPS_PARENT_RUN_ID"
 ENV_FLOW_RUN = "FACEOPS_PREFECT_FLOW_RUN_ID"
 ENV_INVOCATION = "FACEOPS_INVOCATION_ID"
 ENV_JOURNAL = "FACEOPS_TRACKING_JOURNAL"
-# "0": register new model versions without moving an alias (`@candidate`), e.g. a smoke run's toy models
-ENV_MOVE_ALIASES = "FACEOPS_MOVE_ALIASES"
 STORE_FILE = "mlflow.db"  # the repository's default MLflow store (SQLite) ...
 ARTIFACT_DIR = "mlruns"  # ... and its artifact root, both in the repository root
 
@@ -49,86 +51,28 @@ log = logging.getLogger(__name__)
 MLFLOW_LOCK = threading.RLock()
 
 
+def project_root(root: Path) -> Path:
+    """The repository whose store a run in ``root`` logs to: ``DVC_ROOT`` when DVC runs the stage (a queued ``dvc exp
+    run`` executes in a temporary copy under ``.dvc/tmp/exps/`` and DVC points ``DVC_ROOT`` at the repository that
+    queued it), else ``root``."""
+    return Path(os.environ.get("DVC_ROOT") or root)
+
+
 def default_store(root: Path) -> str:
     """The repository's own MLflow store: ``sqlite:///<root>/mlflow.db`` (what ``make run`` logs to, and what
-    ``faceops stack up`` serves)."""
-    return f"sqlite:///{(root / STORE_FILE).resolve()}"
+    ``faceops stack up`` serves), of the repository that queued a DVC experiment when it runs in DVC's copy."""
+    return f"sqlite:///{(project_root(root) / STORE_FILE).resolve()}"
 
 
 def default_artifact_root(root: Path) -> Path:
     """Where runs in the default store keep their artifacts: ``<root>/mlruns`` (MLflow's ``./mlruns`` from the
     repository root, where ``faceops run`` starts)."""
-    return (root / ARTIFACT_DIR).resolve()
+    return (project_root(root) / ARTIFACT_DIR).resolve()
 
 
 def tracking_uri(root: Path) -> str:
     """``MLFLOW_TRACKING_URI`` if set, else the SQLite store ``mlflow.db`` in the repository root."""
     return os.environ.get("MLFLOW_TRACKING_URI") or default_store(root)
-
-
-def alias_policy() -> bool | None:
-    """``FACEOPS_MOVE_ALIASES``: ``1`` moves a new version's alias (``@candidate``) whatever the run's params, ``0``
-    never does, unset (or ``auto``) leaves it to the run's configuration (``promotable``)."""
-    value = os.environ.get(ENV_MOVE_ALIASES, "").strip().lower()
-    if value in ("1", "true", "yes"):
-        return True
-    if value in ("0", "false", "no"):
-        return False
-    return None
-
-
-# presets whose models are toys: registered and tagged, never moved to @candidate
-TOY_PRESETS = ("smoke",)
-# params keys that name the user's data, not the recipe: a default or preset run on other data keeps its config
-DATA_KEYS = ("data.ingest_folder", "data.ingest_recordio")
-
-
-def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(node, Mapping):
-        return {prefix: node}
-    out: dict[str, Any] = {}
-    for key, value in node.items():
-        out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
-    return out
-
-
-def run_config(root: Path) -> dict[str, str]:
-    """Which configuration ``root``'s ``params.yaml`` is, against the one committed at git HEAD: tags
-    ``faceops.config`` — ``default`` (the same, data paths aside), ``preset:<name>`` (exactly a ``presets.yaml``
-    delta), ``custom`` (any other delta, listed in ``faceops.config_delta``) or ``unknown`` (no params.yaml or no
-    git history to compare with) — and ``faceops.params_digest`` (SHA-256 of the params file)."""
-    import hashlib
-
-    import yaml
-
-    params = Path(root) / "params.yaml"
-    if not params.is_file():
-        return {"faceops.config": "unknown"}
-    text = params.read_bytes()
-    tags = {"faceops.config": "unknown", "faceops.params_digest": hashlib.sha256(text).hexdigest()}
-    head = subprocess.run(["git", "show", "HEAD:./params.yaml"], cwd=root, capture_output=True)
-    if head.returncode != 0:
-        return tags
-    now, base = _flat(yaml.safe_load(text) or {}), _flat(yaml.safe_load(head.stdout) or {})
-    delta = {k: v for k, v in now.items() if base.get(k, object()) != v and k not in DATA_KEYS}
-    delta.update({k: None for k in base if k not in now})
-    if not delta:
-        return {**tags, "faceops.config": "default"}
-    presets_file = Path(root) / "presets.yaml"
-    presets = yaml.safe_load(presets_file.read_text()) if presets_file.is_file() else {}
-    for name, values in (presets or {}).items():
-        expected = {k: v for k, v in (values or {}).items() if base.get(k, object()) != v}
-        if expected == delta:
-            return {**tags, "faceops.config": f"preset:{name}"}
-    shown = ", ".join(f"{k}={v}" for k, v in sorted(delta.items()))
-    return {**tags, "faceops.config": "custom", "faceops.config_delta": shown[:500]}
-
-
-def promotable(config: str) -> bool:
-    """Whether a model of ``config`` (a ``faceops.config`` tag) may move ``@candidate``: the default, a preset that
-    is not a toy, or an unknown configuration (a folder that is not a faceops project)."""
-    return config in ("default", "unknown") or (config.startswith("preset:")
-                                                 and config.split(":", 1)[1] not in TOY_PRESETS)
 
 
 def configure(root: Path) -> str:
@@ -142,6 +86,8 @@ def configure(root: Path) -> str:
     mlflow.set_tracking_uri(uri)
     with store_creation_lock(uri):
         experiment = mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", EXPERIMENT))
+    if EXPERIMENT_KIND_TAG not in experiment.tags:  # else MLflow 3's UI opens it on the (empty) GenAI traces page
+        mlflow.MlflowClient().set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
     return experiment.experiment_id
 
 
@@ -272,13 +218,14 @@ class StageTracker(_Tracker):
         info = read_dataset_info(dataset_dir)
         manifest = read_manifest(dataset_dir / "manifest.parquet")
         view = manifest.drop(columns=["landmarks"])
-        ds = mlflow.data.from_pandas(
-            view,
-            source=str(Path(dataset_dir).resolve()),
-            name=f"{info['name']}",
-            digest=info["digest"][:36],
-        )
-        mlflow.log_input(ds, context=context, tags={"faceops.digest": info["digest"]})
+        with warnings.catch_warnings():
+            # two of MLflow's own sources (file and local artifact) both claim a local path, and its schema
+            # inference hints that integer columns cannot hold missing values: neither is ours to act on
+            warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted")
+            warnings.filterwarnings("ignore", message="Hint: Inferred schema contains integer column")
+            ds = mlflow.data.from_pandas(view, source=str(Path(dataset_dir).resolve()), name=f"{info['name']}",
+                                         digest=info["digest"][:36])
+            mlflow.log_input(ds, context=context, tags={"faceops.digest": info["digest"]})
         mlflow.set_tag(f"dataset.{context}.digest", info["digest"])
         return info["digest"]
 
@@ -436,11 +383,13 @@ def lightning_logger(tracker: _Tracker) -> Any:
 def _stage_tags(stage: str, root: Path) -> dict[str, str]:
     commit = git_commit(root)
     tags = {"dvc.stage": stage, "faceops.stage": stage, "git.commit": commit,
-            "mlflow.source.git.commit": commit.removesuffix("-dirty")}
+            "mlflow.source.git.commit": commit.removesuffix("-dirty"), **run_config(root)}
     if os.environ.get(ENV_INVOCATION):
         tags["faceops.invocation"] = os.environ[ENV_INVOCATION]
     if os.environ.get(ENV_FLOW_RUN):
         tags["prefect.flow_run_id"] = os.environ[ENV_FLOW_RUN]
+    if os.environ.get("DVC_EXP_NAME"):  # `dvc exp run`: the experiment `dvc exp show` lists this run under
+        tags["dvc.exp_name"] = os.environ["DVC_EXP_NAME"]
     torch = sys.modules.get("torch")  # the stage's thread count, as tasks.common.fix_stage_threads fixed it
     if torch is not None:
         tags["faceops.threads"] = str(torch.get_num_threads())

@@ -30,6 +30,7 @@ from ops.tracking import configure, git_commit, mlflow_metric_name, tracking_uri
 from tasks.common import Paths, load_params, redact, section, write_json
 
 log = logging.getLogger(__name__)
+SMALL_VAL = 100  # fewer val items than this: the study's ranking is coarse, and check_request says so
 
 PARENT_ATTR = "mlflow_parent_run_id"  # study user attr: the MLflow run every trial nests under
 PARENT_WAIT_S = 120.0  # how long a joining process waits for the creator to record the parent run
@@ -123,7 +124,11 @@ def check_request(stage: str, *, trials: int | None = None, storage: str | None 
     check_space(stage, entry, ranges, params)
     spec = _storage_spec(storage, settings, root)
     check_driver(spec)
-    OBJECTIVES[stage].check_data(Paths(root), params, entry.metric)
+    measured_on = OBJECTIVES[stage].check_data(Paths(root), params, entry.metric)
+    if measured_on is not None and measured_on < SMALL_VAL:
+        log.warning("sweep %s: %s is measured on %d val items, so a trial's value moves in steps of about 1/%d and "
+                    "trials may tie or be ranked by noise; sweep on data of the default's size, not a toy preset's",
+                    stage, entry.metric, measured_on, measured_on)
     if tracking_uri(root).startswith(("http://", "https://")):
         ensure_tracking(root)
     return settings, entry, spec

@@ -37,13 +37,14 @@ TrialTrainer = Callable[[Any, Any, Any], float]  # (stage config, optuna trial, 
 @dataclass(frozen=True)
 class SweepTarget:
     """What sweeping one stage means: the params section its trials change, that section's config class
-    (``module:Class``), the metrics a trial reports each epoch, a cheap check that its data exist, and a factory
-    that loads the data once per process and returns the function training one trial."""
+    (``module:Class``), the metrics a trial reports each epoch, a cheap check that its data exist (→ how many val
+    items the metric is measured on, None for a training metric), and a factory that loads the data once per
+    process and returns the function training one trial."""
 
     section: str
     config: str
     metrics: tuple[str, ...]
-    check_data: Callable[[Paths, Mapping[str, Any], str], None]
+    check_data: Callable[[Paths, Mapping[str, Any], str], int | None]  # → the val items the metric is measured on
     trainer: Callable[[Paths, Mapping[str, Any], str], TrialTrainer]
 
     def config_class(self) -> type:
@@ -51,18 +52,27 @@ class SweepTarget:
         return getattr(importlib.import_module(module), name)
 
 
-def _splits(dataset: Path, stage: str) -> tuple[Path, set[str]]:
-    """(the manifest of a prepared ``dataset``, the splits its rows name); DataError when it was not prepared."""
+def _splits(dataset: Path, stage: str) -> tuple[Path, dict[str, int]]:
+    """(the manifest of a prepared ``dataset``, rows per split); DataError when it was not prepared."""
     from ml.data.dataset import read_manifest
 
     manifest_path = dataset / "manifest.parquet"
     if not manifest_path.is_file():
         raise DataError(f"{dataset} holds no prepared dataset: run `dvc repro prepare` (or `faceops run --stage "
                         f"prepare`) before sweeping {stage}")
-    return manifest_path, set(read_manifest(manifest_path)["split"])
+    return manifest_path, read_manifest(manifest_path)["split"].value_counts().to_dict()
 
 
-def _fr_check_data(paths: Paths, params: Mapping[str, Any], metric: str) -> None:
+def _labelled_identities(paths: Paths) -> tuple[int, int]:
+    """(known identities, labelled training images) of the GFD split."""
+    from ml.discovery.split import read_gfd_split
+
+    gfd = read_gfd_split(paths.gfd_split)
+    labelled = gfd[(gfd["subset"] == "train") & gfd["labelled"]]
+    return labelled["identity"].nunique(), len(labelled)
+
+
+def _fr_check_data(paths: Paths, params: Mapping[str, Any], metric: str) -> int | None:
     """The prepared training set exists, with a ``val`` split when the metric is measured on it."""
     manifest_path, splits = _splits(paths.train_set, "train_fr")
     if "train" not in splits:
@@ -70,6 +80,7 @@ def _fr_check_data(paths: Paths, params: Mapping[str, Any], metric: str) -> None
     if metric.startswith("val/") and "val" not in splits:
         raise DataError(f"{manifest_path}: no rows with split 'val' to measure {metric}; set data.val_fraction > 0 "
                         "and rerun prepare, or sweep on sweep.train_fr.metric train/loss")
+    return splits.get("val") if metric.startswith("val/") else None
 
 
 def _fr_trainer(paths: Paths, params: Mapping[str, Any], metric: str) -> TrialTrainer:
@@ -156,13 +167,14 @@ def _one_device(cfg: Any, section_name: str) -> None:
                           f"{nodes}); scale a sweep out with more workers on one study instead")
 
 
-def _aligner_check_data(paths: Paths, params: Mapping[str, Any], metric: str) -> None:
+def _aligner_check_data(paths: Paths, params: Mapping[str, Any], metric: str) -> int | None:
     """The unaligned set exists with a ``train`` and a ``val`` split."""
     manifest_path, splits = _splits(paths.unaligned_set, "train_aligner")
     for split, advice in (("train", "rerun prepare"), ("val", "set data.unaligned_val_identities > 0 and rerun "
                                                               "prepare")):
         if split not in splits:
             raise DataError(f"{manifest_path}: no rows with split {split!r}; {advice}")
+    return splits["val"] if metric.startswith("val/") else None
 
 
 def _aligner_trainer(paths: Paths, params: Mapping[str, Any], metric: str) -> TrialTrainer:
@@ -183,7 +195,7 @@ def _aligner_trainer(paths: Paths, params: Mapping[str, Any], metric: str) -> Tr
     return train_trial
 
 
-def _discovery_check_data(paths: Paths, params: Mapping[str, Any], metric: str) -> None:
+def _discovery_check_data(paths: Paths, params: Mapping[str, Any], metric: str) -> int | None:
     """The GFD split exists, and labelled images are held out when the metric is measured on them."""
     if not paths.gfd_split.is_file():
         raise DataError(f"{paths.gfd_split} is missing: run `dvc repro prepare` before sweeping train_discovery")
@@ -192,6 +204,7 @@ def _discovery_check_data(paths: Paths, params: Mapping[str, Any], metric: str) 
     if metric.startswith("val/") and not held:
         raise DataError(f"{metric} is measured on held-out labelled images: set discovery.val_per_identity > 0 "
                         "(or in sweep.train_discovery.fixed)")
+    return _labelled_identities(paths)[0] * int(held) if metric.startswith("val/") else None
 
 
 def _discovery_trainer(paths: Paths, params: Mapping[str, Any], metric: str) -> TrialTrainer:
@@ -224,7 +237,7 @@ def _discovery_trainer(paths: Paths, params: Mapping[str, Any], metric: str) -> 
     return train_trial
 
 
-def _fusion_check_data(paths: Paths, params: Mapping[str, Any], metric: str) -> None:
+def _fusion_check_data(paths: Paths, params: Mapping[str, Any], metric: str) -> int | None:
     """CAFace's material and FR model exist, and identities are held out when the metric is measured on them."""
     from tasks.prepare import DataConfig
 
@@ -239,6 +252,8 @@ def _fusion_check_data(paths: Paths, params: Mapping[str, Any], metric: str) -> 
     held = fixed.get("fusion.val_identities", section(params, "fusion").get("val_identities", 0))
     if metric.startswith("val/") and not held:
         raise DataError(f"{metric} is measured on held-out identities: set fusion.val_identities > 0")
+    per = fixed.get("fusion.val_sets_per_identity", section(params, "fusion").get("val_sets_per_identity", 4))
+    return int(held) * int(per) if metric.startswith("val/") else None
 
 
 def _fusion_trainer(paths: Paths, params: Mapping[str, Any], metric: str) -> TrialTrainer:
@@ -275,7 +290,7 @@ def _fusion_trainer(paths: Paths, params: Mapping[str, Any], metric: str) -> Tri
     return train_trial
 
 
-def _generator_check_data(paths: Paths, params: Mapping[str, Any], metric: str) -> None:
+def _generator_check_data(paths: Paths, params: Mapping[str, Any], metric: str) -> int | None:
     """The training faces, the FR models the generator is conditioned and probed with, and the val faces exist."""
     _splits(paths.train_set, "train_generator")
     for key in ("generator", "synthesize"):
@@ -286,6 +301,7 @@ def _generator_check_data(paths: Paths, params: Mapping[str, Any], metric: str) 
     if not paths.gfd_split.is_file():
         raise DataError(f"{paths.gfd_split} is missing: the generator's val faces are its labelled images; run `dvc "
                         "repro prepare` before sweeping train_generator")
+    return _labelled_identities(paths)[1] // 2  # the probes: every other labelled image of an identity
 
 
 def _generator_trainer(paths: Paths, params: Mapping[str, Any], metric: str) -> TrialTrainer:

@@ -66,3 +66,19 @@ def page(browser: Any) -> Iterator[Any]:
         yield page
     finally:
         context.close()
+
+
+@pytest.fixture
+def offline(page):
+    """``page`` with every request that is not ``file://`` aborted; yields (page, the aborted URLs)."""
+    refused: list[str] = []
+
+    def route(r):
+        if r.request.url.startswith("file://"):
+            r.continue_()
+        else:
+            refused.append(r.request.url)
+            r.abort()
+
+    page.route("**/*", route)
+    return page, refused

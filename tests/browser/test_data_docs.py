@@ -33,22 +33,6 @@ def reports(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture
-def offline(page):
-    """``page`` with every request that is not ``file://`` aborted; yields (page, the aborted URLs)."""
-    refused: list[str] = []
-
-    def route(r):
-        if r.request.url.startswith("file://"):
-            r.continue_()
-        else:
-            refused.append(r.request.url)
-            r.abort()
-
-    page.route("**/*", route)
-    return page, refused
-
-
 def _css(locator, prop: str) -> str:
     return locator.evaluate(f"e => getComputedStyle(e).getPropertyValue('{prop}')")
 

@@ -134,6 +134,14 @@ def test_registry_rows_name_what_each_version_was_trained_on():
                      "  faceops-discovery  v12              init=fr      run=2"]
 
 
+def test_model_rows_name_a_diffusers_folder_by_its_class():
+    from faceops.cli import model_row
+
+    assert model_row({"_class_name": "AutoencoderKL", "latent_channels": 4}) == ("AutoencoderKL", "")
+    assert model_row({"backbone": "vit_tiny", "input_contract": {"size": 32}, "extra": {"training_source": "real"}}) \
+        == ("vit_tiny", "source=real 32px")
+
+
 def test_mistyped_key_fails_before_running_and_leaves_params(workspace):
     before = (workspace / "params.yaml").read_text()
     out = _run(["run", "--set", "fr.epoch=2"], workspace)

@@ -78,6 +78,7 @@ def test_registered_models_carry_their_signature_and_a_one_image_example(store):
         example = np.asarray(json.loads(Path(mlflow.artifacts.download_artifacts(
             f"models:/{name}@candidate/serving_input_example.json")).read_text())["inputs"])
         assert example.shape == (1, size, size, 3) and example.min() >= 0 and example.max() <= 255
+        assert example.std() > 10  # a face to copy from the UI, not a uniform grey square
         out = np.asarray(model.predict(example.astype(np.uint8)))
         assert out.shape == (1, 16) and out.dtype == np.float32
         np.testing.assert_allclose(np.linalg.norm(out, axis=1), 1.0, atol=1e-5)

@@ -433,16 +433,25 @@ def test_every_trainer_sweeps_on_its_val_split_and_never_reads_a_test_split(tmp_
             assert 0.0 <= m["val/accuracy"] <= 1.0 and 0.0 < m["val/chance"] < 1.0
 
 
-def test_discovery_val_split_may_be_held_out_by_the_sweeps_fixed_keys(tmp_path):
+def test_discovery_val_split_may_be_held_out_by_the_sweeps_fixed_keys(workspace):
     from ml.errors import DataError
     from ops.sweep.targets import OBJECTIVES
 
-    paths = Paths(tmp_path)
-    paths.gfd_split.parent.mkdir(parents=True)
-    paths.gfd_split.write_bytes(b"")
+    paths = Paths(workspace)
     check = OBJECTIVES["train_discovery"].check_data
     params = {"discovery": {"val_per_identity": 0}}
     with pytest.raises(DataError, match=r"set discovery.val_per_identity > 0 \(or in sweep.train_discovery.fixed\)"):
         check(paths, params, "val/accuracy")
-    check(paths, {**params, "sweep": {"train_discovery": {"fixed": {"discovery.val_per_identity": 2}}}}, "val/accuracy")
-    check(paths, params, "train/loss")  # a training metric needs no held-out images
+    # TINY: 4 discovery identities, half of them known → 2 known identities × 2 held-out images each
+    assert check(paths, {**params, "sweep": {"train_discovery": {"fixed": {"discovery.val_per_identity": 2}}}},
+                 "val/accuracy") == 4
+    assert check(paths, params, "train/loss") is None  # a training metric needs no held-out images
+
+
+def test_a_sweep_on_a_tiny_val_split_warns_that_trials_may_tie(workspace, caplog):
+    from ops.sweep import check_request
+
+    with caplog.at_level("WARNING", logger="ops.sweep.study"):
+        check_request("train_fr", root=workspace)
+    (warning,) = [r.getMessage() for r in caplog.records if "val items" in r.getMessage()]
+    assert "val/accuracy is measured on 8 val items" in warning and "trials may tie" in warning

@@ -173,3 +173,45 @@ def test_unknown_journal_entry_is_an_error_naming_the_file(tmp_path, store):
     with pytest.raises(ValueError, match=r"journal\.jsonl: unexpected journal entry 'delete_experiment'"):
         tracking.StageRelay.replay(journal, tmp_path)
     assert journal.is_file()
+
+
+# ── DVC experiments run in DVC's temporary copy, and log into the repository that queued them ────────────────
+
+EXP_STAGE = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+
+    import yaml
+    from ops.tracking import stage_run
+
+    value = yaml.safe_load(Path("params.yaml").read_text())["count"]["value"]
+    with stage_run("count", {"count": {"value": value}}, Path.cwd()) as tracker:
+        tracker.log_metrics({"count/value": float(value)})
+    Path("out.txt").write_text(str(value))
+""")
+
+
+def test_a_dvc_experiment_in_a_temporary_copy_logs_into_the_projects_store(tmp_path):
+    import mlflow
+
+    repo = tmp_path / "proj"
+    repo.mkdir()
+    (repo / "stage.py").write_text(EXP_STAGE)
+    (repo / "params.yaml").write_text("count:\n  value: 1\n")
+    (repo / "dvc.yaml").write_text("stages:\n  count:\n    cmd: python stage.py\n    deps: [stage.py]\n"
+                                   "    params: [count.value]\n    outs: [out.txt]\n")
+    (repo / ".gitignore").write_text("mlflow.db*\nmlruns/\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t", "DVC_NO_ANALYTICS": "1",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    for name in ("MLFLOW_TRACKING_URI", tracking.ENV_JOURNAL, tracking.ENV_PARENT_RUN, "DVC_ROOT"):
+        env.pop(name, None)
+    for cmd in (["git", "init", "-q"], ["dvc", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "init"],
+                ["dvc", "exp", "run", "--temp", "-S", "count.value=2", "--name", "two"]):
+        done = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (cmd, done.stdout[-2000:], done.stderr[-2000:])
+    assert not list((repo / ".dvc" / "tmp").rglob("mlflow.db")), "the copy opened a store of its own"
+    client = mlflow.MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name(tracking.EXPERIMENT).experiment_id])
+    assert run.data.tags["dvc.exp_name"] == "two" and run.data.metrics["count/value"] == 2.0
+    assert run.data.tags["faceops.config"] == "custom" and run.data.tags["faceops.config_delta"] == "count.value=2"
