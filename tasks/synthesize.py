@@ -102,17 +102,35 @@ def load_generator_for(paths: Paths, generator_cfg: Any, model_dir: Path | None 
     return model.eval(), extra, generator_autoencoder(paths, extra, generator_cfg, model_dir)
 
 
-def embed_generated(fr: Any, aligner: Any, faces: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray | None]:
-    """(unit FR embeddings, landmarks or None) of generated faces resized to ``size``: the aligner's landmarks,
-    clipped into the face (a prediction past the border of a generated face goes on it), when an aligner is given."""
+def embed_generated(fr: Any, aligner: Any, faces: np.ndarray, size: int
+                    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """(unit FR embeddings, landmarks, the aligner's face scores) of generated faces resized to ``size``; with an
+    aligner its landmarks are clipped into the face (a prediction past the border of a generated face goes on it),
+    without one landmarks and scores are None."""
     from tasks.train_generator import identity_embeddings, resize_faces
 
     faces = resize_faces(faces, size)
-    landmarks = None
+    landmarks = scores = None
     if aligner is not None:
-        landmarks, _ = aligner.predict(faces)
+        landmarks, scores = aligner.predict(faces)
         landmarks = np.clip(landmarks, 0.0, float(faces.shape[1] - 1))  # pixel centres 0 … size − 1
-    return identity_embeddings(fr, faces, landmarks), landmarks
+    return identity_embeddings(fr, faces, landmarks), landmarks, scores
+
+
+def face_judge(aligner: Any, synthetic_scores: np.ndarray, real_faces: np.ndarray, size: int,
+               nonfaces: int = 500) -> dict[str, float]:
+    """A judge independent of the FR model that conditions the generator: the DFA aligner's face score (trained on
+    procedural faces against non-face crops, never on generated faces), read at its own threshold 0.5 →
+    ``synthetic/judge/face_share`` and ``face_score_mean`` of the synthetic faces, beside ``real_face_share`` (the
+    real training faces) and ``nonface_share`` (held-out non-face crops: what a blob scores)."""
+    from ml.aligner.data import HELDOUT_NONFACE_START, nonface_crops
+
+    _, real = aligner.predict(real_faces)
+    _, blobs = aligner.predict(nonface_crops(0, HELDOUT_NONFACE_START, nonfaces, size))
+    return {"synthetic/judge/face_share": float((synthetic_scores >= 0.5).mean()),
+            "synthetic/judge/face_score_mean": float(synthetic_scores.mean()),
+            "synthetic/judge/real_face_share": float((real >= 0.5).mean()),
+            "synthetic/judge/nonface_share": float((blobs >= 0.5).mean())}
 
 
 def sampler_for(cfg: SamplerConfig, extra: dict[str, Any]) -> SamplerConfig:
@@ -309,20 +327,20 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
     sampler = sampler_for(cfg.sampler, extra)
     aligner, _ = load_aligner(paths.aligner_model)
 
-    def embed_faces(faces: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def embed_faces(faces: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return embed_generated(fr, aligner, faces, data.image_size)
 
     # 1. identity contexts among empty-context faces
     candidates, _, _ = generate(model, None, cfg.candidates, sampler, batch_size=cfg.batch_size,
                                 seed=cfg.seed * 1_000_003, autoencoder=autoencoder, desc="candidates")
-    cand_emb, _ = embed_faces(candidates)
+    cand_emb, _, _ = embed_faces(candidates)
     keep = select_identity_contexts(cand_emb, cfg.identities, cfg.max_cosine, allow_fewer=cfg.allow_fewer)
     contexts = cand_emb[keep]
     # 2. faces per identity
     faces, t0, evals = generate(model, contexts, cfg.images_per_identity, sampler, batch_size=cfg.batch_size,
                                 seed=cfg.seed * 1_000_003 + 7919, autoencoder=autoencoder, desc="synthesize")
     labels = np.repeat(np.arange(len(keep)), cfg.images_per_identity)
-    emb, landmarks = embed_faces(faces)
+    emb, landmarks, face_scores = embed_faces(faces)
     faces = resize_faces(faces, data.image_size)
     # 3. calibrated gates: memorisation fails the stage; privacy and consistency drop identities
     real_rows = read_manifest(paths.train_set / "manifest.parquet")
@@ -352,7 +370,8 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
             "see plots/synthetic_privacy.png; sample more candidates, lower synthesize.max_cosine, or set "
             "synthesize.max_real_cosine / min_identity_consistency knowingly")
     rows_kept = np.isin(labels, kept_ids)
-    faces, landmarks, emb, t0, evals = (a[rows_kept] for a in (faces, landmarks, emb, t0, evals))
+    faces, landmarks, emb, t0, evals, face_scores = (a[rows_kept] for a in (faces, landmarks, emb, t0, evals,
+                                                                              face_scores))
     labels = np.searchsorted(kept_ids, labels[rows_kept])
     contexts = contexts[kept_ids]
     consistency = {new: consistency[int(old)] for new, old in enumerate(kept_ids)}  # per identity: unchanged
@@ -380,7 +399,8 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
                       "synthetic/identity_consistency_min": float(min(consistency.values())),
                       "synthetic/t0_mean": float(t0.mean()), "synthetic/t0_std": float(t0.std()),
                       "synthetic/unet_evals_per_image": float(evals.mean()),
-                      "synthetic/candidates_kept_fraction": float(len(keep) / cfg.candidates)}
+                      "synthetic/candidates_kept_fraction": float(len(keep) / cfg.candidates),
+                      **face_judge(aligner, face_scores, real_faces, data.image_size)}
     write_json(paths.metrics / "synthesize.json", result.metrics)
     failed = [f"{name} {value:.3f} < synthesize.{key} = {bound}" for name, value, key, bound in (
         ("identity gap", gap["gap"], "min_identity_gap", cfg.min_identity_gap),
@@ -451,12 +471,12 @@ def probe_generator(model_dir: Path, generator_cfg: Any, cfg: SynthesizeConfig, 
     candidates, _, _ = generate(model, None, max(k, round(cfg.candidates * k / cfg.identities)), sampler,
                                 batch_size=cfg.batch_size, seed=cfg.seed * 1_000_003, autoencoder=autoencoder,
                                 desc="probe candidates")
-    cand_emb, _ = embed_generated(fr, aligner, candidates, data.image_size)
+    cand_emb, _, _ = embed_generated(fr, aligner, candidates, data.image_size)
     keep = select_identity_contexts(cand_emb, k, cfg.max_cosine, allow_fewer=True)
     faces, _, _ = generate(model, cand_emb[keep], probe.images_per_identity, sampler, batch_size=cfg.batch_size,
                            seed=cfg.seed * 1_000_003 + 7919, autoencoder=autoencoder, desc="probe faces")
     labels = np.repeat(np.arange(len(keep)), probe.images_per_identity)
-    emb, landmarks = embed_generated(fr, aligner, faces, data.image_size)
+    emb, landmarks, _ = embed_generated(fr, aligner, faces, data.image_size)
     small = train_fr(dataclasses.replace(fr_cfg, epochs=probe.fr_epochs), resize_faces(faces, data.image_size),
                      labels, keypoints=landmarks, progress=False).model.eval()
     dataset, rows = reference_faces(paths)

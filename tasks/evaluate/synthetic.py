@@ -106,5 +106,11 @@ def synthetic_section(synth: dict[str, Any], metrics: dict[str, float], models: 
              f"{k('inter_class_mean_cos'):.3f} / {k('inter_class_max_cos'):.3f} | "
              + " | ".join(f"{k('precision@' + p):.3f} / {k('recall@' + p):.3f}" for p in pr)
              + f" | {k('t0_mean'):.0f} ± {k('t0_std'):.0f} | {k('unet_evals_per_image'):.1f} |"]
+    if "synthetic/judge/face_share" in synth:  # a second opinion: not the FR model that conditions the generator
+        lines += ["", f"Are they faces? The DFA aligner's face score (trained on procedural faces against non-face "
+                  f"crops, never on generated faces; its own threshold 0.5) accepts "
+                  f"{100 * k('judge/face_share'):.1f} % of the synthetic faces (mean score "
+                  f"{k('judge/face_score_mean'):.2f}), {100 * k('judge/real_face_share'):.1f} % of real training "
+                  f"faces and {100 * k('judge/nonface_share'):.1f} % of held-out non-face crops."]
     return (lines + table3(metrics, models) + gates_table(synth)
             + ["", "![synthetic faces](../plots/synthetic_samples.png)"])

@@ -94,6 +94,9 @@ def test_smoke_run_leaves_every_artifact(smoke_run):
     assert 0 < synth["synthetic/identities"] <= 4 and -1.0 <= synth["synthetic/identity_consistency"] <= 1.0
     for gate in ("privacy", "memorisation", "consistency"):  # set by hand in the smoke preset, reference still measured
         assert synth[f"synthetic/gate/{gate}/percentile"] == -1 and synth[f"synthetic/gate/{gate}/reference_size"] > 0
+    # the aligner's face score as a second judge: a share of each kind of crop, and the report says all three
+    assert all(0.0 <= synth[f"synthetic/judge/{k}"] <= 1.0 for k in ("face_share", "real_face_share", "nonface_share"))
+    assert "Are they faces? The DFA aligner's face score" in report
     manifest = pd.read_parquet(root / "data/synthetic/manifest.parquet")
     assert set(manifest["source"]) == {"synthetic"} and manifest["landmarks"].notna().all()
     sets = json.loads((root / "metrics/sets.json").read_text())
@@ -112,8 +115,8 @@ def test_every_stage_is_a_nested_mlflow_run_and_toy_models_are_no_candidates(smo
     exp = client.get_experiment_by_name("faceops")
     runs = client.search_runs([exp.experiment_id])
     by_name = {r.info.run_name: r for r in runs}
-    parent = by_name["pipeline"]
-    assert parent.data.tags["prefect.flow_run_id"]
+    parent = by_name["pipeline preset:smoke"]  # a pipeline run is named after its configuration
+    assert parent.data.tags["prefect.flow_run_id"] and parent.data.tags["faceops.config"] == "preset:smoke"
     for stage in STAGES:
         run = by_name[stage]
         assert run.info.status == "FINISHED"
@@ -159,7 +162,7 @@ def test_mlflow_curves_rise_in_steps_and_the_pipeline_times_say_what_they_are(sm
     fr = by_name["train_fr@real"].info.run_id
     loss, val = (client.get_metric_history(fr, key) for key in ("train/loss", "val/accuracy"))
     assert len(loss) >= 1 and [m.step for m in val] == [m.step for m in loss]  # at each epoch's last optimiser step
-    pipeline = by_name["pipeline"]
+    pipeline = by_name["pipeline preset:smoke"]
     metrics = pipeline.data.metrics
     assert "pipeline/seconds" not in metrics and metrics["pipeline/stage_seconds_sum"] > 0
     assert 0 < metrics["pipeline/wall_seconds"] <= (pipeline.info.end_time - pipeline.info.start_time) / 1000

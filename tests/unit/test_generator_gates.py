@@ -45,3 +45,18 @@ def test_calibrate_takes_the_percentile_or_the_param_and_says_which():
     assert hand.reference_median == pytest.approx(0.25)
     with pytest.raises(DataError, match="synthesize.max_face_cosine: the real reference holds no value"):
         calibrate(None, np.array([np.nan]), 99, "synthesize.max_face_cosine")
+
+
+def test_face_judge_reads_the_aligners_scores_at_its_threshold():
+    from tasks.synthesize import face_judge
+
+    class BrightnessAligner:  # a stand-in: its "face score" is a crop's mean brightness
+        def predict(self, images):
+            return np.zeros((len(images), 5, 2), np.float32), images.reshape(len(images), -1).mean(1) / 255.0
+
+    real = np.concatenate([np.full((3, 32, 32, 3), 200, np.uint8), np.full((1, 32, 32, 3), 20, np.uint8)])
+    out = face_judge(BrightnessAligner(), np.array([0.2, 0.5, 0.9, 0.4], np.float32), real, 32, nonfaces=50)
+    assert out["synthetic/judge/face_share"] == 0.5  # 0.5 and 0.9 reach the threshold, 0.2 and 0.4 do not
+    assert out["synthetic/judge/face_score_mean"] == pytest.approx(0.5)
+    assert out["synthetic/judge/real_face_share"] == 0.75
+    assert 0.0 <= out["synthetic/judge/nonface_share"] <= 1.0
