@@ -237,23 +237,36 @@ def _discovery_trainer(paths: Paths, params: Mapping[str, Any], metric: str) -> 
     return train_trial
 
 
+FUSION_FIXED = ("fr_source", "val_identities", "val_set_size", "val_sets_per_identity")  # what trials are measured on
+
+
+def _fusion_base(params: Mapping[str, Any]) -> Any:
+    """The ``fusion`` section as ``FusionStageConfig``, with the keys that fix what every trial is trained and
+    measured on (``FUSION_FIXED``) taken from ``sweep.train_fusion.fixed`` where set there."""
+    import dataclasses
+
+    from tasks.train_fusion import FusionStageConfig
+
+    fixed = (section(params, "sweep").get("train_fusion") or {}).get("fixed") or {}
+    base = from_mapping(FusionStageConfig, section(params, "fusion"), "fusion")
+    return dataclasses.replace(base, **{k: fixed[f"fusion.{k}"] for k in FUSION_FIXED if f"fusion.{k}" in fixed})
+
+
 def _fusion_check_data(paths: Paths, params: Mapping[str, Any], metric: str) -> int | None:
     """CAFace's material and FR model exist, and identities are held out when the metric is measured on them."""
     from tasks.prepare import DataConfig
 
     data = from_mapping(DataConfig, section(params, "data"), "data")
-    dataset = paths.train_set if data.ingested else paths.fusion_set
-    _splits(dataset, "train_fusion")
-    source = section(params, "fusion").get("fr_source", "real")
-    if not (paths.fr_model(source) / "config.json").is_file():
-        raise DataError(f"fusion.fr_source is {source!r} but {paths.fr_model(source)} holds no model: run `dvc repro "
-                        f"train_fr@{source}` before sweeping train_fusion")
-    fixed = (section(params, "sweep").get("train_fusion") or {}).get("fixed") or {}
-    held = fixed.get("fusion.val_identities", section(params, "fusion").get("val_identities", 0))
-    if metric.startswith("val/") and not held:
+    _splits(paths.train_set if data.ingested else paths.fusion_set, "train_fusion")
+    base = _fusion_base(params)
+    if not (paths.fr_model(base.fr_source) / "config.json").is_file():
+        raise DataError(f"fusion.fr_source is {base.fr_source!r} but {paths.fr_model(base.fr_source)} holds no model: "
+                        f"run `dvc repro train_fr@{base.fr_source}` before sweeping train_fusion")
+    if not metric.startswith("val/"):
+        return None
+    if not base.val_identities:
         raise DataError(f"{metric} is measured on held-out identities: set fusion.val_identities > 0")
-    per = fixed.get("fusion.val_sets_per_identity", section(params, "fusion").get("val_sets_per_identity", 4))
-    return int(held) * int(per) if metric.startswith("val/") else None
+    return base.val_identities * base.val_sets_per_identity
 
 
 def _fusion_trainer(paths: Paths, params: Mapping[str, Any], metric: str) -> TrialTrainer:
@@ -263,13 +276,10 @@ def _fusion_trainer(paths: Paths, params: Mapping[str, Any], metric: str) -> Tri
 
     from ml.fusion.train import train_fusion
     from tasks.prepare import DataConfig
-    from tasks.train_fusion import FusionStageConfig, load_material, split_val
+    from tasks.train_fusion import load_material, split_val
 
     data = from_mapping(DataConfig, section(params, "data"), "data")
-    fixed_keys = ("fr_source", "val_identities", "val_set_size", "val_sets_per_identity")
-    fixed = (section(params, "sweep").get("train_fusion") or {}).get("fixed") or {}
-    base = from_mapping(FusionStageConfig, section(params, "fusion"), "fusion")
-    base = dataclasses.replace(base, **{k: fixed[f"fusion.{k}"] for k in fixed_keys if f"fusion.{k}" in fixed})
+    base = _fusion_base(params)
     material, sized, _, _ = load_material(base, data, paths)
     material, val = split_val(material, base)
     log.info("train_fusion trials: %d set items of %d identities, %d val sets", len(material.labels),
@@ -277,7 +287,7 @@ def _fusion_trainer(paths: Paths, params: Mapping[str, Any], metric: str) -> Tri
 
     def train_trial(cfg: Any, trial: Any, tracker: Any) -> float:
         _one_device(cfg.train, "fusion.train")
-        moved = [k for k in fixed_keys if getattr(cfg, k) != getattr(base, k)]
+        moved = [k for k in FUSION_FIXED if getattr(cfg, k) != getattr(base, k)]
         if moved:
             raise ConfigError(f"a trial changes fusion.{moved[0]}, which fixes what every trial is trained and measured "
                               "on: keep it out of sweep.train_fusion.space")
