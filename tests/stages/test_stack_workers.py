@@ -102,7 +102,7 @@ def test_quick_run_of_the_nightly_pipeline_at_smoke_size_completes_on_the_stacks
     client = MlflowClient(tracking_uri=f"http://127.0.0.1:{mlflow_port}")
     experiment = client.get_experiment_by_name("faceops")
     names = {r.info.run_name for r in client.search_runs([experiment.experiment_id])}
-    assert {"pipeline", "prepare", "train_fr@real", "evaluate"} <= names
+    assert {"pipeline preset:smoke", "prepare", "train_fr@real", "evaluate"} <= names  # the DAG named by its config
     # toy models are registered, but @candidate is not moved to them unless asked
     model = client.get_registered_model("faceops-fr")
     assert not model.aliases, model.aliases
