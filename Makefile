@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.faceops-installed
+PLOTS_TEMPLATE := .dvc/plots-offline.html
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 90
 export MLFLOW_DISABLE_TELEMETRY := true
@@ -28,7 +29,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python -e '.[test]'
 	@touch $(STAMP)
 
-setup: $(STAMP)
+# the page template .dvc/config names for `dvc plots show`: Vega inline from the installed vl-convert, no CDN
+$(PLOTS_TEMPLATE): $(STAMP)
+	$(BIN)/python -m faceops.plots
+
+setup: $(STAMP) $(PLOTS_TEMPLATE)
 
 run: setup
 	$(BIN)/faceops run

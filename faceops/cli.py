@@ -307,14 +307,14 @@ def ls() -> None:
 def _registry_rows(root: Path) -> list[tuple[str, ...]]:
     """(name, version, @aliases, facts, run) per registered model version; none when the repository's own
     SQLite store does not exist yet (listing does not create it)."""
-    from ops.tracking import tracking_uri
+    from ops.store import tracking_uri
 
     uri = tracking_uri(root)
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
         return []
     from mlflow import MlflowClient
 
-    from ops.tracking import configure
+    from ops.store import configure
 
     configure(root)
     client = MlflowClient()

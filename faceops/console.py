@@ -10,6 +10,24 @@ from pathlib import Path
 from typing import NoReturn
 
 import typer
+from typer.core import TyperOption
+
+
+def _flags_take_no_value() -> None:
+    """typer's rich help prints ``<bool>`` in the type column of every flag (``--force / --no-force``, ``--help``),
+    as if it took a value; a flag takes none (plain click help shows nothing there), so the column stays empty."""
+    shown = TyperOption.display_type_rich
+    if getattr(shown, "faceops", False):
+        return
+
+    def display_type_rich(self: TyperOption, ctx: typer.Context) -> str | None:
+        return None if self.is_flag else shown(self, ctx)
+
+    display_type_rich.faceops = True  # type: ignore[attr-defined]
+    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
+
+
+_flags_take_no_value()
 
 
 def fail(message: str, code: int = 2) -> NoReturn:

@@ -6,6 +6,10 @@ where ``{plot_divs}`` goes the plots and ``{scripts}`` the CDN tags): this one h
 three libraries inline instead, bundled by ``vl-convert`` (``vl_convert.javascript_bundle``: they become the globals
 ``vega``, ``vegaLite`` and ``vegaEmbed`` that DVC's plot divs call). Every plot ``dvc.yaml`` declares is drawn: the
 stages' history curves, the top-level val curves and the PNG figures.
+
+The template is written to ``.dvc/plots-offline.html`` (git-ignored: it is built from the installed package, not
+committed) by ``make setup`` (``python -m faceops.plots``) and by ``faceops plots``; the repository's
+``.dvc/config`` names it as ``plots.html_template``, so plain ``dvc plots show`` draws offline too.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Annotated
 import typer
 
 from faceops.console import fail, repo_root
+from ml.atomic import atomic_path
 
 TEMPLATE = """<!DOCTYPE html>
 <html>
@@ -48,12 +53,23 @@ def offline_template() -> str:
     return TEMPLATE.format(bundle=bundle)
 
 
+TEMPLATE_FILE = "plots-offline.html"  # in .dvc/, where .dvc/config's plots.html_template points
+
+
+def write_template(root: Path) -> Path:
+    """Write the offline template to ``<root>/.dvc/plots-offline.html`` (unless it is there with the same text)."""
+    template, text = Path(root) / ".dvc" / TEMPLATE_FILE, offline_template()
+    if not (template.is_file() and template.read_text(encoding="utf-8") == text):
+        template.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(template) as temporary:
+            temporary.write_text(text, encoding="utf-8")
+    return template
+
+
 def render(root: Path, out: Path) -> Path:
-    """``dvc plots show`` into ``out`` with the offline template (kept in DVC's git-ignored ``.dvc/tmp``) → the
-    page's path. A failure of DVC raises ``RuntimeError`` with its message."""
-    template = root / ".dvc" / "tmp" / "plots-offline.html"
-    template.parent.mkdir(parents=True, exist_ok=True)
-    template.write_text(offline_template(), encoding="utf-8")
+    """``dvc plots show`` into ``out`` with the offline template (written first) → the page's path. A failure of DVC
+    raises ``RuntimeError`` with its message."""
+    template = write_template(root)
     done = subprocess.run(["dvc", "plots", "show", "--html-template", str(template), "-o", str(out)], cwd=root,
                           capture_output=True, text=True)
     if done.returncode != 0:
@@ -79,3 +95,7 @@ def plots_cmd(
     typer.echo(f"wrote {page} (offline: Vega is in the page)")
     if open_page:
         webbrowser.open(page.as_uri())
+
+
+if __name__ == "__main__":  # `make setup`: the template `dvc plots show` reads, from the installed vl-convert
+    print(f"wrote {write_template(Path.cwd())}")

@@ -125,7 +125,8 @@ def _log_run(name: str, metrics: dict[str, float], report: Path, params: dict[st
     that exist as artifacts."""
     import mlflow
 
-    from ops.tracking import configure, mlflow_metric_name
+    from ops.tracking import mlflow_metric_name
+    from ops.store import configure
 
     configure(Path.cwd())
     with mlflow.start_run(run_name=name, tags={"faceops.stage": name}) as run:

@@ -23,7 +23,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows import routing
 from flows.stages import limit_jobs, stage_graph
-from ops import tracking
+from ops import store, tracking
 from ops.run_config import config_label, run_config
 
 
@@ -93,7 +93,7 @@ def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = Fal
         order = [s for s in order if s in keep]
     logger.info("stages in dependency order: %s", " → ".join(order))
     limit_jobs(schedule.jobs, {s: [u for u in graph[s] if u in order] for s in order}, schedule.exclusive)
-    tracking.configure(root_path)
+    store.configure(root_path)
     config = run_config(root_path)  # in the run's name and tags: a smoke or custom run stands apart
     with mlflow.start_run(run_name=f"pipeline {config_label(config)}".strip(), tags={
         "prefect.flow_run_id": str(flow_run.id), "faceops.kind": "pipeline", "git.commit": tracking.git_commit(root_path),

@@ -35,7 +35,7 @@ from prefect import get_run_logger
 from prefect.runtime import flow_run
 
 from ml.errors import ConfigError
-from ops import tracking
+from ops import lineage, store, tracking
 
 # one DVC operation at a time in this process: DVC's Repo is not thread-safe (the file lock guards other processes)
 DVC_LOCK = threading.Lock()
@@ -275,7 +275,7 @@ def stage_env(root: Path, invocation: str, parent_run_id: str | None) -> dict[st
     env[tracking.ENV_INVOCATION] = invocation
     env.setdefault("TQDM_MININTERVAL", "5")  # progress bars become log lines here: one every few seconds
     env["PYTHONUNBUFFERED"] = "1"  # Lightning's bar writes to stdout, block-buffered on a pipe otherwise
-    env.setdefault("MLFLOW_TRACKING_URI", tracking.tracking_uri(root))
+    env.setdefault("MLFLOW_TRACKING_URI", store.tracking_uri(root))
     if parent_run_id:
         env[tracking.ENV_PARENT_RUN] = parent_run_id
     if flow_run.id:
@@ -357,25 +357,14 @@ def _lines(stream: Any) -> Iterator[str]:
 
 
 def _tag_stage_runs(root: Path, stage: str, run_ids: list[str]) -> None:
-    """Tag the stage's MLflow runs with DVC's hashes of its dependencies and outputs, and the model versions those
-    runs registered with the hashes of their model directories (known only once dvc.lock is written): a
-    registered model's ``dvc.out.models/...`` is the md5 ``dvc.lock`` holds for it."""
+    """Tag the stage's MLflow runs, and the model versions they registered, with DVC's hashes of its deps and outs
+    as ``dvc.lock`` records them (written only once the stage has ended): ``ops.lineage.tag_runs``."""
     from mlflow import MlflowClient
 
     with DVC_LOCK:
         deps, outs = dvc_lock_deps(root, stage), dvc_lock_deps(root, stage, "outs")
-    tags = {**{f"dvc.dep.{p}": md5 for p, md5 in deps.items()}, **{f"dvc.out.{p}": md5 for p, md5 in outs.items()}}
-    models = {f"dvc.out.{p}": md5 for p, md5 in outs.items() if p.startswith("models/")}
     with tracking.MLFLOW_LOCK:
-        client = MlflowClient(tracking_uri=tracking.tracking_uri(root))
-        for run_id in run_ids:
-            for key, md5 in tags.items():
-                client.set_tag(run_id, key, md5)
-            if not models:
-                continue
-            for version in client.search_model_versions(f"run_id = '{run_id}'"):
-                for key, md5 in models.items():
-                    client.set_model_version_tag(version.name, version.version, key, md5)
+        lineage.tag_runs(MlflowClient(tracking_uri=store.tracking_uri(root)), run_ids, deps, outs)
 
 
 def restored_record(root: Path, stage: str, metrics_files: list[str]) -> tuple[dict[str, str], dict[str, float]]:
@@ -433,9 +422,9 @@ def log_restored_stage(root: Path, stage: str, parent_run_id: str | None, params
         tags["prefect.flow_run_id"] = str(flow_run.id)
     outs = dvc_lock_deps(root, stage, "outs")
     with tracking.MLFLOW_LOCK:
-        client = MlflowClient(tracking_uri=tracking.tracking_uri(root))
+        client = MlflowClient(tracking_uri=store.tracking_uri(root))
         experiment_id = (client.get_run(parent_run_id).info.experiment_id if parent_run_id else
-                         tracking.configure(root))
+                         store.configure(root))
         source = _producing_run(client, experiment_id, stage, outs)
         if source:
             tags["dvc.restored_from"] = source
@@ -497,4 +486,4 @@ def mlflow_run_link(tracking_uri: str, run_id: str) -> str:
 
 def mlflow_note(root: Path, run_ids: list[str]) -> str:
     """``"; MLflow: <link>"`` for the stage's last MLflow run, or nothing when it opened none."""
-    return f"; MLflow: {mlflow_run_link(tracking.tracking_uri(root), run_ids[-1])}" if run_ids else ""
+    return f"; MLflow: {mlflow_run_link(store.tracking_uri(root), run_ids[-1])}" if run_ids else ""

@@ -32,84 +32,19 @@ import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from ops.run_config import ENV_MOVE_ALIASES, alias_policy, promotable, run_config  # the registry rule
+from ops.store import configure, store_creation_lock, tracking_uri  # where the project's store is
 
-EXPERIMENT = "faceops"
-EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"  # MLflow 3's UI: not GenAI
 ENV_PARENT_RUN = "FACEOPS_PARENT_RUN_ID"
 ENV_FLOW_RUN = "FACEOPS_PREFECT_FLOW_RUN_ID"
 ENV_INVOCATION = "FACEOPS_INVOCATION_ID"
 ENV_JOURNAL = "FACEOPS_TRACKING_JOURNAL"
-STORE_FILE = "mlflow.db"  # the repository's default MLflow store (SQLite) ...
-ARTIFACT_DIR = "mlruns"  # ... and its artifact root, both in the repository root
 
 log = logging.getLogger(__name__)
 
 # relays of stages running side by side share one MLflow store: one write at a time from this process
 MLFLOW_LOCK = threading.RLock()
-
-
-def project_root(root: Path) -> Path:
-    """The repository whose store a run in ``root`` logs to: ``DVC_ROOT`` when DVC runs the stage (a queued ``dvc exp
-    run`` executes in a temporary copy under ``.dvc/tmp/exps/`` and DVC points ``DVC_ROOT`` at the repository that
-    queued it), else ``root``."""
-    return Path(os.environ.get("DVC_ROOT") or root)
-
-
-def default_store(root: Path) -> str:
-    """The repository's own MLflow store: ``sqlite:///<root>/mlflow.db`` (what ``make run`` logs to, and what
-    ``faceops stack up`` serves), of the repository that queued a DVC experiment when it runs in DVC's copy."""
-    return f"sqlite:///{(project_root(root) / STORE_FILE).resolve()}"
-
-
-def default_artifact_root(root: Path) -> Path:
-    """Where runs in the default store keep their artifacts: ``<root>/mlruns`` (MLflow's ``./mlruns`` from the
-    repository root, where ``faceops run`` starts)."""
-    return (project_root(root) / ARTIFACT_DIR).resolve()
-
-
-def tracking_uri(root: Path) -> str:
-    """``MLFLOW_TRACKING_URI`` if set, else the SQLite store ``mlflow.db`` in the repository root."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or default_store(root)
-
-
-def configure(root: Path) -> str:
-    """Point MLflow at the project's store and experiment; returns the experiment id."""
-    import mlflow
-
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    uri = tracking_uri(root)
-    if urlsplit(uri).password:  # MLflow prints "View run ... at: <tracking URI>", password included, at every run end
-        os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
-    mlflow.set_tracking_uri(uri)
-    with store_creation_lock(uri):
-        experiment = mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", EXPERIMENT))
-    if EXPERIMENT_KIND_TAG not in experiment.tags:  # else MLflow 3's UI opens it on the (empty) GenAI traces page
-        mlflow.MlflowClient().set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
-    return experiment.experiment_id
-
-
-@contextlib.contextmanager
-def store_creation_lock(uri: str) -> Iterator[None]:
-    """For an SQLite store, hold ``<db>.lock`` while MLflow opens it: the first process to open a new file creates
-    and migrates its tables, and two doing that at once (two sweeps, two pipelines) leave it half-migrated
-    ("table _alembic_tmp_... already exists"). Other stores: nothing to hold."""
-    if not uri.startswith("sqlite:///"):
-        yield
-        return
-    import fcntl
-
-    db = Path(uri[len("sqlite:///"):])
-    lock = db.with_name(db.name + ".lock")
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def git_commit(root: Path) -> str:
@@ -355,10 +290,21 @@ def registered_note(name: str, version: str | None, alias: str = "candidate", ro
     return f"registered {name} v{version} @{alias}" if version else f"registering {name} @{alias} (version in the flow log)"
 
 
+class _NoAdverts(logging.Filter):
+    """Lightning logs "💡 Tip: ... try installing litlogger" at every fit whose loggers are not its own."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip")
+
+
 def lightning_logger(tracker: _Tracker) -> Any:
     """A Lightning logger that sends training curves through ``tracker`` (direct or journal)."""
     from lightning.pytorch.loggers.logger import Logger
     from lightning.pytorch.utilities import rank_zero_only
+
+    lightning_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _NoAdverts) for f in lightning_log.filters):
+        lightning_log.addFilter(_NoAdverts())
 
     class TrackerLogger(Logger):
         @property
@@ -427,13 +373,21 @@ def stage_run(stage: str, params: Mapping[str, Any], root: Path) -> Iterator[_Tr
         return
     import mlflow
 
-    configure(root)
-    run = _start_run(stage, flat, tags, os.environ.get(ENV_PARENT_RUN))
+    from ops import lineage
+
+    experiment_id = configure(root)
+    parent = os.environ.get(ENV_PARENT_RUN)
+    if not parent and os.environ.get("DVC_EXP_NAME"):  # `dvc exp run`: its stages nest under one run
+        with store_creation_lock(tracking_uri(root)):
+            parent = lineage.experiment_parent(experiment_id, {
+                "git.commit": tags["git.commit"], **run_config(root)})
+    run = _start_run(stage, flat, tags, parent)
     try:
         yield StageTracker(run.info.run_id, root)
     except BaseException:
         mlflow.end_run("FAILED")
         raise
+    lineage.tag_from_dvc(root, run.info.run_id)  # dvc repro / dvc exp run: nothing reads dvc.lock after us
     mlflow.end_run()
 
 

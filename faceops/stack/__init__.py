@@ -98,7 +98,7 @@ def plans(root: Path, *, s3: bool, prefect_port: int, mlflow_port: int, s3_port:
           workers: bool = False, git_url: str | None = None) -> list[Plan]:
     """What ``up`` starts, in order: S3 first (MLflow writes to it), then Prefect and MLflow, then (``workers``)
     one worker per work pool, which need both servers."""
-    from ops.tracking import default_artifact_root, default_store
+    from ops.store import default_artifact_root, default_store
 
     home = stack_dir(root)
     out = []
@@ -307,17 +307,20 @@ def _running_or_clean(root: Path, todo: Sequence[Plan]) -> list[Service] | None:
 
 
 @contextlib.contextmanager
-def _store_lock(todo: Sequence[Plan]) -> Iterator[None]:
-    """Hold ``<store>.lock`` (``ops.tracking.store_creation_lock``, the lock ``faceops run`` takes to create an
+def _store_lock(root: Path, todo: Sequence[Plan]) -> Iterator[None]:
+    """Hold ``<store>.lock`` (``ops.store.store_creation_lock``, the lock ``faceops run`` takes to create an
     SQLite store) while the MLflow server creates or migrates its SQLite store, so a ``faceops run`` starting
-    meanwhile waits for it."""
-    from ops.tracking import store_creation_lock
+    meanwhile waits for it. The repository's own store, if copied from another folder, is first made to point at
+    this folder's ``mlruns/`` (``ops.store.adopt_store``)."""
+    from ops.store import adopt_store, default_store, store_creation_lock
 
     store = next((p.info.get("store") for p in todo if p.name == "mlflow"), None)
     if not store:
         yield
         return
     with store_creation_lock(f"sqlite:///{store}"):
+        if f"sqlite:///{store}" == default_store(root):
+            adopt_store(root)
         yield
 
 
@@ -339,7 +342,7 @@ def _start(root: Path, todo: Sequence[Plan], bucket: str, timeout: float) -> lis
     servers = [p for p in todo if p.port]
     workers = [p for p in todo if not p.port]
     try:
-        with _store_lock(todo):
+        with _store_lock(root, todo):
             for p in servers:
                 spawn_plan(p)
             for p, proc, service in list(started):

@@ -32,7 +32,8 @@ from ops.promote.decision import Decision, Gate, decide, unchanged, utc_now
 from ops.promote.registry import (CANDIDATE, CHAMPION, MODELS, PREVIOUS, PromotionError, RegistryChange, RegistryState,
                                   RegistryUnreachable, check_tracking, client_for, connect, download_version,
                                   find_model_dir, is_transient, model_key, registry_state, require_candidate)
-from ops.tracking import configure, git_commit, mlflow_metric_name
+from ops.tracking import git_commit, mlflow_metric_name
+from ops.store import configure
 from tasks.common import Paths, load_params, section
 
 # the promotion API in one place: flows/promote.py and the tests use ``p.<name>``

@@ -7,7 +7,7 @@ during a sweep), trains, reports the stage's validation metric every epoch to Op
 returns the last value (``ops.sweep.targets.OBJECTIVES``). Every process with the same storage and study name joins
 one study; the creator opens the MLflow parent run under which every trial nests (``ops.sweep.study``). On an SQL
 storage running trials beat a heartbeat, and a killed worker's trial is failed and retried once (Optuna's
-``RetryFailedTrialCallback``); a JournalStorage has no heartbeat. ``report`` writes the history and importance
+``RetryHeartbeatStaleTrialCallback``); a JournalStorage has no heartbeat. ``report`` writes the history and importance
 plots and the best trial; ``apply_best`` writes the best params into ``params.yaml``.
 
 Here: ``run_sweep``, the whole sweep in one process, and ``python -m ops.sweep``, one more worker on a study. See
@@ -26,7 +26,6 @@ from ops.sweep.config import ENV_STORAGE, StorageSpec, SweepConfig, SweepError, 
 from ops.sweep.study import SweepPlan, apply_best, check_request, ensure_tracking, prepare_sweep, report
 from ops.sweep.targets import OBJECTIVES
 from ops.sweep.trials import run_trials
-from tasks.common import stage_main
 
 __all__ = ["ENV_STORAGE", "OBJECTIVES", "StorageSpec", "SweepConfig", "SweepError", "SweepPlan", "apply_best",
            "check_request", "ensure_tracking", "main", "open_storage", "prepare_sweep", "report", "run_sweep",

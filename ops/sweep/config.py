@@ -12,6 +12,7 @@ import time
 import types
 import typing
 import urllib.parse
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -346,9 +347,11 @@ def open_storage(spec: StorageSpec, heartbeat_s: int = 0) -> Any:
         try:
             if heartbeat_s <= 0:
                 return optuna.storages.RDBStorage(spec.target, engine_kwargs=engine)
-            return optuna.storages.RDBStorage(
-                spec.target, engine_kwargs=engine, heartbeat_interval=heartbeat_s, grace_period=3 * heartbeat_s,
-                failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=1))
+            with warnings.catch_warnings():  # heartbeats have been "experimental" since Optuna 2.8: not news
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return optuna.storages.RDBStorage(
+                    spec.target, engine_kwargs=engine, heartbeat_interval=heartbeat_s, grace_period=3 * heartbeat_s,
+                    heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1))
         except ImportError:  # check_driver names the module; here Optuna has wrapped the error
             check_driver(spec)
             raise SweepError(f"Optuna storage {spec.masked}: its database driver cannot be imported") from None

@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +27,12 @@ from ml.errors import ConfigError
 from ops.sweep.config import (ENV_STORAGE, StageSweep, StorageSpec, SweepConfig, SweepError, check_driver,
                               check_space, open_storage, resolve_storage)
 from ops.sweep.targets import OBJECTIVES
-from ops.tracking import configure, git_commit, mlflow_metric_name, tracking_uri
+from ops.tracking import git_commit, mlflow_metric_name
+from ops.store import configure, tracking_uri
 from tasks.common import Paths, load_params, redact, section, write_json
 
 log = logging.getLogger(__name__)
+_WARNED_SMALL: set[tuple[Path, str]] = set()  # (root, stage) whose val split check_request warned about
 SMALL_VAL = 100  # fewer val items than this: the study's ranking is coarse, and check_request says so
 
 PARENT_ATTR = "mlflow_parent_run_id"  # study user attr: the MLflow run every trial nests under
@@ -125,7 +128,8 @@ def check_request(stage: str, *, trials: int | None = None, storage: str | None 
     spec = _storage_spec(storage, settings, root)
     check_driver(spec)
     measured_on = OBJECTIVES[stage].check_data(Paths(root), params, entry.metric)
-    if measured_on is not None and measured_on < SMALL_VAL:
+    if measured_on is not None and measured_on < SMALL_VAL and (root, stage) not in _WARNED_SMALL:
+        _WARNED_SMALL.add((root, stage))  # once: the CLI checks before its flow checks again in this process
         log.warning("sweep %s: %s is measured on %d val items, so a trial's value moves in steps of about 1/%d and "
                     "trials may tie or be ranked by noise; sweep on data of the default's size, not a toy preset's",
                     stage, entry.metric, measured_on, measured_on)
@@ -182,6 +186,11 @@ def prepare_sweep(stage: str, *, trials: int | None = None, storage: str | None 
 
 
 def _describe_study(study: Any, stage: str, entry: StageSweep, settings: SweepConfig) -> None:
+    import optuna
+
+    with warnings.catch_warnings():  # "experimental" since Optuna 3.2
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        study.set_metric_names([entry.metric])  # optuna-dashboard's axes say val/accuracy, not "Objective 0"
     study.set_user_attr("faceops.stage", stage)
     study.set_user_attr("faceops.metric", entry.metric)
     study.set_user_attr("faceops.space", json.loads(json.dumps(entry.space, default=str)))

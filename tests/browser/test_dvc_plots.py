@@ -1,9 +1,11 @@
-"""DVC's plots page opened as on an air-gapped machine: `faceops plots` draws every declared curve and figure with
-no request leaving the file, where `dvc plots show`'s own page asks a CDN for Vega and stays blank."""
+"""DVC's plots page opened as on an air-gapped machine: `faceops plots`, and plain `dvc plots show` in a checkout set
+up as `make setup` sets it up, draw every declared curve and figure with no request leaving the file, where DVC's
+default page asks a CDN for Vega and stays blank."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +13,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+REPO = Path(__file__).resolve().parents[2]
 DVC_YAML = """\
 stages: {}
 plots:
@@ -56,13 +59,27 @@ def test_faceops_plots_draws_every_plot_with_no_network(offline, tmp_path, monke
     assert refused == []  # nothing outside the file was even asked for
 
 
-def test_dvc_plots_show_alone_needs_a_cdn(offline, tmp_path):
-    """Why `faceops plots` exists: DVC's own page asks jsdelivr for Vega, and offline it draws nothing."""
-    page, refused = offline
-    root = _project(tmp_path / "proj")
+def _dvc_plots_show(root: Path) -> Path:
     env = {**os.environ, "DVC_NO_ANALYTICS": "1", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     subprocess.run(["dvc", "plots", "show", "-o", "out"], cwd=root, env=env, check=True, capture_output=True)
-    page.goto((root / "out" / "index.html").as_uri())
+    return root / "out" / "index.html"
+
+
+def test_plain_dvc_plots_show_draws_offline_with_the_projects_dvc_config(offline, tmp_path):
+    page, refused = offline
+    root = _project(tmp_path / "proj")
+    shutil.copy(REPO / ".dvc" / "config", root / ".dvc" / "config")  # plots.html_template
+    subprocess.run([sys.executable, "-m", "faceops.plots"], cwd=root, check=True, capture_output=True)  # make setup
+    page.goto(_dvc_plots_show(root).as_uri())
+    page.wait_for_selector(".vega-embed canvas, .vega-embed svg", state="attached")
+    assert page.locator("img").first.evaluate("img => img.complete && img.naturalWidth") == 60
+    assert refused == []
+
+
+def test_dvc_plots_show_without_the_template_needs_a_cdn(offline, tmp_path):
+    """Why the template exists: DVC's default page asks jsdelivr for Vega, and offline it draws nothing."""
+    page, refused = offline
+    page.goto(_dvc_plots_show(_project(tmp_path / "proj")).as_uri())
     page.wait_for_timeout(1000)
     assert any("jsdelivr" in url for url in refused)
     assert page.locator(".vega-embed canvas, .vega-embed svg").count() == 0

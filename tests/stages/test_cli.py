@@ -30,7 +30,10 @@ def test_help_explains_commands(workspace):
     assert out.returncode == 0
     for word in ("run", "stage", "ls", "params.yaml", "--preset smoke"):
         assert word in out.stdout
-    assert "--set" in _run(["run", "--help"], workspace).stdout
+    run_help = _run(["run", "--help"], workspace).stdout
+    assert "--set" in run_help and "--force" in run_help
+    assert "<bool>" not in run_help and "<bool>" not in out.stdout  # flags take no value
+    assert "<str>" in run_help  # options that take one say which
 
 
 def test_help_names_every_stage_of_the_dag(workspace):

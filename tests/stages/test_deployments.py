@@ -234,11 +234,11 @@ def test_a_smoke_run_registers_its_models_without_candidate_unless_asked(tmp_pat
     from mlflow import MlflowClient
 
     from flows.areas import TOY_PRESETS
-    from ops import tracking
+    from ops import store, tracking
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.chdir(tmp_path)
-    tracking.configure(tmp_path)
+    store.configure(tmp_path)
     with mlflow.start_run() as run:
         (tmp_path / "model").mkdir()
         (tmp_path / "model" / "config.json").write_text("{}")

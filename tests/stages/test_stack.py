@@ -306,10 +306,10 @@ LOG_LIKE_MAKE_RUN = """
 from pathlib import Path
 import mlflow
 from mlflow import MlflowClient
-from ops import tracking
+from ops import store, tracking
 
 root = Path.cwd()
-tracking.configure(root)  # what `faceops run` does: no MLFLOW_TRACKING_URI, the repository's mlflow.db
+store.configure(root)  # what `faceops run` does: no MLFLOW_TRACKING_URI, the repository's mlflow.db
 with mlflow.start_run(run_name="pipeline") as parent:
     mlflow.log_metric("pipeline/wall_seconds", 470.0)
     with mlflow.start_run(run_name="train_fr@real", nested=True) as stage:

@@ -448,10 +448,12 @@ def test_discovery_val_split_may_be_held_out_by_the_sweeps_fixed_keys(workspace)
     assert check(paths, params, "train/loss") is None  # a training metric needs no held-out images
 
 
-def test_a_sweep_on_a_tiny_val_split_warns_that_trials_may_tie(workspace, caplog):
-    from ops.sweep import check_request
+def test_a_sweep_on_a_tiny_val_split_warns_that_trials_may_tie(workspace, caplog, monkeypatch):
+    from ops.sweep import check_request, study
 
+    monkeypatch.setattr(study, "_WARNED_SMALL", set())  # earlier sweeps in this process have warned already
     with caplog.at_level("WARNING", logger="ops.sweep.study"):
         check_request("train_fr", root=workspace)
+        check_request("train_fr", root=workspace)  # the flow's own check after the command's: no second warning
     (warning,) = [r.getMessage() for r in caplog.records if "val items" in r.getMessage()]
     assert "val/accuracy is measured on 8 val items" in warning and "trials may tie" in warning

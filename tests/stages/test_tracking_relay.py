@@ -3,6 +3,7 @@ nested MLflow run; a crash, a failure and an unreachable server are each reporte
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ops import tracking
+from ops.store import EXPERIMENT, configure
 
 from tests.conftest import curve_problems
 
@@ -69,7 +71,7 @@ def store(tmp_path, monkeypatch):
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    tracking.configure(tmp_path)
+    configure(tmp_path)
     parent = mlflow.start_run(run_name="pipeline")
     yield MlflowClient(tracking_uri=uri), parent.info.run_id
     mlflow.end_run()
@@ -156,7 +158,7 @@ def test_unreachable_mlflow_keeps_the_journal_for_replay(tmp_path, store, monkey
             proc = _run_stage(tmp_path, relay, "ok")
     finally:
         monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-        tracking.configure(tmp_path)
+        configure(tmp_path)
     assert proc.returncode == 0  # the stage's own work is not held hostage by the tracking server
     assert relay.error is not None and relay.path.is_file()
     entries = [json.loads(line)["op"] for line in relay.path.read_text().splitlines()]
@@ -187,7 +189,7 @@ EXP_STAGE = textwrap.dedent("""
     value = yaml.safe_load(Path("params.yaml").read_text())["count"]["value"]
     with stage_run("count", {"count": {"value": value}}, Path.cwd()) as tracker:
         tracker.log_metrics({"count/value": float(value)})
-    Path("out.txt").write_text(str(value))
+        Path("out.txt").write_text(str(value))
 """)
 
 
@@ -212,6 +214,15 @@ def test_a_dvc_experiment_in_a_temporary_copy_logs_into_the_projects_store(tmp_p
         assert done.returncode == 0, (cmd, done.stdout[-2000:], done.stderr[-2000:])
     assert not list((repo / ".dvc" / "tmp").rglob("mlflow.db")), "the copy opened a store of its own"
     client = mlflow.MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
-    (run,) = client.search_runs([client.get_experiment_by_name(tracking.EXPERIMENT).experiment_id])
+    experiment = client.get_experiment_by_name(EXPERIMENT)
+    assert experiment.artifact_location.removeprefix("file://").startswith(str(repo / "mlruns"))  # not DVC's copy
+    runs = {r.info.run_name: r for r in client.search_runs([experiment.experiment_id])}
+    assert set(runs) == {"count", "dvc exp two"}
+    run, parent = runs["count"], runs["dvc exp two"]
     assert run.data.tags["dvc.exp_name"] == "two" and run.data.metrics["count/value"] == 2.0
     assert run.data.tags["faceops.config"] == "custom" and run.data.tags["faceops.config_delta"] == "count.value=2"
+    # nested under the experiment's parent run, and tagged with DVC's hashes as dvc.lock records them
+    assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
+    assert parent.data.tags["faceops.kind"] == "dvc-experiment" and parent.data.tags["dvc.exp_name"] == "two"
+    assert run.data.tags["dvc.dep.stage.py"] == hashlib.md5((repo / "stage.py").read_bytes()).hexdigest()
+    assert run.data.tags["dvc.out.out.txt"] == hashlib.md5(b"2").hexdigest()

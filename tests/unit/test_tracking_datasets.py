@@ -13,7 +13,8 @@ from ml.data.dataset import DatasetWriter, read_dataset_info
 def test_a_logged_dataset_keeps_its_digest_and_warns_nothing(tmp_path, monkeypatch):
     import mlflow
 
-    from ops.tracking import StageTracker, configure
+    from ops.tracking import StageTracker
+    from ops.store import configure
 
     with DatasetWriter(tmp_path / "faces", name="faces", source="procedural", aligned=True) as w:
         for i in range(4):
