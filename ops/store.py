@@ -18,7 +18,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 EXPERIMENT = "faceops"
-EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"  # MLflow 3's UI: not GenAI
+# the experiment's kind as MLflow 3 records it: model training, not GenAI (the UI's own mode is a sidebar switch)
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 STORE_FILE = "mlflow.db"  # the repository's default MLflow store (SQLite) ...
 ARTIFACT_DIR = "mlruns"  # ... and its artifact root, both in the repository root
 
@@ -65,7 +66,7 @@ def configure(root: Path) -> str:
             if mlflow.get_experiment_by_name(name) is None:  # else MLflow puts it in ./mlruns of the current folder
                 mlflow.create_experiment(name, artifact_location=(default_artifact_root(root) / name).as_uri())
         experiment = mlflow.set_experiment(name)
-    if EXPERIMENT_KIND_TAG not in experiment.tags:  # else MLflow 3's UI opens it on the (empty) GenAI traces page
+    if EXPERIMENT_KIND_TAG not in experiment.tags:  # a kind the user chose is kept
         mlflow.MlflowClient().set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
     return experiment.experiment_id
 

@@ -117,20 +117,38 @@ def embed_generated(fr: Any, aligner: Any, faces: np.ndarray, size: int
     return identity_embeddings(fr, faces, landmarks), landmarks, scores
 
 
-def face_judge(aligner: Any, synthetic_scores: np.ndarray, real_faces: np.ndarray, size: int,
-               nonfaces: int = 500) -> dict[str, float]:
-    """A judge independent of the FR model that conditions the generator: the DFA aligner's face score (trained on
-    procedural faces against non-face crops, never on generated faces), read at its own threshold 0.5 →
-    ``synthetic/judge/face_share`` and ``face_score_mean`` of the synthetic faces, beside ``real_face_share`` (the
-    real training faces) and ``nonface_share`` (held-out non-face crops: what a blob scores)."""
-    from ml.aligner.data import HELDOUT_NONFACE_START, nonface_crops
+def face_judge(aligner: Any, synthetic_faces: np.ndarray, synthetic_scores: np.ndarray, real_faces: np.ndarray,
+               size: int, nonfaces: int = 500, seed: int = 0) -> dict[str, float]:
+    """A judge independent of the FR model that conditions the generator: the DFA aligner (trained on procedural
+    faces against non-face crops, never on generated faces).
 
-    _, real = aligner.predict(real_faces)
-    _, blobs = aligner.predict(nonface_crops(0, HELDOUT_NONFACE_START, nonfaces, size))
-    return {"synthetic/judge/face_share": float((synthetic_scores >= 0.5).mean()),
-            "synthetic/judge/face_score_mean": float(synthetic_scores.mean()),
-            "synthetic/judge/real_face_share": float((real >= 0.5).mean()),
-            "synthetic/judge/nonface_share": float((blobs >= 0.5).mean())}
+    - its face score at its own threshold 0.5 → ``synthetic/judge/face_share`` and ``face_score_mean`` of the
+      synthetic faces, beside ``real_face_share`` (the real training faces) and ``nonface_share`` (held-out non-face
+      crops: what a blob scores);
+    - a Fréchet distance in its backbone's features (``DFA.features``, ``frechet_distance``) between the synthetic
+      faces and as many real training faces → ``synthetic/judge/frechet``, beside ``frechet_real`` (two disjoint
+      real samples of that size: what the same distribution scores, the floor) and ``frechet_nonface`` (the
+      non-face crops against real faces: what blobs score). Needs twice as many real faces as synthetic ones."""
+    from ml.aligner.data import HELDOUT_NONFACE_START, nonface_crops
+    from ml.generator.diversity import frechet_distance
+
+    blobs = nonface_crops(0, HELDOUT_NONFACE_START, nonfaces, size)
+    _, real_scores = aligner.predict(real_faces)
+    _, blob_scores = aligner.predict(blobs)
+    out = {"synthetic/judge/face_share": float((synthetic_scores >= 0.5).mean()),
+           "synthetic/judge/face_score_mean": float(synthetic_scores.mean()),
+           "synthetic/judge/real_face_share": float((real_scores >= 0.5).mean()),
+           "synthetic/judge/nonface_share": float((blob_scores >= 0.5).mean())}
+    n = min(len(synthetic_faces), len(real_faces) // 2, len(blobs))
+    if n < 2:
+        return out
+    order = np.random.default_rng(seed).permutation(len(real_faces))
+    real_a, real_b = aligner.features(real_faces[order[:n]]), aligner.features(real_faces[order[n:2 * n]])
+    synthetic = aligner.features(synthetic_faces[:n])
+    return {**out, "synthetic/judge/frechet": frechet_distance(synthetic, real_a),
+            "synthetic/judge/frechet_real": frechet_distance(real_b, real_a),
+            "synthetic/judge/frechet_nonface": frechet_distance(aligner.features(blobs[:n]), real_a),
+            "synthetic/judge/frechet_faces": float(n)}
 
 
 def sampler_for(cfg: SamplerConfig, extra: dict[str, Any]) -> SamplerConfig:
@@ -400,7 +418,7 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
                       "synthetic/t0_mean": float(t0.mean()), "synthetic/t0_std": float(t0.std()),
                       "synthetic/unet_evals_per_image": float(evals.mean()),
                       "synthetic/candidates_kept_fraction": float(len(keep) / cfg.candidates),
-                      **face_judge(aligner, face_scores, real_faces, data.image_size)}
+                      **face_judge(aligner, faces, face_scores, real_faces, data.image_size, seed=cfg.seed)}
     write_json(paths.metrics / "synthesize.json", result.metrics)
     failed = [f"{name} {value:.3f} < synthesize.{key} = {bound}" for name, value, key, bound in (
         ("identity gap", gap["gap"], "min_identity_gap", cfg.min_identity_gap),
@@ -445,48 +463,71 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
     return result
 
 
+@dataclasses.dataclass(frozen=True)
+class ProbeSetup:
+    """What every generator probe reuses (``probe_setup``): the ``synthesize.fr_source`` FR model that embeds the
+    generated faces, the aligner, and the val identities' real faces at ``data.image_size`` — images (N, S, S, 3),
+    landmarks (N, 5, 2) at that size (NaN where the source has none), labels (N,), and which are the gallery (N,)."""
+
+    fr: Any
+    aligner: Any
+    images: np.ndarray
+    landmarks: np.ndarray
+    labels: np.ndarray
+    gallery: np.ndarray
+
+
+def probe_setup(cfg: SynthesizeConfig, data: DataConfig, paths: Paths) -> ProbeSetup:
+    """Load what ``probe_generator`` needs besides the generator, once per sweep process: each identity's
+    even-numbered labelled images are its gallery, the odd ones its probes."""
+    from ml.aligner.dfa import load_aligner
+    from ml.data.dataset import landmarks_array, load_images
+    from tasks.train_generator import load_fr, resize_faces
+
+    fr, _, _ = load_fr(paths, cfg.fr_source, "synthesize.fr_source")
+    aligner = load_aligner(paths.aligner_model)[0] if (paths.aligner_model / "config.json").is_file() else None
+    dataset, rows = reference_faces(paths)
+    raw = load_images(dataset, rows)
+    landmarks = landmarks_array(rows) * (data.image_size / raw.shape[1])
+    return ProbeSetup(fr, aligner, resize_faces(raw, data.image_size), landmarks, rows["label"].to_numpy(),
+                      rows.groupby("label").cumcount().to_numpy() % 2 == 0)
+
+
 def probe_generator(model_dir: Path, generator_cfg: Any, cfg: SynthesizeConfig, data: DataConfig, fr_cfg: Any,
-                    paths: Paths) -> dict[str, float]:
+                    paths: Paths, setup: ProbeSetup | None = None) -> dict[str, float]:
     """The generator's val objective (``faceops sweep train_generator``): ``generator.probe`` sets the size of a
     small synthetic set sampled from ``model_dir`` as this stage samples (contexts among empty-context candidates,
     same sampler, no gates) → ``val/identity_gap`` (its identity gap under the ``synthesize.fr_source`` FR model),
     ``val/accuracy`` (a small FR model, params ``fr`` for ``probe.fr_epochs`` epochs, trained on it and scored on real
-    faces of val identities — the GFD split's labelled images, never trained on, no test split: each identity's
-    even-numbered images are its gallery, the odd ones probes, nearest class mean), ``val/chance`` (1 / val
-    identities) and ``val/objective`` = gap + accuracy."""
-    from ml.aligner.dfa import load_aligner
-    from ml.data.dataset import landmarks_array, load_images
+    faces of val identities — the GFD split's labelled images, never trained on, no test split: nearest class mean
+    over ``probe_setup``'s gallery and probes), ``val/chance`` (1 / val identities) and ``val/objective`` = gap +
+    accuracy. ``setup``: ``probe_setup``'s, loaded here when not given."""
     from ml.discovery.train import nearest_mean_accuracy
     from ml.fr.train import embed, needs_keypoints, train_fr
     from ml.generator.contexts import select_identity_contexts
     from ml.generator.diversity import identity_gap
-    from tasks.train_generator import load_fr, resize_faces
+    from tasks.train_generator import resize_faces
 
+    setup = setup or probe_setup(cfg, data, paths)
     probe = generator_cfg.probe
-    fr, _, _ = load_fr(paths, cfg.fr_source, "synthesize.fr_source")
     model, extra, autoencoder = load_generator_for(paths, generator_cfg, model_dir)
     sampler = sampler_for(cfg.sampler, extra)
-    aligner = load_aligner(paths.aligner_model)[0] if (paths.aligner_model / "config.json").is_file() else None
     k = probe.synthetic_identities
     candidates, _, _ = generate(model, None, max(k, round(cfg.candidates * k / cfg.identities)), sampler,
                                 batch_size=cfg.batch_size, seed=cfg.seed * 1_000_003, autoencoder=autoencoder,
                                 desc="probe candidates")
-    cand_emb, _, _ = embed_generated(fr, aligner, candidates, data.image_size)
+    cand_emb, _, _ = embed_generated(setup.fr, setup.aligner, candidates, data.image_size)
     keep = select_identity_contexts(cand_emb, k, cfg.max_cosine, allow_fewer=True)
     faces, _, _ = generate(model, cand_emb[keep], probe.images_per_identity, sampler, batch_size=cfg.batch_size,
                            seed=cfg.seed * 1_000_003 + 7919, autoencoder=autoencoder, desc="probe faces")
     labels = np.repeat(np.arange(len(keep)), probe.images_per_identity)
-    emb, landmarks, _ = embed_generated(fr, aligner, faces, data.image_size)
+    emb, landmarks, _ = embed_generated(setup.fr, setup.aligner, faces, data.image_size)
     small = train_fr(dataclasses.replace(fr_cfg, epochs=probe.fr_epochs), resize_faces(faces, data.image_size),
                      labels, keypoints=landmarks, progress=False).model.eval()
-    dataset, rows = reference_faces(paths)
-    raw = load_images(dataset, rows)
-    images, landmarks = resize_faces(raw, data.image_size), landmarks_array(rows)
-    keypoints = None if landmarks is None or not needs_keypoints(small) else landmarks * (data.image_size / raw.shape[1])
-    real = embed(small, images, keypoints=keypoints, progress=False)
+    keypoints = setup.landmarks if needs_keypoints(small) else None
+    real = embed(small, setup.images, keypoints=keypoints, progress=False)
     real = real / np.linalg.norm(real, axis=1, keepdims=True).clip(1e-12)
-    real_labels = rows["label"].to_numpy()
-    gallery = rows.groupby("label").cumcount().to_numpy() % 2 == 0
+    gallery, real_labels = setup.gallery, setup.labels
     accuracy = nearest_mean_accuracy(real[gallery], real_labels[gallery], real[~gallery], real_labels[~gallery])
     gap = identity_gap(emb, labels)["gap"]
     return {"val/identity_gap": float(gap), "val/accuracy": accuracy, "val/objective": float(gap) + accuracy,

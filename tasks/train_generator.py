@@ -198,10 +198,9 @@ def reconstruction_report(autoencoder: Any, fr: Any, images: np.ndarray, context
 
 @dataclass
 class Fitted:
-    """A trained generator saved in ``model_dir`` and what the stage reports about it."""
+    """A trained generator (saved in ``fit``'s ``model_dir``) and what the stage reports about it."""
 
     result: Any  # ml.generator.train.GeneratorResult
-    model_dir: Path
     metrics: dict[str, float]  # autoencoder/* when one was trained or given
     extra: dict[str, Any]  # the saved config's extra
     rows: Any  # the training faces' manifest rows
@@ -274,7 +273,7 @@ def fit(cfg: GeneratorStageConfig, paths: Paths, model_dir: Path, *, report: boo
         res.save(tmp, extra=extra)
         if trained_autoencoder:
             autoencoder.save_pretrained(str(tmp / AUTOENCODER_DIR))
-    return Fitted(res, model_dir, metrics, extra, rows, size, info)
+    return Fitted(res, metrics, extra, rows, size, info)
 
 
 def run(cfg: GeneratorStageConfig, paths: Paths, *, tracker: Any = None) -> StageResult:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -394,28 +395,47 @@ class DFA(nn.Module):
         if not isinstance(images, np.ndarray) or images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
             desc = f"{type(images).__name__} {getattr(images, 'dtype', '')} {getattr(images, 'shape', '')}"
             raise DataError(f"DFA.predict images must be a uint8 numpy array (N, H, W, 3) RGB, got {desc}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ConfigError(f"DFA.predict batch_size must be a positive integer, got {batch_size!r}")
-        n, h, w = images.shape[:3]
-        if min(h, w) < 8:
-            raise DataError(f"DFA.predict images are {h}×{w} pixels; need at least 8×8 face crops")
-        device = next(self.parameters()).device
-        was_training = self.training
-        self.eval()
+        h, w = images.shape[1:3]
         landmarks, scores = [], []
-        try:
-            for i in range(0, n, batch_size):
-                x = torch.from_numpy(np.ascontiguousarray(images[i : i + batch_size])).to(device)
-                x = resize_images(x.permute(0, 3, 1, 2), self.cfg.input_size)  # float (b, 3, S, S) in [0, 255]
-                out = self(normalise(x))
-                lm, score = (out["landmarks"], out["score"]) if readout == "pooled" else self.top_anchor(out)
-                landmarks.append(to_pixels(lm.float(), w, h).cpu().numpy())
-                scores.append(score.float().cpu().numpy())
-        finally:
-            self.train(was_training)
+        for x in self._batches(images, batch_size, "predict"):
+            out = self(x)
+            lm, score = (out["landmarks"], out["score"]) if readout == "pooled" else self.top_anchor(out)
+            landmarks.append(to_pixels(lm.float(), w, h).cpu().numpy())
+            scores.append(score.float().cpu().numpy())
         if not landmarks:
             return np.zeros((0, 5, 2), np.float32), np.zeros((0,), np.float32)
         return np.concatenate(landmarks).astype(np.float32), np.concatenate(scores).astype(np.float32)
+
+    @torch.no_grad()
+    def features(self, images: np.ndarray, batch_size: int = 64) -> np.ndarray:
+        """uint8 RGB ``images`` (N, H, W, 3) → (N, 1024w) float32: the backbone's deepest feature map (stride 32),
+        average-pooled, of the images resized and normalised as :meth:`predict` does. A face representation
+        learned for landmarks and faceness, never for identity: the synthetic set's independent judge compares
+        feature distributions in it (``ml.generator.diversity.frechet_distance``)."""
+        if not isinstance(images, np.ndarray) or images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
+            desc = f"{type(images).__name__} {getattr(images, 'dtype', '')} {getattr(images, 'shape', '')}"
+            raise DataError(f"DFA.features images must be a uint8 numpy array (N, H, W, 3) RGB, got {desc}")
+        pooled = [self.body(x)[-1].float().mean(dim=(2, 3)).cpu().numpy()
+                  for x in self._batches(images, batch_size, "features")]
+        return np.concatenate(pooled) if pooled else np.zeros((0, self.body.out_channels[-1]), np.float32)
+
+    def _batches(self, images: np.ndarray, batch_size: int, caller: str) -> Iterator[torch.Tensor]:
+        """Normalised (b, 3, S, S) batches of uint8 (N, H, W, 3) ``images`` on the model's device, in eval mode
+        (the previous mode is restored after the last batch)."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(f"DFA.{caller} batch_size must be a positive integer, got {batch_size!r}")
+        n, h, w = images.shape[:3]
+        if min(h, w) < 8:
+            raise DataError(f"DFA.{caller} images are {h}×{w} pixels; need at least 8×8 face crops")
+        device = next(self.parameters()).device
+        was_training = self.training
+        self.eval()
+        try:
+            for i in range(0, n, batch_size):
+                x = torch.from_numpy(np.ascontiguousarray(images[i : i + batch_size])).to(device)
+                yield normalise(resize_images(x.permute(0, 3, 1, 2), self.cfg.input_size))  # (b, 3, S, S)
+        finally:
+            self.train(was_training)
 
 
 def resize_images(x: torch.Tensor, size: int) -> torch.Tensor:

@@ -112,5 +112,10 @@ def synthetic_section(synth: dict[str, Any], metrics: dict[str, float], models: 
                   f"{100 * k('judge/face_share'):.1f} % of the synthetic faces (mean score "
                   f"{k('judge/face_score_mean'):.2f}), {100 * k('judge/real_face_share'):.1f} % of real training "
                   f"faces and {100 * k('judge/nonface_share'):.1f} % of held-out non-face crops."]
+    if "synthetic/judge/frechet" in synth:
+        lines += ["", f"Fréchet distance to {k('judge/frechet_faces'):.0f} real training faces in the aligner's "
+                  f"backbone features (FID's formula; lower is closer; equal sample sizes): synthetic faces "
+                  f"{k('judge/frechet'):.2f}, a second real sample {k('judge/frechet_real'):.2f} (the floor), "
+                  f"non-face crops {k('judge/frechet_nonface'):.2f}."]
     return (lines + table3(metrics, models) + gates_table(synth)
             + ["", "![synthetic faces](../plots/synthetic_samples.png)"])

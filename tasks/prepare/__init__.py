@@ -211,6 +211,33 @@ def sample_grid(gen: ProceduralFaces, cfg: DataConfig, path: Path, rows: int = 6
         canvas.resize((canvas.width * 2, canvas.height * 2), Image.NEAREST).save(tmp, format="PNG")
 
 
+def ingested_grid(dataset: Path, path: Path, rows: int = 6, cols: int = 8) -> None:
+    """A PNG of ingested faces: one row per training identity (the first ``rows``), up to ``cols`` images each,
+    with their landmarks where the source had them."""
+    from PIL import Image, ImageDraw
+
+    from ml.data.dataset import landmarks_array, load_images, read_manifest
+
+    manifest = read_manifest(dataset / "manifest.parquet")
+    chosen = manifest[manifest["identity"].isin(manifest["identity"].drop_duplicates().head(rows))]
+    chosen = chosen.groupby("identity", sort=False).head(cols).reset_index(drop=True)
+    images, points = load_images(dataset, chosen), landmarks_array(chosen)
+    size, pad = images.shape[1], 2
+    canvas = Image.new("RGB", (cols * (size + pad) + pad, rows * (size + pad) + pad), (255, 255, 255))
+    draw = ImageDraw.Draw(canvas)
+    row_of = {identity: r for r, identity in enumerate(chosen["identity"].drop_duplicates())}
+    column: dict[str, int] = {}
+    for image, marks, identity in zip(images, points, chosen["identity"]):
+        r, c = row_of[identity], column.get(identity, 0)
+        column[identity] = c + 1
+        x0, y0 = pad + c * (size + pad), pad + r * (size + pad)
+        canvas.paste(Image.fromarray(image), (x0, y0))
+        for x, y in marks[~np.isnan(marks).any(axis=1)]:
+            draw.ellipse((x0 + x - 1, y0 + y - 1, x0 + x + 1, y0 + y + 1), fill=(255, 0, 0))
+    with atomic_path(path) as tmp:
+        canvas.save(tmp, format="PNG")
+
+
 # The independent parts of ``data/prepared/``: the user's real data first (the likeliest to be refused, so a bad
 # input fails before the rendering), then longest first; each writes only its own subdirectory.
 PARTS = ("real", "fusion", "videos", "train", "unaligned", "discovery", "heldout", "templates")
@@ -301,8 +328,11 @@ def run(cfg: DataConfig, paths: Paths, *, tracker: Any = None, workers: int | No
         tmp.mkdir()
         result.metrics.update(_prepare_parts(cfg, tmp, stage_cores() if workers is None else workers))
         result.metrics.update(write_gfd_split(tmp, cfg))
-    gen = ProceduralFaces(cfg.procedural_config(aligned=True), seed=cfg.seed)
-    sample_grid(gen, cfg, paths.plots / "samples.png")
+    if cfg.ingested:  # the faces the FR model trains on are the user's: show those
+        ingested_grid(paths.train_set, paths.plots / "samples.png")
+    else:
+        sample_grid(ProceduralFaces(cfg.procedural_config(aligned=True), seed=cfg.seed), cfg,
+                    paths.plots / "samples.png")
     result.outputs += [paths.prepared, paths.plots / "samples.png"]
     m = result.metrics
     if cfg.ingested:

@@ -71,6 +71,7 @@ def test_smoke_run_leaves_every_artifact(smoke_run):
     assert metrics["real/identification/rank1"] <= metrics["real/identification/rank5"]
     assert "real/identification/rank1" in metrics and "real/templates/tar@far=1e-2" in metrics
     assert "baseline/linear_probe/verification/procedural/accuracy" in metrics
+    assert not [k for k in metrics if k.startswith(("discovery/", "sets/"))]  # their own files: no repeats
     assert "real/open_set/tpir@fpir=1e-2" in metrics and "real/distractors/rank20" in metrics
     heldout = pd.read_parquet(root / "data/prepared/heldout/manifest.parquet")  # chance beside every model row
     gallery = heldout.loc[heldout["split"] == "gallery", "identity"].nunique()

@@ -72,6 +72,23 @@ def test_smoke_run_trains_on_real_faces_and_scores_heldout_identities(real_rec, 
     report = (root / "reports/benchmark.md").read_text()
     assert "## Real faces: held-out identities (never trained on)" in report
     assert f"real from `{real_rec}`" in report and "procedural: long mixed-quality sequences" in report
+    # the report says it is a toy run, counts each dataset by split, keeps trivial ranks out, and says how DFA
+    # reads the real faces
+    assert "**Configuration: the `smoke` preset of `presets.yaml`**" in report
+    assert f"{int((train['split'] == 'train').sum())} train, {int((train['split'] == 'val').sum())} val" in report
+    gallery = heldout.loc[heldout["split"] == "gallery", "identity"].nunique()
+    assert gallery <= 5 and f"Not shown: rank-5, which the gallery of {gallery} identities" in report
+    assert "| rank-5 |" not in report.split("## Real faces")[1].split("\n## ")[0]
+    assert "ingested real faces (aligned before ingest" in report
+    # the sample figure shows the ingested faces, not procedural ones
+    from PIL import Image
+
+    from ml.data.dataset import load_images
+
+    grid = np.asarray(Image.open(root / "plots/samples.png").convert("RGB"))
+    first = load_images(paths.train_set, train.iloc[:1])[0]
+    size = first.shape[0]
+    assert np.array_equal(grid[2:2 + size, 2:2 + size], first)
 
 
 def test_bin_dir_adds_the_users_verification_sets(tmp_path):

@@ -22,6 +22,7 @@ from ml.aligner.dfa import (
     load_aligner,
     normalise,
     prior_boxes,
+    resize_images,
     save_aligner,
     to_normalised,
     to_pixels,
@@ -385,3 +386,23 @@ def test_near_anchors_select_the_face_region():
     c = priors[near, :2]
     assert near.any() and ((c >= 0.4) & (c <= 0.6)).all()
     assert near_anchors(priors, target, -1.0).all()
+
+
+def test_features_pool_the_deepest_backbone_map_whatever_the_batch_or_input_size():
+    torch.manual_seed(0)
+    model = DFA(DFAConfig(**TINY))
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, size=(5, 64, 64, 3), dtype=np.uint8)
+    feats = model.features(images, batch_size=2)
+    assert feats.shape == (5, model.body.out_channels[-1]) and feats.dtype == np.float32
+    np.testing.assert_allclose(model.features(images, batch_size=5), feats, rtol=1e-5, atol=1e-6)
+    # by hand: the same resize and normalisation as predict, then the stride-32 map's spatial mean
+    with torch.no_grad():
+        x = normalise(resize_images(torch.from_numpy(images).permute(0, 3, 1, 2), model.cfg.input_size))
+        expected = model.eval().body(x)[-1].mean(dim=(2, 3)).numpy()
+    np.testing.assert_allclose(feats, expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(DataError, match="uint8"):
+        model.features(images.astype(np.float32))
+    model.train()
+    model.features(images[:1])
+    assert model.training  # eval only while it computes

@@ -402,3 +402,32 @@ def test_ssim_diversity_zero_for_copies_positive_for_variation() -> None:
     assert ssim_diversity(copies, np.zeros(4, int)) == pytest.approx(0.0, abs=1e-6)
     varied = rng.integers(0, 256, (4, 16, 16, 3)).astype(np.uint8)
     assert ssim_diversity(varied, np.zeros(4, int)) > 0.5
+
+
+# ── Fréchet distance ─────────────────────────────────────────────────────────────────────────────────────────────
+
+
+def test_frechet_distance_of_diagonal_gaussians_is_the_closed_form():
+    """Sets built to have exactly the means and (diagonal) covariances below: ‖Δμ‖² + Σ (σa − σb)²."""
+    from ml.generator.diversity import frechet_distance
+
+    unit = np.array([[1.0, 1.0], [1.0, -1.0], [-1.0, 1.0], [-1.0, -1.0]])  # mean 0, sample covariance 4/3 · I
+    scale_a, scale_b, shift = np.array([1.0, 2.0]), np.array([3.0, 0.5]), np.array([2.0, -1.0])
+    a, b = unit * scale_a, unit * scale_b + shift
+    sd_a, sd_b = scale_a * math.sqrt(4 / 3), scale_b * math.sqrt(4 / 3)
+    assert frechet_distance(a, b) == pytest.approx(shift @ shift + np.sum((sd_a - sd_b) ** 2))
+    assert frechet_distance(a, a) == pytest.approx(0.0, abs=1e-9)
+    assert frechet_distance(a, b) == pytest.approx(frechet_distance(b, a))
+
+
+def test_frechet_distance_grows_with_a_shift_and_refuses_mismatched_features():
+    from ml.generator.diversity import frechet_distance
+
+    rng = np.random.default_rng(0)
+    real = rng.normal(size=(400, 8))
+    near, far = rng.normal(size=(400, 8)) + 0.1, rng.normal(size=(400, 8)) + 1.0
+    assert frechet_distance(real, near) < frechet_distance(real, far)
+    with pytest.raises(DataError, match="8 and 4 dimensions"):
+        frechet_distance(real, real[:, :4])
+    with pytest.raises(DataError, match="≥ 2 rows"):
+        frechet_distance(real, real[:1])

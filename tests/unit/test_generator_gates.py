@@ -47,16 +47,33 @@ def test_calibrate_takes_the_percentile_or_the_param_and_says_which():
         calibrate(None, np.array([np.nan]), 99, "synthesize.max_face_cosine")
 
 
-def test_face_judge_reads_the_aligners_scores_at_its_threshold():
+def test_face_judge_reads_the_aligners_scores_at_its_threshold_and_its_features_distance():
     from tasks.synthesize import face_judge
 
-    class BrightnessAligner:  # a stand-in: its "face score" is a crop's mean brightness
+    class BrightnessAligner:  # a stand-in: its "face score" is a crop's mean brightness, its features per channel
         def predict(self, images):
             return np.zeros((len(images), 5, 2), np.float32), images.reshape(len(images), -1).mean(1) / 255.0
 
-    real = np.concatenate([np.full((3, 32, 32, 3), 200, np.uint8), np.full((1, 32, 32, 3), 20, np.uint8)])
-    out = face_judge(BrightnessAligner(), np.array([0.2, 0.5, 0.9, 0.4], np.float32), real, 32, nonfaces=50)
+        def features(self, images):
+            return images.reshape(len(images), -1, 3).mean(1).astype(np.float32)
+
+    rng = np.random.default_rng(0)
+
+    def faces(n: int, level: int) -> np.ndarray:  # each face one random colour around ``level``
+        colours = np.clip(rng.normal(level, 20, size=(n, 1, 1, 3)), 0, 255)
+        return np.broadcast_to(colours, (n, 32, 32, 3)).astype(np.uint8)
+
+    real = np.concatenate([faces(30, 200), faces(10, 20)])[rng.permutation(40)]
+    synthetic = faces(4, 60)
+    out = face_judge(BrightnessAligner(), synthetic, np.array([0.2, 0.5, 0.9, 0.4], np.float32), real, 32,
+                     nonfaces=50)
     assert out["synthetic/judge/face_share"] == 0.5  # 0.5 and 0.9 reach the threshold, 0.2 and 0.4 do not
     assert out["synthetic/judge/face_score_mean"] == pytest.approx(0.5)
     assert out["synthetic/judge/real_face_share"] == 0.75
     assert 0.0 <= out["synthetic/judge/nonface_share"] <= 1.0
+    # four synthetic faces against four real ones, and four real against four other real ones
+    assert out["synthetic/judge/frechet_faces"] == 4
+    assert out["synthetic/judge/frechet"] > out["synthetic/judge/frechet_real"] >= 0.0
+    # too few real faces for two disjoint samples: the distance is left out, the scores stay
+    assert "synthetic/judge/frechet" not in face_judge(BrightnessAligner(), synthetic, np.full(4, 0.5), real[:3], 32,
+                                                       nonfaces=50)
