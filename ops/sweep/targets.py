@@ -326,14 +326,15 @@ def _generator_trainer(paths: Paths, params: Mapping[str, Any], metric: str) -> 
     data = from_mapping(DataConfig, section(params, "data"), "data")
     synthesize = from_mapping(SynthesizeConfig, section(params, "synthesize"), "synthesize")
     fr = from_mapping(FRConfig, section(params, "fr"), "fr")
-    setup: list[Any] = []  # probe_setup's, loaded by the first trial and kept for the others
+    setup = None  # probe_setup's, loaded by the first trial and kept for the others
 
     def train_trial(cfg: Any, trial: Any, tracker: Any) -> float:
+        nonlocal setup
         _one_device(cfg.train, "generator.train")
-        setup[:] = setup or [probe_setup(synthesize, data, paths)]
+        setup = setup or probe_setup(synthesize, data, paths)
         with tempfile.TemporaryDirectory(prefix="faceops-generator-trial-") as tmp:
             fit(cfg, paths, Path(tmp) / "generator", report=False)
-            scores = probe_generator(Path(tmp) / "generator", cfg, synthesize, data, fr, paths, setup[0])
+            scores = probe_generator(Path(tmp) / "generator", cfg, synthesize, data, fr, paths, setup)
         if tracker is not None:
             tracker.log_metrics(scores)
         log.info("generator trial %d: %s", trial.number, ", ".join(f"{k} {v:.4g}" for k, v in scores.items()))
