@@ -10,7 +10,9 @@ images, features and contexts of the right sizes built in memory (the aligner: p
 landmarks; FaceGCD from a random ViT, which costs the same per step). A callback starts the clock after
 ``max(1, steps // 6)`` warm-up steps and stops it after the timed ones, synchronising CUDA at both ends, so data
 loading, augmentation and logging count and set-up does not; items are images, crops or (CAFace) features of the
-timed batches. A trainer whose parameters are not on CUDA on a GPU run is an error.
+timed batches. A trainer whose parameters are not on CUDA on a GPU run is an error. The first (warm-up) step runs
+under ``FlopCounterMode``: its FLOPs per item (matrix products, convolutions, attention; forward and backward) give
+each trainer's model FLOP utilisation against the chip's dense peak (``peak_tflops``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import lightning
 import numpy as np
 import torch
 import yaml
+from torch.utils.flop_counter import FlopCounterMode
 
 from ml.config import from_mapping
 from ml.errors import ConfigError
@@ -42,6 +45,29 @@ ROOT = Path(__file__).resolve().parent.parent
 FR112_PRESET = "real-112"
 FR112_CPU_BATCH = 16  # the preset's 512 at 112 px is ~80 s per step on two cores
 FR_STEPS_PER_EPOCH = 16  # FR data hold this many batches (112 px: 8,192 images); longer runs take more epochs
+
+
+# dense tensor-core peaks by vendor data sheet (TFLOP/s), by a substring of torch.cuda.get_device_name
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H100": {"bf16-mixed": 989.4, "16-mixed": 989.4, "32-true": 66.9},  # SXM
+    "H200": {"bf16-mixed": 989.4, "16-mixed": 989.4, "32-true": 66.9},
+    "A100": {"bf16-mixed": 312.0, "16-mixed": 312.0, "32-true": 19.5},
+}
+
+
+def peak_tflops(device: str, precision: str) -> float | None:
+    """The dense peak for ``precision`` on the device named ``device``; ``FACEOPS_BENCH_PEAK_TFLOPS`` overrides it.
+    ``None`` when unknown (the CPU)."""
+    raw = os.environ.get("FACEOPS_BENCH_PEAK_TFLOPS")
+    if raw:
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigError(f"FACEOPS_BENCH_PEAK_TFLOPS = {raw!r}: need a number of TFLOP/s") from None
+    for key, peaks in PEAK_TFLOPS.items():
+        if key in device:
+            return peaks.get(precision)
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +92,8 @@ class _Run:
 
 class StepClock(lightning.Callback):
     """Wall time of ``steps`` optimiser steps after ``warmup`` of them (CUDA synchronised at both ends), the items
-    of those steps' batches (``count(batch)``), and the device of the module's parameters at the first batch."""
+    of those steps' batches (``count(batch)``), the device of the module's parameters at the first batch, and the
+    FLOPs per item of the first step (``flops_per_item``, counted by ``FlopCounterMode``)."""
 
     def __init__(self, warmup: int, steps: int, count: Callable[[Any], int]) -> None:
         if warmup < 1 or steps < 1:
@@ -75,15 +102,26 @@ class StepClock(lightning.Callback):
         self.done = self.items = 0
         self.device: str | None = None
         self.seconds: float | None = None
+        self.flops_per_item: float | None = None
         self._t0 = 0.0
+        self._counter: FlopCounterMode | None = None
+        self._first_items = 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.device is None:
             self.device = str(next(pl_module.parameters()).device)
+        if self.done == 0:  # the first step's forward, backward and optimiser step run before on_train_batch_end
+            self._first_items = self.count(batch)
+            self._counter = FlopCounterMode(display=False)
+            self._counter.__enter__()
         if self.warmup <= self.done < self.warmup + self.steps:
             self.items += self.count(batch)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._counter is not None:
+            self._counter.__exit__(None, None, None)
+            self.flops_per_item = self._counter.get_total_flops() / max(1, self._first_items)
+            self._counter = None
         self.done += 1
         if self.done == self.warmup:
             self._t0 = _synced_clock()
@@ -211,8 +249,9 @@ def _caface(run: _Run) -> StepClock:
 
 
 def _facegcd(run: _Run) -> StepClock:
-    """FaceGCD at params.yaml ``discovery`` (vit_tiny, 10 prefix tokens, batch 64 × 2 views) from a random ViT; no
-    validation split (its per-epoch evaluation is no step cost, and holding images out would shorten the epoch)."""
+    """FaceGCD at params.yaml ``discovery`` (vit_tiny, 10 prefix tokens, batch 64 × 2 views, the anchor term on
+    random faces of the FR set's identity count) from a random ViT; no validation split (its per-epoch evaluation
+    is no step cost, and holding images out would shorten the epoch)."""
     from ml.discovery.train import DiscoveryConfig, train_discovery
 
     cfg = dataclasses.replace(from_mapping(DiscoveryConfig, run.params["discovery"], "discovery"), epochs=1,
@@ -220,9 +259,11 @@ def _facegcd(run: _Run) -> StepClock:
     n = cfg.batch_size * run.total
     labels = np.arange(n) % run.params["data"]["discovery_identities"]
     labelled = (labels % 2 == 0) & (np.arange(n) % 4 < 2)  # half the identities known, half of their images labelled
+    size = run.params["data"]["image_size"]
+    anchor = (_random_images(n, size, 3), np.arange(n) % run.params["data"]["train_identities"])  # the FR set's faces
     clock = StepClock(run.warmup, run.steps, _leading)
-    train_discovery(cfg, _random_images(n, run.params["data"]["image_size"], 1), labels, labelled, progress=False,
-                    callbacks=[clock])
+    train_discovery(cfg, _random_images(n, size, 1), labels, labelled, progress=False, callbacks=[clock],
+                    anchor=anchor)
     return clock
 
 
@@ -315,6 +356,11 @@ def _measure(name: str, trainer: Callable[[_Run], StepClock], run: _Run) -> dict
         f"{name}_seconds": time.perf_counter() - start,
         f"{name}_device": clock.device,
     }
+    if clock.flops_per_item:
+        out[f"{name}_gflop_per_item"] = clock.flops_per_item / 1e9
+        peak = peak_tflops(torch.cuda.get_device_name(0) if gpu else "cpu", run.precision)
+        if peak:
+            out[f"{name}_mfu"] = clock.flops_per_item * out[f"{name}_items_per_s"] / (peak * 1e12)
     if gpu:
         out[f"{name}_peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
     return out
@@ -331,7 +377,8 @@ def bench_gpu_trainers(precision: str | None = None) -> dict:
         "warmup"}`` and per trainer ``<name>`` in fr, fr112, dfa, caface, facegcd, uiface_ae, uiface:
         ``<name>_items_per_s`` (images, crops or CAFace features per second of the timed steps), ``<name>_seconds``
         (the whole trainer call: set-up, warm-up and timed steps), ``<name>_device`` (where the parameters sat, e.g.
-        "cuda:0") and on a GPU ``<name>_peak_gpu_mb`` (``torch.cuda.max_memory_allocated`` of that trainer alone), or
+        "cuda:0"), ``<name>_gflop_per_item`` (the first step's FLOPs per item), ``<name>_mfu`` where the chip's peak
+        is known, and on a GPU ``<name>_peak_gpu_mb`` (``torch.cuda.max_memory_allocated`` of that trainer alone), or
         only ``<name>_error`` (the exception, one line) when it failed.
     """
     run = _env_run(precision)

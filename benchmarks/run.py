@@ -133,7 +133,7 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
         "benchmarks.bench_gpu:bench_gpu_trainers",
         "each trainer (FR vit_tiny 64 px and the real-112 ViT, DFA aligner, CAFace, FaceGCD, UIFace autoencoder and "
         "latent UNet) fitted on the accelerator with mixed precision: images (or sets) per second after warm-up, "
-        "peak GPU memory",
+        "GFLOP per item and MFU, peak GPU memory",
         "report; every trainer runs on the GPU in 16-mixed/bf16-mixed",
     ),
     "caface_paths": (
@@ -146,6 +146,25 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
         "benchmarks.bench_gpu:bench_gpu_trainers_fp16",
         "`gpu_trainers` in 16-mixed (float16 autocast, loss scaling)",
         "report; every trainer runs on the GPU",
+    ),
+    "fr112_bound": (
+        "benchmarks.bench_gpu_bound:bench_fr112_bound",
+        "what bounds the real-112 FR training step (ViT-T 112 px, AdaFace over 10,575 classes, batch 512, bf16): "
+        "train_fr (eager; ddp on one GPU) vs the step by hand on a device batch with the KP-RPE augmentation's dense "
+        "and sparse paths, without augmentation, compiled, at 2× and 4× batch; images/s, MFU against the dense peak, "
+        "GPU busy",
+        "MFU ≥ 35 %, GPU busy ≥ 0.9 of the step",
+    ),
+    "fr112_graphs": (
+        "benchmarks.bench_gpu_bound:bench_fr112_graphs",
+        "the real-112 FR step by hand, eager vs the backbone through torch.compile (default and reduce-overhead: CUDA "
+        "graphs), with the augmentation compiled too, at 1× and 4× batch; images/s, MFU, GPU busy",
+        "MFU ≥ 35 %, GPU busy ≥ 0.9 of the step",
+    ),
+    "fr112_fit_compile": (
+        "benchmarks.bench_gpu_bound:bench_fr112_fit_compile",
+        "train_fr at the real-112 preset with fr.compile true (the preset) vs false: images/s and MFU of the whole fit",
+        "report",
     ),
     "gpu_trainers_fp32": (
         "benchmarks.bench_gpu:bench_gpu_trainers_fp32",

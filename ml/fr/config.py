@@ -57,6 +57,7 @@ class FRConfig:
     keypoint_lr_scale: float = 1.0  # KP-RPE: the keypoint map (``kprpe.*``) learns at this multiple of lr (its own group)
     num_nodes: int = 1
     strategy: str = "auto"  # | "ddp" | "ddp_spawn"; several devices or nodes always run DDP
+    compile: bool = False  # torch.compile the training forward and (on an accelerator) the kprpe augmentation
 
     def __post_init__(self) -> None:
         if self.backbone not in BACKBONES:

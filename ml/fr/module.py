@@ -9,6 +9,9 @@ another number of ranks.
 
 LR factor per optimiser step: ``warmup_cosine`` or ``warmup_step_decay``. Augmentation and the model's own
 randomness are reseeded from (seed, global step, rank) before every step, for exact resume.
+
+``fr.compile`` runs the training forward through ``torch.compile`` (fewer, fused kernels: a small ViT on a GPU is
+bound by kernel launches, not arithmetic) and the kprpe augmentation too; evaluation and the saved model stay eager.
 """
 
 from __future__ import annotations
@@ -139,6 +142,7 @@ class FRModule(lightning.LightningModule):
         self.register_buffer("mean", mean, persistent=False)
         self.register_buffer("std", std, persistent=False)
         self._augment_generator: torch.Generator | None = None  # made on first use (picklable for ddp_spawn)
+        self._compiled_forward: Callable[..., torch.Tensor] | None = None  # fr.compile, made in on_fit_start
         self.val = val  # plain tensors on the CPU: neither in the checkpoint nor moved with the module
 
     def configure_model(self) -> None:
@@ -153,6 +157,16 @@ class FRModule(lightning.LightningModule):
 
     def forward(self, x: torch.Tensor, keypoints: torch.Tensor | None = None) -> torch.Tensor:
         return self.backbone(x, keypoints) if needs_keypoints(self.backbone) else self.backbone(x)
+
+    def on_fit_start(self) -> None:
+        # a compiled function of the backbone's bound forward, not a module: the state dict keeps its keys
+        if self.cfg.compile and self._compiled_forward is None:
+            self._compiled_forward = torch.compile(self.backbone.forward)
+
+    def _train_forward(self, x: torch.Tensor, keypoints: torch.Tensor | None) -> torch.Tensor:
+        if self._compiled_forward is None:
+            return self(x, keypoints)
+        return self._compiled_forward(x, keypoints) if needs_keypoints(self.backbone) else self._compiled_forward(x)
 
     def on_train_epoch_start(self) -> None:
         if isinstance(self.head, LVFaceSchedule):
@@ -179,7 +193,8 @@ class FRModule(lightning.LightningModule):
             if keypoints is None:
                 return augment_batch(x, generator=gen), None
             return augment_batch(x, keypoints=keypoints, generator=gen)
-        u, keypoints = augment_kprpe(images.float() / 255.0, keypoints, self.cfg.augmentation, generator=gen)
+        u, keypoints = augment_kprpe(images.float() / 255.0, keypoints, self.cfg.augmentation, generator=gen,
+                                     compiled=self.cfg.compile)
         return (u - self.mean) / self.std, keypoints
 
     def _loss(self, embeddings: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,7 +223,7 @@ class FRModule(lightning.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
         images, labels, *rest = batch  # uint8 (B, 3, H, W), int64 (B,), [float32 (B, 5, 2) pixel landmarks]
         x, keypoints = self._augment(images, rest[0] if rest else None)
-        loss, accuracy = self._loss(self(x, keypoints), labels)
+        loss, accuracy = self._loss(self._train_forward(x, keypoints), labels)
         if not bool(torch.isfinite(loss)):
             raise non_finite_loss(self, float(loss.detach()), batch_idx, what="train/loss", entry="train_fr",
                                   advice="Lower fr.lr, set fr.grad_clip > 0 or use fr.precision '32-true'.")

@@ -19,8 +19,9 @@ Differences from the reference (the paper lists the ops without magnitudes; the 
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -206,9 +207,15 @@ def affine_map(
     return out, moved.to(keypoints.dtype)
 
 
+@functools.lru_cache(maxsize=64)
+def _constant(values: tuple[float | int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A small constant tensor, copied to ``device`` once: every host-to-device copy waits for the device's queue."""
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
 def _grey(x: torch.Tensor) -> torch.Tensor:
     """(B, 3, H, W) → (B, 1, H, W) luma."""
-    w = torch.tensor(_GREY, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
+    w = _constant(_GREY, x.device, x.dtype).view(1, 3, 1, 1)
     return (x * w).sum(dim=1, keepdim=True)
 
 
@@ -224,10 +231,14 @@ def photometric(
     return ((x - grey) * saturation.to(x.dtype).view(view) + grey).clamp(0.0, 1.0)
 
 
-def gaussian_blur(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-    """Separable Gaussian blur with one σ (B,) > 0 in pixels per image, reflect-padded; (B, C, H, W)."""
+def gaussian_blur(x: torch.Tensor, sigma: torch.Tensor, max_sigma: float | None = None) -> torch.Tensor:
+    """Separable Gaussian blur with one σ (B,) > 0 in pixels per image, reflect-padded; (B, C, H, W).
+
+    The kernel reaches 3 σ of the largest σ, ``max_sigma`` when given (a bound known without reading ``sigma``
+    back from the device), else ``sigma.max()``."""
     b, c, h, w = x.shape
-    radius = min(max(1, math.ceil(3.0 * float(sigma.max()))), h - 1, w - 1)  # 99.7 % of the mass
+    top = float(sigma.max()) if max_sigma is None else max_sigma
+    radius = min(max(1, math.ceil(3.0 * top)), h - 1, w - 1)  # 99.7 % of the mass
     taps = torch.arange(-radius, radius + 1, dtype=x.dtype, device=x.device)
     kernel = torch.exp(-(taps**2) / (2.0 * sigma.to(x.dtype).view(b, 1) ** 2))  # (B, k)
     kernel = (kernel / kernel.sum(dim=1, keepdim=True)).repeat_interleave(c, dim=0)  # (B·C, k)
@@ -387,24 +398,64 @@ def randaug_photometric(
     grey), Sharpness ``s + f·(x − s)`` (``s = smooth(x)``). ``inplace`` writes into ``x`` instead of a copy.
     """
     level = magnitude / RANDAUG_LEVELS
-    codes = torch.tensor([RANDAUG_OPS.index(name) for name in _PHOTOMETRIC_OPS], device=ops.device)
-    if not torch.isin(ops, codes).any():
+    dense = _dense(x)
+    if not dense and not torch.isin(ops, _codes(_PHOTOMETRIC_OPS, ops.device)).any():
         return x
     if not inplace:
         x = x.clone()  # one copy, then in place: an out-of-place index_copy per op would copy the batch each time
     for k in range(ops.shape[1]):
         for name, apply in _PHOTOMETRIC_OPS.items():
-            rows = _rows(ops[:, k] == RANDAUG_OPS.index(name))
+            rows = _Rows.of(ops[:, k] == RANDAUG_OPS.index(name), dense)
             if rows is None:
                 continue
-            factor = 1.0 + signs[rows, k] * (_MAX_ENHANCE * level)
-            x.index_copy_(0, rows, apply(x[rows], factor, magnitude))
+            factor = 1.0 + rows.pick(signs[:, k]) * (_MAX_ENHANCE * level)
+            x = rows.merge(apply(rows.pick(x), factor, magnitude), x)
     return x
 
 
-def _rows(mask: torch.Tensor) -> torch.Tensor | None:
-    idx = mask.nonzero().squeeze(1)
-    return idx if idx.numel() else None
+def _codes(names: Sequence[str], device: torch.device) -> torch.Tensor:
+    return _constant(tuple(RANDAUG_OPS.index(n) for n in names), device, torch.int64)
+
+
+# devices where an op runs on the rows that draw it alone; elsewhere (accelerators) on every row, keeping the drawn
+# rows' results, since finding the rows means reading a mask back and waiting for the device's queue to drain
+SPARSE_DEVICES: tuple[str, ...] = ("cpu",)
+
+
+def _dense(x: torch.Tensor) -> bool:
+    return x.device.type not in SPARSE_DEVICES
+
+
+class _Rows:
+    """The rows of a batch that an op applies to (a bool mask (B,)). Sparse: their indices, read back from the mask;
+    ``pick`` gathers them, ``merge`` writes results into them in place. Dense: ``pick`` returns every row, ``merge``
+    keeps the result where the mask is set. Every op works on each image alone: both give a row the same values."""
+
+    def __init__(self, mask: torch.Tensor, index: torch.Tensor | None) -> None:
+        self.mask, self.index = mask, index
+
+    @classmethod
+    def of(cls, mask: torch.Tensor, dense: bool) -> _Rows | None:
+        """The rows where ``mask`` is set; ``None`` when sparse and there are none."""
+        if dense:
+            return cls(mask, None)
+        index = mask.nonzero().squeeze(1)
+        return cls(mask, index) if index.numel() else None
+
+    @property
+    def every(self) -> bool:  # sparse, and every row drawn
+        return self.index is not None and self.index.numel() == self.mask.shape[0]
+
+    def pick(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.index is None or self.every else t[self.index]
+
+    def merge(self, part: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+        """``whole`` with the rows' values from ``part`` (sparse: in place, returning ``whole``)."""
+        if part is whole:  # an op that left every row alone
+            return whole
+        if self.index is None:
+            return torch.where(self.mask.view((-1,) + (1,) * (whole.ndim - 1)), part, whole)
+        return whole.index_copy_(0, self.index, part)
 
 
 class _Batch:
@@ -419,20 +470,22 @@ class _Batch:
     def __init__(self, x: torch.Tensor):
         self.x, self._owned = x, False
 
-    def take(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.x if rows.numel() == self.x.shape[0] else self.x[rows]
+    def take(self, rows: _Rows) -> torch.Tensor:
+        return rows.pick(self.x)
 
     def own(self) -> None:
         """Make ``x`` ours to write into (a copy of the caller's tensor, made once)."""
         if not self._owned:
             self.x, self._owned = self.x.clone(), True
 
-    def put(self, rows: torch.Tensor, part: torch.Tensor) -> None:
-        if rows.numel() == self.x.shape[0]:
+    def put(self, rows: _Rows, part: torch.Tensor) -> None:
+        if rows.every:
             self.x, self._owned = part, True  # a fresh result of an out-of-place op: ours
-            return
-        self.own()
-        self.x[rows] = part
+        elif rows.index is None:
+            self.x, self._owned = rows.merge(part, self.x), True
+        else:
+            self.own()
+            self.x[rows.index] = part
 
 
 def augment_kprpe(
@@ -440,19 +493,31 @@ def augment_kprpe(
     keypoints: torch.Tensor | None = None,
     cfg: AugmentConfig = AugmentConfig(),
     generator: torch.Generator | None = None,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The KP-RPE recipe on RGB images in [0, 1] (B, 3, S, S) and optional pixel landmarks (B, 5, 2).
 
     Returns ``(images, landmarks)`` (``None`` landmarks when none were given). Samples an op leaves out
     are returned unchanged by that op. Random numbers are one ``(B, DRAW_SIZE)`` uniform draw on
-    ``generator``'s device (the CPU when ``None``, from the global generator), moved to the images' device.
+    ``generator``'s device (the CPU when ``None``, from the global generator), moved to the images' device
+    (from pinned memory to a CUDA device, so that the copy does not wait for the device's queue). ``compiled``
+    runs ``augment_with`` through ``torch.compile`` where its dense path applies (on accelerators), the same values
+    in fewer kernels.
     """
     gen_device = generator.device if generator is not None else torch.device("cpu")
     u = torch.rand(x.shape[0], DRAW_SIZE, generator=generator, device=gen_device)  # (B, 30) in [0, 1)
+    if u.device.type == "cpu" and x.device.type == "cuda":
+        u = u.pin_memory().to(x.device, non_blocking=True)
     # pixel maths in the images' own dtype: under a mixed-precision trainer autocast would turn the blur's and the
     # resample's outputs to 16 bits, which cannot be written back into the float32 batch
     with torch.autocast(x.device.type, enabled=False):
-        return augment_with(x, keypoints, cfg, u)
+        fn = _compiled_augment_with() if compiled and _dense(x) else augment_with
+        return fn(x, keypoints, cfg, u)
+
+
+@functools.cache
+def _compiled_augment_with() -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+    return torch.compile(augment_with)
 
 
 def augment_with(
@@ -468,6 +533,7 @@ def augment_with(
         raise ValueError(f"augment_with needs uniforms of shape {(x.shape[0], DRAW_SIZE)}, got {tuple(u.shape)}")
     size = x.shape[-1]
     u = u.to(x.device, torch.float32)
+    dense = _dense(x)
     batch = _Batch(x)  # the caller's x is never written
     kp = keypoints
     ops, signs = randaug_choices(u, cfg)  # (B, N) each; Identity where RandAug is not drawn
@@ -480,20 +546,20 @@ def augment_with(
     shift = torch.where(
         (u[:, 5] < cfg.translate_prob).unsqueeze(1), (2.0 * u[:, 6:8] - 1.0) * (2.0 * cfg.max_translate), 0.0
     )
-    geometric = torch.tensor([RANDAUG_OPS.index(n) for n in GEOMETRIC_OPS], device=ops.device)
-    randaug_moved = torch.isin(ops, geometric).any(dim=1) & (magnitude > 0)
+    randaug_moved = torch.isin(ops, _codes(GEOMETRIC_OPS, ops.device)).any(dim=1) & (magnitude > 0)
     moved = flip | (u[:, 1] < cfg.scale_prob) | (u[:, 3] < cfg.rotate_prob) | (u[:, 5] < cfg.translate_prob)
-    rows = _rows(moved | randaug_moved)
+    rows = _Rows.of(moved | randaug_moved, dense)
     if rows is not None:
-        step, step_shift = randaug_geometry(ops[rows], signs[rows], magnitude)  # (R, 2, 2), (R, 2)
-        linear = step @ base_linear(flip[rows], scale[rows], angle[rows])
-        offset = (step @ shift[rows].unsqueeze(-1)).squeeze(-1) + step_shift
+        pick = rows.pick
+        step, step_shift = randaug_geometry(pick(ops), pick(signs), magnitude)  # (R, 2, 2), (R, 2)
+        linear = step @ base_linear(pick(flip), pick(scale), pick(angle))
+        offset = (step @ pick(shift).unsqueeze(-1)).squeeze(-1) + step_shift
         part, part_kp = affine_map(
-            batch.take(rows), None if kp is None else kp[rows], linear, offset, flip[rows], cfg.padding_mode
+            batch.take(rows), None if kp is None else pick(kp), linear, offset, pick(flip), cfg.padding_mode
         )
         batch.put(rows, part)
         if kp is not None:
-            kp = kp.index_copy(0, rows, part_kp)
+            kp = rows.merge(part_kp, kp.clone())
 
     # 2. RandAug's photometric ops, slot by slot
     if cfg.randaug_prob > 0 and cfg.randaug_ops > 0:
@@ -502,21 +568,23 @@ def augment_with(
 
     # 3. photometric jitter
     on_b, on_c, on_s = u[:, 8] < cfg.brightness_prob, u[:, 10] < cfg.contrast_prob, u[:, 12] < cfg.saturation_prob
-    rows = _rows(on_b | on_c | on_s)
+    rows = _Rows.of(on_b | on_c | on_s, dense)
     if rows is not None:
         bright = torch.where(on_b, _between(u[:, 9], cfg.brightness_range), 1.0)
         contrast = torch.where(on_c, _between(u[:, 11], cfg.contrast_range), 1.0)
         sat = torch.where(on_s, _between(u[:, 13], cfg.saturation_range), 1.0)
-        batch.put(rows, photometric(batch.take(rows), bright[rows], contrast[rows], sat[rows]))
+        batch.put(rows, photometric(batch.take(rows), rows.pick(bright), rows.pick(contrast), rows.pick(sat)))
 
     # 4. blur, σ scaled from 112 px to this size; clamped because the rounded kernel sum can overshoot 1 by an ulp
-    rows = _rows(u[:, 14] < cfg.blur_prob)
+    rows = _Rows.of(u[:, 14] < cfg.blur_prob, dense)
     if rows is not None:
-        sigma = _between(u[:, 15], cfg.blur_sigma) * (size / 112.0)
-        batch.put(rows, gaussian_blur(batch.take(rows), sigma[rows]).clamp_(0.0, 1.0))
+        scale_px = size / 112.0
+        sigma = _between(u[:, 15], cfg.blur_sigma) * scale_px
+        top = cfg.blur_sigma[1] * scale_px if dense else None  # the range's top: no read-back of σ
+        batch.put(rows, gaussian_blur(batch.take(rows), rows.pick(sigma), top).clamp_(0.0, 1.0))
 
     # 5. cutout: area a·S², height/width ratio r → h = S·√(a·r), w = S·√(a/r), centre anywhere in the image
-    rows = _rows(u[:, 16] < cfg.cutout_prob)
+    rows = _Rows.of(u[:, 16] < cfg.cutout_prob, dense)
     if rows is not None:
         area = _between(u[:, 17], cfg.cutout_area)
         lo, hi = math.log(cfg.cutout_ratio[0]), math.log(cfg.cutout_ratio[1])
@@ -526,5 +594,5 @@ def augment_with(
         cy = u[:, 19] * size
         cx = u[:, 20] * size
         boxes = torch.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], dim=1)
-        batch.put(rows, cutout(batch.take(rows), boxes[rows], cfg.cutout_fill))
+        batch.put(rows, cutout(batch.take(rows), rows.pick(boxes), cfg.cutout_fill))
     return batch.x, kp

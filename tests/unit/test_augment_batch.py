@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from ml.train import augment
 from ml.train.augment import DRAW_SIZE, AugmentConfig, augment_with
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -45,3 +46,28 @@ def test_each_image_is_augmented_alone_and_the_input_is_left_alone(cfg):
     # every row drawn: the batch is replaced as a whole, still without touching the input
     out_all, _ = augment_with(x, None, cfg, torch.zeros(9, DRAW_SIZE))
     assert torch.equal(x, before) and not torch.equal(out_all, x)
+
+
+@pytest.mark.parametrize("cfg", [AugmentConfig(), EVERYTHING], ids=["default", "every-op"])
+def test_the_dense_path_gives_the_sparse_paths_values_without_reading_masks_back(cfg, monkeypatch):
+    """On an accelerator every op runs on the whole batch and keeps the drawn rows (no mask is read back to find
+    them); run on the CPU here, it must give the sparse path's values, blur aside (its kernel then reaches 3σ of
+    the range's top rather than of the batch's largest σ: within the 0.3 % of mass beyond 3σ)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.rand(16, 3, 48, 48, generator=g)
+    keypoints = torch.rand(16, 5, 2, generator=g) * 40 + 4
+    u = torch.rand(16, DRAW_SIZE, generator=g)
+    before, kp_before = x.clone(), keypoints.clone()
+    sparse, kp_sparse = augment_with(x, keypoints, cfg, u)
+    monkeypatch.setattr(augment, "SPARSE_DEVICES", ())
+    calls = []
+    real_nonzero = torch.Tensor.nonzero
+    monkeypatch.setattr(torch.Tensor, "nonzero", lambda self, *a, **k: calls.append(1) or real_nonzero(self, *a, **k))
+    dense, kp_dense = augment_with(x, keypoints, cfg, u)
+    assert not calls, "the dense path looked up rows"
+    assert torch.equal(x, before) and torch.equal(keypoints, kp_before)
+    blurred = u[:, 14] < cfg.blur_prob
+    torch.testing.assert_close(dense[~blurred], sparse[~blurred], atol=1e-6, rtol=0)
+    torch.testing.assert_close(dense[blurred], sparse[blurred], atol=5e-3, rtol=0)
+    torch.testing.assert_close(kp_dense, kp_sparse, atol=1e-5, rtol=0)
+    assert not torch.equal(dense, x)
