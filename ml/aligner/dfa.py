@@ -392,12 +392,10 @@ class DFA(nn.Module):
         mixer-pooled landmarks and score, ``"top_anchor"`` those of the best-scoring anchor (:meth:`top_anchor`)."""
         if readout not in READOUTS:
             raise ConfigError(f"DFA.predict readout = {readout!r}: use one of {', '.join(READOUTS)}")
-        if not isinstance(images, np.ndarray) or images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
-            desc = f"{type(images).__name__} {getattr(images, 'dtype', '')} {getattr(images, 'shape', '')}"
-            raise DataError(f"DFA.predict images must be a uint8 numpy array (N, H, W, 3) RGB, got {desc}")
+        batches = self._batches(images, batch_size, "predict")
         h, w = images.shape[1:3]
         landmarks, scores = [], []
-        for x in self._batches(images, batch_size, "predict"):
+        for x in batches:
             out = self(x)
             lm, score = (out["landmarks"], out["score"]) if readout == "pooled" else self.top_anchor(out)
             landmarks.append(to_pixels(lm.float(), w, h).cpu().numpy())
@@ -412,21 +410,25 @@ class DFA(nn.Module):
         average-pooled, of the images resized and normalised as :meth:`predict` does. A face representation
         learned for landmarks and faceness, never for identity: the synthetic set's independent judge compares
         feature distributions in it (``ml.generator.diversity.frechet_distance``)."""
-        if not isinstance(images, np.ndarray) or images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
-            desc = f"{type(images).__name__} {getattr(images, 'dtype', '')} {getattr(images, 'shape', '')}"
-            raise DataError(f"DFA.features images must be a uint8 numpy array (N, H, W, 3) RGB, got {desc}")
         pooled = [self.body(x)[-1].float().mean(dim=(2, 3)).cpu().numpy()
                   for x in self._batches(images, batch_size, "features")]
         return np.concatenate(pooled) if pooled else np.zeros((0, self.body.out_channels[-1]), np.float32)
 
     def _batches(self, images: np.ndarray, batch_size: int, caller: str) -> Iterator[torch.Tensor]:
         """Normalised (b, 3, S, S) batches of uint8 (N, H, W, 3) ``images`` on the model's device, in eval mode
-        (the previous mode is restored after the last batch)."""
+        (the previous mode is restored after the last batch). The input is checked now, before the first batch."""
+        if not isinstance(images, np.ndarray) or images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
+            desc = f"{type(images).__name__} {getattr(images, 'dtype', '')} {getattr(images, 'shape', '')}"
+            raise DataError(f"DFA.{caller} images must be a uint8 numpy array (N, H, W, 3) RGB, got {desc}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"DFA.{caller} batch_size must be a positive integer, got {batch_size!r}")
-        n, h, w = images.shape[:3]
+        h, w = images.shape[1:3]
         if min(h, w) < 8:
             raise DataError(f"DFA.{caller} images are {h}×{w} pixels; need at least 8×8 face crops")
+        return self._eval_batches(images, batch_size)
+
+    def _eval_batches(self, images: np.ndarray, batch_size: int) -> Iterator[torch.Tensor]:
+        n = images.shape[0]
         device = next(self.parameters()).device
         was_training = self.training
         self.eval()

@@ -214,6 +214,7 @@ def sample_grid(gen: ProceduralFaces, cfg: DataConfig, path: Path, rows: int = 6
 def ingested_grid(dataset: Path, path: Path, rows: int = 6, cols: int = 8) -> None:
     """A PNG of ingested faces: one row per training identity (the first ``rows``), up to ``cols`` images each,
     with their landmarks where the source had them."""
+    import pandas as pd
     from PIL import Image, ImageDraw
 
     from ml.data.dataset import landmarks_array, load_images, read_manifest
@@ -225,11 +226,9 @@ def ingested_grid(dataset: Path, path: Path, rows: int = 6, cols: int = 8) -> No
     size, pad = images.shape[1], 2
     canvas = Image.new("RGB", (cols * (size + pad) + pad, rows * (size + pad) + pad), (255, 255, 255))
     draw = ImageDraw.Draw(canvas)
-    row_of = {identity: r for r, identity in enumerate(chosen["identity"].drop_duplicates())}
-    column: dict[str, int] = {}
-    for image, marks, identity in zip(images, points, chosen["identity"]):
-        r, c = row_of[identity], column.get(identity, 0)
-        column[identity] = c + 1
+    grid_rows = pd.factorize(chosen["identity"])[0]  # identities in order of first appearance
+    grid_cols = chosen.groupby("identity", sort=False).cumcount().to_numpy()
+    for image, marks, r, c in zip(images, points, grid_rows, grid_cols):
         x0, y0 = pad + c * (size + pad), pad + r * (size + pad)
         canvas.paste(Image.fromarray(image), (x0, y0))
         for x, y in marks[~np.isnan(marks).any(axis=1)]:
