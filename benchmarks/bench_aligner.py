@@ -15,7 +15,6 @@ import dataclasses
 import time
 
 import lightning
-import numpy as np
 import torch
 
 from ml.data.unaligned import unaligned_faces

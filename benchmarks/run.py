@@ -171,11 +171,23 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
         "`gpu_trainers` in 32-true on the same device: the baseline of the mixed-precision rows",
         "report",
     ),
+    "shard_ingest": (
+        "benchmarks.bench_shards:bench_shard_ingest",
+        "a RecordIO of 1M 112-px JPEG faces (FACEOPS_BENCH_FACES) to WebDataset shards over every core, JPEG bytes "
+        "kept: faces/s, shard bytes over the .rec's, peak RSS of the parent and the largest writer",
+        "≥ 1,500 faces/s on 2 cores; disk ≤ 1.1× the .rec; RSS flat",
+    ),
+    "dvc_shards": (
+        "benchmarks.bench_shards:bench_dvc_shards",
+        "dvc add / status / push to a local remote of 100k faces (FACEOPS_BENCH_DVC_FACES) as loose files vs as "
+        "shards, each in a fresh repository",
+        "per 1M faces as shards: status ≤ 5 s, push ≤ 1 min",
+    ),
 }
 
 
-# benchmarks that run the whole default pipeline (tens of minutes each): only when named
-ON_REQUEST = frozenset({"make_run", "reproducibility"})
+# benchmarks that run the whole default pipeline or write millions of faces (tens of minutes each): only when named
+ON_REQUEST = frozenset({"make_run", "reproducibility", "shard_ingest", "dvc_shards"})
 
 
 def _load(spec: str) -> Callable[[], dict[str, Any]]:

@@ -37,7 +37,10 @@ app = typer.Typer(
         "* `faceops data pull models/fr/real --rev v1.2 --to /scratch/fr` — the version a git revision recorded\n\n"
         "* `faceops data ls` — what is versioned, its hash and size, and whether the remote holds it\n\n"
         "* `faceops data remote` — write the remote to `.dvc/config.local`; print the MLflow server flags\n\n"
-        "* `faceops promote` — publish a model by name (the MLflow registry, artifacts on the same bucket)"
+        "* `faceops promote` — publish a model by name (the MLflow registry, artifacts on the same bucket)\n\n"
+        "* `faceops data shard /data/casia/train.rec /data/casia-shards` — a RecordIO as WebDataset shards, its "
+        "JPEGs kept as they are\n\n"
+        "* `faceops data export /data/casia-shards look --limit 200` — faces of a shard set as image files"
     ),
 )
 
@@ -172,3 +175,47 @@ def remote(
     prefix = "".join(f"{key}={value} " for key, value in env.items())
     typer.echo(f"  {prefix}mlflow server --backend-store-uri sqlite:///{root / 'mlflow.db'} "
                f"--artifacts-destination {destination}")
+
+
+@app.command("shard")
+def shard(
+    recordio: Annotated[Path, typer.Argument(help="an InsightFace/MXNet `.rec` (its `.idx` beside it)")],
+    out: Annotated[Path, typer.Argument(help="a new folder for the shard set")],
+    workers: Annotated[Optional[int], typer.Option(help="writer processes (default: every core)")] = None,
+    size: Annotated[Optional[int], typer.Option(help="refuse faces whose header says another width or height, "
+                                                     "e.g. 112")] = None,
+    shard_mb: Annotated[int, typer.Option(help="largest shard file, MB")] = 256,
+) -> None:
+    """Convert a RecordIO's faces to WebDataset shards without decoding or re-encoding them.
+
+    Each writer process takes a contiguous range of records and writes its own series of tar files
+    (`faces-<writer>-<n>.tar`, at most `--shard-mb` each); `index.parquet` says where each face's bytes lie and its
+    label. Faces keep their JPEG (or PNG) bytes: the shard set is about the RecordIO's size. Nothing is left behind
+    when a record is refused.
+    """
+    import time
+
+    from ml.data.shards import shard_recordio
+
+    start = time.perf_counter()
+    with _errors():
+        index = shard_recordio(recordio, out, workers=workers, size=size, max_bytes=shard_mb * 2**20)
+    seconds = time.perf_counter() - start
+    total = sum(p.stat().st_size for p in out.glob("*.tar"))
+    typer.echo(f"{len(index):,} faces of {index['label'].nunique():,} identities in {index['shard'].nunique()} "
+               f"shards, {_size(total)} (the .rec: {_size(recordio.stat().st_size)}), "
+               f"{len(index) / max(seconds, 1e-9):,.0f} faces/s → {out}")
+
+
+@app.command("export")
+def export(
+    shards: Annotated[str, typer.Argument(help="a shard set: a folder or an fsspec URL such as s3://bucket/path")],
+    out: Annotated[Path, typer.Argument(help="the folder to write `<key>.<ext>` image files into")],
+    limit: Annotated[Optional[int], typer.Option(help="only the first N faces of the index (default: all)")] = None,
+) -> None:
+    """Write a shard set's faces as image files, for people who want to look."""
+    from ml.data.shards import export_folder
+
+    with _errors():
+        n = export_folder(shards, out, limit=limit)
+    typer.echo(f"{n:,} faces → {out}")

@@ -129,6 +129,7 @@ def adopt_store(root: Path) -> str | None:
                     if table in tables:
                         con.execute(f"UPDATE {table} SET {column} = replace({column}, ?, ?) "
                                     f"WHERE instr({column}, ?) > 0", (other + "/", f"{mine}/", other + "/"))
-    log.warning("%s was copied from another folder: its artifact locations now point at %s (were %s)",
+    log.warning("%s kept artifacts under another folder's mlruns/ (a copied or moved workspace, or a store first "
+                "opened from another directory); its artifact locations now point at %s (were %s)",
                 db, mine, ", ".join(others))
     return others[0]

@@ -1,0 +1,110 @@
+"""Datasets as WebDataset shards (``ml.data.shards``) against one file per face, at scale.
+
+``shard_ingest``: a RecordIO of ``FACEOPS_BENCH_FACES`` (default 1,000,000) JPEG faces at 112×112 (a bank of 400
+procedural faces, 20 images per identity) converted to shards by ``faceops data shard``'s function in a fresh process
+over every core, keeping the JPEG bytes: faces/s, the shard set's size against the ``.rec``, peak RSS of the parent and
+of the largest writer process.
+
+``dvc_shards``: the same faces as a folder of loose files (``export_folder``) and as shards, each ``dvc add``-ed,
+``dvc status``-ed and ``dvc push``-ed to a local remote in its own fresh repository: seconds per command
+(``FACEOPS_BENCH_DVC_FACES``, default 100,000).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+CHILD = r"""
+import json, resource, sys, time
+from ml.data.shards import shard_recordio
+
+rec, out = sys.argv[1], sys.argv[2]
+start = time.perf_counter()
+index = shard_recordio(rec, out)
+seconds = time.perf_counter() - start
+print(json.dumps({"faces": len(index), "seconds": seconds,
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "writer_peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))
+"""
+
+
+def _faces(n: int, rec: Path) -> None:
+    from ml.data.formats import encode_image, write_recordio
+    from ml.data.procedural import ProceduralConfig, ProceduralFaces
+
+    gen = ProceduralFaces(ProceduralConfig(image_size=112), seed=0)
+    bank = [encode_image(gen.sample(i // 4, i % 4).image, "jpg", quality=90) for i in range(400)]
+    write_recordio(rec, [bank[i % len(bank)] for i in range(n)], np.arange(n) // 20)
+
+
+def _count(env: str, default: int) -> int:
+    raw = os.environ.get(env, str(default))
+    try:
+        return max(1, int(raw))
+    except ValueError:
+        raise SystemExit(f"{env} = {raw!r}: need a number of faces") from None
+
+
+def bench_shard_ingest() -> dict[str, object]:
+    """Target: ≥ 1,500 faces/s on 2 cores for 112-px JPEGs that need no resize; shards ≤ 1.1× the ``.rec``; the
+    writers' memory flat (it does not hold the faces)."""
+    n = _count("FACEOPS_BENCH_FACES", 1_000_000)
+    with tempfile.TemporaryDirectory() as tmp:
+        rec = Path(tmp) / "train.rec"
+        _faces(n, rec)
+        out = subprocess.run([sys.executable, "-c", CHILD, str(rec), str(Path(tmp) / "shards")],
+                             capture_output=True, text=True, check=True)
+        row = json.loads(out.stdout.strip().splitlines()[-1])
+        shard_bytes = sum(p.stat().st_size for p in (Path(tmp) / "shards").iterdir())
+        rec_bytes = rec.stat().st_size + rec.with_suffix(".idx").stat().st_size
+        shards = len(list((Path(tmp) / "shards").glob("*.tar")))
+    return {"faces": row["faces"], "cores": os.cpu_count(), "seconds": round(row["seconds"], 1),
+            "faces_per_s": round(row["faces"] / row["seconds"]), "shards": shards,
+            "disk_over_rec": round(shard_bytes / rec_bytes, 3), "rec_mb": round(rec_bytes / 2**20, 1),
+            "peak_rss_mb": round(row["peak_rss_mb"], 1), "writer_peak_rss_mb": round(row["writer_peak_rss_mb"], 1)}
+
+
+def _dvc(repo: Path, *args: str) -> float:
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, check=True, capture_output=True, text=True)
+    return time.perf_counter() - start
+
+
+def _repo(path: Path, remote: Path) -> Path:
+    path.mkdir()
+    subprocess.run(["git", "init", "-q"], cwd=path, check=True)
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=path, check=True)
+    subprocess.run([sys.executable, "-m", "dvc", "remote", "add", "-q", "-d", "local", str(remote)], cwd=path,
+                   check=True)
+    return path
+
+
+def bench_dvc_shards() -> dict[str, object]:
+    """Target (per 1M faces): ``dvc status`` ≤ 5 s and ``dvc push`` ≤ 1 min to a local remote for shards."""
+    from ml.data.shards import export_folder, shard_recordio
+
+    n = _count("FACEOPS_BENCH_DVC_FACES", 100_000)
+    out: dict[str, object] = {"faces": n}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        _faces(n, root / "train.rec")
+        shard_recordio(root / "train.rec", root / "shards-src")
+        for kind in ("loose", "shards"):
+            repo = _repo(root / f"repo-{kind}", root / f"remote-{kind}")
+            if kind == "loose":
+                export_folder(root / "shards-src", repo / "faces")
+            else:
+                (root / "shards-src").rename(repo / "faces")
+            out[f"{kind}_files"] = sum(1 for p in (repo / "faces").rglob("*") if p.is_file())
+            out[f"{kind}_add_s"] = round(_dvc(repo, "add", "-q", "faces"), 1)
+            out[f"{kind}_status_s"] = round(_dvc(repo, "status", "-q"), 2)
+            out[f"{kind}_push_s"] = round(_dvc(repo, "push", "-q"), 1)
+    return out

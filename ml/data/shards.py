@@ -1,0 +1,306 @@
+"""Faces as WebDataset shards: a few tar files of encoded images instead of one file per face (DESIGN.md §3).
+
+A shard set is a folder::
+
+    faces-00-000000.tar …   WebDataset tars, one member ``<key>.<ext>`` per face holding its encoded bytes as they
+                            were given (a renderer's PNG, a RecordIO's JPEG: nothing is re-encoded), each tar at most
+                            ``max_bytes``; ``faces-<writer>-<n>``, one series per writer process
+    index.parquet           ``key``, ``ext``, ``shard``, ``offset``, ``size`` (+ ``label`` from a RecordIO): where
+                            each face's bytes lie
+
+Tar members are stored uncompressed, so a face is a byte range: ``ShardReader.read_many`` reads the ranges it needs
+shard by shard (the stages that hold a split in memory), ``ShardReader.stream`` yields a rank's share of an epoch
+shard by shard, in an order fixed by (seed, epoch), from any position (a resumed epoch skips what it has seen). Shards
+are reproducible: members carry a fixed mtime, owner and mode, so the same faces in the same order give the same
+bytes, and DVC hashes a few hundred files, not one object per face. Paths may be local or any fsspec URL
+(``s3://…``). Why WebDataset and not litdata or MosaicML Streaming: ``docs/scale-out.md``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import tarfile
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from ml.errors import DataError
+
+__all__ = ["INDEX_FILE", "ShardReader", "export_folder", "shard_recordio", "write_shards"]
+
+INDEX_FILE = "index.parquet"
+MAX_BYTES = 256 * 2**20  # per tar: hundreds of shards for millions of faces, few enough for DVC and S3
+_INDEX_COLUMNS = ("key", "ext", "shard", "offset", "size")
+_OWNER = "faceops"
+
+
+def _check_key(key: str, ext: str) -> None:
+    """WebDataset splits a member name at the first dot of its last path part: the key's last part has none."""
+    if not key or "." in key.rsplit("/", 1)[-1] or key.startswith("/") or ".." in key.split("/"):
+        raise DataError(f"shard key {key!r}: need a relative path whose last part has no dot (e.g. 'alice/3')")
+    if not ext or "." in ext or "/" in ext:
+        raise DataError(f"shard key {key!r}: extension {ext!r} must be a plain suffix such as 'png' or 'jpg'")
+
+
+def write_shards(items: Iterable[tuple[str, str, bytes]], out_dir: str | os.PathLike, *, prefix: str = "faces-00",
+                 max_bytes: int = MAX_BYTES, extra: dict[str, Sequence[Any]] | None = None) -> pd.DataFrame:
+    """Write ``(key, ext, encoded bytes)`` items, in order, into ``out_dir/<prefix>-NNNNNN.tar`` shards of at most
+    ``max_bytes`` each (a face larger than that gets a shard of its own) → the index (``_INDEX_COLUMNS`` plus the
+    ``extra`` columns, one value per item), also written to ``out_dir/index.parquet``. Keys must be unique."""
+    import webdataset as wds
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[tuple[str, str, str, int, int]] = []
+    writer = None
+    shard = -1
+    written = 0
+    try:
+        for key, ext, data in items:
+            _check_key(key, ext)
+            if writer is None or (written and written + len(data) + 1024 > max_bytes):
+                if writer is not None:
+                    writer.close()
+                shard += 1
+                written = 0
+                name = f"{prefix}-{shard:06d}.tar"
+                # GNU headers (long names allowed), a fixed mtime, owner and mode: the same faces give the same bytes
+                writer = wds.TarWriter(str(out / name), encoder=False, mtime=0, user=_OWNER, group=_OWNER,
+                                       mode=0o444, format="GNU_FORMAT")
+            writer.write({"__key__": key, ext: bytes(data)})
+            rows.append((key, ext, name, -1, len(data)))
+            written += len(data) + 1024  # the member's header and padding, roughly
+    finally:
+        if writer is not None:
+            writer.close()
+    index = pd.DataFrame(rows, columns=list(_INDEX_COLUMNS))
+    if index["key"].duplicated().any():
+        raise DataError(f"{out}: key {index['key'][index['key'].duplicated()].iloc[0]!r} was written twice")
+    index["offset"] = _data_offsets(out, index)
+    for column, values in (extra or {}).items():
+        if len(values) != len(index):
+            raise DataError(f"write_shards: extra column {column!r} has {len(values)} values for {len(index)} items")
+        index[column] = list(values)
+    index.to_parquet(out / INDEX_FILE, index=False)
+    return index
+
+
+def _data_offsets(out: Path, index: pd.DataFrame) -> np.ndarray:
+    """Where each member's bytes start in its tar, read back from the tar headers."""
+    offsets = np.empty(len(index), dtype=np.int64)
+    position = {(name, key + "." + ext): i for i, (name, key, ext) in enumerate(
+        zip(index["shard"], index["key"], index["ext"]))}
+    for name in index["shard"].unique():
+        with tarfile.open(out / name) as tar:
+            for member in tar:
+                offsets[position[name, member.name]] = member.offset_data
+    return offsets
+
+
+def _fs(url: str) -> tuple[Any, str]:
+    import fsspec
+
+    return fsspec.core.url_to_fs(url)
+
+
+@dataclass(frozen=True)
+class _Range:
+    shard: str
+    offset: int
+    size: int
+
+
+class ShardReader:
+    """A shard set's faces by key (``read``, ``read_many``) or as a deterministic, resumable stream (``stream``)."""
+
+    def __init__(self, shards_dir: str | os.PathLike):
+        self.url = str(shards_dir).rstrip("/")
+        self.fs, self.root = _fs(self.url)
+        index_path = f"{self.root}/{INDEX_FILE}"
+        try:
+            with self.fs.open(index_path, "rb") as f:
+                self.index = pd.read_parquet(f)
+        except FileNotFoundError:
+            raise DataError(f"{self.url}: no {INDEX_FILE}; not a shard set (write it with write_shards)") from None
+        missing = [c for c in _INDEX_COLUMNS if c not in self.index.columns]
+        if missing:
+            raise DataError(f"{self.url}/{INDEX_FILE}: columns {missing} are missing; rewrite the shard set")
+        self._row = pd.Index(self.index["key"])
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @property
+    def shards(self) -> list[str]:
+        return sorted(self.index["shard"].unique())
+
+    def _rows(self, keys: Sequence[str]) -> np.ndarray:
+        rows = self._row.get_indexer(list(keys))
+        if (rows < 0).any():
+            raise DataError(f"{self.url}: key {list(keys)[int(np.argmax(rows < 0))]!r} is not in {INDEX_FILE}")
+        return rows
+
+    def read(self, key: str) -> bytes:
+        return self.read_many([key])[0]
+
+    def read_many(self, keys: Sequence[str]) -> list[bytes]:
+        """The encoded bytes of ``keys``, in their order; each shard is opened once and read in offset order."""
+        rows = self._rows(keys)
+        out: list[bytes | None] = [None] * len(rows)
+        part = self.index.iloc[rows].assign(_at=np.arange(len(rows)))
+        for shard, group in part.sort_values(["shard", "offset"]).groupby("shard", sort=False):
+            with self.fs.open(f"{self.root}/{shard}", "rb") as f:
+                for at, offset, size, key in zip(group["_at"], group["offset"], group["size"], group["key"]):
+                    f.seek(int(offset))
+                    data = f.read(int(size))
+                    if len(data) != int(size):
+                        raise DataError(f"{self.url}/{shard}: {key!r} needs {int(size)} bytes at offset {int(offset)}"
+                                        f" but the shard ends after {len(data)}; the shard is truncated: write the "
+                                        "shard set again or restore it (dvc checkout)")
+                    out[at] = data
+        return out  # type: ignore[return-value]
+
+    def epoch_order(self, seed: int, epoch: int, rank: int = 0, world: int = 1) -> np.ndarray:
+        """Index rows of rank ``rank`` of ``world`` in epoch ``epoch``: the shards in an order drawn from
+        (seed, epoch), every ``world``-th one from ``rank`` on, each shard's faces in an order drawn likewise."""
+        if not 0 <= rank < world:
+            raise DataError(f"rank {rank} is not in 0..{world - 1}")
+        rng = np.random.default_rng([seed, epoch])
+        shards = np.array(self.shards)
+        mine = shards[rng.permutation(len(shards))][rank::world]
+        by_shard = self.index.groupby("shard").indices
+        return np.concatenate([by_shard[s][rng.permutation(len(by_shard[s]))] for s in mine] or
+                              [np.zeros(0, dtype=np.int64)])
+
+    def stream(self, *, seed: int, epoch: int, rank: int = 0, world: int = 1, start: int = 0
+               ) -> Iterator[tuple[str, bytes]]:
+        """``(key, bytes)`` of ``epoch_order``, from its ``start``-th item (a resumed epoch), one shard open at a
+        time (read whole: the unit a remote store serves well)."""
+        rows = self.epoch_order(seed, epoch, rank, world)[start:]
+        shard_of = self.index["shard"].to_numpy()
+        keys = self.index["key"].to_numpy()
+        offsets, sizes = self.index["offset"].to_numpy(np.int64), self.index["size"].to_numpy(np.int64)
+        begin = 0
+        while begin < len(rows):
+            shard = shard_of[rows[begin]]
+            end = begin
+            while end < len(rows) and shard_of[rows[end]] == shard:
+                end += 1
+            with self.fs.open(f"{self.root}/{shard}", "rb") as f:
+                blob = f.read()
+            for row in rows[begin:end]:
+                offset, size = int(offsets[row]), int(sizes[row])
+                if offset + size > len(blob):
+                    raise DataError(f"{self.url}/{shard}: {keys[row]!r} lies past the shard's end ({len(blob)} "
+                                    "bytes); the shard is truncated: write it again or restore it")
+                yield str(keys[row]), blob[offset:offset + size]
+            begin = end
+
+
+def export_folder(shards_dir: str | os.PathLike, out_dir: str | os.PathLike, *, limit: int | None = None) -> int:
+    """Write the shard set's faces as ``out_dir/<key>.<ext>`` files (the first ``limit`` keys in index order, all
+    when None), for people who want to look → the number written."""
+    reader = ShardReader(shards_dir)
+    index = reader.index if limit is None else reader.index.head(limit)
+    out = Path(out_dir)
+    for start in range(0, len(index), 4096):
+        part = index.iloc[start:start + 4096]
+        for key, ext, data in zip(part["key"], part["ext"], reader.read_many(part["key"].tolist())):
+            file = out / f"{key}.{ext}"
+            file.parent.mkdir(parents=True, exist_ok=True)
+            file.write_bytes(data)
+    return len(index)
+
+
+def _image_ext(data: bytes, where: str) -> str:
+    if data[:3] == b"\xff\xd8\xff":
+        return "jpg"
+    if data[:8] == b"\x89PNG\r\n\x1a\n":
+        return "png"
+    raise DataError(f"{where}: the payload is neither JPEG nor PNG; convert the RecordIO's images first")
+
+
+def _image_size(data: bytes, where: str) -> tuple[int, int]:
+    """(width, height) from the image header, without decoding the pixels."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            return img.size
+    except Exception as exc:  # PIL raises several types for a bad header
+        raise DataError(f"{where}: cannot read the image header ({exc})") from exc
+
+
+def _shard_keys(rec: str, keys: np.ndarray, out: str, prefix: str, max_bytes: int, size: int | None
+                ) -> pd.DataFrame:
+    """One writer process: records ``keys`` of ``rec`` → shards ``<prefix>-NNNNNN.tar`` and their index rows."""
+    from ml.data.formats.recordio import RecordIOReader, unpack_irheader
+
+    labels: list[int] = []
+    reader = RecordIOReader(rec)
+
+    def items() -> Iterator[tuple[str, str, bytes]]:
+        for key in keys:
+            where = f"{rec}: record {int(key)}"
+            header, payload = unpack_irheader(reader.read_raw(int(key)), source=where)
+            label = int(header.label[0] if header.flag > 0 else header.label)
+            if size is not None and _image_size(payload, where) != (size, size):
+                raise DataError(f"{where}: image is {_image_size(payload, where)} (width, height), not "
+                                f"{size}x{size}; ingest it with `faceops run --set data.ingest_recordio=…` to resize")
+            labels.append(label)
+            yield f"{label}/{int(key)}", _image_ext(payload, where), payload
+
+    with reader:
+        index = write_shards(items(), Path(out) / f".{prefix}", prefix=prefix, max_bytes=max_bytes)
+    index["label"] = labels
+    return index
+
+
+def shard_recordio(rec_path: str | os.PathLike, out_dir: str | os.PathLike, *, workers: int | None = None,
+                   max_bytes: int = MAX_BYTES, size: int | None = None) -> pd.DataFrame:
+    """Convert an InsightFace RecordIO's image records to a shard set, keeping each payload's bytes as they are,
+    over ``workers`` processes (default: every core), each writing its own shard series from a contiguous key
+    range, at flat memory → the index (with each face's ``label``). ``size``: refuse faces whose header says
+    another width or height (resizing means re-encoding: that is ``prepare``'s ingest). Keys are
+    ``<label>/<record key>``."""
+    from ml.data.formats.recordio import RecordIOReader
+
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise DataError(f"{out}: not empty; shard into a new folder (or remove this one)")
+    with RecordIOReader(rec_path) as reader:
+        keys = reader.image_keys.copy()
+    if not len(keys):
+        raise DataError(f"{rec_path}: no image records to shard")
+    workers = max(1, min(workers or os.cpu_count() or 1, len(keys)))
+    parts = np.array_split(keys, workers)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # moved onto ``out`` only when every writer succeeded
+    jobs = [(str(rec_path), part, str(tmp), f"faces-{w:02d}", max_bytes, size) for w, part in enumerate(parts)]
+    try:
+        if workers == 1:
+            indexes = [_shard_keys(*jobs[0])]
+        else:
+            with ProcessPoolExecutor(workers) as pool:
+                indexes = list(pool.map(_shard_keys, *zip(*jobs)))
+        for w in range(workers):  # each writer's shards up from its own folder, then one index for all
+            part_dir = tmp / f".faces-{w:02d}"
+            for tar in sorted(part_dir.glob("*.tar")):
+                tar.replace(tmp / tar.name)
+            (part_dir / INDEX_FILE).unlink()
+            part_dir.rmdir()
+        index = pd.concat(indexes, ignore_index=True)
+        index.to_parquet(tmp / INDEX_FILE, index=False)
+        if out.exists():
+            out.rmdir()
+        tmp.replace(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return index
