@@ -21,7 +21,6 @@ from __future__ import annotations
 import io
 import os
 import shutil
-import tarfile
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -58,7 +57,7 @@ def write_shards(items: Iterable[tuple[str, str, bytes]], out_dir: str | os.Path
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rows: list[tuple[str, str, str, int, int]] = []
+    columns: dict[str, list[Any]] = {c: [] for c in _INDEX_COLUMNS}
     writer = None
     shard = -1
     written = 0
@@ -75,33 +74,23 @@ def write_shards(items: Iterable[tuple[str, str, bytes]], out_dir: str | os.Path
                 writer = wds.TarWriter(str(out / name), encoder=False, mtime=0, user=_OWNER, group=_OWNER,
                                        mode=0o444, format="GNU_FORMAT")
             writer.write({"__key__": key, ext: bytes(data)})
-            rows.append((key, ext, name, -1, len(data)))
+            # the member's bytes end where the tar now ends, before their padding to a 512-byte block
+            end = writer.tarstream.offset
+            for column, value in zip(_INDEX_COLUMNS, (key, ext, name, end - -(-len(data) // 512) * 512, len(data))):
+                columns[column].append(value)
             written += len(data) + 1024  # the member's header and padding, roughly
     finally:
         if writer is not None:
             writer.close()
-    index = pd.DataFrame(rows, columns=list(_INDEX_COLUMNS))
+    index = pd.DataFrame(columns)
     if index["key"].duplicated().any():
         raise DataError(f"{out}: key {index['key'][index['key'].duplicated()].iloc[0]!r} was written twice")
-    index["offset"] = _data_offsets(out, index)
     for column, values in (extra or {}).items():
         if len(values) != len(index):
             raise DataError(f"write_shards: extra column {column!r} has {len(values)} values for {len(index)} items")
         index[column] = list(values)
     index.to_parquet(out / INDEX_FILE, index=False)
     return index
-
-
-def _data_offsets(out: Path, index: pd.DataFrame) -> np.ndarray:
-    """Where each member's bytes start in its tar, read back from the tar headers."""
-    offsets = np.empty(len(index), dtype=np.int64)
-    position = {(name, key + "." + ext): i for i, (name, key, ext) in enumerate(
-        zip(index["shard"], index["key"], index["ext"]))}
-    for name in index["shard"].unique():
-        with tarfile.open(out / name) as tar:
-            for member in tar:
-                offsets[position[name, member.name]] = member.offset_data
-    return offsets
 
 
 def _fs(url: str) -> tuple[Any, str]:

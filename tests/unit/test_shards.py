@@ -30,9 +30,16 @@ def test_round_trip_across_several_shards_in_any_key_order(tmp_path):
     keys = [items[i][0] for i in order]
     assert reader.read_many(keys) == [items[i][2] for i in order]
     assert reader.read("id3/10") == items[10][2]
-    # plain tar: any tool lists the members as WebDataset names them
-    with tarfile.open(tmp_path / "s" / index["shard"].iloc[0]) as tar:
-        assert tar.getnames()[0] == f"{items[0][0]}.{items[0][1]}"
+    # plain tar: any tool lists the members as WebDataset names them, and the index's offsets are tar's own
+    for shard, part in index.groupby("shard"):
+        with tarfile.open(tmp_path / "s" / shard) as tar:
+            members = tar.getmembers()
+        assert [m.name for m in members] == [f"{k}.{e}" for k, e in zip(part["key"], part["ext"])]
+        assert [m.offset_data for m in members] == part["offset"].tolist()
+    long_key = "a" * 150 + "/1"  # a GNU long-name header before the member: the offset still points at its bytes
+    long_index = write_shards([(long_key, "png", b"long"), ("b/2", "png", b"short")], tmp_path / "long")
+    assert ShardReader(tmp_path / "long").read_many([long_key, "b/2"]) == [b"long", b"short"]
+    assert long_index["offset"].iloc[1] > long_index["offset"].iloc[0] + 512
 
 
 def test_the_same_items_give_the_same_shard_bytes(tmp_path):
