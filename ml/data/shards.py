@@ -19,11 +19,11 @@ bytes, and DVC hashes a few hundred files, not one object per face. Paths may be
 from __future__ import annotations
 
 import io
+import math
 import os
 import shutil
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +49,10 @@ def _check_key(key: str, ext: str) -> None:
 
 
 def write_shards(items: Iterable[tuple[str, str, bytes]], out_dir: str | os.PathLike, *, prefix: str = "faces-00",
-                 max_bytes: int = MAX_BYTES, extra: dict[str, Sequence[Any]] | None = None) -> pd.DataFrame:
+                 max_bytes: int = MAX_BYTES) -> pd.DataFrame:
     """Write ``(key, ext, encoded bytes)`` items, in order, into ``out_dir/<prefix>-NNNNNN.tar`` shards of at most
-    ``max_bytes`` each (a face larger than that gets a shard of its own) → the index (``_INDEX_COLUMNS`` plus the
-    ``extra`` columns, one value per item), also written to ``out_dir/index.parquet``. Keys must be unique."""
+    ``max_bytes`` each (a face larger than that gets a shard of its own) → the index (``_INDEX_COLUMNS``), also
+    written to ``out_dir/index.parquet``. Keys must be unique. On an error the shards written so far are removed."""
     import webdataset as wds
 
     out = Path(out_dir)
@@ -61,6 +61,7 @@ def write_shards(items: Iterable[tuple[str, str, bytes]], out_dir: str | os.Path
     writer = None
     shard = -1
     written = 0
+    names: list[str] = []
     try:
         for key, ext, data in items:
             _check_key(key, ext)
@@ -70,25 +71,29 @@ def write_shards(items: Iterable[tuple[str, str, bytes]], out_dir: str | os.Path
                 shard += 1
                 written = 0
                 name = f"{prefix}-{shard:06d}.tar"
+                names.append(name)
                 # GNU headers (long names allowed), a fixed mtime, owner and mode: the same faces give the same bytes
                 writer = wds.TarWriter(str(out / name), encoder=False, mtime=0, user=_OWNER, group=_OWNER,
                                        mode=0o444, format="GNU_FORMAT")
             writer.write({"__key__": key, ext: bytes(data)})
             # the member's bytes end where the tar now ends, before their padding to a 512-byte block
             end = writer.tarstream.offset
-            for column, value in zip(_INDEX_COLUMNS, (key, ext, name, end - -(-len(data) // 512) * 512, len(data))):
+            offset = end - math.ceil(len(data) / 512) * 512
+            for column, value in zip(_INDEX_COLUMNS, (key, ext, name, offset, len(data))):
                 columns[column].append(value)
             written += len(data) + 1024  # the member's header and padding, roughly
-    finally:
         if writer is not None:
             writer.close()
-    index = pd.DataFrame(columns)
-    if index["key"].duplicated().any():
-        raise DataError(f"{out}: key {index['key'][index['key'].duplicated()].iloc[0]!r} was written twice")
-    for column, values in (extra or {}).items():
-        if len(values) != len(index):
-            raise DataError(f"write_shards: extra column {column!r} has {len(values)} values for {len(index)} items")
-        index[column] = list(values)
+            writer = None
+        index = pd.DataFrame(columns)
+        if index["key"].duplicated().any():
+            raise DataError(f"{out}: key {index['key'][index['key'].duplicated()].iloc[0]!r} was written twice")
+    except BaseException:
+        if writer is not None:
+            writer.close()
+        for written_name in names:
+            (out / written_name).unlink(missing_ok=True)
+        raise
     index.to_parquet(out / INDEX_FILE, index=False)
     return index
 
@@ -97,13 +102,6 @@ def _fs(url: str) -> tuple[Any, str]:
     import fsspec
 
     return fsspec.core.url_to_fs(url)
-
-
-@dataclass(frozen=True)
-class _Range:
-    shard: str
-    offset: int
-    size: int
 
 
 class ShardReader:

@@ -82,6 +82,7 @@ def test_bad_keys_and_a_missing_index_are_refused(tmp_path):
         write_shards([("alice/3.5", "png", b"x")], tmp_path / "s")
     with pytest.raises(DataError, match="twice"):
         write_shards([("a/1", "png", b"x"), ("a/1", "png", b"y")], tmp_path / "t")
+    assert not any((tmp_path / "t").iterdir())  # the shard written before the refusal is gone
     with pytest.raises(DataError, match="not a shard set"):
         ShardReader(tmp_path / "nothing")
     write_shards(_items(3), tmp_path / "u")
