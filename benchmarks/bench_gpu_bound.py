@@ -99,7 +99,8 @@ def _stepper(run: _Run, batch: int) -> _Stepper:
 
     fr = dict(run.params["fr"])
     fr.update({k.partition(".")[2]: v for k, v in run.preset.items() if k.startswith("fr.")})
-    cfg = from_mapping(FRConfig, fr, "real-112: fr")
+    # eager: the variants compile what they name themselves (the preset's fr.compile is for train_fr)
+    cfg = dataclasses.replace(from_mapping(FRConfig, fr, "real-112: fr"), compile=False)
     size = int(run.preset.get("data.image_size", run.params["data"]["image_size"]))
     device = torch.device("cuda" if run.on_gpu else "cpu")
     backbone = build_backbone(cfg.backbone, **_backbone_kwargs(cfg, size, None))
