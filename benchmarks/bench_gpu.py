@@ -197,8 +197,8 @@ def _fr(run: _Run) -> StepClock:
     return _fr_fit(run, run.params["fr"], run.params["data"]["image_size"], "fr")
 
 
-def _fr112(run: _Run) -> StepClock:
-    """``fr`` with the ``real-112`` preset's ``fr.*`` keys (ViT-T patch 9 at 112 px, AdaFace, batch 512, kprpe)."""
+def fr112_section(run: _Run) -> tuple[dict[str, Any], int]:
+    """(params.yaml's ``fr`` with the ``real-112`` preset's ``fr.*`` keys over it, the preset's image size)."""
     fr = dict(run.params["fr"])
     for key, value in run.preset.items():
         section, _, name = key.partition(".")
@@ -206,7 +206,12 @@ def _fr112(run: _Run) -> StepClock:
             if "." in name:
                 raise ConfigError(f"presets.yaml {FR112_PRESET}.{key}: nested fr keys are not read by this benchmark")
             fr[name] = value
-    size = run.preset.get("data.image_size", run.params["data"]["image_size"])
+    return fr, int(run.preset.get("data.image_size", run.params["data"]["image_size"]))
+
+
+def _fr112(run: _Run) -> StepClock:
+    """``fr`` with the ``real-112`` preset's ``fr.*`` keys (ViT-T patch 9 at 112 px, AdaFace, batch 512, kprpe)."""
+    fr, size = fr112_section(run)
     return _fr_fit(run, fr, size, f"{FR112_PRESET}: fr", batch_cap=None if run.on_gpu else FR112_CPU_BATCH)
 
 

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.bench_gpu import FR112_CPU_BATCH, _env_run, _fr112, _one_line, _Run, peak_tflops
+from benchmarks.bench_gpu import FR112_CPU_BATCH, _env_run, _fr112, _one_line, _Run, fr112_section, peak_tflops
 from ml.config import from_mapping
 from ml.errors import ConfigError
 
@@ -97,11 +97,9 @@ def _stepper(run: _Run, batch: int) -> _Stepper:
     from ml.fr.train import _backbone_kwargs
     from ml.train.schedules import adamw
 
-    fr = dict(run.params["fr"])
-    fr.update({k.partition(".")[2]: v for k, v in run.preset.items() if k.startswith("fr.")})
+    fr, size = fr112_section(run)
     # eager: the variants compile what they name themselves (the preset's fr.compile is for train_fr)
     cfg = dataclasses.replace(from_mapping(FRConfig, fr, "real-112: fr"), compile=False)
-    size = int(run.preset.get("data.image_size", run.params["data"]["image_size"]))
     device = torch.device("cuda" if run.on_gpu else "cpu")
     backbone = build_backbone(cfg.backbone, **_backbone_kwargs(cfg, size, None))
     module = FRModule(backbone, build_head(cfg, CLASSES), cfg, steps_per_epoch=1_000).to(device).train()

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
+from benchmarks.bench_ingest import face_recordio
 
 CHILD = r"""
 import json, resource, sys, time
@@ -34,15 +34,6 @@ print(json.dumps({"faces": len(index), "seconds": seconds,
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "writer_peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))
 """
-
-
-def _faces(n: int, rec: Path) -> None:
-    from ml.data.formats import encode_image, write_recordio
-    from ml.data.procedural import ProceduralConfig, ProceduralFaces
-
-    gen = ProceduralFaces(ProceduralConfig(image_size=112), seed=0)
-    bank = [encode_image(gen.sample(i // 4, i % 4).image, "jpg", quality=90) for i in range(400)]
-    write_recordio(rec, [bank[i % len(bank)] for i in range(n)], np.arange(n) // 20)
 
 
 def _count(env: str, default: int) -> int:
@@ -59,7 +50,7 @@ def bench_shard_ingest() -> dict[str, object]:
     n = _count("FACEOPS_BENCH_FACES", 1_000_000)
     with tempfile.TemporaryDirectory() as tmp:
         rec = Path(tmp) / "train.rec"
-        _faces(n, rec)
+        face_recordio(rec, n)
         out = subprocess.run([sys.executable, "-c", CHILD, str(rec), str(Path(tmp) / "shards")],
                              capture_output=True, text=True, check=True)
         row = json.loads(out.stdout.strip().splitlines()[-1])
@@ -95,7 +86,7 @@ def bench_dvc_shards() -> dict[str, object]:
     out: dict[str, object] = {"faces": n}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        _faces(n, root / "train.rec")
+        face_recordio(root / "train.rec", n)
         shard_recordio(root / "train.rec", root / "shards-src")
         for kind in ("loose", "shards"):
             repo = _repo(root / f"repo-{kind}", root / f"remote-{kind}")

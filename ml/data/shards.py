@@ -19,6 +19,7 @@ bytes, and DVC hashes a few hundred files, not one object per face. Paths may be
 from __future__ import annotations
 
 import io
+import itertools
 import math
 import os
 import shutil
@@ -174,21 +175,15 @@ class ShardReader:
         shard_of = self.index["shard"].to_numpy()
         keys = self.index["key"].to_numpy()
         offsets, sizes = self.index["offset"].to_numpy(np.int64), self.index["size"].to_numpy(np.int64)
-        begin = 0
-        while begin < len(rows):
-            shard = shard_of[rows[begin]]
-            end = begin
-            while end < len(rows) and shard_of[rows[end]] == shard:
-                end += 1
+        for shard, run in itertools.groupby(rows, key=shard_of.__getitem__):  # epoch_order keeps a shard together
             with self.fs.open(f"{self.root}/{shard}", "rb") as f:
                 blob = f.read()
-            for row in rows[begin:end]:
+            for row in run:
                 offset, size = int(offsets[row]), int(sizes[row])
                 if offset + size > len(blob):
                     raise DataError(f"{self.url}/{shard}: {keys[row]!r} lies past the shard's end ({len(blob)} "
                                     "bytes); the shard is truncated: write it again or restore it")
                 yield str(keys[row]), blob[offset:offset + size]
-            begin = end
 
 
 def export_folder(shards_dir: str | os.PathLike, out_dir: str | os.PathLike, *, limit: int | None = None) -> int:
@@ -238,9 +233,9 @@ def _shard_keys(rec: str, keys: np.ndarray, out: str, prefix: str, max_bytes: in
             where = f"{rec}: record {int(key)}"
             header, payload = unpack_irheader(reader.read_raw(int(key)), source=where)
             label = int(header.label[0] if header.flag > 0 else header.label)
-            if size is not None and _image_size(payload, where) != (size, size):
-                raise DataError(f"{where}: image is {_image_size(payload, where)} (width, height), not "
-                                f"{size}x{size}; ingest it with `faceops run --set data.ingest_recordio=…` to resize")
+            if size is not None and (found := _image_size(payload, where)) != (size, size):
+                raise DataError(f"{where}: image is {found} (width, height), not {size}x{size}; ingest it with "
+                                "`faceops run --set data.ingest_recordio=…` to resize")
             labels.append(label)
             yield f"{label}/{int(key)}", _image_ext(payload, where), payload
 

@@ -17,12 +17,16 @@ EVERYTHING = AugmentConfig(flip_prob=0.5, blur_prob=0.5, cutout_prob=0.5, bright
                            saturation_prob=0.5, randaug_prob=0.7, randaug_ops=3, cutout_fill="mean")
 
 
+def _draw(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """n images (48 px) in [0, 1], their pixel landmarks and one uniform draw per image."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(n, 3, 48, 48, generator=g), torch.rand(n, 5, 2, generator=g) * 40 + 4,
+            torch.rand(n, DRAW_SIZE, generator=g))
+
+
 @pytest.mark.parametrize("cfg", [AugmentConfig(), EVERYTHING], ids=["default", "every-op"])
 def test_each_image_is_augmented_alone_and_the_input_is_left_alone(cfg):
-    g = torch.Generator().manual_seed(3)
-    x = torch.rand(9, 3, 48, 48, generator=g)
-    keypoints = torch.rand(9, 5, 2, generator=g) * 40 + 4
-    u = torch.rand(9, DRAW_SIZE, generator=g)
+    x, keypoints, u = _draw(9, seed=3)
     before, kp_before = x.clone(), keypoints.clone()
     out, kp = augment_with(x, keypoints, cfg, u)
     assert torch.equal(x, before) and torch.equal(keypoints, kp_before)
@@ -53,10 +57,7 @@ def test_the_dense_path_gives_the_sparse_paths_values_without_reading_masks_back
     """On an accelerator every op runs on the whole batch and keeps the drawn rows (no mask is read back to find
     them); run on the CPU here, it must give the sparse path's values, blur aside (its kernel then reaches 3σ of
     the range's top rather than of the batch's largest σ: within the 0.3 % of mass beyond 3σ)."""
-    g = torch.Generator().manual_seed(5)
-    x = torch.rand(16, 3, 48, 48, generator=g)
-    keypoints = torch.rand(16, 5, 2, generator=g) * 40 + 4
-    u = torch.rand(16, DRAW_SIZE, generator=g)
+    x, keypoints, u = _draw(16, seed=5)
     before, kp_before = x.clone(), keypoints.clone()
     sparse, kp_sparse = augment_with(x, keypoints, cfg, u)
     monkeypatch.setattr(augment, "SPARSE_DEVICES", ())
