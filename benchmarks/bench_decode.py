@@ -1,5 +1,5 @@
 """Reading faces for training at 112×112: decode + augmentation per core, and a RecordIO read in place vs the PNG
-folder ingest writes.
+dataset ingest writes.
 
 ``decode_augment_112`` runs in a child process with one thread (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``)
 so its numbers are per core (images per CPU-second of that process, so that other work on the machine does not
@@ -11,9 +11,10 @@ training step applies it (uint8 → float, then ``augment_batch`` for ``fr.augme
 rate is ``1 / (1/decode + 1/augment)`` when one core does both.
 
 ``recordio_vs_folder`` writes N procedural faces as a RecordIO of JPEGs, then measures what ingesting them as a PNG
-folder costs (decode + PNG encode + write, one process) and the disk each takes, and how fast each is read back
-through a DataLoader (0 and 2 workers; wall-clock images/s and images per CPU-second of the process and its
-workers): the RecordIO in place (``RecordIODataset``) against the PNG folder (``FolderDataset``).
+dataset costs (decode + PNG encode + write to its shards with ``DatasetWriter``, one process) and the disk each
+takes, and how fast each is read back through a DataLoader (0 and 2 workers; wall-clock images/s and images per
+CPU-second of the process and its workers): the RecordIO in place (``RecordIODataset``) against the PNG dataset's
+shards (``ShardDataset``). The ``folder`` keys name that PNG dataset (a folder of loose files before shards).
 """
 
 from __future__ import annotations
@@ -128,30 +129,29 @@ def bench_recordio_vs_folder(n: int = 3000, workers: tuple[int, ...] = (0, 2)) -
 def _read_both(n: int, bank: list[bytes], labels: np.ndarray, workers: tuple[int, ...], out: dict) -> None:
     import pandas as pd
 
-    from ml.data.formats import decode_image, encode_image, write_recordio
-    from ml.data.records import FolderDataset, RecordIODataset, decode_all
+    from ml.data.dataset import DatasetWriter
+    from ml.data.formats import decode_image, write_recordio
+    from ml.data.records import RecordIODataset, ShardDataset, decode_all
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         rec = root / "train.rec"
         write_recordio(rec, [bank[i % len(bank)] for i in range(n)], labels)
         out["recordio_mb"] = round((rec.stat().st_size + rec.with_suffix(".idx").stat().st_size) / 2**20, 2)
-        # what turning it into an image folder costs: every face decoded, encoded as PNG and written
+        # what turning it into a prepared dataset costs: every face decoded, encoded as PNG and written to its shards
         start, cpu = time.perf_counter(), _cpu_seconds()
         paths = []
-        for i in range(n):
-            rel = f"images/{labels[i]:06d}/{i}.png"
-            file = root / "folder" / rel
-            file.parent.mkdir(parents=True, exist_ok=True)
-            file.write_bytes(encode_image(decode_image(bank[i % len(bank)], source="bench"), "png"))
-            paths.append(rel)
+        with DatasetWriter(root / "folder", name="bench", source="real", aligned=True) as writer:
+            for i in range(n):
+                image = decode_image(bank[i % len(bank)], source="bench")
+                paths.append(writer.add(image, identity=f"{labels[i]:06d}"))
         seconds = time.perf_counter() - start
         out["png_reencode_s"] = round(seconds, 2)
         out["png_reencode_per_cpu_s"] = round(n / (_cpu_seconds() - cpu), 1)
         out["png_folder_mb"] = round(_tree_bytes(root / "folder") / 2**20, 2)
         rows = pd.DataFrame({"path": paths, "label": labels})
         datasets = {"recordio": RecordIODataset(rec, np.arange(1, n + 1), labels),
-                    "folder": FolderDataset(root / "folder", rows)}
+                    "folder": ShardDataset(root / "folder", rows)}
         for w in workers:
             for name, ds in datasets.items():
                 decode_all(ds, num_workers=w, batch_size=256)  # warm the page cache: both read from memory

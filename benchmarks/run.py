@@ -101,7 +101,7 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     ),
     "recordio_vs_folder": (
         "benchmarks.bench_decode:bench_recordio_vs_folder",
-        "3,000 112×112 JPEG faces: re-encoding a RecordIO as a PNG folder (seconds, MB) vs reading it in place; "
+        "3,000 112×112 JPEG faces: re-encoding a RecordIO as a PNG dataset (seconds, MB) vs reading it in place; "
         "DataLoader read images/s of each with 0 and 2 workers",
         "report: in place faster or smaller",
     ),

@@ -40,7 +40,9 @@ app = typer.Typer(
         "* `faceops promote` — publish a model by name (the MLflow registry, artifacts on the same bucket)\n\n"
         "* `faceops data shard /data/casia/train.rec /data/casia-shards` — a RecordIO as WebDataset shards, its "
         "JPEGs kept as they are\n\n"
-        "* `faceops data export /data/casia-shards look --limit 200` — faces of a shard set as image files"
+        "* `faceops data export /data/casia-shards look --limit 200` — faces of a shard set as image files\n\n"
+        "* `faceops data export data/prepared/train look` — a prepared dataset's faces as "
+        "`look/images/<identity>/<n>.png`"
     ),
 )
 
@@ -209,13 +211,19 @@ def shard(
 
 @app.command("export")
 def export(
-    shards: Annotated[str, typer.Argument(help="a shard set: a folder or an fsspec URL such as s3://bucket/path")],
+    shards: Annotated[str, typer.Argument(help="a shard set (a folder or an fsspec URL such as s3://bucket/path) or "
+                                                "a faceops dataset directory such as data/prepared/train")],
     out: Annotated[Path, typer.Argument(help="the folder to write `<key>.<ext>` image files into")],
     limit: Annotated[Optional[int], typer.Option(help="only the first N faces of the index (default: all)")] = None,
 ) -> None:
-    """Write a shard set's faces as image files, for people who want to look."""
+    """Write a shard set's faces as image files, for people who want to look.
+
+    A dataset directory's faces land at their manifest paths (`images/<identity>/<n>.png`) under OUT."""
+    from ml.data.dataset import INFO_FILE, SHARDS_DIR
     from ml.data.shards import export_folder
 
+    if (Path(shards) / INFO_FILE).is_file():
+        shards = str(Path(shards) / SHARDS_DIR)
     with _errors():
         n = export_folder(shards, out, limit=limit)
     typer.echo(f"{n:,} faces → {out}")

@@ -2,20 +2,24 @@
 
 A dataset directory holds::
 
-    images/<identity>/<n>.png   RGB uint8 PNGs, n counts from 0 within each identity
+    shards/faces-NNNNNN.tar     the images as RGB uint8 PNGs in WebDataset tars (``ml.data.shards``), one member
+                                ``images/<identity>/<n>.png`` per image (its manifest ``path``), n counting from 0
+                                within each identity; a few files for any number of images
+    shards/index.parquet        where each image's bytes lie in the shards
     manifest.parquet            one row per image, columns MANIFEST_COLUMNS
     dataset.json                name, source, image size, counts, generator, content digest
     records.parquet             faces ingested from a RecordIO only: the record each image came from
 
 :class:`DatasetWriter` builds the directory under ``.<out>.<pid>.tmp`` and moves it onto ``<out>`` only when
 closed without error, so readers never see a half-written dataset. The content digest is the sha256 over one
-canonical JSON line per image, sorted by path: ``[path, sha256(file bytes), identity, label, split, source,
+canonical JSON line per image, sorted by path: ``[path, sha256(PNG bytes), identity, label, split, source,
 landmarks, quality, template, media, width, height]``. It changes when any pixel, label or annotation changes,
 not when rows are reordered; ``records.parquet`` is outside it. The contract in full: ``docs/data.md``.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -33,12 +37,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ml.atomic import remove_dead_temporaries
+from ml.data import shards as _shards
+from ml.data.digest import digest_line, manifest_digest
 from ml.data.formats import decode_image, encode_image
 from ml.data.manifest import (
     MANIFEST_COLUMNS,
     NUM_LANDMARKS,
     SCHEMA,
-    is_null,
     landmark_values,
     read_manifest,
     validate_manifest_columns,
@@ -59,6 +64,7 @@ __all__ = [
     "load_images",
     "read_dataset_info",
     "read_manifest",
+    "shard_places",
     "validate_manifest_columns",
     "write_manifest",
 ]
@@ -70,7 +76,9 @@ DATASET_INFO_KEYS: tuple[str, ...] = (
 )
 MANIFEST_FILE = "manifest.parquet"
 INFO_FILE = "dataset.json"
-IMAGES_DIR = "images"
+IMAGES_DIR = "images"  # the first part of every image's path (and shard member name)
+SHARDS_DIR = "shards"
+_READ_BLOCK = 2048  # images whose encoded bytes are in memory at once while reading
 _HAS_LANDMARKS, _HAS_TEMPLATE, _HAS_MEDIA = 1, 2, 4  # DatasetWriter's per-image bits: which nullable cells are set
 _ROW_GROUP = 16_384  # manifest rows per Parquet row group as DatasetWriter writes them (memory holds one group)
 
@@ -98,12 +106,72 @@ def read_dataset_info(dataset_dir: str | os.PathLike) -> dict:
 # --------------------------------------------------------------------------------------------------
 
 
-def _progress(items: Iterable, total: int, enabled: bool, desc: str) -> Iterable:
+def _progress(items: Iterable | None, total: int, enabled: bool, desc: str) -> Any:
+    """A tqdm bar over ``items`` (a bar to update by hand when None); ``items`` itself when not ``enabled``."""
     if not enabled:
         return items
     from tqdm.auto import tqdm
 
     return tqdm(items, total=total, desc=desc, unit="img")
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_reader(shards: str, stamp: tuple[int, int, int]) -> _shards.ShardReader:
+    return _shards.ShardReader(shards)
+
+
+def _reader(root: Path) -> _shards.ShardReader:
+    """The dataset's shard set (cached while its index is unchanged: readers of a row at a time stay cheap)."""
+    index = root / SHARDS_DIR / _shards.INDEX_FILE
+    try:
+        st = index.stat()
+    except FileNotFoundError:
+        if (root / IMAGES_DIR).is_dir():
+            raise DataError(f"{root}: its images are loose files, the layout before shards; rebuild the dataset "
+                            "(`dvc repro prepare`)") from None
+        raise DataError(f"{index}: not found; {root} is not a complete faceops dataset, rebuild it with the prepare "
+                        "stage") from None
+    return _cached_reader(str(root / SHARDS_DIR), (st.st_ino, st.st_mtime_ns, st.st_size))
+
+
+def _member_key(rel: str) -> str:
+    return rel.rsplit(".", 1)[0]  # a shard key is the member name without its extension
+
+
+def _locate(root: Path, reader: _shards.ShardReader, manifest: pd.DataFrame) -> np.ndarray:
+    """Index rows of the manifest's paths in the dataset's shard set; a path missing there is named with its row."""
+    rels = [str(r) for r in manifest["path"]]
+    rows = reader.locate([_member_key(r) for r in rels])
+    if (rows < 0).any():
+        at = int(np.argmax(rows < 0))
+        raise DataError(f"{root / rels[at]} (manifest row {manifest.index[at]}): image is missing from "
+                        f"{root / SHARDS_DIR}; restore the dataset (dvc checkout) or rebuild it")
+    return rows
+
+
+def shard_places(dataset_dir: str | os.PathLike, manifest: pd.DataFrame
+                 ) -> tuple[list[Path], np.ndarray, np.ndarray, np.ndarray]:
+    """Where the manifest's images lie: (shard files, (N,) shard number of each row, (N,) byte offsets, (N,) sizes)."""
+    root = Path(dataset_dir)
+    reader = _reader(root)
+    index = reader.index.iloc[_locate(root, reader, manifest)]
+    names, shard_of = np.unique(index["shard"].to_numpy(), return_inverse=True)
+    return ([root / SHARDS_DIR / str(n) for n in names], shard_of.astype(np.int32),
+            index["offset"].to_numpy(np.int64), index["size"].to_numpy(np.int64))
+
+
+def _encoded(root: Path, manifest: pd.DataFrame, desc: str, progress: bool) -> Iterable[tuple[Any, str, bytes]]:
+    """``(manifest index, path, encoded bytes)`` of each row, in manifest order, read from the shards a block at a
+    time."""
+    reader = _reader(root)
+    bar = _progress(None, len(manifest), progress, desc)
+    for lo in range(0, len(manifest), _READ_BLOCK):
+        part = manifest.iloc[lo:lo + _READ_BLOCK]
+        yield from zip(part.index, (str(r) for r in part["path"]), reader.read_rows(_locate(root, reader, part)))
+        if bar is not None:
+            bar.update(len(part))
+    if bar is not None:
+        bar.close()
 
 
 def load_images(
@@ -127,21 +195,17 @@ def load_images(
     out: np.ndarray | None = None
     if size is not None:
         out = np.empty((n, size[0], size[1], 3), dtype=np.uint8)
-    rows = zip(manifest.index, manifest["path"], manifest["width"], manifest["height"])
-    for i, (idx, rel, width, height) in enumerate(_progress(rows, n, progress, f"load {root.name}")):
-        file = root / str(rel)
-        where = f"{file} (manifest row {idx})"
-        try:
-            data = file.read_bytes()
-        except FileNotFoundError:
-            raise DataError(f"{where}: image file is missing; restore it or rebuild the dataset") from None
-        except OSError as exc:
-            raise DataError(f"{where}: cannot read image ({exc})") from exc
+    if n == 0:
+        h, w = size if size is not None else (0, 0)
+        return np.empty((0, h, w, 3), dtype=np.uint8)
+    widths, heights = manifest["width"].to_numpy(), manifest["height"].to_numpy()
+    for i, (idx, rel, data) in enumerate(_encoded(root, manifest, f"load {root.name}", progress)):
+        where = f"{root / rel} (manifest row {idx})"
         img = decode_image(data, source=where)
         h, w = img.shape[:2]
-        if (w, h) != (int(width), int(height)):
-            raise DataError(f"{where}: image is {h}x{w} (HxW) but the manifest says {int(height)}x{int(width)}; "
-                            "the file was replaced, rebuild the dataset")
+        if (w, h) != (int(widths[i]), int(heights[i])):
+            raise DataError(f"{where}: image is {h}x{w} (HxW) but the manifest says {int(heights[i])}x"
+                            f"{int(widths[i])}; the shards were replaced, rebuild the dataset")
         if out is None:
             size = (h, w)
             out = np.empty((n, h, w, 3), dtype=np.uint8)
@@ -149,9 +213,6 @@ def load_images(
             raise DataError(f"{where}: image is {h}x{w} (HxW), expected {size[0]}x{size[1]}; resize or re-align "
                             "the dataset to one size")
         out[i] = img
-    if out is None:  # empty manifest
-        h, w = size if size is not None else (0, 0)
-        out = np.empty((0, h, w, 3), dtype=np.uint8)
     return out
 
 
@@ -170,63 +231,14 @@ def landmarks_array(manifest: pd.DataFrame) -> np.ndarray:
 # --------------------------------------------------------------------------------------------------
 
 
-def _json_value(value: Any) -> Any:
-    if is_null(value):
-        return None
-    if isinstance(value, np.ndarray):
-        return [float(v) for v in value.reshape(-1)]
-    if isinstance(value, (list, tuple)):
-        return [float(v) for v in value]
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    if isinstance(value, Integral):
-        return int(value)
-    if isinstance(value, Real):
-        return float(value)
-    return str(value)
-
-
-def _digest_line(rel: str, file_hash: str, values: Iterable[Any]) -> bytes:
-    """One image's canonical line: ``[path, sha256, *the other manifest columns]`` as compact ASCII JSON + newline."""
-    line = [rel, file_hash, *(_json_value(v) for v in values)]
-    return json.dumps(line, separators=(",", ":"), allow_nan=False, ensure_ascii=True).encode("ascii") + b"\n"
-
-
-def _digest(manifest: pd.DataFrame, file_hashes: dict[str, str]) -> str:
-    columns = [c for c in MANIFEST_COLUMNS if c != "path"]
-    records = []
-    for rel, *values in zip(manifest["path"], *(manifest[c] for c in columns)):
-        rel = str(rel)
-        records.append((rel, _digest_line(rel, file_hashes[rel], values)))
-    h = hashlib.sha256()
-    for _, line in sorted(records):
-        h.update(line)
-    return h.hexdigest()
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def dataset_digest(dataset_dir: str | os.PathLike, *, progress: bool = False) -> str:
     """Content digest of a dataset directory (see the module docstring); equals dataset.json's ``digest``
     while the directory is intact."""
     root = Path(dataset_dir)
     manifest = read_manifest(root / MANIFEST_FILE)
-    hashes: dict[str, str] = {}
-    rows = zip(manifest.index, manifest["path"])
-    for idx, rel in _progress(rows, len(manifest), progress, f"hash {root.name}"):
-        file = root / str(rel)
-        try:
-            hashes[str(rel)] = _file_sha256(file)
-        except FileNotFoundError:
-            raise DataError(f"{file} (manifest row {idx}): image file is missing; restore it or rebuild the "
-                            "dataset") from None
-    return _digest(manifest, hashes)
+    hashes = {rel: hashlib.sha256(data).hexdigest()
+              for _, rel, data in _encoded(root, manifest, f"hash {root.name}", progress)}
+    return manifest_digest(manifest, hashes)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -245,7 +257,7 @@ def _check_identity(identity: Any) -> str:
 _ROW = np.dtype([  # one image's manifest values as DatasetWriter spills them (the path and labels come at close)
     ("code", "<i4"), ("split", "<i4"), ("height", "<i4"), ("width", "<i4"), ("sha", "u1", (32,)),
     ("quality", "<f8"), ("template", "<i8"), ("media", "<i8"), ("known", "u1"),
-    ("landmarks", "<f4", (2 * NUM_LANDMARKS,)),
+    ("landmarks", "<f4", (2 * NUM_LANDMARKS,)), ("shard", "<i4"), ("offset", "<i8"), ("size", "<i8"),
 ])
 
 
@@ -282,7 +294,11 @@ class _RowFile:
             yield np.fromfile(self._file, dtype=_ROW, count=min(size, self.n - lo))
 
     def row(self, r: int) -> np.void:
-        return np.frombuffer(os.pread(self._file.fileno(), _ROW.itemsize, r * _ROW.itemsize), dtype=_ROW)[0]
+        return self.read(r, 1)[0]
+
+    def read(self, lo: int, count: int) -> np.ndarray:
+        """Rows ``lo`` .. ``lo + count - 1`` (after :meth:`blocks` has flushed the buffer)."""
+        return np.frombuffer(os.pread(self._file.fileno(), count * _ROW.itemsize, lo * _ROW.itemsize), dtype=_ROW)
 
     def close(self) -> None:
         self._file.close()
@@ -332,7 +348,8 @@ class DatasetWriter:
         self.tmp_dir = self.out_dir.with_name(f".{self.out_dir.name}.{os.getpid()}.tmp")
         if self.tmp_dir.exists():
             shutil.rmtree(self.tmp_dir)  # left over by a crashed run of a process with our pid
-        (self.tmp_dir / IMAGES_DIR).mkdir(parents=True)
+        self.tmp_dir.mkdir(parents=True)
+        self._shards = _shards.ShardWriter(self.tmp_dir / SHARDS_DIR, prefix="faces", index=False)
         self._closed = False
         self._clear()
 
@@ -347,7 +364,7 @@ class DatasetWriter:
 
     def add(self, image: np.ndarray, *, identity: str, split: str = "train", landmarks: Any = None,
             quality: float | None = None, template: int | None = None, media: int | None = None) -> str:
-        """Save ``image`` (RGB uint8 (H, W, 3)) as PNG and record its row; returns its relative path."""
+        """Append ``image`` (RGB uint8 (H, W, 3)) as a PNG to the shards and record its row; returns its path."""
         if self._closed:
             raise RuntimeError(f"DatasetWriter for {self.out_dir} is closed")
         identity = _check_identity(identity)
@@ -373,9 +390,7 @@ class DatasetWriter:
         data = encode_image(image, "png")
         if self._rows is None:
             self._rows = _RowFile(self.tmp_dir / ".rows")
-        file = self.tmp_dir / rel
-        file.parent.mkdir(exist_ok=True)
-        file.write_bytes(data)
+        place = self._shards.add(_member_key(rel), "png", data)
         if code is None:
             code = self._identities[identity] = len(self._counts)
             self._counts.append(0)
@@ -392,7 +407,7 @@ class DatasetWriter:
             0 if media is None else int(media),
             (_HAS_LANDMARKS if lm is not None else 0) | (_HAS_TEMPLATE if template is not None else 0)
             | (_HAS_MEDIA if media is not None else 0),
-            0.0 if lm is None else lm))
+            0.0 if lm is None else lm, *place))
         return rel
 
     def close(self) -> dict:
@@ -468,6 +483,8 @@ class DatasetWriter:
                 yield pa.RecordBatch.from_arrays(arrays, schema=SCHEMA)
 
         write_parquet_batches(batches(), SCHEMA, self.tmp_dir / MANIFEST_FILE)
+        self._shards.close()
+        self._write_shard_index()
         info = {
             "name": self.name,
             "source": self.source,
@@ -484,6 +501,27 @@ class DatasetWriter:
         (self.tmp_dir / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
         self._move_into_place()
         return info
+
+    def _write_shard_index(self) -> None:
+        """``shards/index.parquet`` from the manifest's paths (read back a row group at a time) and the spilled
+        places: the shards' keys are the paths without ``.png``."""
+        import pyarrow.parquet as pq
+
+        shard_names = pa.array([self._shards.shard_name(k) for k in range(len(self._shards.names))], pa.string())
+        schema = pa.schema([("key", pa.string()), ("ext", pa.string()), ("shard", pa.string()),
+                            ("offset", pa.int64()), ("size", pa.int64())])
+
+        def batches() -> Iterable[pa.RecordBatch]:
+            lo = 0
+            for part in pq.ParquetFile(self.tmp_dir / MANIFEST_FILE).iter_batches(columns=["path"]):
+                rows = self._rows.read(lo, len(part))
+                lo += len(part)
+                keys = pc.replace_substring_regex(part.column(0), r"\.png$", "")
+                yield pa.RecordBatch.from_arrays([
+                    keys, pa.repeat(pa.scalar("png"), len(part)), pc.take(shard_names, pa.array(rows["shard"])),
+                    pa.array(rows["offset"]), pa.array(rows["size"])], schema=schema)
+
+        write_parquet_batches(batches(), schema, self.tmp_dir / SHARDS_DIR / _shards.INDEX_FILE)
 
     def _digest(self, names: list[str], label_of: np.ndarray, codes: np.ndarray) -> str:
         """:func:`dataset_digest` of the directory being written, from the spilled rows (the values a reader of the
@@ -505,7 +543,7 @@ class DatasetWriter:
             for number in name_order[count]:
                 row = self._rows.row(at[number])
                 bits, q = int(row["known"]), float(row["quality"])
-                h.update(_digest_line(_image_path(names[code], number), row["sha"].tobytes().hex(), (
+                h.update(digest_line(_image_path(names[code], number), row["sha"].tobytes().hex(), (
                     names[code], int(label_of[code]), splits[row["split"]], self.source,
                     row["landmarks"].tolist() if bits & _HAS_LANDMARKS else None,
                     None if math.isnan(q) else q,
@@ -538,6 +576,7 @@ class DatasetWriter:
         self._closed = True
         if self._rows is not None:
             self._rows.close()
+        self._shards.abort()
         self._clear()
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
 

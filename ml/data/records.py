@@ -1,4 +1,4 @@
-"""Faces as torch Datasets, decoded in DataLoader workers: a prepared dataset's image files, or the records of the
+"""Faces as torch Datasets, decoded in DataLoader workers: a prepared dataset's shards, or the records of the
 InsightFace RecordIO its faces were ingested from, read in place.
 
 When ``prepare`` ingests a RecordIO it writes, beside each real dataset's manifest, ``records.parquet``: the
@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset
 from ml.data.formats import RecordIOReader, decode_image, unpack_irheader
 from ml.errors import DataError
 
-__all__ = ["RECORDS_FILE", "FolderDataset", "RecordIODataset", "RecordsWriter", "decode_all", "has_records",
+__all__ = ["RECORDS_FILE", "RecordIODataset", "RecordsWriter", "ShardDataset", "decode_all", "has_records",
            "recordio_dataset"]
 
 RECORDS_FILE = "records.parquet"
@@ -86,24 +86,52 @@ class RecordIODataset(Dataset):
         return _to_tensor(image), int(self.labels[index])
 
 
-class FolderDataset(Dataset):
-    """Faces of a prepared dataset directory, one image file per manifest row (``path``, ``label``)."""
+class ShardDataset(Dataset):
+    """Faces of a prepared dataset directory by manifest row (``path``, ``label``), each read from the dataset's
+    shards by its byte range; a process opens each shard once, lazily (nothing open is pickled)."""
 
     def __init__(self, dataset_dir: str | os.PathLike, rows: pd.DataFrame):
+        from ml.data.dataset import shard_places
+
         self.root = Path(dataset_dir)
         self.paths = [str(p) for p in rows["path"]]
         self.labels = rows["label"].to_numpy(dtype=np.int64)
+        self.shards, self.shard_of, self.offsets, self.sizes = shard_places(self.root, rows)
+        self._files: dict[int, int] = {}
+        self._pid = -1
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_files"], state["_pid"] = {}, -1
+        return state
+
+    def __del__(self) -> None:
+        if self._pid == os.getpid():
+            for fd in self._files.values():
+                os.close(fd)
 
     def __len__(self) -> int:
         return len(self.paths)
 
+    def _fd(self, shard: int) -> int:
+        if self._pid != os.getpid():
+            self._files, self._pid = {}, os.getpid()
+        if shard not in self._files:
+            try:
+                self._files[shard] = os.open(self.shards[shard], os.O_RDONLY)
+            except OSError as exc:
+                raise DataError(f"{self.shards[shard]}: cannot open the shard ({exc}); restore the dataset (dvc "
+                                "checkout) or rebuild it") from exc
+        return self._files[shard]
+
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        file = self.root / self.paths[index]
-        try:
-            data = file.read_bytes()
-        except OSError as exc:
-            raise DataError(f"{file}: cannot read image ({exc}); restore it or rebuild the dataset") from exc
-        return _to_tensor(decode_image(data, source=str(file))), int(self.labels[index])
+        shard, size = int(self.shard_of[index]), int(self.sizes[index])
+        where = f"{self.root / self.paths[index]} (in {self.shards[shard].name})"
+        data = os.pread(self._fd(shard), size, int(self.offsets[index]))
+        if len(data) != size:
+            raise DataError(f"{where}: the shard ends before the image's {size} bytes; the shard is truncated: "
+                            "restore the dataset (dvc checkout) or rebuild it")
+        return _to_tensor(decode_image(data, source=where)), int(self.labels[index])
 
 
 def worker_kwargs(num_workers: int, *, persistent: bool = False) -> dict:

@@ -33,11 +33,11 @@ import pandas as pd
 
 from ml.errors import DataError
 
-__all__ = ["INDEX_FILE", "ShardReader", "export_folder", "shard_recordio", "write_shards"]
+__all__ = ["INDEX_COLUMNS", "INDEX_FILE", "ShardReader", "ShardWriter", "export_folder", "shard_recordio", "write_shards"]
 
 INDEX_FILE = "index.parquet"
 MAX_BYTES = 256 * 2**20  # per tar: hundreds of shards for millions of faces, few enough for DVC and S3
-_INDEX_COLUMNS = ("key", "ext", "shard", "offset", "size")
+INDEX_COLUMNS = ("key", "ext", "shard", "offset", "size")
 _OWNER = "faceops"
 
 
@@ -49,54 +49,88 @@ def _check_key(key: str, ext: str) -> None:
         raise DataError(f"shard key {key!r}: extension {ext!r} must be a plain suffix such as 'png' or 'jpg'")
 
 
-def write_shards(items: Iterable[tuple[str, str, bytes]], out_dir: str | os.PathLike, *, prefix: str = "faces-00",
-                 max_bytes: int = MAX_BYTES) -> pd.DataFrame:
-    """Write ``(key, ext, encoded bytes)`` items, in order, into ``out_dir/<prefix>-NNNNNN.tar`` shards of at most
-    ``max_bytes`` each (a face larger than that gets a shard of its own) → the index (``_INDEX_COLUMNS``), also
-    written to ``out_dir/index.parquet``. Keys must be unique. On an error the shards written so far are removed."""
-    import webdataset as wds
+class ShardWriter:
+    """Append ``(key, ext, encoded bytes)`` faces, in order, to ``out_dir/<prefix>-NNNNNN.tar`` shards of at most
+    ``max_bytes`` each (a face larger than that gets a shard of its own); :meth:`close` writes
+    ``out_dir/index.parquet`` and returns the index (``INDEX_COLUMNS``), :meth:`abort` removes what was written.
+    Keys must be unique. Memory holds the index's rows, not the faces; with ``index=False`` not even those: a caller
+    that keeps :meth:`add`'s returned place itself writes the index (``DatasetWriter`` spills it to disk)."""
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    columns: dict[str, list[Any]] = {c: [] for c in _INDEX_COLUMNS}
-    writer = None
-    shard = -1
-    written = 0
-    names: list[str] = []
+    def __init__(self, out_dir: str | os.PathLike, *, prefix: str = "faces-00", max_bytes: int = MAX_BYTES,
+                 index: bool = True) -> None:
+        self.out, self.prefix, self.max_bytes = Path(out_dir), prefix, max_bytes
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._columns: dict[str, list[Any]] | None = {c: [] for c in INDEX_COLUMNS} if index else None
+        self._writer: Any = None
+        self._written = 0  # bytes in the open shard, roughly
+        self.names: list[str] = []  # the shards written, in order
+
+    def shard_name(self, number: int) -> str:
+        return f"{self.prefix}-{number:06d}.tar"
+
+    def add(self, key: str, ext: str, data: bytes) -> tuple[int, int, int]:
+        """Append one face → where its bytes lie: (shard number, byte offset, size)."""
+        import webdataset as wds
+
+        _check_key(key, ext)
+        if self._writer is None or (self._written and self._written + len(data) + 1024 > self.max_bytes):
+            if self._writer is not None:
+                self._writer.close()
+            name = self.shard_name(len(self.names))
+            self.names.append(name)
+            self._written = 0
+            # GNU headers (long names allowed), a fixed mtime, owner and mode: the same faces give the same bytes
+            self._writer = wds.TarWriter(str(self.out / name), encoder=False, mtime=0, user=_OWNER, group=_OWNER,
+                                         mode=0o444, format="GNU_FORMAT")
+        self._writer.write({"__key__": key, ext: bytes(data)})
+        # the member's bytes end where the tar now ends, before their padding to a 512-byte block
+        offset = self._writer.tarstream.offset - math.ceil(len(data) / 512) * 512
+        if self._columns is not None:
+            for column, value in zip(INDEX_COLUMNS, (key, ext, self.names[-1], offset, len(data))):
+                self._columns[column].append(value)
+        self._written += len(data) + 1024  # the member's header and padding, roughly
+        return len(self.names) - 1, offset, len(data)
+
+    def close(self, *, write_index: bool = True) -> pd.DataFrame | None:
+        """Finish the last shard → the index, also written to ``index.parquet`` unless ``write_index`` is False (a
+        caller that merges several writers' indexes); None when the index was not kept."""
+        try:
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
+            if self._columns is None:
+                return None
+            index = pd.DataFrame(self._columns)
+            if index["key"].duplicated().any():
+                raise DataError(f"{self.out}: key {index['key'][index['key'].duplicated()].iloc[0]!r} was written "
+                                "twice")
+            if write_index:
+                index.to_parquet(self.out / INDEX_FILE, index=False)
+        except BaseException:
+            self.abort()
+            raise
+        return index
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        for name in self.names:
+            (self.out / name).unlink(missing_ok=True)
+
+
+def write_shards(items: Iterable[tuple[str, str, bytes]], out_dir: str | os.PathLike, *, prefix: str = "faces-00",
+                 max_bytes: int = MAX_BYTES, index: bool = True) -> pd.DataFrame:
+    """:class:`ShardWriter` over ``items`` → the index (also written to ``out_dir/index.parquet`` unless ``index`` is
+    False: a caller that merges several writers' indexes). On an error the shards written so far are removed."""
+    writer = ShardWriter(out_dir, prefix=prefix, max_bytes=max_bytes)
     try:
         for key, ext, data in items:
-            _check_key(key, ext)
-            if writer is None or (written and written + len(data) + 1024 > max_bytes):
-                if writer is not None:
-                    writer.close()
-                shard += 1
-                written = 0
-                name = f"{prefix}-{shard:06d}.tar"
-                names.append(name)
-                # GNU headers (long names allowed), a fixed mtime, owner and mode: the same faces give the same bytes
-                writer = wds.TarWriter(str(out / name), encoder=False, mtime=0, user=_OWNER, group=_OWNER,
-                                       mode=0o444, format="GNU_FORMAT")
-            writer.write({"__key__": key, ext: bytes(data)})
-            # the member's bytes end where the tar now ends, before their padding to a 512-byte block
-            end = writer.tarstream.offset
-            offset = end - math.ceil(len(data) / 512) * 512
-            for column, value in zip(_INDEX_COLUMNS, (key, ext, name, offset, len(data))):
-                columns[column].append(value)
-            written += len(data) + 1024  # the member's header and padding, roughly
-        if writer is not None:
-            writer.close()
-            writer = None
-        index = pd.DataFrame(columns)
-        if index["key"].duplicated().any():
-            raise DataError(f"{out}: key {index['key'][index['key'].duplicated()].iloc[0]!r} was written twice")
+            writer.add(key, ext, data)
+        return writer.close(write_index=index)
     except BaseException:
-        if writer is not None:
-            writer.close()
-        for written_name in names:
-            (out / written_name).unlink(missing_ok=True)
+        writer.abort()
         raise
-    index.to_parquet(out / INDEX_FILE, index=False)
-    return index
 
 
 def _fs(url: str) -> tuple[Any, str]:
@@ -117,7 +151,7 @@ class ShardReader:
                 self.index = pd.read_parquet(f)
         except FileNotFoundError:
             raise DataError(f"{self.url}: no {INDEX_FILE}; not a shard set (write it with write_shards)") from None
-        missing = [c for c in _INDEX_COLUMNS if c not in self.index.columns]
+        missing = [c for c in INDEX_COLUMNS if c not in self.index.columns]
         if missing:
             raise DataError(f"{self.url}/{INDEX_FILE}: columns {missing} are missing; rewrite the shard set")
         self._row = pd.Index(self.index["key"])
@@ -129,8 +163,12 @@ class ShardReader:
     def shards(self) -> list[str]:
         return sorted(self.index["shard"].unique())
 
+    def locate(self, keys: Sequence[str]) -> np.ndarray:
+        """Index rows of ``keys`` (int64, -1 where a key is not in the index)."""
+        return self._row.get_indexer(list(keys))
+
     def _rows(self, keys: Sequence[str]) -> np.ndarray:
-        rows = self._row.get_indexer(list(keys))
+        rows = self.locate(keys)
         if (rows < 0).any():
             raise DataError(f"{self.url}: key {list(keys)[int(np.argmax(rows < 0))]!r} is not in {INDEX_FILE}")
         return rows
@@ -140,11 +178,19 @@ class ShardReader:
 
     def read_many(self, keys: Sequence[str]) -> list[bytes]:
         """The encoded bytes of ``keys``, in their order; each shard is opened once and read in offset order."""
-        rows = self._rows(keys)
+        return self.read_rows(self._rows(keys))
+
+    def read_rows(self, rows: np.ndarray) -> list[bytes]:
+        """The encoded bytes of index rows ``rows``, in their order (see :meth:`read_many`)."""
         out: list[bytes | None] = [None] * len(rows)
         part = self.index.iloc[rows].assign(_at=np.arange(len(rows)))
         for shard, group in part.sort_values(["shard", "offset"]).groupby("shard", sort=False):
-            with self.fs.open(f"{self.root}/{shard}", "rb") as f:
+            try:
+                f = self.fs.open(f"{self.root}/{shard}", "rb")
+            except FileNotFoundError:
+                raise DataError(f"{self.url}/{shard}: the shard is missing; restore it (dvc checkout) or write the "
+                                "shard set again") from None
+            with f:
                 for at, offset, size, key in zip(group["_at"], group["offset"], group["size"], group["key"]):
                     f.seek(int(offset))
                     data = f.read(int(size))
@@ -240,7 +286,7 @@ def _shard_keys(rec: str, keys: np.ndarray, out: str, prefix: str, max_bytes: in
             yield f"{label}/{int(key)}", _image_ext(payload, where), payload
 
     with reader:
-        index = write_shards(items(), Path(out) / f".{prefix}", prefix=prefix, max_bytes=max_bytes)
+        index = write_shards(items(), out, prefix=prefix, max_bytes=max_bytes, index=False)
     index["label"] = labels
     return index
 
@@ -271,12 +317,6 @@ def shard_recordio(rec_path: str | os.PathLike, out_dir: str | os.PathLike, *, w
         else:
             with ProcessPoolExecutor(workers) as pool:
                 indexes = list(pool.map(_shard_keys, *zip(*jobs)))
-        for w in range(workers):  # each writer's shards up from its own folder, then one index for all
-            part_dir = tmp / f".faces-{w:02d}"
-            for tar in sorted(part_dir.glob("*.tar")):
-                tar.replace(tmp / tar.name)
-            (part_dir / INDEX_FILE).unlink()
-            part_dir.rmdir()
         index = pd.concat(indexes, ignore_index=True)
         index.to_parquet(tmp / INDEX_FILE, index=False)
         if out.exists():

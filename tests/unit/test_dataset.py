@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+import tarfile
 
 import numpy as np
 import pandas as pd
@@ -30,6 +32,11 @@ def _img(seed: int, h: int = 12, w: int = 10) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
 
 
+def _members(out) -> list[str]:
+    with tarfile.open(out / "shards" / "faces-000000.tar") as tar:
+        return tar.getnames()
+
+
 def _write(out, *, tweak_pixel: bool = False, generator=None):
     """Five images of three identities added out of sorted order."""
     with DatasetWriter(out, name="toy", source="procedural", aligned=True, generator=generator) as w:
@@ -46,11 +53,16 @@ def _write(out, *, tweak_pixel: bool = False, generator=None):
 def test_writer_layout_labels_and_dtypes(tmp_path):
     out = _write(tmp_path / "ds")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]  # no temp dir left
-    assert sorted(p.name for p in out.iterdir()) == ["dataset.json", "images", "manifest.parquet"]
+    assert sorted(p.name for p in out.iterdir()) == ["dataset.json", "manifest.parquet", "shards"]
     m = read_manifest(out / "manifest.parquet")
     assert tuple(m.columns) == MANIFEST_COLUMNS
     assert m["path"].tolist() == ["images/zoe/0.png", "images/adam/0.png", "images/mia/0.png",
                                   "images/adam/1.png", "images/zoe/1.png"]
+    # the images are one tar's members, named by their manifest paths, in the order they were added
+    assert sorted(p.name for p in (out / "shards").iterdir()) == ["faces-000000.tar", "index.parquet"]
+    assert _members(out) == m["path"].tolist()
+    index = pd.read_parquet(out / "shards" / "index.parquet")
+    assert index["key"].tolist() == [p[:-len(".png")] for p in m["path"]] and set(index["ext"]) == {"png"}
     # labels contiguous 0..K-1 by sorted identity
     assert m["label"].tolist() == [2, 0, 1, 0, 2]
     assert m["label"].dtype == np.int64 and m["width"].dtype == np.int64 and m["height"].dtype == np.int64
@@ -129,7 +141,9 @@ def test_writer_streams_the_manifest_in_row_groups_with_the_same_rows(tmp_path, 
     assert [None if v is None else v.tolist() for v in groups] == [None if v is None else v.tolist() for v in
                                                                    whole["landmarks"]]
     assert read_dataset_info(out)["digest"] == read_dataset_info(tmp_path / "whole")["digest"] == dataset_digest(out)
-    assert sorted(p.name for p in out.iterdir()) == ["dataset.json", "images", "manifest.parquet"]  # rows not kept
+    assert sorted(p.name for p in out.iterdir()) == ["dataset.json", "manifest.parquet", "shards"]  # rows not kept
+    pd.testing.assert_frame_equal(pd.read_parquet(out / "shards" / "index.parquet"),
+                                  pd.read_parquet(tmp_path / "whole" / "shards" / "index.parquet"))
 
 
 def test_writer_digest_sorts_like_the_paths(tmp_path):
@@ -165,7 +179,7 @@ def test_exception_keeps_existing_dataset_and_close_replaces_it(tmp_path):
     with DatasetWriter(out, name="new", source="real", aligned=False) as w:
         w.add(_img(9), identity="other")
     assert read_dataset_info(out)["name"] == "new"
-    assert sorted(p.relative_to(out).as_posix() for p in (out / "images").rglob("*.png")) == ["images/other/0.png"]
+    assert _members(out) == ["images/other/0.png"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
 
 
@@ -236,41 +250,61 @@ def test_load_images_wrong_size_names_file(tmp_path):
         load_images(out, m, expected_size=(16, 16))
 
 
-def test_load_images_truncated_png_names_file(tmp_path):
+def _overwrite_member(out, path: str, data: bytes) -> None:
+    """Replace the bytes of ``path``'s shard member in place (same length), as a corrupted disk would."""
+    row = pd.read_parquet(out / "shards" / "index.parquet").set_index("key").loc[path[:-len(".png")]]
+    assert len(data) == row["size"]
+    with open(out / "shards" / row["shard"], "r+b") as f:
+        f.seek(int(row["offset"]))
+        f.write(data)
+
+
+def test_load_images_corrupt_or_missing_face_names_it(tmp_path):
     out = _write(tmp_path / "ds")
     m = read_manifest(out / "manifest.parquet")
-    file = out / "images" / "mia" / "0.png"
-    file.write_bytes(file.read_bytes()[:60])
+    index_file = out / "shards" / "index.parquet"
+    index = pd.read_parquet(index_file)
+    size = int(index.loc[index["key"] == "images/mia/0", "size"].iloc[0])
+    _overwrite_member(out, "images/mia/0.png", b"\x89PNG" + b"\0" * (size - 4))
     with pytest.raises(DataError, match=r"images/mia/0\.png \(manifest row 2\).*cannot decode"):
         load_images(out, m)
-    file.unlink()
-    with pytest.raises(DataError, match=r"images/mia/0\.png \(manifest row 2\).*missing"):
+    index[index["key"] != "images/mia/0"].to_parquet(index_file, index=False)
+    with pytest.raises(DataError, match=r"images/mia/0\.png \(manifest row 2\).*missing from .*shards"):
         load_images(out, m)
     with pytest.raises(DataError, match=r"images/mia/0\.png.*missing"):
         dataset_digest(out)
 
 
-def test_load_images_replaced_file_disagrees_with_manifest(tmp_path):
+def test_load_images_truncated_or_lost_shard_names_it(tmp_path):
     out = _write(tmp_path / "ds")
     m = read_manifest(out / "manifest.parquet")
-    from ml.data.formats import encode_image
-
-    (out / "images" / "adam" / "1.png").write_bytes(encode_image(_img(0, 6, 6), "png"))
-    with pytest.raises(DataError, match=r"adam/1\.png \(manifest row 3\).*manifest says 12x10"):
+    tar = out / "shards" / "faces-000000.tar"
+    tar.write_bytes(tar.read_bytes()[:2000])
+    with pytest.raises(DataError, match=r"faces-000000\.tar: 'images/.*' needs \d+ bytes.*truncated"):
+        load_images(out, m)
+    tar.unlink()
+    with pytest.raises(DataError, match=r"faces-000000\.tar: the shard is missing; restore it"):
         load_images(out, m)
 
 
-def test_write_manifest_round_trip_and_atomicity(tmp_path):
+def test_load_images_refuses_the_loose_file_layout(tmp_path):
     out = _write(tmp_path / "ds")
     m = read_manifest(out / "manifest.parquet")
-    m["extra"] = np.arange(len(m))
-    write_manifest(m, tmp_path / "copy.parquet")
-    back = read_manifest(tmp_path / "copy.parquet")
-    assert back["extra"].tolist() == list(range(5))
-    pd.testing.assert_frame_equal(back.drop(columns="landmarks"), m.drop(columns="landmarks"))
-    bad = m.copy()
-    bad.loc[2, "label"] = None
-    with pytest.raises(DataError, match="'label' is null in row 2"):
-        write_manifest(bad, tmp_path / "bad.parquet")
-    assert not (tmp_path / "bad.parquet").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy.parquet", "ds"]
+    shutil.rmtree(out / "shards")
+    with pytest.raises(DataError, match=r"index\.parquet: not found; .*not a complete faceops dataset"):
+        load_images(out, m)
+    (out / "images" / "zoe").mkdir(parents=True)
+    with pytest.raises(DataError, match=r"loose files, the layout before shards; rebuild"):
+        load_images(out, m)
+
+
+def test_load_images_replaced_shards_disagree_with_manifest(tmp_path):
+    out = _write(tmp_path / "ds")
+    m = read_manifest(out / "manifest.parquet")
+    with DatasetWriter(tmp_path / "small", name="toy", source="procedural", aligned=True) as w:
+        for i, ident in enumerate(["zoe", "adam", "mia", "adam", "zoe"]):
+            w.add(_img(i, 6, 6), identity=ident)
+    shutil.rmtree(out / "shards")
+    shutil.copytree(tmp_path / "small" / "shards", out / "shards")
+    with pytest.raises(DataError, match=r"zoe/0\.png \(manifest row 0\).*manifest says 12x10"):
+        load_images(out, m)

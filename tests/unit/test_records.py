@@ -14,7 +14,7 @@ from ml.data.dataset import load_images, read_manifest
 from ml.data.formats import encode_image, ingest_image_folder, write_recordio
 from ml.data.records import (
     RECORDS_FILE,
-    FolderDataset,
+    ShardDataset,
     RecordIODataset,
     RecordsWriter,
     decode_all,
@@ -48,13 +48,13 @@ def test_recordio_read_in_place_with_workers_equals_the_png_folder(ingested):
     for d in (paths.train_set, paths.heldout_set, paths.discovery_set):
         assert has_records(d)
         rows = read_manifest(d / "manifest.parquet")
-        folder_images, folder_labels = decode_all(FolderDataset(d, rows), num_workers=2, batch_size=7)
+        shard_images, shard_labels = decode_all(ShardDataset(d, rows), num_workers=2, batch_size=7)
         rec_images, rec_labels = decode_all(recordio_dataset(d, rows, image_size=64), num_workers=2, batch_size=7)
         assert rec_images.shape == (len(rows), 64, 64, 3) and rec_images.dtype == np.uint8
-        np.testing.assert_array_equal(rec_images, folder_images)  # PNG is lossless: the very pixels ingest wrote
-        np.testing.assert_array_equal(rec_labels, folder_labels)
+        np.testing.assert_array_equal(rec_images, shard_images)  # PNG is lossless: the very pixels ingest wrote
+        np.testing.assert_array_equal(rec_labels, shard_labels)
         np.testing.assert_array_equal(rec_labels, rows["label"].to_numpy())
-        np.testing.assert_array_equal(folder_images, load_images(d, rows))
+        np.testing.assert_array_equal(shard_images, load_images(d, rows))
 
 
 def test_dataset_pickles_after_use_and_reopens_per_process(ingested):

@@ -147,6 +147,23 @@ def test_faceops_data_shard_and_export_from_the_command_line(tmp_path):
     assert result.exit_code == 2 and "not empty" in result.output
 
 
+def test_faceops_data_export_of_a_dataset_directory_writes_its_manifest_paths(tmp_path):
+    from typer.testing import CliRunner
+
+    from faceops.cli import app
+    from ml.data.dataset import DatasetWriter, load_images, read_manifest
+
+    rng = np.random.default_rng(0)
+    with DatasetWriter(tmp_path / "ds", name="toy", source="real", aligned=True) as w:
+        for i in range(6):
+            w.add(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8), identity=("ann", "bob")[i % 2])
+    result = CliRunner().invoke(app, ["data", "export", str(tmp_path / "ds"), str(tmp_path / "look")])
+    assert result.exit_code == 0 and "6 faces" in result.output, result.output
+    manifest = read_manifest(tmp_path / "ds" / "manifest.parquet")
+    written = [np.asarray(Image.open(tmp_path / "look" / p)) for p in manifest["path"]]
+    np.testing.assert_array_equal(np.stack(written), load_images(tmp_path / "ds", manifest))
+
+
 def test_read_and_stream_a_shard_set_from_s3(tmp_path, monkeypatch):
     """The same reader over an S3 URL (moto on loopback): random access by byte range and the epoch stream."""
     import boto3
