@@ -12,7 +12,9 @@ after every epoch as ``val/accuracy``, a curve beside ``train/*``. The model is 
 new ``faceops-fr`` version with alias ``candidate``, tagged with its training source and data digest.
 
 Faces ingested from a RecordIO are read from it in place (``data.train_reader``: ``auto``, the default, does so
-whenever ``prepare`` recorded the records; ``png`` reads the prepared PNG copies), decoded in DataLoader workers.
+whenever ``prepare`` recorded the records; ``png`` reads the prepared PNGs from the dataset's shards), decoded in
+DataLoader workers. With ``fr.stream`` no face is held decoded: ``fr.num_workers`` DataLoader workers decode each
+batch's faces from the shards (or the RecordIO) every epoch, for sets larger than memory; same batches, same model.
 A KP-RPE backbone reads each face's landmarks from the manifest, or for real faces (ingested without landmarks)
 the ones the ``align`` stage predicted with the DFA aligner; ``config.json`` records which (``keypoints_source``)
 and ``train/keypoints_from_aligner`` the share of training images whose keypoints were predicted.
@@ -114,23 +116,40 @@ def validation_rows(parts: list[tuple[Path, Any]]) -> list[tuple[Path, Any]]:
 READER_MIN_IMAGES = 16384
 
 
-def load_rows(dataset_dir: Path, rows: Any, data: DataConfig, *, progress: bool = False) -> Any:
-    """uint8 (N, S, S, 3) faces of ``rows``: from the RecordIO they were ingested from when ``data.train_reader``
-    says so (``auto``: whenever the dataset records one), decoded by as many DataLoader workers as the stage has
-    cores; otherwise from the dataset's PNG files. Both give the same pixels."""
-    from ml.data.dataset import load_images
-    from ml.data.records import decode_all, has_records, recordio_dataset
-    from tasks.common import stage_cores
+def _reader(dataset_dir: Path, data: DataConfig) -> str:
+    """``data.train_reader`` resolved for ``dataset_dir``: ``recordio`` or ``png`` (the dataset's own shards)."""
+    from ml.data.records import has_records
 
     reader = data.train_reader
     if reader == "auto":
-        reader = "recordio" if has_records(dataset_dir) else "png"
-    if reader == "png":
-        return load_images(dataset_dir, rows, expected_size=(data.image_size, data.image_size), progress=progress)
-    if not has_records(dataset_dir):
+        return "recordio" if has_records(dataset_dir) else "png"
+    if reader == "recordio" and not has_records(dataset_dir):
         raise DataError(f"data.train_reader is 'recordio' but {dataset_dir} was not ingested from a RecordIO "
                         "(no records.parquet); use data.train_reader: auto or png")
-    dataset = recordio_dataset(dataset_dir, rows, image_size=data.image_size)
+    return reader
+
+
+def face_dataset(dataset_dir: Path, rows: Any, data: DataConfig) -> Any:
+    """The faces of ``rows`` as a Dataset decoded on access (``fr.stream``): the RecordIO they were ingested from
+    or the dataset's shards, as ``data.train_reader`` says."""
+    from ml.data.records import ShardDataset, recordio_dataset
+
+    if _reader(dataset_dir, data) == "recordio":
+        return recordio_dataset(dataset_dir, rows, image_size=data.image_size)
+    return ShardDataset(dataset_dir, rows)
+
+
+def load_rows(dataset_dir: Path, rows: Any, data: DataConfig, *, progress: bool = False) -> Any:
+    """uint8 (N, S, S, 3) faces of ``rows``: from the RecordIO they were ingested from when ``data.train_reader``
+    says so (``auto``: whenever the dataset records one), decoded by as many DataLoader workers as the stage has
+    cores; otherwise from the dataset's shards. Both give the same pixels."""
+    from ml.data.dataset import load_images
+    from ml.data.records import decode_all
+    from tasks.common import stage_cores
+
+    if _reader(dataset_dir, data) == "png":
+        return load_images(dataset_dir, rows, expected_size=(data.image_size, data.image_size), progress=progress)
+    dataset = face_dataset(dataset_dir, rows, data)
     workers = stage_cores() if len(rows) >= READER_MIN_IMAGES else 0
     log.info("reading %d faces of %s in place from %s (%d workers)", len(rows), dataset_dir.name, dataset.rec_path,
              workers)
@@ -163,7 +182,12 @@ def run(cfg: FRConfig, data: DataConfig, paths: Paths, *, source: str = "real", 
 
     parts, digest, data_source = training_rows(paths, source)
     model_dir = paths.fr_model(source)
-    images = np.concatenate([load_rows(d, r, data, progress=True) for d, r in parts])
+    if cfg.stream:  # decoded by the DataLoader's workers each epoch, never held: sets larger than memory
+        from torch.utils.data import ConcatDataset
+
+        images = ConcatDataset([face_dataset(d, r, data) for d, r in parts])
+    else:
+        images = np.concatenate([load_rows(d, r, data, progress=True) for d, r in parts])
     rows = pd.concat([r for _, r in parts], ignore_index=True)
     labels = rows["label"].to_numpy()
     val_parts = validation_rows(parts)

@@ -58,6 +58,7 @@ class FRConfig:
     num_nodes: int = 1
     strategy: str = "auto"  # | "ddp" | "ddp_spawn"; several devices or nodes always run DDP
     compile: bool = False  # torch.compile the training forward and (on an accelerator) the kprpe augmentation
+    stream: bool = False  # decode the training faces from the dataset's shards in DataLoader workers every epoch
 
     def __post_init__(self) -> None:
         if self.backbone not in BACKBONES:

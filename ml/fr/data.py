@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Sampler
+from torch.utils.data import Dataset, Sampler
 
 from ml.errors import DataError
 from ml.fr.backbones.vit import INPUT_CONTRACT
@@ -27,6 +27,7 @@ from ml.train.checkpoint import mix_seed
 
 __all__ = [
     "EpochSampler",
+    "LabelledFaces",
     "augment_batch",
     "check_keypoints",
     "images_to_tensor",
@@ -122,6 +123,28 @@ class EpochSampler(Sampler[int]):
         gen = torch.Generator().manual_seed(_mix_seed(self.seed, self.epoch))
         perm = torch.randperm(self.n, generator=gen)
         return iter(perm[rank::world][: self.n // world].tolist())
+
+
+class LabelledFaces(Dataset):
+    """Training items of a dataset of decoded faces (``faces[i]`` → (uint8 (H, W, 3) tensor, anything), e.g.
+    ``ml.data.records.ShardDataset``, decoded in the DataLoader's workers): ``(uint8 (3, H, W), int64 label)`` and,
+    with ``keypoints`` (N, 5, 2), the face's keypoints: the items a ``TensorDataset`` of the decoded arrays gives, so
+    the two paths train the same model."""
+
+    def __init__(self, faces: Dataset, labels: np.ndarray, keypoints: np.ndarray | None = None) -> None:
+        self.faces, self.labels = faces, torch.from_numpy(np.asarray(labels, dtype=np.int64))
+        self.keypoints = None if keypoints is None else torch.from_numpy(keypoints)
+        if len(faces) != len(self.labels):  # type: ignore[arg-type]
+            raise DataError(f"{len(faces)} faces for {len(self.labels)} labels")  # type: ignore[arg-type]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        image = self.faces[index][0].permute(2, 0, 1).contiguous()
+        if self.keypoints is None:
+            return image, self.labels[index]
+        return image, self.labels[index], self.keypoints[index]
 
 
 def _check_images(images: np.ndarray, what: str = "images") -> None:

@@ -32,7 +32,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 from tqdm.auto import tqdm
 
 from ml.data.records import worker_kwargs
@@ -47,6 +47,7 @@ from ml.train.checkpoint import check_resume, resume_path
 from ml.fr.config import AUGMENT_RECIPES, HEAD_MARGINS, PRECISIONS, SCHEDULES, STRATEGIES, FRConfig
 from ml.fr.data import (
     EpochSampler,
+    LabelledFaces,
     _check_images,
     _check_labels,
     augment_batch,
@@ -160,9 +161,18 @@ def _val_tensors(val: tuple[np.ndarray, ...], size: int, num_classes: int, backb
             torch.from_numpy(labels.astype(np.int64)), keypoints)
 
 
+def _streamed_size(faces: Dataset) -> int:
+    """The side of the square faces of a streamed dataset, from its first face (the gate checked every size)."""
+    image = faces[0][0]
+    if image.dtype != torch.uint8 or image.ndim != 3 or image.shape[2] != 3 or image.shape[0] != image.shape[1]:
+        raise DataError(f"streamed faces must be square uint8 (H, W, 3) tensors, got {image.dtype} "
+                        f"{tuple(image.shape)}")
+    return int(image.shape[0])
+
+
 def train_fr(
     cfg: FRConfig,
-    images: np.ndarray,
+    images: np.ndarray | Dataset,
     labels: np.ndarray,
     *,
     loggers: Any = None,
@@ -175,6 +185,10 @@ def train_fr(
     val: tuple[np.ndarray, ...] | None = None,
 ) -> FRResult:
     """Fit ``cfg.backbone`` on uint8 RGB ``images`` (N, H, W, 3) with contiguous integer ``labels`` (N,).
+
+    ``images`` may instead be a dataset of N faces decoded on access (``faces[i][0]``: uint8 (H, W, 3) tensor, e.g.
+    ``ml.data.records.ShardDataset``; ``fr.stream``): the DataLoader's ``fr.num_workers`` workers decode each
+    epoch's faces, nothing is held decoded, and the batches (hence the model) are those of the decoded array.
 
     KP-RPE backbones also need ``keypoints`` (N, 5, 2): pixel landmarks in ArcFace order.
 
@@ -192,9 +206,14 @@ def train_fr(
     ``TrainingError`` naming the global step and the last good checkpoint.
     """
     start = time.perf_counter()
-    _check_images(images)
-    labels = _check_labels(labels, images.shape[0])
-    n, size = images.shape[0], images.shape[1]
+    streamed = not isinstance(images, np.ndarray)
+    if streamed:
+        n = len(images)  # type: ignore[arg-type]
+        size = _streamed_size(images) if n else 0
+    else:
+        _check_images(images)
+        n, size = images.shape[0], images.shape[1]
+    labels = _check_labels(labels, n)
     if n < 2:
         raise DataError(f"training needs at least 2 images, got {n}")
     check_device("fr", cfg.accelerator, cfg.precision)
@@ -207,12 +226,13 @@ def train_fr(
 
     lightning.seed_everything(cfg.seed, workers=True, verbose=False)
     backbone = build_backbone(cfg.backbone, **kwargs)
-    tensors = [
-        torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).contiguous(),  # uint8 (N, 3, H, W)
-        torch.from_numpy(labels),
-    ]
-    if needs_keypoints(backbone):
-        tensors.append(torch.from_numpy(check_keypoints(keypoints, n, cfg.backbone)))
+    keypoints = check_keypoints(keypoints, n, cfg.backbone) if needs_keypoints(backbone) else None
+    if streamed:
+        dataset: Dataset = LabelledFaces(images, labels, keypoints)  # type: ignore[arg-type]
+    else:
+        dataset = TensorDataset(
+            torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).contiguous(),  # uint8 (N, 3, H, W)
+            torch.from_numpy(labels), *([] if keypoints is None else [torch.from_numpy(keypoints)]))
     num_classes = int(labels.max()) + 1
     info = {
         "backbone": cfg.backbone,
@@ -231,7 +251,7 @@ def train_fr(
     batch_size = min(cfg.batch_size, per_rank)
     steps_per_epoch = per_rank // batch_size  # drop_last: a batch of 1 would break BatchNorm
     loader = DataLoader(
-        TensorDataset(*tensors),
+        dataset,
         batch_size=batch_size,
         sampler=EpochSampler(n, cfg.seed),
         drop_last=True,

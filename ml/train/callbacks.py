@@ -166,6 +166,21 @@ class Fitted:
     precision: str = "32-true"  # what the trainer ran in ("auto" resolved)
 
 
+class _ResumedEpoch(Callback):
+    """Tells the training sampler which epoch a resumed run starts in, as the checkpoint is loaded. Lightning creates
+    the first epoch's DataLoader iterator before it calls the sampler's ``set_epoch``, and with workers that iterator
+    draws its first batches at once: a resumed run would replay epoch 0's order (a fresh run starts at epoch 0, so it
+    alone was right). Lightning then sets the same epoch itself."""
+
+    def __init__(self, sampler: Any) -> None:
+        self.sampler = sampler
+
+    def on_load_checkpoint(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
+        self.sampler.set_epoch(int(progress.get("processed", checkpoint.get("epoch", -1) + 1)))
+
+
 def fit(
     module: lightning.LightningModule,
     loader: DataLoader,
@@ -203,6 +218,9 @@ def fit(
         log.info("%s.precision auto: training in %s", section, precision)
     deterministic_algorithms()
     own: list[Callback] = [history]
+    sampler = loader.sampler if hasattr(loader.sampler, "set_epoch") else getattr(loader.batch_sampler, "sampler", None)
+    if ckpt_path is not None and hasattr(sampler, "set_epoch"):
+        own.append(_ResumedEpoch(sampler))
     if run_info is not None:
         own.append(RunInfo(*run_info))
     after = [_AfterCheckpoint(c) for c in after_checkpoint] if checkpoint_dir is not None else list(after_checkpoint)

@@ -87,6 +87,33 @@ def test_resume_gives_the_weights_of_an_uninterrupted_run(resumed):
         assert x["val/accuracy"] == y["val/accuracy"]
 
 
+def test_a_run_streamed_from_shards_resumes_to_the_in_memory_runs_weights(resumed, tmp_path):
+    """``fr.stream``: the faces stay PNGs in a dataset's shards, decoded by two DataLoader workers per batch; stopped
+    after two epochs and resumed, the run ends with the weights of the uninterrupted in-memory run (with workers, the
+    resumed epoch's first batches are drawn before Lightning sets the sampler's epoch: ``fit`` sets it first)."""
+    from ml.data.dataset import DatasetWriter, read_manifest
+    from ml.data.records import ShardDataset
+
+    images, labels, full, *_ = resumed
+    with DatasetWriter(tmp_path / "faces", name="toy", source="procedural", aligned=True) as w:
+        for image, label in zip(images, labels):
+            w.add(image, identity=f"id{label:02d}")
+    faces = ShardDataset(tmp_path / "faces", read_manifest(tmp_path / "faces" / "manifest.parquet"))
+    np.testing.assert_array_equal(faces.labels, labels)
+    cfg = dataclasses.replace(RESUME_CFG, stream=True, num_workers=2)
+    val = (images[::4], labels[::4])
+    first = train_fr(cfg, faces, labels, progress=False, backbone_overrides=RESUME_OVERRIDES,
+                     checkpoint_dir=tmp_path / "ckpt", callbacks=[stop_after(2)], val=val)
+    second = train_fr(cfg, faces, labels, progress=False, backbone_overrides=RESUME_OVERRIDES,
+                      checkpoint_dir=tmp_path / "ckpt", resume=True, val=val)
+    assert [r["epoch"] for r in first.history] == [0, 1] and len(second.history) == 4
+    a, b = full.model.state_dict(), second.model.state_dict()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], atol=1e-6, rtol=0, msg=key)
+    with pytest.raises(DataError, match=r"labels must be integers of shape \(64,\)"):
+        train_fr(cfg, faces, labels[:-1], progress=False, backbone_overrides=RESUME_OVERRIDES)
+
+
 def test_partial_fc_lvface_step_schedule_and_clipping(resumed):
     *_, full, _, _, _, probe = resumed
     head = probe.head
