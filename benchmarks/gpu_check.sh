@@ -3,7 +3,8 @@
 #   1. every trainer's "it learns" test (FR, DFA aligner, CAFace, FaceGCD, UIFace autoencoder and UNet) on the GPU in
 #      32-true, bf16-mixed and 16-mixed: the same assertions as on the CPU (tests/conftest.py TRAIN_DEVICE); 32-true
 #      first, so that a failure in mixed precision is told apart from one of the device;
-#   2. the benchmarks gpu_trainers (bf16-mixed), fr112_bound, gpu_trainers_fp16, gpu_trainers_fp32 and caface_paths,
+#   2. the benchmarks gpu_trainers (bf16-mixed), fr112_bound, uiface112, fr112_stream, gpu_trainers_fp16,
+#      gpu_trainers_fp32 and caface_paths,
 #      each written to benchmarks/results.json and results.md as soon as it ends.
 # Usage: benchmarks/gpu_check.sh [DIR]   (DIR receives each step's log and a copy of the results; default: no copy)
 # PYTHON picks the interpreter (default python3). Exit status 1 when any step failed; every step runs regardless.
@@ -43,6 +44,8 @@ step learns_fp32 learns 32-true
 step learns_bf16 learns bf16-mixed
 step bench_bf16 "$python" -m benchmarks gpu_trainers
 step fr112_bound "$python" -m benchmarks fr112_bound
+step uiface112 "$python" -m benchmarks uiface112
+step fr112_stream "$python" -m benchmarks fr112_stream
 step learns_fp16 learns 16-mixed
 step bench_fp16 "$python" -m benchmarks gpu_trainers_fp16
 step bench_fp32 "$python" -m benchmarks gpu_trainers_fp32

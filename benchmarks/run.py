@@ -166,6 +166,18 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
         "train_fr at the real-112 preset with fr.compile true (the preset) vs false: images/s and MFU of the whole fit",
         "report",
     ),
+    "uiface112": (
+        "benchmarks.bench_gpu_scale:bench_uiface112",
+        "UIFace at the real-112 preset (112-px faces, 4×28×28 latent): autoencoder and UNet training images/s, and "
+        "synthesis (DDIM with params synthesize.sampler, then decoding) faces/s; GFLOP per item and MFU of each",
+        "report",
+    ),
+    "fr112_stream": (
+        "benchmarks.bench_gpu_scale:bench_fr112_stream",
+        "train_fr at the real-112 preset with its faces decoded in memory vs streamed from a dataset's shards "
+        "(fr.stream, fr.num_workers DataLoader workers decoding PNGs every step): images/s of each",
+        "streamed ≥ 0.9× in memory",
+    ),
     "gpu_trainers_fp32": (
         "benchmarks.bench_gpu:bench_gpu_trainers_fp32",
         "`gpu_trainers` in 32-true on the same device: the baseline of the mixed-precision rows",
@@ -186,8 +198,9 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
 }
 
 
-# benchmarks that run the whole default pipeline or write millions of faces (tens of minutes each): only when named
-ON_REQUEST = frozenset({"make_run", "reproducibility", "shard_ingest", "dvc_shards"})
+# benchmarks that run the whole default pipeline, write millions of faces or train the real-112 generator (tens of
+# minutes each on a CPU): only when named (benchmarks/gpu_check.sh names the GPU ones)
+ON_REQUEST = frozenset({"make_run", "reproducibility", "shard_ingest", "dvc_shards", "uiface112", "fr112_stream"})
 
 
 def _load(spec: str) -> Callable[[], dict[str, Any]]:
