@@ -39,6 +39,7 @@ from ml.data.records import worker_kwargs
 from ml.errors import ConfigError, DataError
 from ml.fr.backbones import BACKBONES, build_backbone, input_contract
 from ml.train.augment import FLIP_LANDMARK_ORDER, flip_keypoints
+from ml.train.batchnorm import global_batchnorm
 from ml.train.callbacks import EpochHistory, fit
 from ml.train.device import check_device
 from ml.train.checkpoint import check_resume, resume_path
@@ -226,6 +227,8 @@ def train_fr(
 
     lightning.seed_everything(cfg.seed, workers=True, verbose=False)
     backbone = build_backbone(cfg.backbone, **kwargs)
+    if world > 1:  # BatchNorm over the global batch: DDP trains the model of one process with every rank's images
+        global_batchnorm(backbone)
     keypoints = check_keypoints(keypoints, n, cfg.backbone) if needs_keypoints(backbone) else None
     if streamed:
         dataset: Dataset = LabelledFaces(images, labels, keypoints)  # type: ignore[arg-type]
