@@ -334,6 +334,10 @@ def _registry_rows(root: Path) -> list[tuple[str, ...]]:
 from faceops.sweep import sweep_command  # noqa: E402
 app.command("sweep")(sweep_command)
 
+from faceops.launch import launch_command  # noqa: E402
+
+app.command("launch")(launch_command)
+
 from faceops.promote import promote_cmd  # noqa: E402
 
 app.command("promote")(promote_cmd)

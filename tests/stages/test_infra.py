@@ -83,8 +83,8 @@ def _resolve(text: str, env: dict[str, str]) -> str:
 
 
 def test_compose_has_the_deployment_services(compose):
-    assert {"postgres", "minio", "minio-init", "mlflow", "prefect-server", "cpu-worker", "gpu-worker"} <= set(
-        compose["services"])
+    assert {"postgres", "minio", "minio-init", "mlflow", "prefect-server", "cpu-worker", "gpu-worker", "ray-head",
+            "ray-gpu-node"} <= set(compose["services"])
     assert set(compose) <= {"name", "services", "volumes", "networks", "configs", "secrets"} | {
         k for k in compose if k.startswith("x-")}
 
@@ -160,6 +160,18 @@ def test_workers_poll_their_pools_and_the_gpu_worker_reserves_nvidia_gpus(compos
     devices = services["gpu-worker"]["deploy"]["resources"]["reservations"]["devices"]
     assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
     assert "deploy" not in services["cpu-worker"]
+
+
+def test_the_ray_cluster_joins_its_head_and_the_workers_flows_find_it(compose):
+    """`faceops launch` places training nodes on the Ray cluster: a head that takes no work, GPU nodes joining it
+    with every GPU of their host, and the Prefect workers' flow runs told where it is."""
+    head, node = compose["services"]["ray-head"], compose["services"]["ray-gpu-node"]
+    assert head["command"][:3] == ["ray", "start", "--head"] and "--num-cpus" in head["command"]
+    assert node["command"][:3] == ["ray", "start", "--address"] and "ray-head:6379" in node["command"][3]
+    assert node["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    assert head["profiles"] == node["profiles"] == ["ray"]
+    for worker in ("cpu-worker", "gpu-worker"):
+        assert "ray-head:6379" in _env(compose["services"][worker])["RAY_ADDRESS"]
 
 
 def test_no_literal_secrets_in_compose(compose, example_env):

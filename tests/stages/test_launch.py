@@ -1,0 +1,130 @@
+"""Multi-node training through Ray (``ops.launch``, the ``launch`` flow): two "nodes" on a local Ray instance train
+``train_fr@real`` as one DDP job over gloo and give the model of one process with the same global batch; a node
+that fails stops the other and is named."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from tests.conftest import copy_project
+
+pytestmark = pytest.mark.slow
+
+FR = {"augment": False, "epochs": 2, "batch_size": 16, "accelerator": "cpu", "num_workers": 0, "lr": 2e-3}
+
+
+def _faceops(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{cwd / 'mlflow.db'}"}
+    out = subprocess.run([sys.executable, "-m", "faceops.cli", *args], cwd=cwd, capture_output=True, text=True,
+                         timeout=600, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def _set_fr(root: Path, **keys) -> None:
+    from tasks.params import load_preset
+
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    for key, value in load_preset("smoke", root).items():
+        section, name = key.split(".", 1)
+        params[section][name] = value
+    params["fr"].update({**FR, **keys})
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def _weights(root: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(root / "models" / "fr" / "real" / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    """A project copy with the smoke preset's data prepared and gated."""
+    root = copy_project(tmp_path_factory.mktemp("launch") / "ws")
+    _set_fr(root)
+    _faceops(["stage", "prepare"], root)
+    _faceops(["stage", "validate"], root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_two_nodes_train_the_single_process_model_from_a_prefect_flow(workspace, ray_local):
+    from flows.launch import launch_flow
+
+    _set_fr(workspace)  # one process, batches of 16
+    _faceops(["stage", "train_fr@real"], workspace)
+    single = _weights(workspace)
+
+    _set_fr(workspace, batch_size=8, num_nodes=2, strategy="ddp")  # two nodes of one process, 8 each
+    results = launch_flow(stage="train_fr@real", nodes=2, root=str(workspace), pack=True)
+    assert [r["rank"] for r in results] == [0, 1] and all(r["returncode"] == 0 for r in results)
+    log0 = (workspace / results[0]["log"]).read_text()
+    assert "Initializing distributed: GLOBAL_RANK: 0, MEMBER: 1/2" in log0, log0[-2000:]
+    both = _weights(workspace)
+    assert single.keys() == both.keys()
+    for key in single:
+        np.testing.assert_allclose(both[key], single[key], atol=5e-5, rtol=1e-4, err_msg=key)
+
+
+def test_a_failing_node_stops_the_launch_and_is_named(workspace, ray_local):
+    from ml.errors import ConfigError
+    from ops.launch import LaunchError, launch
+
+    _set_fr(workspace, batch_size=8, num_nodes=2, strategy="ddp")
+    with pytest.raises(ConfigError, match=r"fr.num_nodes is 2 but the launch has 3 nodes"):
+        launch("train_fr@real", 3, root=workspace, pack=True)
+    with pytest.raises(LaunchError, match=r"(?s)node \d \(.*\) exited with status 2; the end of .*unknown stage"):
+        launch("train_fr@nosuch", 2, root=workspace, pack=True, timeout=300)
+
+
+def test_a_node_lost_mid_run_stops_the_other_and_is_named(workspace, ray_local):
+    """Node 1's training is killed (SIGKILL, as a lost machine) while both nodes train: node 0, blocked in the next
+    gradient all-reduce, is stopped at once instead of waiting for gloo's timeout, and the error names node 1."""
+    import threading
+    import time
+
+    import psutil
+
+    from ops.launch import LaunchError, launch
+
+    _set_fr(workspace, batch_size=8, num_nodes=2, strategy="ddp", epochs=200)
+    log1 = workspace / "logs" / "launch" / "train_fr-real-node1.log"
+    log1.unlink(missing_ok=True)
+
+    def kill_node1() -> None:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            if log1.is_file() and "Epoch" in log1.read_text(errors="replace") or (
+                    log1.is_file() and "MEMBER: 2/2" in log1.read_text(errors="replace")):
+                break
+            time.sleep(0.5)
+        time.sleep(3)  # a few steps in
+        for proc in psutil.process_iter(["environ"]):
+            with contextlib.suppress(psutil.Error):
+                if (proc.info["environ"] or {}).get("NODE_RANK") == "1":
+                    proc.kill()
+
+    killer = threading.Thread(target=kill_node1, daemon=True)
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match=r"node 1 \(.*\) exited with status -9"):
+        launch("train_fr@real", 2, root=workspace, pack=True, timeout=400)
+    killer.join()
+    assert time.monotonic() - start < 300  # node 0 was stopped, not left in the collective
+    assert not [p for p in psutil.process_iter(["environ"]) if (p.info["environ"] or {}).get("NODE_RANK") == "0"]
