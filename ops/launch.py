@@ -229,8 +229,21 @@ def _watch(refs: Sequence[Any], actors: Sequence[Any], addresses: Sequence[str],
             failure = (f"node {k} ({addresses[k]}) exited with status {code}; the end of {logs[k]}:\n  "
                        + "\n  ".join(tail))
     if failure is not None:
+        # nodes that end within moments of the first are part of the same failure (a peer's collective breaks when
+        # a node goes): name them too, then stop the rest
+        done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=5.0) if pending else ([], [])
+        also = []
+        for ref in done:
+            k = pending.pop(ref)
+            try:
+                code = ray.get(ref)[0]
+                also.append(f"node {k} ({addresses[k]}) exited with status {code}")
+            except ray.exceptions.RayError:
+                also.append(f"node {k} ({addresses[k]}) was lost")
         for k in pending.values():
             with contextlib.suppress(Exception):
                 ray.get(actors[k].terminate.remote(), timeout=30)
-        raise LaunchError(failure)
+        stopped = [f"node {k} ({addresses[k]})" for k in sorted(pending.values())]
+        raise LaunchError(failure + "".join(f"\nthen {a}" for a in also)
+                          + (f"\nstopped: {', '.join(stopped)}" if stopped else ""))
     return [results[k] for k in range(len(refs))]

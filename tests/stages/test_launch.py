@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,13 @@ from tests.conftest import copy_project
 
 pytestmark = pytest.mark.slow
 
-FR = {"augment": False, "epochs": 2, "batch_size": 16, "accelerator": "cpu", "num_workers": 0, "lr": 2e-3}
+# float32 (bf16 rounds one global batch and two half batches differently), no augmentation (it draws per rank)
+FR = {"augment": False, "epochs": 2, "batch_size": 16, "accelerator": "cpu", "num_workers": 0, "lr": 2e-3,
+      "precision": "32-true"}
+# the shifts a following BatchNorm cancels get only rounding noise as gradient, which AdamW scales to full steps
+# (tests/unit/test_train_features.py): they differ between the runs without changing any output
+REL_TOL, MIN_COSINE = 1e-2, 0.9999  # per-tensor relative difference; embeddings of the held-out faces
+CANCELLED = {"norm.bias", "feature.1.bias", "feature.1.running_mean", "feature.3.running_mean"}
 
 
 def _faceops(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -40,10 +47,22 @@ def _set_fr(root: Path, **keys) -> None:
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
-def _weights(root: Path) -> dict[str, np.ndarray]:
+def _weights(model_dir: Path) -> dict[str, np.ndarray]:
     from safetensors.numpy import load_file
 
-    return load_file(root / "models" / "fr" / "real" / "model.safetensors")
+    return load_file(model_dir / "model.safetensors")
+
+
+def _embeddings(model_dir: Path, root: Path) -> np.ndarray:
+    """Unit embeddings of the held-out faces under the model in ``model_dir``."""
+    from ml.data.dataset import load_images, read_manifest
+    from ml.fr.train import embed
+    from ml.models.io import load_model
+
+    heldout = root / "data" / "prepared" / "heldout"
+    model, _ = load_model(model_dir)
+    feats = embed(model, load_images(heldout, read_manifest(heldout / "manifest.parquet")))
+    return feats / np.linalg.norm(feats, axis=1, keepdims=True)
 
 
 @pytest.fixture(scope="module")
@@ -67,19 +86,25 @@ def ray_local():
 def test_two_nodes_train_the_single_process_model_from_a_prefect_flow(workspace, ray_local):
     from flows.launch import launch_flow
 
+    model = workspace / "models" / "fr" / "real"
     _set_fr(workspace)  # one process, batches of 16
     _faceops(["stage", "train_fr@real"], workspace)
-    single = _weights(workspace)
+    shutil.copytree(model, workspace.parent / "single")
+    single = _weights(workspace.parent / "single")
 
     _set_fr(workspace, batch_size=8, num_nodes=2, strategy="ddp")  # two nodes of one process, 8 each
     results = launch_flow(stage="train_fr@real", nodes=2, root=str(workspace), pack=True)
     assert [r["rank"] for r in results] == [0, 1] and all(r["returncode"] == 0 for r in results)
     log0 = (workspace / results[0]["log"]).read_text()
     assert "Initializing distributed: GLOBAL_RANK: 0, MEMBER: 1/2" in log0, log0[-2000:]
-    both = _weights(workspace)
+    both = _weights(model)
     assert single.keys() == both.keys()
-    for key in single:
-        np.testing.assert_allclose(both[key], single[key], atol=5e-5, rtol=1e-4, err_msg=key)
+    # Adam amplifies float differences in coordinates whose gradient is near zero: compare each tensor as a whole
+    worst = max(float(np.linalg.norm(both[k] - single[k]) / max(np.linalg.norm(single[k]), 1e-12))
+                for k in single.keys() - CANCELLED if single[k].dtype.kind == "f")
+    assert worst < REL_TOL, worst
+    cosine = (_embeddings(model, workspace) * _embeddings(workspace.parent / "single", workspace)).sum(1)
+    assert cosine.min() > MIN_COSINE, cosine.min()
 
 
 def test_a_failing_node_stops_the_launch_and_is_named(workspace, ray_local):
@@ -110,8 +135,7 @@ def test_a_node_lost_mid_run_stops_the_other_and_is_named(workspace, ray_local):
     def kill_node1() -> None:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
-            if log1.is_file() and "Epoch" in log1.read_text(errors="replace") or (
-                    log1.is_file() and "MEMBER: 2/2" in log1.read_text(errors="replace")):
+            if log1.is_file() and "MEMBER: 2/2" in log1.read_text(errors="replace"):  # node 1 joined the group
                 break
             time.sleep(0.5)
         time.sleep(3)  # a few steps in
