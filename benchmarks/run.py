@@ -195,12 +195,19 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
         "shards, each in a fresh repository",
         "per 1M faces as shards: status ≤ 5 s, push ≤ 1 min",
     ),
+    "dvc_shards_1m": (
+        "benchmarks.bench_shards:bench_dvc_shards_1m",
+        "dvc add / status / push to a local remote of 1M faces as shards (a RecordIO converted with "
+        "`faceops data shard`), in a fresh repository",
+        "status ≤ 5 s, push ≤ 1 min",
+    ),
 }
 
 
 # benchmarks that run the whole default pipeline, write millions of faces or train the real-112 generator (tens of
 # minutes each on a CPU): only when named (benchmarks/gpu_check.sh names the GPU ones)
-ON_REQUEST = frozenset({"make_run", "reproducibility", "shard_ingest", "dvc_shards", "uiface112", "fr112_stream"})
+ON_REQUEST = frozenset({"make_run", "reproducibility", "shard_ingest", "dvc_shards", "dvc_shards_1m", "uiface112",
+                        "fr112_stream"})
 
 
 def _load(spec: str) -> Callable[[], dict[str, Any]]:

@@ -8,6 +8,7 @@ import json
 import re
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from ml.data.dataset import read_manifest
@@ -119,15 +120,33 @@ def test_failed_gate_leaves_no_half_written_reports(prepared, tmp_path, monkeypa
     assert not [p for p in (tmp_path / "reports").iterdir() if p.name.startswith(".")]
 
 
+def _rewrite_with(dataset_dir, manifest, at: int, image) -> None:
+    """Write the dataset again with ``image`` in place of face ``at`` (every row's annotations kept)."""
+    from ml.data.dataset import DatasetWriter, load_images, read_dataset_info
+
+    info, images = read_dataset_info(dataset_dir), load_images(dataset_dir, manifest)
+    images[at] = image
+    with DatasetWriter(dataset_dir, name=info["name"], source=info["source"], aligned=info["aligned"],
+                       generator=info["generator"]) as w:
+        for face, row in zip(images, manifest.itertuples()):
+            w.add(face, identity=row.identity, split=row.split, landmarks=row.landmarks,
+                  quality=None if pd.isna(row.quality) else row.quality,
+                  template=None if pd.isna(row.template) else int(row.template),
+                  media=None if pd.isna(row.media) else int(row.media))
+
+
 def test_an_image_planted_in_two_sets_stops_the_gate_naming_both_paths(prepared, tmp_path):
-    """A training face copied over a held-out one (a new file, same pixels): names differ, pixels do not."""
+    """A training face written over a held-out one (the same pixels under another name): names differ, pixels do
+    not."""
     import shutil
+
+    from ml.data.dataset import load_images
 
     data, paths = prepared
     target = Paths(tmp_path)
     shutil.copytree(paths.prepared, target.prepared)
     train, heldout = (read_manifest(target.prepared / k / "manifest.parquet") for k in ("train", "heldout"))
-    shutil.copyfile(target.prepared / "train" / train["path"][4], target.prepared / "heldout" / heldout["path"][2])
+    _rewrite_with(target.prepared / "heldout", heldout, 2, load_images(target.prepared / "train", train.iloc[[4]])[0])
     with pytest.raises(DataError, match=re.escape(f"images in both train and heldout (1): train/{train['path'][4]} = "
                                                   f"heldout/{heldout['path'][2]}")):
         validate.run(data, validate.ValidateConfig(), target)
