@@ -90,6 +90,8 @@ class ShardDataset(Dataset):
     """Faces of a prepared dataset directory by manifest row (``path``, ``label``), each read from the dataset's
     shards by its byte range; a process opens each shard once, lazily (nothing open is pickled)."""
 
+    _pid = -1  # the process whose descriptors ``_files`` holds (set here too: ``__del__`` of a failed ``__init__``)
+
     def __init__(self, dataset_dir: str | os.PathLike, rows: pd.DataFrame):
         from ml.data.dataset import shard_places
 
