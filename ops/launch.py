@@ -115,9 +115,17 @@ class _Node:
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _check_params(root: Path, nodes: int, section: str) -> None:
+MULTINODE_STAGES = {"train_fr": "fr"}  # stage → params section whose num_nodes it reads; the other models fit one GPU
+
+
+def _check_params(root: Path, stage: str, nodes: int) -> None:
     from tasks.common import load_params
 
+    base = stage.split("@", 1)[0]
+    if base not in MULTINODE_STAGES:
+        raise ConfigError(f"{stage}: only {', '.join(sorted(MULTINODE_STAGES))} trains across nodes (the other "
+                          "trainers' models fit one GPU); run it with `faceops run --stage` or `faceops stage`")
+    section = MULTINODE_STAGES[base]
     params = load_params(root / "params.yaml")
     found = int(params.get(section, {}).get("num_nodes", 1))
     if found != nodes:
@@ -160,7 +168,7 @@ def _wait_placed(group: Any, nodes: int, cpus: float, gpus: float, pack: bool, t
 
 def launch(stage: str, nodes: int, *, root: str | os.PathLike = ".", address: str | None = None, cpus: float = 1,
            gpus: float = 0, pack: bool = False, env: dict[str, str] | None = None, timeout: float | None = None,
-           place_timeout: float = 120.0, section: str = "fr") -> list[NodeResult]:
+           place_timeout: float = 120.0) -> list[NodeResult]:
     """Run ``faceops stage <stage>`` on ``nodes`` Ray nodes as one multi-node DDP job (module docstring) → each
     node's result, rank 0 first. Raises :class:`LaunchError` naming the first node that failed (the others are
     stopped) or, past ``timeout`` seconds, the nodes still running."""
@@ -171,7 +179,7 @@ def launch(stage: str, nodes: int, *, root: str | os.PathLike = ".", address: st
     if nodes < 1:
         raise ConfigError(f"nodes must be ≥ 1, got {nodes}")
     root = Path(root).resolve()
-    _check_params(root, nodes, section)
+    _check_params(root, stage, nodes)
     started = _connect(address, cpus, nodes)
     group = None
     actors: list[Any] = []

@@ -114,6 +114,8 @@ def test_a_failing_node_stops_the_launch_and_is_named(workspace, ray_local):
     _set_fr(workspace, batch_size=8, num_nodes=2, strategy="ddp")
     with pytest.raises(ConfigError, match=r"fr.num_nodes is 2 but the launch has 3 nodes"):
         launch("train_fr@real", 3, root=workspace, pack=True)
+    with pytest.raises(ConfigError, match=r"train_fusion: only train_fr trains across nodes"):
+        launch("train_fusion", 2, root=workspace, pack=True)
     with pytest.raises(LaunchError, match=r"(?s)node \d \(.*\) exited with status 2; the end of .*unknown stage"):
         launch("train_fr@nosuch", 2, root=workspace, pack=True, timeout=300)
 
