@@ -195,6 +195,12 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
         "shards, each in a fresh repository",
         "per 1M faces as shards: status ≤ 5 s, push ≤ 1 min",
     ),
+    "launch": (
+        "benchmarks.bench_launch:bench_launch",
+        "train_fr@real (smoke data, float32) in one process vs two Ray nodes on this machine with the same global "
+        "batch (faceops launch --pack); Ray's start-up and placement",
+        "report",
+    ),
     "dvc_shards_1m": (
         "benchmarks.bench_shards:bench_dvc_shards_1m",
         "dvc add / status / push to a local remote of 1M faces as shards (a RecordIO converted with "
@@ -204,10 +210,10 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
 }
 
 
-# benchmarks that run the whole default pipeline, write millions of faces or train the real-112 generator (tens of
-# minutes each on a CPU): only when named (benchmarks/gpu_check.sh names the GPU ones)
+# benchmarks that run the whole default pipeline, write millions of faces, train the real-112 generator (tens of
+# minutes each on a CPU) or start a Ray cluster: only when named (benchmarks/gpu_check.sh names the GPU ones)
 ON_REQUEST = frozenset({"make_run", "reproducibility", "shard_ingest", "dvc_shards", "dvc_shards_1m", "uiface112",
-                        "fr112_stream"})
+                        "fr112_stream", "launch"})
 
 
 def _load(spec: str) -> Callable[[], dict[str, Any]]:
