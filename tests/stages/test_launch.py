@@ -83,8 +83,12 @@ def ray_local():
     ray.shutdown()
 
 
-def test_two_nodes_train_the_single_process_model_from_a_prefect_flow(workspace, ray_local):
+def test_two_nodes_train_the_single_process_model_from_a_prefect_flow(workspace, ray_local, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
     from flows.launch import launch_flow
+    from tests.servers import prefect_server
 
     model = workspace / "models" / "fr" / "real"
     _set_fr(workspace)  # one process, batches of 16
@@ -93,7 +97,14 @@ def test_two_nodes_train_the_single_process_model_from_a_prefect_flow(workspace,
     single = _weights(workspace.parent / "single")
 
     _set_fr(workspace, batch_size=8, num_nodes=2, strategy="ddp")  # two nodes of one process, 8 each
-    results = launch_flow(stage="train_fr@real", nodes=2, root=str(workspace), pack=True)
+    with prefect_server(tmp_path / "prefect") as env, temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}):
+        results = launch_flow(stage="train_fr@real", nodes=2, root=str(workspace), pack=True)
+        with get_client(sync_client=True) as client:  # the run is the server's, and it completed
+            runs = client.read_flow_runs()
+        assert [(r.name is not None, r.state_type.value) for r in runs] == [(True, "COMPLETED")]
+        from prefect.logging.handlers import APILogWorker
+
+        APILogWorker.drain_all(timeout=5)  # the flow run's last log lines reach the server before it stops
     assert [r["rank"] for r in results] == [0, 1] and all(r["returncode"] == 0 for r in results)
     log0 = (workspace / results[0]["log"]).read_text()
     assert "Initializing distributed: GLOBAL_RANK: 0, MEMBER: 1/2" in log0, log0[-2000:]
