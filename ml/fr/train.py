@@ -1,4 +1,4 @@
-"""Face-recognition training: a backbone + margin softmax head fitted with Lightning on in-memory images.
+"""Face-recognition training: a backbone + margin softmax head fitted with Lightning on in-memory or streamed images.
 
 ``train_fr(cfg, images, labels)`` is the whole stage: it seeds, builds the registered backbone for the images' size,
 fits it with AdamW (linear warmup, then cosine or step decay per step) under a margin head and returns the backbone
@@ -9,9 +9,10 @@ checks, batched augmentation and ``EpochSampler`` in ``ml.fr.data``; their publi
 Exact resume: data order depends on (seed, epoch) only, augmentation and the model's own randomness are reseeded
 from (seed, global step, rank), and every piece of state (weights, optimiser, schedule, PartialFC's step, AdaFace's
 statistics, LVFace's prototypes, history) is checkpointed, so a run resumed from ``last.ckpt`` ends with the weights
-of an uninterrupted one (a changed ``fr.epochs`` changes the schedule). Precision: "16-mixed" is refused on the CPU,
-"bf16-mixed" runs everywhere, "auto" resolves per machine (``ml.train.device.resolve_precision``) and the model's
-``config.json`` records what it trained in.
+of an uninterrupted one (a changed ``fr.epochs`` changes the schedule). Under DDP the backbone's BatchNorms use the
+global batch's statistics (``ml.train.batchnorm``), so N ranks train the model one process trains on their images.
+Precision: "16-mixed" is refused on the CPU, "bf16-mixed" runs everywhere, "auto" resolves per machine
+(``ml.train.device.resolve_precision``) and the model's ``config.json`` records what it trained in.
 """
 
 from __future__ import annotations
