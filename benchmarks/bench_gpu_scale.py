@@ -90,8 +90,8 @@ def _synthesis(run: _Run) -> dict[str, Any]:
     autoencoder = build_autoencoder(ae_cfg, face).eval().requires_grad_(False).to(device)
     model = IDConditionedUNet(model_cfg).eval().requires_grad_(False).to(device)
     batch = SYNTH_BATCH if run.on_gpu else 2
-    ids = torch.nn.functional.normalize(torch.randn(batch, model_cfg.id_dim, generator=torch.Generator().manual_seed(0)),
-                                        dim=1).to(device)
+    draw = torch.randn(batch, model_cfg.id_dim, generator=torch.Generator().manual_seed(0))
+    ids = torch.nn.functional.normalize(draw, dim=1).to(device)
     shape = (batch, model_cfg.in_channels, model_cfg.image_size, model_cfg.image_size)
     dtype = torch.bfloat16 if run.precision.startswith("bf16") else torch.float16
     mixed = run.precision != "32-true"

@@ -508,8 +508,7 @@ class DatasetWriter:
         import pyarrow.parquet as pq
 
         shard_names = pa.array([self._shards.shard_name(k) for k in range(len(self._shards.names))], pa.string())
-        schema = pa.schema([("key", pa.string()), ("ext", pa.string()), ("shard", pa.string()),
-                            ("offset", pa.int64()), ("size", pa.int64())])
+        schema = pa.schema([(c, pa.type_for_alias(t)) for c, t in zip(_shards.INDEX_COLUMNS, _shards.INDEX_TYPES)])
 
         def batches() -> Iterable[pa.RecordBatch]:
             lo = 0

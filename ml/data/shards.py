@@ -33,11 +33,13 @@ import pandas as pd
 
 from ml.errors import DataError
 
-__all__ = ["INDEX_COLUMNS", "INDEX_FILE", "ShardReader", "ShardWriter", "export_folder", "shard_recordio", "write_shards"]
+__all__ = ["INDEX_COLUMNS", "INDEX_FILE", "INDEX_TYPES", "ShardReader", "ShardWriter", "export_folder", "shard_recordio",
+           "write_shards"]
 
 INDEX_FILE = "index.parquet"
 MAX_BYTES = 256 * 2**20  # per tar: hundreds of shards for millions of faces, few enough for DVC and S3
 INDEX_COLUMNS = ("key", "ext", "shard", "offset", "size")
+INDEX_TYPES = ("string", "string", "string", "int64", "int64")  # their Arrow types in index.parquet
 _OWNER = "faceops"
 
 

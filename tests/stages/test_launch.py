@@ -132,8 +132,9 @@ def test_a_failing_node_stops_the_launch_and_is_named(workspace, ray_local):
 
 
 def test_a_node_lost_mid_run_stops_the_other_and_is_named(workspace, ray_local):
-    """Node 1's training is killed (SIGKILL, as a lost machine) while both nodes train: node 0, blocked in the next
-    gradient all-reduce, is stopped at once instead of waiting for gloo's timeout, and the error names node 1."""
+    """Node 1's training is killed (SIGKILL, as a lost machine) while both nodes train: the launch ends, names node
+    1, and leaves no node process behind. (Over gloo node 0's all-reduce fails by itself once its peer's socket
+    closes; that the launcher stops a node still running is the timeout test's.)"""
     import threading
     import time
 
@@ -163,5 +164,17 @@ def test_a_node_lost_mid_run_stops_the_other_and_is_named(workspace, ray_local):
     with pytest.raises(LaunchError, match=r"node 1 \(.*\) exited with status -9"):
         launch("train_fr@real", 2, root=workspace, pack=True, timeout=400)
     killer.join()
-    assert time.monotonic() - start < 300  # node 0 was stopped, not left in the collective
+    assert time.monotonic() - start < 300
     assert not [p for p in psutil.process_iter(["environ"]) if (p.info["environ"] or {}).get("NODE_RANK") == "0"]
+
+
+def test_nodes_still_running_at_the_timeout_are_stopped_and_named(workspace, ray_local):
+    """A launch past its timeout terminates every node's process group (Lightning's processes with it)."""
+    import psutil
+
+    from ops.launch import LaunchError, launch
+
+    _set_fr(workspace, batch_size=8, num_nodes=2, strategy="ddp", epochs=500)
+    with pytest.raises(LaunchError, match=r"nodes \[0, 1\] still running after 30 s; stopped them"):
+        launch("train_fr@real", 2, root=workspace, pack=True, timeout=30)
+    assert not [p for p in psutil.process_iter(["environ"]) if (p.info["environ"] or {}).get("NODE_RANK")]
