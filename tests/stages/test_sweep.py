@@ -380,20 +380,32 @@ TARGETS = {  # stage → (a small space, fixed keys for 2-epoch trials on the ti
 
 def _poison_test_splits(root: Path) -> None:
     """Every image a report scores (the aligner's test identities, the GFD test subset, the held-out FR set, the
-    video probes and templates) made unreadable: a trial that opens one fails."""
-    from ml.data.dataset import read_manifest
+    video probes and templates) made unreadable: a trial that opens one fails. Test faces that share shards with
+    val faces have their bytes overwritten in place, so the val faces still read."""
+    from ml.data.dataset import load_images, read_manifest, shard_places
+    from ml.errors import DataError
     from ml.discovery.split import read_gfd_split
 
     paths = Paths(root)
     manifest = read_manifest(paths.unaligned_set / "manifest.parquet")
-    scored = [paths.unaligned_set / p for p in manifest.loc[manifest["split"] == "test", "path"]]
     gfd = read_gfd_split(paths.gfd_split)
-    scored += [paths.prepared / "discovery" / p for p in gfd.loc[gfd["subset"] == "test", "path"]]
+    poisoned = 0
+    for dataset, rows in ((paths.unaligned_set, manifest[manifest["split"] == "test"]),
+                          (paths.prepared / "discovery", gfd[gfd["subset"] == "test"])):
+        shards, shard_of, offsets, sizes = shard_places(dataset, rows)
+        for number, offset, size in zip(shard_of, offsets, sizes):
+            with open(shards[number], "r+b") as f:
+                f.seek(int(offset))
+                f.write(b"\xff" * int(size))
+            poisoned += 1
+        with pytest.raises(DataError, match="decode"):  # the poison has teeth
+            faces = read_manifest(dataset / "manifest.parquet")
+            load_images(dataset, faces[faces["path"].isin(rows["path"])].iloc[:1])
     for part in ("heldout", "videos", "templates"):
-        scored += [p for p in (paths.prepared / part).rglob("*") if p.is_file()]
-    assert len(scored) > 3
-    for path in scored:
-        path.write_bytes(b"a test split: not for sweeps")
+        for path in (p for p in (paths.prepared / part).rglob("*") if p.is_file()):
+            path.write_bytes(b"a test split: not for sweeps")
+            poisoned += 1
+    assert poisoned > 3
 
 
 @pytest.mark.parametrize("stage", sorted(TARGETS))
