@@ -5,6 +5,9 @@ code path it replaced, measured in one process so that only the ratio is read.
 - ``unet``: one training step of the embedded latent UNet (params.yaml ``generator.train``: 4 × 8 × 8 latents,
   batch 64) — forward, backward, optimiser step and EMA update — with ``torch.optim.AdamW``'s default per-tensor
   loop and a per-tensor EMA (before) against ``ml.train.schedules.adamw`` (fused) and the module's foreach EMA.
+- ``unet`` in channels_last (what the trainer runs) against the same fused step in the default NCHW layout:
+  ``unet_channels_last_ratio`` < 1 is what the layout saves; ``unet_channels_last_bf16_ratio`` is bfloat16 autocast
+  against float32, both in channels_last.
 - ``caface``: one CAFace training step of the embedded recipe (32 identities × 2 groups × every even prefix
   2..16, vit_tiny feature sizes) with every prefix padded to 16 in one masked cluster-network call (before)
   against one call per prefix length (``ClusterNetwork`` does this for any batch padded at the end).
@@ -51,9 +54,10 @@ def _unet_steps(steps: int, rounds: int) -> dict:
     x0 = torch.randn(cfg.batch_size, cfg.model.in_channels, cfg.model.image_size, cfg.model.image_size, generator=g)
     ids = torch.randn(cfg.batch_size, 128, generator=g)
     out = {}
-    for name in ("loop", "fused", "bf16"):
+    for name in ("loop", "fused", "bf16", "channels_last", "channels_last_bf16"):
         torch.manual_seed(0)
-        module = GeneratorModule(IDConditionedUNet(cfg.model), cfg, steps_per_epoch=57, pixel=False)
+        module = GeneratorModule(IDConditionedUNet(cfg.model), cfg, steps_per_epoch=57, pixel=False,
+                                 channels_last=name.startswith("channels_last"))
         if name != "loop":
             configured = module.configure_optimizers()
             optimizer = configured["optimizer"] if isinstance(configured, dict) else configured
@@ -69,7 +73,7 @@ def _unet_steps(steps: int, rounds: int) -> dict:
                     state[key].mul_(0.99).add_(value, alpha=0.01)
 
         def step(name: str = name) -> None:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name == "bf16"):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name.endswith("bf16")):
                 loss = module.diffusion_loss(x0, ids, g)
             loss.backward()
             optimizer.step()
@@ -79,7 +83,9 @@ def _unet_steps(steps: int, rounds: int) -> dict:
 
         out[name] = _best_ms(step, 3, rounds, steps)
     return {"unet_loop_ms": out["loop"], "unet_fused_ms": out["fused"], "unet_ratio": out["fused"] / out["loop"],
-            "unet_bf16_ms": out["bf16"], "unet_bf16_ratio": out["bf16"] / out["fused"], "unet_batch": cfg.batch_size}
+            "unet_bf16_ms": out["bf16"], "unet_bf16_ratio": out["bf16"] / out["fused"], "unet_batch": cfg.batch_size,
+            "unet_channels_last_ms": out["channels_last"], "unet_channels_last_ratio": out["channels_last"] / out["fused"],
+            "unet_channels_last_bf16_ratio": out["channels_last_bf16"] / out["channels_last"]}
 
 
 def _fr_steps(steps: int, rounds: int) -> dict:

@@ -65,8 +65,8 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "train_step_costs": (
         "benchmarks.bench_steps:bench_train_step_costs",
         "ms per training step, one thread: the latent UNet with the fused AdamW and foreach EMA vs the per-tensor "
-        "loops, CAFace with one cluster-network call per prefix length vs every prefix padded to 16; bfloat16 autocast vs "
-        "float32 for the UNet, an FR step (vit_tiny 64 px, batch 128) and CAFace",
+        "loops and in channels_last vs NCHW, CAFace with one cluster-network call per prefix length vs every prefix "
+        "padded to 16; bfloat16 autocast vs float32 for the UNet, an FR step (vit_tiny 64 px, batch 128) and CAFace",
         "both ratios < 1.0×; `faceops doctor` recommends bf16 (probe_bf16_ratio ≤ 0.9) only where the FR and UNet "
         "bf16 ratios are < 1.0×",
     ),

@@ -90,6 +90,8 @@ def load_generator_for(paths: Paths, generator_cfg: Any, model_dir: Path | None 
                        ) -> tuple[Any, dict[str, Any], Any]:
     """(EMA generator in eval mode, its saved ``extra``, autoencoder or None) from ``model_dir`` (default
     ``models/generator``)."""
+    import torch
+
     from ml.generator.uiface import load_generator
     from ml.models.io import read_model_config
     from tasks.train_generator import generator_autoencoder
@@ -99,7 +101,9 @@ def load_generator_for(paths: Paths, generator_cfg: Any, model_dir: Path | None 
         raise DataError(f"{model_dir} holds no generator: run `dvc repro train_generator` first.")
     model, _ = load_generator(model_dir)
     extra = read_model_config(model_dir, what="UIFace generator").get("extra", {})
-    return model.eval(), extra, generator_autoencoder(paths, extra, generator_cfg, model_dir)
+    # channels_last: the UNet's convolutions sample faster on the CPU (oneDNN) and on tensor cores
+    model = model.eval().to(memory_format=torch.channels_last)
+    return model, extra, generator_autoencoder(paths, extra, generator_cfg, model_dir)
 
 
 def embed_generated(fr: Any, aligner: Any, faces: np.ndarray, size: int

@@ -154,9 +154,12 @@ class GeneratorModule(lightning.LightningModule):
     """The denoiser, its EMA copy and the DDPM forward process; ``pixel`` batches are uint8 images, otherwise
     precomputed latents."""
 
-    def __init__(self, model: IDConditionedUNet, cfg: GeneratorConfig, steps_per_epoch: int, pixel: bool) -> None:
+    def __init__(self, model: IDConditionedUNet, cfg: GeneratorConfig, steps_per_epoch: int, pixel: bool,
+                 channels_last: bool = True) -> None:
         super().__init__()
-        self.model = model
+        # channels_last: the UNet's convolutions run faster per step on the CPU (oneDNN) and on tensor cores
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        self.model = model.to(memory_format=self.memory_format)
         self.ema = copy.deepcopy(model).requires_grad_(False)
         self.cfg = cfg
         self.steps_per_epoch = steps_per_epoch
@@ -179,7 +182,7 @@ class GeneratorModule(lightning.LightningModule):
         t = torch.randint(0, self.cfg.num_train_timesteps, (b,), generator=generator, device=generator.device)
         t = t.to(x0.device)
         context = self.model.training_context(ids, generator=generator)  # (B, tokens, context_dim)
-        x_t = self.noise_scheduler.add_noise(x0, noise, t)
+        x_t = self.noise_scheduler.add_noise(x0, noise, t).contiguous(memory_format=self.memory_format)
         eps = self.model(x_t, t, context)
         return F.mse_loss(eps.float(), noise.float())
 
@@ -389,9 +392,10 @@ def train_generator(
     seconds = time.perf_counter() - start
     if fitted.history:
         log.info("done in %.1f s; last epoch %s", seconds, fitted.history[-1])
+    plain = torch.contiguous_format  # the module trains in channels_last; the returned models are plain
     return GeneratorResult(
-        model=module.ema.eval(),
-        raw_model=module.model.eval(),
+        model=module.ema.to(memory_format=plain).eval(),
+        raw_model=module.model.to(memory_format=plain).eval(),
         history=fitted.history,
         seconds=seconds,
         config=cfg,
