@@ -112,6 +112,7 @@ class DiscoveryConfig:
     labelled_identities_per_batch: int = 0  # P: every batch holds P labelled identities × K images; 0 = uniform batches
     images_per_identity: int = 4  # K of the balanced batches (with replacement where an identity has fewer)
     val_per_identity: int = 0  # labelled images per known identity held out for model selection; 0 = last epoch
+    patience: int = 0  # with a val split: stop after this many epochs without a better val/accuracy; 0 = every epoch
     # where the loss acts: "head" (the paper: the projection head's output) | "embedding" (a diagnostic: the
     # L2-normalised embedding the protocol clusters, the FR embedding layer trainable at lr × block_lr_scale, no head)
     loss_on: str = "head"
@@ -144,7 +145,7 @@ class DiscoveryConfig:
         ints = {
             "prefix_length": 0, "bottleneck": 0, "hyper_hidden": 0, "proj_dim": 1, "proj_hidden": 1,
             "proj_bottleneck": 1, "epochs": 1, "batch_size": 2, "seed": 0, "labelled_identities_per_batch": 0,
-            "images_per_identity": 1, "val_per_identity": 0, "anchor_batch": 1, "anchor_images": 0,
+            "images_per_identity": 1, "val_per_identity": 0, "patience": 0, "anchor_batch": 1, "anchor_images": 0,
         }
         for key, low in ints.items():
             value = getattr(self, key)
@@ -414,7 +415,9 @@ class DiscoveryModule(lightning.LightningModule):
     def epoch_summary(self) -> dict[str, float]:
         """With a validation split: ``val/accuracy`` (``nearest_mean_accuracy`` of the held-out labelled images
         against the labelled training images' class means, features with flip TTA as in evaluation), and the
-        trainable weights of the best epoch so far are kept (ties: the earlier epoch)."""
+        trainable weights of the best epoch so far are kept (ties: the earlier epoch). With ``patience`` > 0 the
+        fit stops once that many epochs have passed without a better one: the kept weights are those a full run
+        would keep unless a later epoch would have beaten them (the lr schedule still spans ``epochs``)."""
         if self.val is None:
             return {}
         train_x, train_y, val_x, val_y = self.val
@@ -424,6 +427,10 @@ class DiscoveryModule(lightning.LightningModule):
             trainable = set(self.model.trainable_parameter_names())
             state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items() if k in trainable}
             self.best = {"epoch": self.current_epoch, "score": accuracy, "state": state}
+        if self.cfg.patience and self.current_epoch - self.best["epoch"] >= self.cfg.patience:
+            log.info("discovery: no better val/accuracy for %d epochs, stopping after epoch %d of %d",
+                     self.cfg.patience, self.current_epoch + 1, self.cfg.epochs)
+            self.trainer.should_stop = True
         return {"val/accuracy": accuracy}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -289,3 +289,24 @@ def test_training_beats_its_initial_features_on_held_out_images(tmp_path, seed, 
     assert after["test/all"] > before["test/all"] + 0.15, (before, after)
     assert after["test/known"] > before["test/known"] + 0.05, (before, after)
     assert after["test/novel"] > before["test/novel"] + 0.05, (before, after)
+
+
+def test_patience_stops_without_changing_what_a_full_run_keeps(tmp_path):
+    images, labels = noisy_patterns(k=4, per=10, sigma=60.0, seed=0)
+    labelled = labels < 2
+    fr = _fr_dir(tmp_path)
+    runs = {}
+    for patience in (0, 1):
+        cfg = _cfg(epochs=5, val_per_identity=2, lr=3e-3, patience=patience)
+        runs[patience] = train_discovery(cfg, images, np.where(labelled, labels, -1), labelled, init_model_dir=fr,
+                                         progress=False)
+    full, stopped = runs[0], runs[1]
+    scores = [h["val/accuracy"] for h in stopped.history]
+    assert len(scores) < 5  # a tie counts as no better: on 4 val images the accuracy cannot rise every epoch
+    assert len(scores) - 1 - stopped.best_epoch == 1  # stopped the epoch after one without a better score
+    assert scores == [h["val/accuracy"] for h in full.history[: len(scores)]]
+    if full.best_epoch == stopped.best_epoch:  # no later epoch beat it: the same weights as the full run's
+        for (k, a), b in zip(full.model.state_dict().items(), stopped.model.state_dict().values()):
+            assert torch.equal(a, b), k
+    with pytest.raises(ConfigError, match="discovery.patience"):
+        _cfg(patience=-1)
