@@ -24,19 +24,21 @@ from ml.train.augment import (
     affine,
     augment_kprpe,
     augment_with,
+    flip_keypoints,
+    posterize_bits,
+    randaug_choices,
+    solarize_threshold,
+)
+from ml.train.image_ops import (
     autocontrast,
     cutout,
     enhance,
     equalize,
-    flip_keypoints,
     gaussian_blur,
     photometric,
     posterize,
-    posterize_bits,
-    randaug_choices,
     smooth,
     solarize,
-    solarize_threshold,
 )
 from ml.fr.train import FRConfig
 
