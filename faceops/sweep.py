@@ -25,7 +25,14 @@ def sweep_command(
              "of the space and the stage's other params, so rerunning continues it")] = None,
     apply: Annotated[bool, typer.Option(
         "--apply", help="write the best params into params.yaml and print the diff")] = False,
-    workers: Annotated[int, typer.Option(help="worker processes on this machine, one study")] = 1,
+    workers: Annotated[int, typer.Option(help="worker processes, one study (on this machine; with --ray, over the "
+                                                "Ray cluster)")] = 1,
+    ray: Annotated[bool, typer.Option(
+        "--ray", help="run the workers as Ray tasks: on a cluster they spread over its machines")] = False,
+    ray_address: Annotated[Optional[str], typer.Option(
+        help="the Ray cluster with --ray (ray://HOST:10001, auto); default RAY_ADDRESS, else a local Ray")] = None,
+    cpus: Annotated[float, typer.Option(help="CPUs per Ray worker (its torch threads) with --ray")] = 1,
+    gpus: Annotated[float, typer.Option(help="GPUs per Ray worker with --ray")] = 0,
 ) -> None:
     """Search a stage's hyperparameters with Optuna; every trial is a nested MLflow run.
 
@@ -51,6 +58,11 @@ def sweep_command(
     * `faceops sweep train_generator --trials 4` — UIFace: identity gap + val accuracy of a small FR model trained
       on a small synthetic set (`generator.probe`)
 
+    * `RAY_ADDRESS=ray://head:10001 faceops sweep train_fr --trials 16 --workers 8 --ray --gpus 1
+      --storage postgresql://optuna@db:5432/optuna` with `MLFLOW_TRACKING_URI` at the MLflow server — eight
+      workers on the Ray cluster's GPU machines, one study (a SQLite or journal file, or a local MLflow store, is
+      refused when the cluster has several machines)
+
     * `faceops sweep train_fr --trials 10 --storage journal:sweeps/fr.log --study fr-lr` in each of two
       terminals — two independent commands, one study (20 trials); any number of them may join
 
@@ -68,6 +80,8 @@ def sweep_command(
     quiet_env()
     if storage:  # through the environment, so the URL (and any password) is not recorded as a flow parameter
         os.environ[sw.ENV_STORAGE] = storage
+    if ray and (cpus <= 0 or gpus < 0):
+        fail(f"--cpus {cpus:g} --gpus {gpus:g}: a Ray worker needs more than 0 CPUs and at least 0 GPUs")
     try:
         sw.check_request(stage, trials=trials, storage=storage, root=root, workers=workers)
     except FaceopsError as exc:
@@ -76,7 +90,7 @@ def sweep_command(
 
     try:
         summary = sweep_flow(stage=stage, trials=trials, storage=None, study=study, apply=apply, root=str(root),
-                             workers=workers)
+                             workers=workers, ray=ray, ray_address=ray_address, ray_cpus=cpus, ray_gpus=gpus)
     except FaceopsError as exc:
         fail(str(exc))
     _print_summary(summary)

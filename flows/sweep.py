@@ -5,6 +5,11 @@ trials (this process's share; with ``workers > 1`` the others run at the same ti
 processes on the same study) → report (history and importance plots, best params) → apply (optional: the best
 params into ``params.yaml``, as a reviewable diff). The work itself is in ``ops.sweep``.
 
+With ``ray`` set, every share runs as a ``python -m ops.sweep`` worker placed by Ray (``ops.launch.fan_out``):
+on a Ray cluster the trials spread over its machines, with ``cpus``/``gpus`` each; the storage and the MLflow
+store must then be servers every machine reaches (a SQLite or journal file, or a local MLflow store, is refused
+on a cluster of several machines).
+
 Several flow runs with the same storage and study name (two terminals, or many cluster workers) cooperate on one
 study. A storage URL with a password is best passed in ``$FACEOPS_SWEEP_STORAGE`` (the CLI does that with
 ``--storage``), so that it is not recorded as a flow parameter.
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +39,13 @@ def open_study(stage: str, trials: int | None, storage: str | None, study: str |
 
 
 @task(task_run_name="trials-{plan.study}", cache_policy=NO_CACHE)
-def run_trials(plan: sw.SweepPlan, workers: int = 1) -> int:
-    """This process's trials; with ``workers > 1`` also start the other workers and wait for them."""
+def run_trials(plan: sw.SweepPlan, workers: int = 1, ray: RayWorkers | None = None) -> int:
+    """This process's trials; with ``workers > 1`` also start the other workers and wait for them; with ``ray``,
+    every share in a worker Ray places."""
     logger = get_run_logger()
     shares = split_trials(plan.trials, workers)
+    if ray is not None:
+        return _trials_on_ray(plan, shares, ray, logger)
     threads = max(1, stage_cores() // len(shares))
     extra = start_workers(plan, shares[1:], threads)
     if extra:
@@ -55,6 +64,45 @@ def run_trials(plan: sw.SweepPlan, workers: int = 1) -> int:
     if failed:
         raise sw.SweepError(f"sweep worker(s) {', '.join(f'{i} (exit {rc})' for i, rc in failed)} of study "
                             f"{plan.study} failed; their log is above. Completed trials are kept in the study.")
+    return plan.trials
+
+
+@dataclass(frozen=True)
+class RayWorkers:
+    """Where ``sweep --ray`` runs its workers: the Ray cluster (``address``; None = ``RAY_ADDRESS`` or a local
+    instance) and each worker's CPUs and GPUs."""
+
+    address: str | None = None
+    cpus: float = 1
+    gpus: float = 0
+
+
+def _trials_on_ray(plan: sw.SweepPlan, shares: list[int], ray: RayWorkers, logger: Any) -> int:
+    from ops.launch import LaunchError, fan_out
+    from ops.store import tracking_uri
+
+    if plan.trials == 0:
+        return 0
+    uri = tracking_uri(Path(plan.root))
+    local = [f"the {plan.storage.kind} storage {plan.storage.masked}"] if plan.storage.kind == "journal" or \
+        plan.storage.target.startswith("sqlite:") else []
+    if not uri.startswith(("http://", "https://")):
+        local.append(f"the MLflow store {uri}")
+    threads = max(1, int(ray.cpus))
+    env = {sw.ENV_STORAGE: plan.storage.text, "MLFLOW_TRACKING_URI": uri, "OMP_NUM_THREADS": str(threads),
+           "MKL_NUM_THREADS": str(threads)}
+    commands = [sw.worker_command(plan, n, plan.seed + i) for i, n in enumerate(shares)]
+    logger.info("%d Ray workers on study %s: %s trials each, %g CPUs and %g GPUs each", len(shares), plan.study,
+                "/".join(map(str, shares)), ray.cpus, ray.gpus)
+    try:
+        results = fan_out(f"sweep-{plan.study}", commands, root=plan.root, address=ray.address, cpus=ray.cpus,
+                          gpus=ray.gpus, env=env, machine_local=local)
+    except LaunchError as exc:
+        raise sw.SweepError(f"sweep workers of study {plan.study}: {exc}\nCompleted trials are kept in the "
+                            "study.") from exc
+    for r in results:
+        logger.info("worker %d on %s: %d trial(s) in %.0f s (log %s)", r.rank, r.address, shares[r.rank], r.seconds,
+                    r.log)
     return plan.trials
 
 
@@ -86,7 +134,8 @@ def apply_best(plan: sw.SweepPlan) -> dict[str, Any]:
 
 @flow(name="sweep", flow_run_name="sweep-{stage}")
 def sweep_flow(stage: str = "train_fr", trials: int | None = None, storage: str | None = None,
-               study: str | None = None, apply: bool = False, root: str = ".", workers: int = 1) -> dict[str, Any]:
+               study: str | None = None, apply: bool = False, root: str = ".", workers: int = 1, ray: bool = False,
+               ray_address: str | None = None, ray_cpus: float = 1, ray_gpus: float = 0) -> dict[str, Any]:
     """Run ``trials`` trials of an Optuna study over ``stage``'s params (``params.yaml``: ``sweep.<stage>``), in
     ``workers`` processes; summarise the study; with ``apply`` write its best params into ``params.yaml``.
 
@@ -100,14 +149,19 @@ def sweep_flow(stage: str = "train_fr", trials: int | None = None, storage: str 
             stage.
         apply: write the best trial's params into params.yaml when the study ends.
         root: the repository root (on a worker: the clone its pull steps made).
-        workers: trial processes run at once on this worker.
+        workers: trial processes run at once (on this worker; with ray, over the Ray cluster).
+        ray: run every worker as a Ray task placed on the cluster at ray_address (empty: RAY_ADDRESS, else a Ray
+            instance on this machine); the storage and MLflow must be servers on a cluster of several machines.
+        ray_address: the Ray cluster (ray://HOST:10001, or auto on a cluster machine).
+        ray_cpus: CPUs per Ray worker (also its torch threads).
+        ray_gpus: GPUs per Ray worker.
     """
     logger = get_run_logger()
     root = str(Path(root).resolve())
     plan = open_study(stage, trials, storage, study, root)
     logger.info("study %s in %s: %d trial(s) from this run, MLflow parent run %s", plan.study, plan.storage.masked,
                 plan.trials, plan.parent_run_id)
-    run_trials(plan, workers)
+    run_trials(plan, workers, RayWorkers(ray_address or None, ray_cpus, ray_gpus) if ray else None)
     summary = report(plan)
     best = summary["best"]
     logger.info("study %s: %s; best %s", plan.study, summary["trials"],

@@ -17,7 +17,9 @@ Every node runs the command in ``root`` (the same path on every machine: the ima
 goes to ``logs/launch/<stage>-node<k>.log`` under ``root`` on that node. A Ray cluster is joined at ``address``
 (``RAY_ADDRESS``, ``ray://host:10001``, or ``auto`` on a cluster node); without one a local Ray instance starts.
 
-The Prefect flow ``launch`` (``flows/launch.py``) and ``faceops launch`` call :func:`launch`.
+The Prefect flow ``launch`` (``flows/launch.py``) and ``faceops launch`` call :func:`launch`. :func:`fan_out` runs
+independent commands the same way, placed wherever they fit and watched alike: the sweep's trial workers
+(``faceops sweep --ray``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +42,7 @@ from ml.errors import ConfigError, FaceopsError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LaunchError", "NodeResult", "launch", "node_command"]
+__all__ = ["LaunchError", "NodeResult", "fan_out", "launch", "live_machines", "node_command"]
 
 LOG_DIR = "logs/launch"
 TAIL_LINES = 20
@@ -152,53 +154,53 @@ def _connect(address: str | None, cpus: float, nodes: int) -> bool:
     return True
 
 
-def _wait_placed(group: Any, nodes: int, cpus: float, gpus: float, pack: bool, timeout: float) -> None:
+def _wait_placed(group: Any, nodes: int, cpus: float, gpus: float, strategy: str, timeout: float) -> None:
     import ray
 
     try:
         ray.get(group.ready(), timeout=timeout)
     except ray.exceptions.GetTimeoutError:
-        alive = [n for n in ray.nodes() if n.get("Alive")]
-        where = "one machine" if pack else f"{nodes} different machines"
+        where = {"PACK": "one machine", "STRICT_SPREAD": f"{nodes} different machines"}.get(strategy, "the cluster")
         raise LaunchError(f"Ray could not place {nodes} nodes of {cpus:g} CPUs and {gpus:g} GPUs on {where} within "
-                          f"{timeout:.0f} s: the cluster has {len(alive)} live machine(s) with "
-                          f"{ray.cluster_resources()}; add machines, ask for less, or pass --pack to use one "
-                          "machine") from None
+                          f"{timeout:.0f} s: the cluster has {len(live_machines())} live machine(s) with "
+                          f"{ray.cluster_resources()}; add machines, ask for less"
+                          + (", or pass --pack to use one machine" if strategy == "STRICT_SPREAD" else "")) from None
 
 
-def launch(stage: str, nodes: int, *, root: str | os.PathLike = ".", address: str | None = None, cpus: float = 1,
-           gpus: float = 0, pack: bool = False, env: dict[str, str] | None = None, timeout: float | None = None,
-           place_timeout: float = 120.0) -> list[NodeResult]:
-    """Run ``faceops stage <stage>`` on ``nodes`` Ray nodes as one multi-node DDP job (module docstring) → each
-    node's result, rank 0 first. Raises :class:`LaunchError` naming the first node that failed (the others are
-    stopped) or, past ``timeout`` seconds, the nodes still running."""
+def live_machines() -> list[str]:
+    """The addresses of the Ray cluster's live machines (Ray connected)."""
+    import ray
+
+    return [n.get("NodeManagerAddress", "?") for n in ray.nodes() if n.get("Alive")]
+
+
+@contextlib.contextmanager
+def _placed(nodes: int, *, address: str | None, cpus: float, gpus: float, strategy: str, place_timeout: float,
+            machine_local: Sequence[str] = ()) -> Iterator[tuple[list[Any], list[tuple[str, int]]]]:
+    """``nodes`` :class:`_Node` actors in a placement group of one bundle each (``strategy``: ``PACK``,
+    ``STRICT_SPREAD`` or ``SPREAD``) → (the actors, each one's (IP, free port)); a cluster of several machines is
+    refused when ``machine_local`` names something only this machine can reach. Everything is released on exit
+    (and a Ray instance this call started, shut down)."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    if nodes < 1:
-        raise ConfigError(f"nodes must be ≥ 1, got {nodes}")
-    root = Path(root).resolve()
-    _check_params(root, stage, nodes)
     started = _connect(address, cpus, nodes)
     group = None
     actors: list[Any] = []
     try:
+        machines = live_machines()
+        if machine_local and len(machines) > 1:
+            raise LaunchError(f"the Ray cluster has {len(machines)} machines ({', '.join(machines)}) but "
+                              f"{' and '.join(machine_local)} only this machine can reach; use a server both can "
+                              "reach, or a single-machine Ray instance")
         bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
-        group = placement_group([dict(bundle) for _ in range(nodes)], strategy="PACK" if pack else "STRICT_SPREAD")
-        _wait_placed(group, nodes, cpus, gpus, pack, place_timeout)
+        group = placement_group([dict(bundle) for _ in range(nodes)], strategy=strategy)
+        _wait_placed(group, nodes, cpus, gpus, strategy, place_timeout)
         node_cls = ray.remote(max_concurrency=2)(_Node)
         actors = [node_cls.options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
             placement_group=group, placement_group_bundle_index=k)).remote() for k in range(nodes)]
-        places = ray.get([a.address.remote() for a in actors])
-        addresses = [ip for ip, _ in places]
-        master, port = places[0]
-        base = {**(env or {}), "MASTER_ADDR": master, "MASTER_PORT": str(port)}
-        log.info("launching %s on %d nodes (rank 0 at %s:%d)", stage, nodes, master, port)
-        logs = [f"{LOG_DIR}/{stage.replace('@', '-')}-node{k}.log" for k in range(nodes)]
-        refs = [a.run.remote(node_command(stage), {**base, "NODE_RANK": str(k)}, str(root), logs[k])
-                for k, a in enumerate(actors)]
-        return _watch(refs, actors, addresses, logs, timeout)
+        yield actors, ray.get([a.address.remote() for a in actors])
     finally:
         for actor in actors:
             with contextlib.suppress(Exception):
@@ -208,6 +210,51 @@ def launch(stage: str, nodes: int, *, root: str | os.PathLike = ".", address: st
                 remove_placement_group(group)
         if started:
             ray.shutdown()
+
+
+def launch(stage: str, nodes: int, *, root: str | os.PathLike = ".", address: str | None = None, cpus: float = 1,
+           gpus: float = 0, pack: bool = False, env: dict[str, str] | None = None, timeout: float | None = None,
+           place_timeout: float = 120.0) -> list[NodeResult]:
+    """Run ``faceops stage <stage>`` on ``nodes`` Ray nodes as one multi-node DDP job (module docstring) → each
+    node's result, rank 0 first. Raises :class:`LaunchError` naming the first node that failed (the others are
+    stopped) or, past ``timeout`` seconds, the nodes still running."""
+    if nodes < 1:
+        raise ConfigError(f"nodes must be ≥ 1, got {nodes}")
+    root = Path(root).resolve()
+    _check_params(root, stage, nodes)
+    with _placed(nodes, address=address, cpus=cpus, gpus=gpus, strategy="PACK" if pack else "STRICT_SPREAD",
+                 place_timeout=place_timeout) as (actors, places):
+        addresses = [ip for ip, _ in places]
+        master, port = places[0]
+        base = {**(env or {}), "MASTER_ADDR": master, "MASTER_PORT": str(port)}
+        log.info("launching %s on %d nodes (rank 0 at %s:%d)", stage, nodes, master, port)
+        logs = [f"{LOG_DIR}/{stage.replace('@', '-')}-node{k}.log" for k in range(nodes)]
+        refs = [a.run.remote(node_command(stage), {**base, "NODE_RANK": str(k)}, str(root), logs[k])
+                for k, a in enumerate(actors)]
+        return _watch(refs, actors, addresses, logs, timeout)
+
+
+def fan_out(name: str, commands: Sequence[Sequence[str]], *, root: str | os.PathLike = ".",
+            address: str | None = None, cpus: float = 1, gpus: float = 0, env: dict[str, str] | None = None,
+            timeout: float | None = None, place_timeout: float = 120.0,
+            machine_local: Sequence[str] = ()) -> list[NodeResult]:
+    """Run independent ``commands`` at once, one per Ray worker of ``cpus`` CPUs and ``gpus`` GPUs, spread over the
+    cluster's machines where they fit (``SPREAD``), each in ``root`` with ``env`` added → each worker's result, in
+    order. Watched as :func:`launch` watches its nodes: the first worker that fails (or is lost, or outlives
+    ``timeout``) stops the others and is named in the :class:`LaunchError`. Logs: ``logs/launch/<name>-node<k>.log``.
+    ``machine_local`` names what the commands need that only this machine can reach (a SQLite file, a local MLflow
+    store): with it, a cluster of several machines is refused before anything starts."""
+    if not commands:
+        raise ConfigError("fan_out needs at least one command")
+    root = Path(root).resolve()
+    with _placed(len(commands), address=address, cpus=cpus, gpus=gpus, strategy="SPREAD",
+                 place_timeout=place_timeout, machine_local=machine_local) as (actors, places):
+        addresses = [ip for ip, _ in places]
+        log.info("%s: %d workers on %s", name, len(commands), ", ".join(sorted(set(addresses))))
+        logs = [f"{LOG_DIR}/{name}-node{k}.log" for k in range(len(commands))]
+        refs = [a.run.remote(list(cmd), dict(env or {}), str(root), logs[k])
+                for k, (a, cmd) in enumerate(zip(actors, commands))]
+        return _watch(refs, actors, addresses, logs, timeout)
 
 
 def _watch(refs: Sequence[Any], actors: Sequence[Any], addresses: Sequence[str], logs: Sequence[str],

@@ -168,9 +168,11 @@ def test_bounds_the_stage_rejects_fail_before_anything_is_written(tmp_path):
 def test_cli_help_teaches_and_bad_range_fails_cleanly(tmp_path):
     out = _faceops(["sweep", "--help"], tmp_path)
     assert out.returncode == 0
-    for word in ("journal:", "postgresql://", "--workers", "--apply", "two", "sqlite"):
+    for word in ("journal:", "postgresql://", "--workers", "--apply", "two", "sqlite", "--ray", "RAY_ADDRESS"):
         assert word in out.stdout, word
     root = _workspace(tmp_path / "ws", {})
+    out = _faceops(["sweep", "train_fr", "--ray", "--cpus", "0"], root)
+    assert out.returncode == 2 and "--cpus 0 --gpus 0: a Ray worker needs more than 0 CPUs" in out.stderr, out.stderr
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["sweep"]["train_fr"]["space"]["fr.lr"] = {"type": "float", "low": 0.1, "high": 0.1}
     (root / "params.yaml").write_text(yaml.safe_dump(params))  # by hand: apply_delta would refuse it
@@ -354,6 +356,72 @@ def test_a_killed_workers_trial_is_failed_by_its_silent_heartbeat_and_run_again(
     stuck = plain.ask({"x": optuna.distributions.FloatDistribution(0.0, 1.0)})
     plain.optimize(lambda t: t.suggest_float("x", 0.0, 1.0), n_trials=1)
     assert plain.get_trials()[stuck.number].state == optuna.trial.TrialState.RUNNING
+
+
+# ── trial workers placed by Ray ───────────────────────────────────────────────────────────────────────────────
+@pytest.fixture
+def ray_local():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def _ray_plan(workspace: Path, tmp_path: Path, study: str, trials: int = 2):
+    from ops.sweep import ensure_tracking
+
+    ensure_tracking(workspace)  # the MLflow experiment exists before workers start, as on a cluster
+    return prepare_sweep("train_fr", trials=trials, storage=f"journal:{tmp_path / 'j.log'}", study=study,
+                         root=workspace)
+
+
+def test_ray_workers_share_one_study_and_log_where_the_flow_says(workspace, tmp_path, ray_local):
+    import logging
+
+    import optuna
+
+    from flows.sweep import RayWorkers, _trials_on_ray
+
+    plan = _ray_plan(workspace, tmp_path, "r")
+    assert _trials_on_ray(plan, [1, 1], RayWorkers(cpus=1), logging.getLogger("test")) == 2
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+    storage = JournalStorage(JournalFileBackend(plan.storage.target))
+    trials = optuna.load_study(study_name="r", storage=storage).get_trials()
+    assert sorted(t.number for t in trials) == [0, 1]
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+    parent, children = _runs(workspace, "r")
+    assert len(children) == 2 and len({r.data.tags["optuna.worker"] for r in children}) == 2  # two processes
+    for k in (0, 1):
+        log = (workspace / "logs" / "launch" / f"sweep-r-node{k}.log").read_text()
+        assert "ops.sweep train_fr --study r --trials 1" in log.splitlines()[0]
+
+
+def test_a_failing_ray_worker_is_named_and_stops_the_sweep(workspace, tmp_path, ray_local, monkeypatch):
+    import logging
+
+    from flows.sweep import RayWorkers, _trials_on_ray
+    from ops import sweep as sw
+
+    real = sw.worker_command
+    monkeypatch.setattr(sw, "worker_command", lambda plan, n, seed: (
+        real(plan, n, seed) if seed == plan.seed else [sys.executable, "-c", "import sys; sys.exit(3)"]))
+    plan = _ray_plan(workspace, tmp_path, "f")
+    with pytest.raises(SweepError, match=r"(?s)study f: node 1 \(.*\) exited with status 3.*kept in the study"):
+        _trials_on_ray(plan, [1, 1], RayWorkers(cpus=1), logging.getLogger("test"))
+
+
+def test_file_storage_on_a_cluster_of_several_machines_is_refused(workspace, tmp_path, ray_local, monkeypatch):
+    import logging
+
+    from flows.sweep import RayWorkers, _trials_on_ray
+    from ops import launch
+
+    monkeypatch.setattr(launch, "live_machines", lambda: ["10.0.0.1", "10.0.0.2"])
+    plan = _ray_plan(workspace, tmp_path, "m")
+    with pytest.raises(SweepError, match=r"2 machines.*journal storage.*and the MLflow store sqlite:"):
+        _trials_on_ray(plan, [1, 1], RayWorkers(cpus=1), logging.getLogger("test"))
+    assert not (workspace / "logs" / "launch" / "sweep-m-node0.log").exists()  # refused before anything ran
 
 
 # ── every trainer's target, on its val split only ─────────────────────────────────────────────────────────────
