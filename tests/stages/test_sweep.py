@@ -375,19 +375,22 @@ def _ray_plan(workspace: Path, tmp_path: Path, study: str, trials: int = 2):
                          root=workspace)
 
 
-def test_ray_workers_share_one_study_and_log_where_the_flow_says(workspace, tmp_path, ray_local):
-    import logging
-
+def test_sweep_ray_places_every_worker_through_ray_from_the_command_line(workspace, tmp_path):
+    """`faceops sweep --ray --workers 2` through the flow on a real Prefect server; Ray (a local instance the
+    command starts) runs both workers, each its own process, on one study."""
     import optuna
-
-    from flows.sweep import RayWorkers, _trials_on_ray
-
-    plan = _ray_plan(workspace, tmp_path, "r")
-    assert _trials_on_ray(plan, [1, 1], RayWorkers(cpus=1), logging.getLogger("test")) == 2
     from optuna.storages.journal import JournalFileBackend, JournalStorage
 
-    storage = JournalStorage(JournalFileBackend(plan.storage.target))
-    trials = optuna.load_study(study_name="r", storage=storage).get_trials()
+    from ops.sweep import ensure_tracking
+
+    ensure_tracking(workspace)  # the MLflow experiment exists before workers start, as on a cluster
+    journal = tmp_path / "j.log"
+    args = ["sweep", "train_fr", "--trials", "2", "--workers", "2", "--ray", "--storage", f"journal:{journal}",
+            "--study", "r"]
+    with prefect_server(tmp_path / "prefect") as env:
+        out = _faceops(args, workspace, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    trials = optuna.load_study(study_name="r", storage=JournalStorage(JournalFileBackend(str(journal)))).get_trials()
     assert sorted(t.number for t in trials) == [0, 1]
     assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
     parent, children = _runs(workspace, "r")
