@@ -6,9 +6,10 @@ processes on the same study) → report (history and importance plots, best para
 params into ``params.yaml``, as a reviewable diff). The work itself is in ``ops.sweep``.
 
 With ``ray`` set, every share runs as a ``python -m ops.sweep`` worker placed by Ray (``ops.launch.fan_out``):
-on a Ray cluster the trials spread over its machines, with ``cpus``/``gpus`` each; the storage and the MLflow
-store must then be servers every machine reaches (a SQLite or journal file, or a local MLflow store, is refused
-on a cluster of several machines).
+on a Ray cluster the trials spread over its machines, with ``ray_cpus``/``ray_gpus`` each; the storage and the
+MLflow store must then be servers every machine reaches (a SQLite or journal file, or a local MLflow store, is
+refused on a cluster of several machines). Their URLs reach the workers as Ray task arguments: keep passwords out
+of them (``PGPASSWORD`` or ``~/.pgpass`` on each machine).
 
 Several flow runs with the same storage and study name (two terminals, or many cluster workers) cooperate on one
 study. A storage URL with a password is best passed in ``$FACEOPS_SWEEP_STORAGE`` (the CLI does that with
