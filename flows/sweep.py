@@ -8,8 +8,8 @@ params into ``params.yaml``, as a reviewable diff). The work itself is in ``ops.
 With ``ray`` set, every share runs as a ``python -m ops.sweep`` worker placed by Ray (``ops.launch.fan_out``):
 on a Ray cluster the trials spread over its machines, with ``ray_cpus``/``ray_gpus`` each; the storage and the
 MLflow store must then be servers every machine reaches (a SQLite or journal file, or a local MLflow store, is
-refused on a cluster of several machines). Their URLs reach the workers as Ray task arguments: keep passwords out
-of them (``PGPASSWORD`` or ``~/.pgpass`` on each machine).
+refused on a cluster of several machines). Their URLs reach the workers as Ray task arguments, so a password in
+either is refused (``PGPASSWORD`` or ``~/.pgpass`` on each machine instead).
 
 Several flow runs with the same storage and study name (two terminals, or many cluster workers) cooperate on one
 study. A storage URL with a password is best passed in ``$FACEOPS_SWEEP_STORAGE`` (the CLI does that with
@@ -29,7 +29,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from ops import sweep as sw
-from tasks.common import stage_cores
+from tasks.common import redact, stage_cores
 
 
 @task(task_run_name="open-study-{stage}", cache_policy=NO_CACHE)
@@ -85,6 +85,11 @@ def _trials_on_ray(plan: sw.SweepPlan, shares: list[int], ray: RayWorkers, logge
     if plan.trials == 0:
         return 0
     uri = tracking_uri(Path(plan.root))
+    for what, url in (("the storage", plan.storage.text), ("MLFLOW_TRACKING_URI", uri)):
+        if redact(url) != url:
+            raise sw.SweepError(f"--ray: {what} {redact(url)} holds a password, which would travel to the workers "
+                                "as a Ray task argument; take it out of the URL and set PGPASSWORD (or ~/.pgpass, "
+                                "MLFLOW_TRACKING_PASSWORD) on each machine")
     local = [f"the {plan.storage.kind} storage {plan.storage.masked}"] if plan.storage.kind == "journal" or \
         plan.storage.target.startswith("sqlite:") else []
     if not uri.startswith(("http://", "https://")):

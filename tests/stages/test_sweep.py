@@ -414,17 +414,24 @@ def test_a_failing_ray_worker_is_named_and_stops_the_sweep(workspace, tmp_path, 
         _trials_on_ray(plan, [1, 1], RayWorkers(cpus=1), logging.getLogger("test"))
 
 
-def test_file_storage_on_a_cluster_of_several_machines_is_refused(workspace, tmp_path, ray_local, monkeypatch):
+def test_file_storage_on_a_cluster_or_a_password_in_a_url_is_refused(workspace, tmp_path, ray_local, monkeypatch):
     import logging
+
+    import dataclasses
 
     from flows.sweep import RayWorkers, _trials_on_ray
     from ops import launch
+    from ops.sweep import StorageSpec
 
     monkeypatch.setattr(launch, "live_machines", lambda: ["10.0.0.1", "10.0.0.2"])
     plan = _ray_plan(workspace, tmp_path, "m")
     with pytest.raises(SweepError, match=r"2 machines.*journal storage.*and the MLflow store sqlite:"):
         _trials_on_ray(plan, [1, 1], RayWorkers(cpus=1), logging.getLogger("test"))
     assert not (workspace / "logs" / "launch" / "sweep-m-node0.log").exists()  # refused before anything ran
+    secret = dataclasses.replace(plan, storage=StorageSpec("rdb", "postgresql://optuna:s3cret@db:5432/optuna"))
+    with pytest.raises(SweepError, match=r"the storage postgresql://optuna:\*\*\*@db.*PGPASSWORD") as caught:
+        _trials_on_ray(secret, [1, 1], RayWorkers(cpus=1), logging.getLogger("test"))
+    assert "s3cret" not in str(caught.value)
 
 
 # ── every trainer's target, on its val split only ─────────────────────────────────────────────────────────────
