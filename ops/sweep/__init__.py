@@ -4,7 +4,8 @@
 The search space is data (params ``sweep``, ``ops.sweep.config``): each range is checked against the stage's config
 class before a trial starts. A trial applies its values as an in-memory delta (``params.yaml`` is never written
 during a sweep), trains, reports the stage's validation metric every epoch to Optuna, which may prune it, and
-returns the last value (``ops.sweep.targets.OBJECTIVES``). Every process with the same storage and study name joins
+returns the value of the model the stage would keep: the last epoch's, or the best epoch's where the stage keeps
+its best (``ops.sweep.targets.OBJECTIVES``). Every process with the same storage and study name joins
 one study; the creator opens the MLflow parent run under which every trial nests (``ops.sweep.study``). On an SQL
 storage running trials beat a heartbeat, and a killed worker's trial is failed and retried once (Optuna's
 ``RetryHeartbeatStaleTrialCallback``); a JournalStorage has no heartbeat. ``report`` writes the history and importance

@@ -8,7 +8,8 @@ and reads no test split:
 - ``train_aligner``: the unaligned set's ``train`` split; ``val/nme_box`` (and the other ``val/*``) on its ``val``
   split, identities neither trained on nor tested on;
 - ``train_discovery``: the GFD split's ``train`` subset; ``val/accuracy``, the nearest-class-mean accuracy of the
-  labelled images held out by ``discovery.val_per_identity`` (the GCD control is not trained in a trial);
+  labelled images held out by ``discovery.val_per_identity`` (the GCD control is not trained in a trial); a trial
+  is worth its best epoch's value, the epoch the stage keeps;
 - ``train_fusion``: CAFace on the frozen FR model's features of the fusion set but its last ``fusion.val_identities``
   identities; ``val/rank1`` (and ``val/lt``) of fixed sets of those identities against their targets;
 - ``train_generator``: UIFace (its autoencoder first in latent space) on the training faces; ``val/objective`` =
@@ -232,7 +233,9 @@ def _discovery_trainer(paths: Paths, params: Mapping[str, Any], metric: str) -> 
         pruning = _pruning(trial, metric, tracker)
         train_discovery(cfg, images, labels, labelled, init_model_dir=init, progress=False, callbacks=[pruning],
                         anchor=anchor if cfg.anchor_weight > 0 else None)
-        return _last_value(pruning, metric)
+        # the trainer keeps its best val epoch (and with discovery.patience stops some epochs after it): the
+        # trial is worth what the stage would keep, not its last epoch
+        return max(pruning.values) if pruning.values else _last_value(pruning, metric)
 
     return train_trial
 

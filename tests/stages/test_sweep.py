@@ -513,10 +513,14 @@ def test_every_trainer_sweeps_on_its_val_split_and_never_reads_a_test_split(tmp_
     assert metric.startswith("val/")
     parent, children = _runs(root, stage)
     assert parent.data.params["sweep.metric"] == metric and len(children) == 2
+    values = {t.user_attrs["mlflow_run_id"]: t.value for t in _study(root, stage).trials}
     for child in children:
         curve = _client(root).get_metric_history(child.info.run_id, metric)
         # one point per epoch, visible in the nested run; the generator's objective is measured once, after training
         assert len(curve) == (1 if stage == "train_generator" else 2)
+        # a trial is worth the model its stage keeps: FaceGCD keeps its best val epoch, the others their last
+        kept = max if stage == "train_discovery" else (lambda points: points[-1])
+        assert values[child.info.run_id] == pytest.approx(kept([m.value for m in sorted(curve, key=lambda m: m.step)]))
         if stage == "train_generator":  # gap + the small synthetic-trained FR model's accuracy on val identities
             m = child.data.metrics
             assert m["val/objective"] == pytest.approx(m["val/identity_gap"] + m["val/accuracy"])
