@@ -84,7 +84,7 @@ def _trials_on_ray(plan: sw.SweepPlan, shares: list[int], ray: RayWorkers, logge
 
     if plan.trials == 0:
         return 0
-    uri = tracking_uri(Path(plan.root))
+    uri = tracking_uri(plan.root)
     for what, url in (("the storage", plan.storage.text), ("MLFLOW_TRACKING_URI", uri)):
         if redact(url) != url:
             raise sw.SweepError(f"--ray: {what} {redact(url)} holds a password, which would travel to the workers "

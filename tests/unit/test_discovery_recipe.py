@@ -305,8 +305,8 @@ def test_patience_stops_without_changing_what_a_full_run_keeps(tmp_path):
     assert len(scores) < 5  # a tie counts as no better: on 4 val images the accuracy cannot rise every epoch
     assert len(scores) - 1 - stopped.best_epoch == 1  # stopped the epoch after one without a better score
     assert scores == [h["val/accuracy"] for h in full.history[: len(scores)]]
-    if full.best_epoch == stopped.best_epoch:  # no later epoch beat it: the same weights as the full run's
-        for (k, a), b in zip(full.model.state_dict().items(), stopped.model.state_dict().values()):
-            assert torch.equal(a, b), k
+    assert full.best_epoch == stopped.best_epoch  # no later epoch of the full run beat it here ...
+    for (k, a), b in zip(full.model.state_dict().items(), stopped.model.state_dict().values()):
+        assert torch.equal(a, b), k  # ... so the stopped run keeps the full run's weights
     with pytest.raises(ConfigError, match="discovery.patience"):
         _cfg(patience=-1)
