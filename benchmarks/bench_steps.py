@@ -16,17 +16,33 @@ code path it replaced, measured in one process so that only the ratio is read.
   float32 as the trainer's margin heads are) and for the CAFace step: ``*_bf16_ratio`` < 1 is what autocast saves;
   ``cpu_has_bf16`` says whether this CPU has bfloat16 instructions, ``cpu_has_amx`` whether it has AMX tiles, and
   ``probe_bf16_ratio`` is what ``faceops doctor`` recommends by (``ml.train.device.bf16_step_ratio``).
+- the attention kernel under bfloat16 autocast: every ``bf16`` step runs what the trainers run on the CPU
+  (``ml.train.device.attention_kernels``: the math kernel); ``*_flash_ratio`` is the same step with PyTorch's fused
+  CPU flash kernel over it (> 1: what the math kernel saves).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from ml.train.device import bf16_step_ratio, cpu_has_amx, cpu_has_bf16
+from ml.train.device import attention_kernels, bf16_step_ratio, cpu_has_amx, cpu_has_bf16
+
+
+def _numerics(name: str) -> contextlib.ExitStack:
+    """The autocast and attention kernel of a variant's forward (the backward follows the kernels it chose): names
+    ending in ``bf16`` run as a ``bf16-mixed`` CPU trainer does, ``flash`` ones in bfloat16 with the fused flash
+    kernel PyTorch picks by itself, the rest in float32."""
+    stack = contextlib.ExitStack()
+    bf16 = name.endswith(("bf16", "flash"))
+    stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16))
+    if name.endswith("bf16"):
+        stack.enter_context(attention_kernels("cpu", "bf16-mixed"))
+    return stack
 
 
 def _best_ms(step: Callable[[], Any], warmup: int, rounds: int, steps: int) -> float:
@@ -54,7 +70,7 @@ def _unet_steps(steps: int, rounds: int) -> dict:
     x0 = torch.randn(cfg.batch_size, cfg.model.in_channels, cfg.model.image_size, cfg.model.image_size, generator=g)
     ids = torch.randn(cfg.batch_size, 128, generator=g)
     out = {}
-    for name in ("loop", "fused", "bf16", "channels_last", "channels_last_bf16"):
+    for name in ("loop", "fused", "bf16", "channels_last", "channels_last_bf16", "channels_last_flash"):
         torch.manual_seed(0)
         module = GeneratorModule(IDConditionedUNet(cfg.model), cfg, steps_per_epoch=57, pixel=False,
                                  channels_last=name.startswith("channels_last"))
@@ -73,7 +89,7 @@ def _unet_steps(steps: int, rounds: int) -> dict:
                     state[key].mul_(0.99).add_(value, alpha=0.01)
 
         def step(name: str = name) -> None:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name.endswith("bf16")):
+            with _numerics(name):
                 loss = module.diffusion_loss(x0, ids, g)
             loss.backward()
             optimizer.step()
@@ -85,7 +101,8 @@ def _unet_steps(steps: int, rounds: int) -> dict:
     return {"unet_loop_ms": out["loop"], "unet_fused_ms": out["fused"], "unet_ratio": out["fused"] / out["loop"],
             "unet_bf16_ms": out["bf16"], "unet_bf16_ratio": out["bf16"] / out["fused"], "unet_batch": cfg.batch_size,
             "unet_channels_last_ms": out["channels_last"], "unet_channels_last_ratio": out["channels_last"] / out["fused"],
-            "unet_channels_last_bf16_ratio": out["channels_last_bf16"] / out["channels_last"]}
+            "unet_channels_last_bf16_ratio": out["channels_last_bf16"] / out["channels_last"],
+            "unet_flash_ratio": out["channels_last_flash"] / out["channels_last_bf16"]}
 
 
 def _fr_steps(steps: int, rounds: int) -> dict:
@@ -96,14 +113,14 @@ def _fr_steps(steps: int, rounds: int) -> dict:
     x = torch.randn(128, 3, 64, 64, generator=g)
     y = torch.randint(0, 200, (128,), generator=g)
     out = {}
-    for name in ("fp32", "bf16"):
+    for name in ("fp32", "bf16", "flash"):
         torch.manual_seed(0)
         backbone = build_backbone("vit_tiny", img_size=64, embed_dim=128)
         head = torch.nn.Linear(128, 200)
         optimizer = adamw([*backbone.parameters(), *head.parameters()], lr=1e-3, weight_decay=0.05)
 
         def step(name: str = name) -> None:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name == "bf16"):
+            with _numerics(name):
                 emb = backbone(x)
             loss = torch.nn.functional.cross_entropy(head(emb.float()), y)
             loss.backward()
@@ -111,7 +128,8 @@ def _fr_steps(steps: int, rounds: int) -> dict:
             optimizer.zero_grad(set_to_none=True)
 
         out[name] = _best_ms(step, 2, rounds, steps)
-    return {"fr_fp32_ms": out["fp32"], "fr_bf16_ms": out["bf16"], "fr_bf16_ratio": out["bf16"] / out["fp32"]}
+    return {"fr_fp32_ms": out["fp32"], "fr_bf16_ms": out["bf16"], "fr_bf16_ratio": out["bf16"] / out["fp32"],
+            "fr_flash_ratio": out["flash"] / out["bf16"]}
 
 
 def _caface_steps(steps: int, rounds: int) -> dict:
@@ -130,13 +148,13 @@ def _caface_steps(steps: int, rounds: int) -> dict:
     target = torch.nn.functional.normalize(torch.randn(cfg.batch_size, 128, generator=g), dim=-1)
     out = {}
     by_length = ClusterNetwork.forward
-    for name in ("padded", "by_length", "bf16"):
+    for name in ("padded", "by_length", "bf16", "flash"):
         torch.manual_seed(0)
         model = CAFace(feature_dim=128, style_dim=256).train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
 
         def step(name: str = name) -> None:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name == "bf16"):
+            with _numerics(name):
                 loss = _batch_loss(model, cfg, feats, styles, target, cfg.prefix_lengths)["train/loss"]
             loss.backward()
             optimizer.step()
@@ -149,7 +167,7 @@ def _caface_steps(steps: int, rounds: int) -> dict:
             ClusterNetwork.forward = by_length
     return {"caface_padded_ms": out["padded"], "caface_by_length_ms": out["by_length"],
             "caface_ratio": out["by_length"] / out["padded"], "caface_bf16_ms": out["bf16"],
-            "caface_bf16_ratio": out["bf16"] / out["by_length"]}
+            "caface_bf16_ratio": out["bf16"] / out["by_length"], "caface_flash_ratio": out["flash"] / out["bf16"]}
 
 
 def bench_train_step_costs(steps: int = 10, rounds: int = 3, threads: int = 1) -> dict:
@@ -172,4 +190,5 @@ if __name__ == "__main__":
     print(f"UNet {r['unet_loop_ms']:.0f} → {r['unet_fused_ms']:.0f} ms/step ({r['unet_ratio']:.3f}×); "
           f"CAFace {r['caface_padded_ms']:.0f} → {r['caface_by_length_ms']:.0f} ms/step ({r['caface_ratio']:.3f}×); "
           f"bf16/fp32: UNet {r['unet_bf16_ratio']:.3f}×, FR {r['fr_bf16_ratio']:.3f}×, "
-          f"CAFace {r['caface_bf16_ratio']:.3f}×")
+          f"CAFace {r['caface_bf16_ratio']:.3f}×; flash/math kernel: UNet {r['unet_flash_ratio']:.3f}×, "
+          f"FR {r['fr_flash_ratio']:.3f}×, CAFace {r['caface_flash_ratio']:.3f}×")

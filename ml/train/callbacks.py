@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import Callback, Checkpoint, ModelCheckpoint
 from torch.utils.data import DataLoader, Sampler
 
 from ml.errors import TrainingError
-from ml.train.device import check_device, deterministic_algorithms, resolve_precision
+from ml.train.device import attention_kernels, check_device, deterministic_algorithms, resolve_precision
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +243,7 @@ def fit(
         num_sanity_val_steps=0,
         use_distributed_sampler=False,  # the samplers order (and split) the data themselves
     )
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), attention_kernels(accelerator, precision):
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")
         warnings.filterwarnings("ignore", message=".*treespec, LeafSpec.*")  # lightning 2.6 vs torch 2.13, harmless
         warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")  # frozen parts (FaceGCD) by design

@@ -1,5 +1,6 @@
 """Where a training runs and in what numerics: the device keys every trainer shares (``accelerator``, ``devices``,
-``precision``), what ``precision: auto`` means, and the process-wide settings that make a run repeatable.
+``precision``), what ``precision: auto`` means, which attention kernels a CPU training runs, and the process-wide
+settings that make a run repeatable.
 
 Everything here is decided from params and stable facts of the machine (instruction sets, device names, the cores
 this process may use), never from a clock: two runs of the same params on the same machine train in the same
@@ -9,11 +10,13 @@ autocast pays on this CPU; ``faceops doctor`` shows it as a recommendation that 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ml.errors import ConfigError
 
@@ -86,6 +89,19 @@ def resolve_precision(accelerator: str, precision: str) -> str:
     if accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available():
         return "bf16-mixed" if torch.cuda.is_bf16_supported() else "32-true"
     return "32-true"  # mps
+
+
+def attention_kernels(accelerator: str, precision: str) -> contextlib.AbstractContextManager:
+    """The ``F.scaled_dot_product_attention`` kernels a training runs (a context for the whole fit; the backward
+    follows the kernel its forward chose). On the CPU under bfloat16 autocast: the math kernel, i.e. two batched
+    matmuls and a float softmax that oneDNN runs on the matrix units, because the fused CPU flash kernel's backward
+    is slower there than the rest of the step put together at these sequence lengths (``train_step_costs``
+    ``*_flash_ratio`` in ``benchmarks/results.md``). Everywhere else PyTorch's own choice (on a GPU the fused
+    kernels win). Both kernels are deterministic, so the choice is a fact of the params and the machine, as
+    ``resolve_precision`` is."""
+    if precision == "bf16-mixed" and trains_on_cpu(accelerator):
+        return sdpa_kernel(SDPBackend.MATH)
+    return contextlib.nullcontext()
 
 
 def bf16_step_ratio(repeats: int = 5) -> float:

@@ -295,3 +295,38 @@ def test_compiled_training_forward_gives_the_eager_runs_losses_and_state_dict_ke
     with torch.no_grad():
         cosine = torch.nn.functional.cosine_similarity(eager.model(x), compiled.model(x), dim=1)
     assert float(cosine.min()) > 0.99
+
+
+class _Attend(lightning.LightningModule):
+    """One self-attention over 16 tokens; records the autograd node each training step's attention made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 24)
+        self.kernels: list[str] = []
+
+    def training_step(self, batch, batch_idx):
+        q, k, v = self.proj(batch[0]).view(-1, 2, 16, 12).chunk(3, dim=-1)  # (B, heads, tokens, 4) each
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        self.kernels.append(out.grad_fn.name())
+        return out.float().square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("precision, flash", [("bf16-mixed", False), ("32-true", True)])
+def test_a_bfloat16_cpu_fit_runs_attention_as_matmuls_not_the_flash_kernel(precision, flash):
+    # the fused CPU flash kernel's backward is slow under bfloat16 (train_step_costs *_flash_ratio); float32 keeps
+    # PyTorch's own choice, which on the CPU is that kernel
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ml.train.callbacks import EpochHistory, fit
+
+    module = _Attend()
+    loader = DataLoader(TensorDataset(torch.randn(8, 32, 8)), batch_size=4)
+    fit(module, loader, section="test", epochs=1, steps_per_epoch=2, history=EpochHistory(()), accelerator="cpu",
+        precision=precision, progress=False)
+    assert len(module.kernels) == 2
+    assert all(("Flash" in k) == flash for k in module.kernels), module.kernels
+    assert torch.backends.cuda.flash_sdp_enabled()  # the choice ends with the fit
