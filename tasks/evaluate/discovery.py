@@ -177,5 +177,25 @@ def render_section(metrics: dict[str, float]) -> list[str]:
     for m in present:
         cells = [pct(metrics.get(f"discovery/{m}/{s}/{k}")) for s in ("transductive", "test") for k in ("all", "known", "novel")]
         lines.append(f"| {METHODS[m]} | " + " | ".join(cells) + f" | {pct(metrics.get(f'discovery/{m}/nnc'))} |")
-    lines += ["", "![discovery embedding](../plots/discovery_embedding.png)"]
-    return lines
+    return lines + verdict(metrics) + ["", "![discovery embedding](../plots/discovery_embedding.png)"]
+
+
+def verdict(metrics: dict[str, float]) -> list[str]:
+    """One paragraph: FaceGCD against the best other method on the headline (transductive All), then against its
+    own parts (the GCD control: what the prefixes add; FR features + SSK: what the contrastive training adds)."""
+    score = {m: metrics.get(f"discovery/{m}/transductive/all") for m in METHODS if m != "chance"}
+    score = {m: v for m, v in score.items() if v is not None and v == v}
+    if "facegcd" not in score or len(score) < 2:
+        return []
+    ours = score.pop("facegcd")
+    best = max(score, key=score.get)
+    gap = 100 * (ours - score[best])
+    head = (f"FaceGCD beats every other method here, the best being {METHODS[best]} by {gap:.1f} points"
+            if gap > 0 else
+            f"**FaceGCD does not beat {METHODS[best]}** here ({gap:+.1f} points)")
+    parts = [f"{label} {100 * (ours - score[m]):+.1f} points" for m, label in
+             (("gcd", "over the GCD control (what the prefixes add)"),
+              ("fr_ssk", "over FR features + SSK (what the contrastive training adds)")) if m in score]
+    return ["", f"Verdict on the headline (transductive All): {head}" + ("; " + ", ".join(parts) if parts else "")
+            + ". One training run on one data seed: the spread over seeds, which says whether such differences are "
+            "beyond noise, is in `reports/discovery_claims.md`."]

@@ -91,3 +91,20 @@ def test_a_leaky_or_empty_split_is_refused(mutate, match):
     mutate(labelled, known, test)
     with pytest.raises(DataError, match=match):
         gfd_ssk(x, labels, labelled, known, test, n_init=1)
+
+
+def test_the_report_says_when_facegcd_does_not_beat_a_baseline():
+    from tasks.evaluate.discovery import verdict
+
+    def metrics(facegcd: float, kmeans: float) -> dict[str, float]:
+        return {"discovery/facegcd/transductive/all": facegcd, "discovery/gcd/transductive/all": 0.50,
+                "discovery/fr_ssk/transductive/all": 0.52, "discovery/kmeans/transductive/all": kmeans,
+                "discovery/chance/transductive/all": 0.90}  # chance is a reference row, never "the best method"
+
+    behind = " ".join(verdict(metrics(0.535, 0.595)))
+    assert "**FaceGCD does not beat k-means (FR features)** here (-6.0 points)" in behind
+    assert "over the GCD control (what the prefixes add) +3.5 points" in behind
+    assert "over FR features + SSK (what the contrastive training adds) +1.5 points" in behind
+    ahead = " ".join(verdict(metrics(0.62, 0.595)))
+    assert "FaceGCD beats every other method here, the best being k-means (FR features) by 2.5 points" in ahead
+    assert verdict({"discovery/kmeans/transductive/all": 0.6}) == []  # no FaceGCD row: no verdict
