@@ -139,6 +139,11 @@ def test_evaluate_sets_adds_the_oracle_intervals_and_caface_diagnostics(workspac
         assert -1.0 <= metrics[f"{key}/ci_low"] <= metrics[key] <= metrics[f"{key}/ci_high"] <= 1.0
         assert metrics[key] == pytest.approx(metrics[f"sets/videos_single/{method}/rank1"]
                                              - metrics["sets/videos_single/average/rank1"])
+    for baseline in sets_eval.WEIGHTING_BASELINES:  # CAFace against each baseline that also weights frames
+        key = f"sets/videos_single/caface_minus_{baseline}/rank1"
+        assert metrics[f"{key}/ci_low"] <= metrics[key] <= metrics[f"{key}/ci_high"]
+        assert metrics[key] == pytest.approx(metrics["sets/videos_single/caface/rank1"]
+                                             - metrics[f"sets/videos_single/{baseline}/rank1"])
     assert {f"sets/caface/{k}" for k in ("weight_quality_spearman", "weight_cv", "usable_weight_ratio",
                                          "assignment_entropy", "cluster_usage_entropy", "effective_clusters",
                                          "num_clusters")} <= set(metrics)

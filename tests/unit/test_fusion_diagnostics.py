@@ -89,3 +89,24 @@ def test_caface_diagnostics_on_an_untrained_model_are_finite_and_in_range():
     assert 1.0 - 1e-9 <= out["effective_clusters"] <= 4.0 + 1e-9
     with pytest.raises(DataError, match="one set id per frame"):
         caface_frame_weights(model, feats, styles, groups[:-1])
+
+
+def test_the_gain_note_says_when_caface_does_not_beat_the_strongest_weighting_baseline():
+    from tasks.evaluate.fusion import gain_note
+
+    def metrics(caface_minus_landmarks: tuple[float, float, float]) -> dict[str, float]:
+        m = {"sets/videos_single/caface_minus_average/rank1": 0.10,
+             "sets/videos_single/caface_minus_average/rank1/ci_low": 0.06,
+             "sets/videos_single/caface_minus_average/rank1/ci_high": 0.14,
+             "sets/videos_single/norm_weighted/rank1": 0.25, "sets/videos_single/landmark_score/rank1": 0.33}
+        for b, (mean, low, high) in (("norm_weighted", (0.09, 0.05, 0.13)), ("landmark_score", caface_minus_landmarks)):
+            key = f"sets/videos_single/caface_minus_{b}/rank1"
+            m.update({key: mean, f"{key}/ci_low": low, f"{key}/ci_high": high})
+        return m
+
+    tied = gain_note(metrics((0.023, -0.02, 0.067)))
+    assert "CAFace +10.0 points (+6.0 to +14.0), above 0" in tied
+    assert ("Against the strongest baseline that weights frames, KP-RPE landmark × face score: CAFace +2.3 points "
+            "(-2.0 to +6.7); **CAFace does not beat it beyond noise**.") in tied
+    assert "CAFace beats it." in gain_note(metrics((0.05, 0.01, 0.09)))
+    assert "**CAFace is below it**" in gain_note(metrics((-0.05, -0.09, -0.01)))
