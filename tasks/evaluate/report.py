@@ -20,8 +20,8 @@ def aligner_section(aligner: dict[str, Any], align: dict[str, Any]) -> list[str]
                            f"{aligner[p + 'auc@0.1']:.3f} |")
     lines = ["", f"## Aligner (DFA) on {int(aligner.get('test/faces', 0))} held-out unaligned faces", "",
              "NME = mean landmark error / inter-pupil distance (5 points have no outer eye corners). Chosen on: "
-             "split `val` (the curves, sweeps; the last epoch is kept; the recipe predates `val`, see "
-             "docs/methods/aligner.md). Scored on: split `test`, once.", "",
+             "split `val` (the recipe's lr, anchor weight and weight decay by a val sweep, see "
+             "docs/methods/aligner.md; the last epoch is kept). Scored on: split `test`, once.", "",
              "| predictor | NME | failure (NME > 0.1) | AUC@0.1 |", "|---|---|---|---|",
              row("DFA", "test/"), row("mean landmarks (trivial)", "test/mean_shape_")]
     if "test/face_auc" in aligner:
