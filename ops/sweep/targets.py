@@ -231,11 +231,13 @@ def _discovery_trainer(paths: Paths, params: Mapping[str, Any], metric: str) -> 
             raise DataError(f"discovery.backbone_init is 'fr' but {init} holds no model: run `dvc repro "
                             "train_fr@real` first")
         pruning = _pruning(trial, metric, tracker)
-        train_discovery(cfg, images, labels, labelled, init_model_dir=init, progress=False, callbacks=[pruning],
-                        anchor=anchor if cfg.anchor_weight > 0 else None)
+        result = train_discovery(cfg, images, labels, labelled, init_model_dir=init, progress=False,
+                                 callbacks=[pruning], anchor=anchor if cfg.anchor_weight > 0 else None)
         # the trainer keeps its best val epoch (and with discovery.patience stops some epochs after it): the
-        # trial is worth what the stage would keep, not its last epoch
-        return max(pruning.values) if pruning.values else _last_value(pruning, metric)
+        # trial is worth the metric at the epoch the stage would keep, whichever metric the sweep reads
+        if 0 <= result.best_epoch < len(pruning.values):
+            return pruning.values[result.best_epoch]
+        return _last_value(pruning, metric)
 
     return train_trial
 
