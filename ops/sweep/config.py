@@ -76,6 +76,7 @@ class SweepConfig:
     warmup_epochs: int = 1  # epochs every trial runs before the median pruner may stop it
     seed: int = 0
     heartbeat_s: int = 60  # SQL storages: a trial silent for 3 heartbeats (killed worker) is failed and retried; 0 = off
+    baseline: bool = True  # a new study's first trial runs params.yaml's own values: the sweep's bar to beat
     train_fr: StageSweep = field(default_factory=StageSweep)
     train_aligner: StageSweep = field(default_factory=lambda: StageSweep(metric="val/nme_box", direction="minimize"))
     train_discovery: StageSweep = field(default_factory=StageSweep)

@@ -24,7 +24,7 @@ from typing import Any
 
 from ml.config import from_mapping
 from ml.errors import ConfigError
-from ops.sweep.config import (ENV_STORAGE, StageSweep, StorageSpec, SweepConfig, SweepError, check_driver,
+from ops.sweep.config import (ENV_STORAGE, ParamRange, StageSweep, StorageSpec, SweepConfig, SweepError, check_driver,
                               check_space, open_storage, resolve_storage)
 from ops.sweep.targets import OBJECTIVES
 from ops.tracking import git_commit, mlflow_metric_name
@@ -36,6 +36,7 @@ _WARNED_SMALL: set[tuple[Path, str]] = set()  # (root, stage) whose val split ch
 SMALL_VAL = 100  # fewer val items than this: the study's ranking is coarse, and check_request says so
 
 PARENT_ATTR = "mlflow_parent_run_id"  # study user attr: the MLflow run every trial nests under
+BASELINE_ATTR = "faceops.baseline"  # trial user attr: the trial that runs params.yaml's own values
 PARENT_WAIT_S = 120.0  # how long a joining process waits for the creator to record the parent run
 
 
@@ -173,6 +174,8 @@ def prepare_sweep(stage: str, *, trials: int | None = None, storage: str | None 
         created = False
     if created:
         _describe_study(handle, stage, entry, settings)
+        if settings.baseline:
+            _enqueue_baseline(handle, settings.ranges(stage), params)
         parent = _create_parent_run(root, experiment_id, handle, stage, entry, settings, spec, tags or {})
     else:
         _check_joined_study(handle, name, stage, entry, spec)
@@ -195,6 +198,21 @@ def _describe_study(study: Any, stage: str, entry: StageSweep, settings: SweepCo
     study.set_user_attr("faceops.metric", entry.metric)
     study.set_user_attr("faceops.space", json.loads(json.dumps(entry.space, default=str)))
     study.set_user_attr("faceops.fixed", json.loads(json.dumps(entry.fixed, default=str)))
+
+
+def _enqueue_baseline(study: Any, ranges: Mapping[str, ParamRange], params: Mapping[str, Any]) -> None:
+    """Queue a first trial with the swept keys at their ``params.yaml`` values, tagged ``faceops.baseline``: scored
+    by the same trial procedure as the others, it is the value a sweep has to beat (the stage's own metrics may
+    differ, e.g. where ``fixed`` drops part of the stage). Skipped, with a warning, when a current value is not
+    one of a categorical range's choices (Optuna cannot record it)."""
+    from tasks.params import lookup
+
+    values = {key: lookup(params, key.split(".")) for key in ranges}
+    outside = [k for k, r in ranges.items() if r.type == "categorical" and values[k] not in (r.choices or [])]
+    if outside:
+        log.warning("no baseline trial: params.yaml's %s is not among the swept choices", ", ".join(outside))
+        return
+    study.enqueue_trial(values, user_attrs={BASELINE_ATTR: True})
 
 
 def _check_joined_study(study: Any, name: str, stage: str, entry: StageSweep, spec: StorageSpec) -> None:
@@ -289,6 +307,7 @@ def report(plan: SweepPlan) -> dict[str, Any]:
     if complete:
         b = study.best_trial
         best = {"number": b.number, "value": b.value, "params": b.params, "mlflow_run_id": b.user_attrs.get("mlflow_run_id")}
+    baseline = _baseline(trials, study.direction.name.lower(), best)
     out = report_paths(plan.root, plan.study)
     notes: list[str] = []
     plots: dict[str, str] = {}
@@ -316,6 +335,7 @@ def report(plan: SweepPlan) -> dict[str, Any]:
     summary = {
         "stage": plan.stage, "study": plan.study, "storage": plan.storage.masked, "metric": metric,
         "direction": study.direction.name.lower(), "trials": {**counts, "total": len(trials)}, "best": best,
+        "baseline": baseline,
         "importance": importances, "plots": plots, "notes": notes, "mlflow_parent_run_id": plan.parent_run_id,
         "mlflow_tracking_uri": redact(tracking_uri(plan.root)),
     }
@@ -327,6 +347,8 @@ def report(plan: SweepPlan) -> dict[str, Any]:
             client.log_artifact(plan.parent_run_id, path, "plots")
         client.log_artifact(plan.parent_run_id, str(out["summary"]), "reports")
     metrics = {f"sweep/trials_{k}": float(v) for k, v in counts.items() if k in ("complete", "pruned", "fail")}
+    if baseline is not None and baseline["value"] is not None:
+        metrics["sweep/baseline_value"] = float(baseline["value"])
     if best is not None:
         metrics["sweep/best_value"] = float(best["value"])
         client.set_tag(plan.parent_run_id, "sweep.best_trial", str(best["number"]))
@@ -341,6 +363,23 @@ def report(plan: SweepPlan) -> dict[str, Any]:
     for note in notes:
         log.info("%s: %s", plan.study, note)
     return summary
+
+
+def _baseline(trials: list[Any], direction: str, best: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The baseline trial (params.yaml's values) and by how much the best trial beats it: ``gain`` > 0 is better
+    whichever the direction; None when the study has no baseline trial."""
+    import optuna
+
+    trial = next((t for t in trials if t.user_attrs.get(BASELINE_ATTR)), None)
+    if trial is None:
+        return None
+    done = trial.state == optuna.trial.TrialState.COMPLETE
+    out: dict[str, Any] = {"number": trial.number, "state": trial.state.name.lower(),
+                           "value": trial.value if done else None, "params": trial.params, "gain": None}
+    if done and best is not None:
+        sign = 1.0 if direction == "maximize" else -1.0
+        out["gain"] = sign * (float(best["value"]) - float(trial.value))
+    return out
 
 
 def _plot(fn: Callable[..., Any], path: Path, study: Any, **kwargs: Any) -> Path:

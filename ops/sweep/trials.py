@@ -12,7 +12,7 @@ from typing import Any
 from ml.config import from_mapping, to_flat_dict
 from ml.errors import FaceopsError, TrainingError
 from ops.sweep.config import ParamRange, StageSweep, SweepConfig, build_config, open_storage
-from ops.sweep.study import SweepPlan, ensure_tracking
+from ops.sweep.study import BASELINE_ATTR, SweepPlan, ensure_tracking
 from ops.sweep.targets import OBJECTIVES, SweepTarget, TrialTrainer
 from ops.tracking import StageTracker, git_commit
 from tasks.common import Paths, load_params, redact, section
@@ -81,11 +81,13 @@ def _objective(plan: SweepPlan, target: SweepTarget, ranges: Mapping[str, ParamR
 
     def objective(trial: Any) -> float:
         values = {key: suggest(trial, key, r) for key, r in ranges.items()}
+        baseline = {BASELINE_ATTR: "true"} if trial.user_attrs.get(BASELINE_ATTR) else {}
         run = mlflow.start_run(experiment_id=plan.experiment_id, run_name=f"trial-{trial.number}",
                                parent_run_id=plan.parent_run_id, tags={
                                    "faceops.kind": "sweep-trial", "faceops.stage": plan.stage,
                                    "optuna.study": plan.study, "optuna.trial_number": str(trial.number),
                                    "optuna.worker": f"{socket.gethostname()}:{os.getpid()}", "git.commit": commit,
+                                   **baseline,
                                })
         try:
             trial.set_user_attr("mlflow_run_id", run.info.run_id)

@@ -40,6 +40,7 @@ TINY = {  # a prepared set of 4 identities × 6 faces at 32 px (2 val faces each
     "data.fusion_clean_images": 2, "data.fusion_sources": 2, "data.fusion_copies": 4, "fusion.val_identities": 2,
     "fr.epochs": 2, "fr.batch_size": 8, "fr.embedding_dim": 16, "fr.warmup_epochs": 0.5, "fr.accelerator": "cpu",
     "sweep.sampler": "random", "sweep.pruner": "none", "sweep.train_fr.trials": 3, "sweep.train_fr.space": SPACE,
+    "sweep.baseline": False,  # the baseline trial has its own test
 }
 
 
@@ -284,6 +285,34 @@ def test_pruned_trials_stop_early_and_are_recorded(workspace):
     assert not (workspace / "plots/sweeps/pruned_importance.png").exists()
     with pytest.raises(SweepError, match="no completed trial"):
         apply_best(prepare_sweep("train_fr", root=workspace, study="pruned", trials=0))
+
+
+def test_a_new_studys_first_trial_is_the_params_own_values_and_the_summary_compares_with_it(workspace, caplog):
+    from tasks.params import apply_delta
+
+    params = workspace / "params.yaml"
+    before = params.read_text()
+    try:
+        apply_delta(params, {"sweep.baseline": True})
+        summary = run_sweep("train_fr", root=workspace, study="baseline", trials=1)
+        (trial,) = _study(workspace, "baseline").get_trials()
+        current = yaml.safe_load(params.read_text())["fr"]
+        assert trial.params == {"fr.lr": current["lr"], "fr.margin": current["margin"]}
+        assert trial.user_attrs["faceops.baseline"] is True
+        _, (run,) = _runs(workspace, "baseline")
+        assert run.data.tags["faceops.baseline"] == "true"
+        base = summary["baseline"]
+        assert base["number"] == 0 and base["value"] == pytest.approx(trial.value) and base["gain"] == 0.0
+        text = params.read_text()
+        assert apply_best(prepare_sweep("train_fr", root=workspace, study="baseline", trials=0))["changes"] == {}
+        assert params.read_text() == text  # the default is the best: nothing to write
+        apply_delta(params, {"fr.margin": "adaface"})  # not among SPACE's choices: Optuna could not record it
+        with caplog.at_level("WARNING", logger="ops.sweep.study"):
+            prepare_sweep("train_fr", root=workspace, study="outside")
+        assert any("no baseline trial" in r.getMessage() and "fr.margin" in r.getMessage() for r in caplog.records)
+        assert _study(workspace, "outside").get_trials() == []
+    finally:
+        params.write_text(before)
 
 
 # ── many processes, one study ─────────────────────────────────────────────────────────────────────────────────
