@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from experiments.claims import held_out_pairs, inject_label_noise, mean_std, paired
+from experiments.claims import across_test_sets, held_out_pairs, inject_label_noise, mean_std, paired
 
 
 def test_held_out_pairs_are_distinct_half_genuine_and_labelled_right():
@@ -48,6 +48,29 @@ def test_statistics_are_sample_std_and_paired_per_seed():
     assert (d["higher"], d["seeds"]) == (2, 3)
 
 
+def test_differences_take_the_data_seed_as_the_unit_with_an_interval_over_pairs():
+    b = lambda *v: np.array(v, dtype=bool)  # noqa: E731
+    # data seed 0 has two training seeds: per-pair differences [1,0,0,0] and [1,0,1,0] average to [1,0,.5,0], mean
+    # 0.375; data seed 1: [0,1,0,0], mean 0.25. Over the two test sets: mean 0.3125, sample std 0.125/√2, SE 0.0625.
+    arm = [b(1, 1, 0, 0), b(1, 0, 1, 0), b(1, 1, 1, 1)]
+    ref = [b(0, 1, 0, 0), b(0, 0, 0, 0), b(1, 0, 1, 1)]
+    d = across_test_sets(arm, ref, [0, 0, 1])
+    assert d["mean"] == pytest.approx(0.3125) and d["std"] == pytest.approx(0.125 / np.sqrt(2))
+    assert d["se"] == pytest.approx(0.0625) and (d["units"], d["higher"]) == (2, 2)
+    assert d["ci_low"] <= d["mean"] <= d["ci_high"] and d["ci_low"] >= 0.0
+    # every pair right against every pair wrong on three test sets: no spread, the interval is the point
+    d = across_test_sets([np.ones(50, bool)] * 3, [np.zeros(50, bool)] * 3, [2, 3, 4])
+    assert (d["mean"], d["ci_low"], d["ci_high"], d["beyond_noise"]) == (1.0, 1.0, 1.0, True)
+    # a large gain on two test sets and a loss on the third: not beyond noise, whatever the mean
+    rng = np.random.default_rng(0)
+    ref = [rng.random(2000) < 0.5 for _ in range(3)]
+    arm = [ref[0] | (rng.random(2000) < 0.4), ref[1] | (rng.random(2000) < 0.4), ref[2] & (rng.random(2000) < 0.9)]
+    d = across_test_sets(arm, ref, [0, 1, 2])
+    assert d["mean"] > 0.1 and d["higher"] == 2 and not d["beyond_noise"]
+    d = across_test_sets(arm[:1], ref[:1], [0])  # one test set: no SE, no verdict beyond noise
+    assert d["se"] is None and d["units"] == 1 and not d["beyond_noise"] and d["ci_low"] > 0.1
+
+
 @pytest.mark.slow
 def test_claims_flow_writes_report_numbers_and_an_mlflow_run(tmp_path, monkeypatch):
     """One seed on two data seeds, one epoch, the misaligned condition: the ViT and KP-RPE arms, each with its per-run
@@ -71,6 +94,7 @@ def test_claims_flow_writes_report_numbers_and_an_mlflow_run(tmp_path, monkeypat
     assert kp["swap"]["mean"] == pytest.approx(np.mean(np.subtract(kp["accuracy"], kp["template_accuracy"])))
     assert kp["paired"]["mean"] == pytest.approx(np.mean(np.subtract(kp["accuracy"], vit["accuracy"])))
     assert kp["paired"]["seeds"] == 2
+    assert kp["test_sets"]["units"] == 2 and kp["test_sets"]["mean"] == pytest.approx(kp["paired"]["mean"], abs=1e-9)
     assert len(kp["keypoint_bias_std"]) == 2 and all(v >= 0 for v in kp["keypoint_bias_std"])
     report = (tmp_path / "reports" / "claims.md").read_text()
     assert "keypoint swap" in report and f"{100 * vit['mean']:.2f}" in report

@@ -11,6 +11,7 @@ import pytest
 from ml.eval.metrics import (
     identification,
     identification_rank,
+    pair_correct,
     pair_scores,
     roc_curve,
     tar_at_far,
@@ -58,6 +59,20 @@ def test_verification_accuracy_hand_worked_two_folds():
     assert out["accuracy"] == pytest.approx(2 / 3)
     assert out["std"] == pytest.approx(1 / 3)
     assert out["threshold"] == pytest.approx(0.16)
+
+
+def test_pair_correct_is_each_pairs_outcome_at_its_folds_threshold():
+    # The two-fold example above: fold 0 at t = 0.11 gets pairs 0 and 2 wrong, pair 1 right; fold 1 at t = 0.21
+    # gets pairs 3-5 right.
+    emb1, emb2 = _pairs_at_distances([0.205, 1.005, 2.005, 0.105, 1.505, 3.005])
+    issame = np.array([1, 0, 1, 1, 0, 0])
+    assert pair_correct(emb1, emb2, issame, n_folds=2).tolist() == [False, True, False, True, True, True]
+    rng = np.random.default_rng(1)  # equal folds: the outcomes' mean is the accuracy
+    a, b, same = rng.normal(size=(200, 8)), rng.normal(size=(200, 8)), rng.integers(0, 2, 200)
+    b[same == 1] = a[same == 1] + 0.8 * rng.normal(size=(int(same.sum()), 8))
+    assert pair_correct(a, b, same).mean() == pytest.approx(verification_accuracy(a, b, same)["accuracy"])
+    with pytest.raises(ValueError, match="n_folds"):
+        pair_correct(emb1, emb2, issame, n_folds=7)
 
 
 def test_verification_accuracy_uneven_folds_first_fold_is_larger():

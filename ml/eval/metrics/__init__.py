@@ -1,7 +1,8 @@
 """Face-recognition evaluation metrics: arrays in, numbers out.
 
 * ``verification`` - ``verification_accuracy`` (the LFW-style 10-fold pair accuracy of InsightFace),
-  ``tar_at_far`` / ``roc_curve`` (the IJB-B/C 1:1 protocol) and ``pair_scores`` (rowwise cosine).
+  ``pair_correct`` (its per-pair outcomes), ``tar_at_far`` / ``roc_curve`` (the IJB-B/C 1:1 protocol) and
+  ``pair_scores`` (rowwise cosine).
 * ``identification`` - ``identification_rank`` (closed-set CMC), ``open_set_identification`` (TPIR at fixed
   FPIR, IJB-C / IJB-S 1:N and NIST FRVT) and ``identification_with_distractors`` (the TinyFace protocol).
 * ``templates`` - ``template_features``, the IJB media-then-template pooling of InsightFace.
@@ -18,7 +19,7 @@ from ml.eval.metrics.identification import (
     open_set_identification,
 )
 from ml.eval.metrics.templates import template_features
-from ml.eval.metrics.verification import pair_scores, roc_curve, tar_at_far, verification_accuracy
+from ml.eval.metrics.verification import pair_correct, pair_scores, roc_curve, tar_at_far, verification_accuracy
 
 __all__ = [
     "cluster_accuracy",
@@ -26,6 +27,7 @@ __all__ = [
     "identification_with_distractors",
     "nearest_neighbor_consistency",
     "open_set_identification",
+    "pair_correct",
     "pair_scores",
     "roc_curve",
     "tar_at_far",

@@ -6,6 +6,7 @@
 * ``tar_at_far`` / ``roc_curve`` - true accept rate at a fixed false accept rate, the IJB-B/C 1:1
   verification protocol (Whitelam et al., "IARPA Janus Benchmark-B", CVPRW 2017; Maze et al.,
   "IARPA Janus Benchmark-C", ICB 2018).
+* ``pair_correct`` - each pair right or wrong under ``verification_accuracy``'s thresholds.
 * ``pair_scores`` - rowwise cosine similarity.
 
 Differences from the reference:
@@ -46,6 +47,41 @@ def _correct_counts(dist: np.ndarray, same: np.ndarray, thresholds: np.ndarray) 
     return true_accepts + true_rejects
 
 
+def _pair_distances(emb1: np.ndarray, emb2: np.ndarray, issame: np.ndarray,
+                    n_folds: int) -> tuple[np.ndarray, np.ndarray]:
+    """(squared distances of the L2-normalised pairs, same mask), the inputs checked."""
+    emb1 = _as_matrix(emb1, "emb1")
+    emb2 = _as_matrix(emb2, "emb2")
+    if emb1.shape != emb2.shape:
+        raise ValueError(f"emb1 and emb2 must have the same shape; got {emb1.shape} and {emb2.shape}")
+    n = emb1.shape[0]
+    same = _as_binary(issame, "issame", n)
+    is_int = isinstance(n_folds, (int, np.integer)) and not isinstance(n_folds, bool)
+    if not is_int or not 2 <= n_folds <= n:
+        raise ValueError(
+            f"n_folds must be an integer in [2, {n}] (the number of pairs); got {n_folds!r}"
+        )
+    a = _l2_normalize(emb1.astype(np.float64, copy=False), "emb1")
+    b = _l2_normalize(emb2.astype(np.float64, copy=False), "emb2")
+    return np.sum(np.square(a - b), axis=1), same  # (N,) in [0, 4]
+
+
+def _fold_decisions(dist: np.ndarray, same: np.ndarray, n_folds: int) -> tuple[np.ndarray, list[float]]:
+    """(N,) bool, each pair right or wrong at its fold's threshold (chosen on the other folds), and the thresholds."""
+    n = dist.shape[0]
+    thresholds = np.arange(0, 4, 0.01)  # 400 candidates, the reference grid
+    correct = np.zeros(n, dtype=bool)
+    best_thresholds = []
+    for start, stop in _kfold_bounds(n, int(n_folds)):
+        test = np.zeros(n, dtype=bool)
+        test[start:stop] = True
+        train_correct = _correct_counts(dist[~test], same[~test], thresholds)
+        best = float(thresholds[int(np.argmax(train_correct))])
+        correct[start:stop] = (dist[start:stop] < best) == same[start:stop]
+        best_thresholds.append(best)
+    return correct, best_thresholds
+
+
 def verification_accuracy(
     emb1: np.ndarray, emb2: np.ndarray, issame: np.ndarray, n_folds: int = 10
 ) -> dict[str, float]:
@@ -71,37 +107,23 @@ def verification_accuracy(
         deviation over folds (``np.std``, ddof=0); ``threshold``: mean of the per-fold best
         thresholds, in squared-distance units.
     """
-    emb1 = _as_matrix(emb1, "emb1")
-    emb2 = _as_matrix(emb2, "emb2")
-    if emb1.shape != emb2.shape:
-        raise ValueError(f"emb1 and emb2 must have the same shape; got {emb1.shape} and {emb2.shape}")
-    n = emb1.shape[0]
-    same = _as_binary(issame, "issame", n)
-    is_int = isinstance(n_folds, (int, np.integer)) and not isinstance(n_folds, bool)
-    if not is_int or not 2 <= n_folds <= n:
-        raise ValueError(
-            f"n_folds must be an integer in [2, {n}] (the number of pairs); got {n_folds!r}"
-        )
-
-    a = _l2_normalize(emb1.astype(np.float64, copy=False), "emb1")
-    b = _l2_normalize(emb2.astype(np.float64, copy=False), "emb2")
-    dist = np.sum(np.square(a - b), axis=1)  # (N,) in [0, 4]
-    thresholds = np.arange(0, 4, 0.01)  # 400 candidates, the reference grid
-
-    accuracies, best_thresholds = [], []
-    for start, stop in _kfold_bounds(n, int(n_folds)):
-        test = np.zeros(n, dtype=bool)
-        test[start:stop] = True
-        train_correct = _correct_counts(dist[~test], same[~test], thresholds)
-        best = thresholds[int(np.argmax(train_correct))]
-        test_correct = _correct_counts(dist[test], same[test], np.array([best]))[0]
-        accuracies.append(test_correct / (stop - start))
-        best_thresholds.append(best)
+    dist, same = _pair_distances(emb1, emb2, issame, n_folds)
+    correct, best_thresholds = _fold_decisions(dist, same, n_folds)
+    accuracies = [correct[start:stop].mean() for start, stop in _kfold_bounds(dist.shape[0], int(n_folds))]
     return {
         "accuracy": float(np.mean(accuracies)),
         "std": float(np.std(accuracies)),
         "threshold": float(np.mean(best_thresholds)),
     }
+
+
+def pair_correct(emb1: np.ndarray, emb2: np.ndarray, issame: np.ndarray, n_folds: int = 10) -> np.ndarray:
+    """(N,) bool: whether ``verification_accuracy`` classifies each pair right, at its fold's threshold.
+
+    Two models scored on the same pairs give paired per-pair outcomes, so a bootstrap over pairs gives an interval
+    for their accuracy difference. With equal folds (N divisible by ``n_folds``) the mean is the accuracy."""
+    dist, same = _pair_distances(emb1, emb2, issame, n_folds)
+    return _fold_decisions(dist, same, n_folds)[0]
 
 
 def _split_scores(scores: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
