@@ -106,6 +106,12 @@ def _print_summary(summary: dict[str, Any]) -> None:
         typer.echo(f"best trial {best['number']}: {summary['metric']} = {best['value']:.4f}")
         for key, value in best["params"].items():
             typer.echo(f"  {key} = {value!r}")
+    base = summary.get("baseline")
+    if base and base.get("value") is not None:
+        verdict = ("the default is the best trial" if base["number"] == (best or {}).get("number")
+                   else f"best beats it by {base['gain']:+.4f}" if base["gain"] > 0 else "best ties it")
+        typer.echo(f"baseline trial {base['number']} (params.yaml's values): {summary['metric']} = "
+                   f"{base['value']:.4f}; {verdict}")
     for note in summary["notes"]:
         typer.echo(f"note: {note}")
     typer.echo(f"report       {summary['report']}")

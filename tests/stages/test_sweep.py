@@ -287,7 +287,9 @@ def test_pruned_trials_stop_early_and_are_recorded(workspace):
         apply_best(prepare_sweep("train_fr", root=workspace, study="pruned", trials=0))
 
 
-def test_a_new_studys_first_trial_is_the_params_own_values_and_the_summary_compares_with_it(workspace, caplog):
+def test_a_new_studys_first_trial_is_the_params_own_values_and_the_summary_compares_with_it(workspace, caplog,
+                                                                                            capsys):
+    from faceops.sweep import _print_summary
     from tasks.params import apply_delta
 
     params = workspace / "params.yaml"
@@ -303,6 +305,9 @@ def test_a_new_studys_first_trial_is_the_params_own_values_and_the_summary_compa
         assert run.data.tags["faceops.baseline"] == "true"
         base = summary["baseline"]
         assert base["number"] == 0 and base["value"] == pytest.approx(trial.value) and base["gain"] == 0.0
+        _print_summary(summary)
+        out = capsys.readouterr().out
+        assert "baseline trial 0 (params.yaml's values)" in out and "the default is the best trial" in out
         text = params.read_text()
         assert apply_best(prepare_sweep("train_fr", root=workspace, study="baseline", trials=0))["changes"] == {}
         assert params.read_text() == text  # the default is the best: nothing to write
