@@ -370,16 +370,20 @@ def main() -> None:
     start = time.perf_counter()
     results = run_claims(args.seeds, scale, args.only, tuple(args.conditions), tuple(args.lvface_conditions),
                          tuple(args.data_seeds))
-    write_results(results, args.seeds, scale, ROOT, keep_others=bool(args.only))
+    write_results(results, args.seeds, scale, ROOT, keep_others=True)
     log.info("done in %.0fs → reports/claims.md", time.perf_counter() - start)
 
 
 def write_results(results: dict, seeds: list[int], scale: Scale, out_dir: Path, keep_others: bool) -> tuple[dict, Path]:
-    """Write ``metrics/claims.json`` and ``reports/claims.md`` under ``out_dir``; with ``keep_others`` the claims this
-    run did not measure keep their numbers from the existing json. Returns (all results written, the report)."""
+    """Write ``metrics/claims.json`` and ``reports/claims.md`` under ``out_dir``; with ``keep_others`` the claims and
+    conditions this run did not measure keep their rows from the existing json. Returns (all results written, the
+    report)."""
     path = out_dir / "metrics" / "claims.json"
     if keep_others and path.is_file():
-        results = {**json.loads(path.read_text()), **results}
+        merged = {claim: dict(conds) for claim, conds in json.loads(path.read_text()).items()}
+        for claim, conds in results.items():
+            merged.setdefault(claim, {}).update(conds)
+        results = merged
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=2) + "\n")
     report = out_dir / "reports" / "claims.md"
