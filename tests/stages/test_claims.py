@@ -8,7 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from experiments.claims import across_test_sets, held_out_pairs, inject_label_noise, mean_std, paired
+from experiments.claims import (Scale, across_test_sets, held_out_pairs, inject_label_noise, mean_std, paired,
+                                write_results)
 
 
 def test_held_out_pairs_are_distinct_half_genuine_and_labelled_right():
@@ -69,6 +70,25 @@ def test_differences_take_the_data_seed_as_the_unit_with_an_interval_over_pairs(
     assert d["mean"] > 0.1 and d["higher"] == 2 and not d["beyond_noise"]
     d = across_test_sets(arm[:1], ref[:1], [0])  # one test set: no SE, no verdict beyond noise
     assert d["se"] is None and d["units"] == 1 and not d["beyond_noise"] and d["ci_low"] > 0.1
+
+
+def test_a_run_of_one_condition_keeps_the_other_rows_and_only_new_rows_carry_a_verdict(tmp_path):
+    def row(acc: float, **extra) -> dict:
+        return {"accuracy": [acc], "mean": acc, "std": 0.0, "seeds": [0], "pairs": 100, "train_seconds": 1.0, **extra}
+
+    old = {"kprpe": {"aligned": {"vit_tiny": row(0.80)}, "misaligned": {"vit_tiny": row(0.70)}},
+           "lvface": {"aligned": {"arcface": row(0.60)}}}
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "claims.json").write_text(json.dumps(old))
+    verdict = {"mean": 0.02, "std": 0.01, "se": 0.005, "units": 5, "higher": 5, "ci_low": 0.01, "ci_high": 0.03,
+               "beyond_noise": True}
+    new = {"kprpe": {"misaligned": {"vit_tiny": row(0.75), "vit_tiny_kprpe": row(0.77, test_sets=verdict)}}}
+    written, report = write_results(new, [0], Scale(), tmp_path, keep_others=True)
+    assert written["kprpe"]["aligned"] == old["kprpe"]["aligned"] and written["lvface"] == old["lvface"]
+    assert written["kprpe"]["misaligned"] == new["kprpe"]["misaligned"]
+    lines = {line.split(" | ")[2]: line for line in report.read_text().splitlines() if line.startswith("| kprpe")}
+    assert "beyond noise (5 test sets)" in lines["`vit_tiny_kprpe`"] and "+1.00 to +3.00" in lines["`vit_tiny_kprpe`"]
+    assert "75.00" in lines["`vit_tiny`"] and "70.00" not in report.read_text()
 
 
 @pytest.mark.slow
