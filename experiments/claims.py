@@ -287,9 +287,10 @@ def render(results: dict, seeds: list[int], scale: Scale) -> str:
         "Conditions: " + ", ".join(f"{k} = {v}" for k, v in CONDITIONS.items()) + ". Mean ± sample std (ddof 1) "
         "over the runs, one per (data seed, seed): the seed changes initialisation, data order and augmentation, "
         "the data seed the identities rendered and the pairs drawn; \"per data seed\": the mean ± std over the seeds "
-        "of each data seed. \"vs first arm\": paired per-run difference to the first arm of the same claim and "
-        "condition, mean ± std, and the runs where it was higher. \"keypoint swap\": a KP-RPE model's accuracy with "
-        "its true test keypoints minus with one mean template for every face (≈ 0: the keypoints are not used); "
+        "of each data seed (its one run's accuracy with one seed). \"vs first arm\": paired per-run difference to "
+        "the first arm of the same claim and condition, mean ± std, and the runs where it was higher. "
+        "\"keypoint swap\": a KP-RPE model's accuracy with its true test keypoints minus with one mean template for "
+        "every face (≈ 0: the keypoints are not used); "
         "\"bias std\": of its attention-bias tables, the std over faces (what the keypoints change) / the std over "
         "query tokens (what position changes), in logits, mean over runs. \"vs first arm, per test set\": the "
         "difference with each data seed (an independent test set: other identities, other pairs) as one unit, its "
@@ -309,6 +310,8 @@ def render(results: dict, seeds: list[int], scale: Scale) -> str:
 
     def by_data(r: dict) -> str:
         per = r.get("by_data_seed") or {"0": {"mean": r["mean"], "std": r["std"]}}  # older rows: one data seed
+        if len(r.get("seeds", [])) == 1:  # one run per data seed: no spread to show
+            return ", ".join(f"{d}: {100 * v['mean']:.2f}" for d, v in per.items())
         return ", ".join(f"{d}: {100 * v['mean']:.2f} ± {100 * v['std']:.2f}" for d, v in per.items())
 
     def spread(r: dict) -> str:
