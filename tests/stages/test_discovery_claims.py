@@ -79,6 +79,40 @@ def test_the_oracle_arm_alone_trains_with_every_training_label(monkeypatch):
     assert "oracle-fr_ssk" in results["summary"]["claims"]
     report = dc.render(results, [0], [0], dc.QUICK, 1.0)
     assert "| oracle − FR features (headroom) |" in report
+    # each row's image outcomes average to its accuracy; chance is scored on the same images without outcomes
+    scored = [r for r in results["runs"] if r["arm"] != "chance"]
+    assert {r["arm"] for r in scored} == {"fr_ssk", "facegcd", "oracle"}
+    for r in scored:
+        for key in dc.CLAIM_KEYS:
+            assert r["_correct"][key].mean() == pytest.approx(r[key])
+    chance = next(r for r in results["runs"] if r["arm"] == "chance")
+    assert "_correct" not in chance and 0 < chance["test/all"] < 1
+    assert "| chance (random partitions with the true cluster sizes) |" in report
+
+
+def test_with_image_outcomes_the_verdict_takes_the_test_set_as_its_unit():
+    """Two data seeds × two training seeds: per test set the training seeds are averaged, so four runs that are
+    all higher make two units, and a claim holds only if the test sets agree and the image interval excludes 0."""
+    import numpy as np
+
+    def rows(arm, outcomes):
+        return [{"arm": arm, "data_seed": ds, "seed": s, **dict.fromkeys(dc_keys, 0.5),
+                 "_correct": dict.fromkeys(("test/all", "test/novel", "transductive/novel"), np.array(o, bool))}
+                for (ds, s), o in outcomes.items()]
+
+    dc_keys = ("test/all", "test/known", "test/novel", "transductive/all", "transductive/known", "transductive/novel")
+    ref = {(2, 0): [1, 0, 0, 0], (2, 1): [1, 0, 0, 0], (3, 0): [0, 0, 0, 0], (3, 1): [0, 0, 0, 0]}
+    gcd = {(2, 0): [1, 1, 0, 0], (2, 1): [1, 1, 1, 0], (3, 0): [1, 0, 0, 0], (3, 1): [1, 1, 0, 0]}
+    s = summarise(rows("fr_ssk", ref) + rows("gcd", gcd))
+    t = s["claims"]["gcd-fr_ssk"]["test/all"]["test_sets"]
+    # data seed 2: (+1/4 + +2/4) / 2 = 0.375; data seed 3: (1/4 + 2/4) / 2 = 0.375
+    assert (t["units"], t["higher"]) == (2, 2) and t["mean"] == pytest.approx(0.375) and t["std"] == 0
+    assert t["ci_low"] > 0 and t["beyond_noise"]
+    # one test set against the other: +0.375 and −0.375 over four runs all of one seed's sign are not beyond noise
+    flipped = {**gcd, (3, 0): [0, 0, 0, 0], (3, 1): [0, 0, 0, 0]}
+    ref_up = {**ref, (3, 0): [1, 0, 0, 0], (3, 1): [1, 1, 0, 0]}
+    t = summarise(rows("fr_ssk", ref_up) + rows("gcd", flipped))["claims"]["gcd-fr_ssk"]["test/all"]["test_sets"]
+    assert t["mean"] == pytest.approx(0) and t["higher"] == 1 and not t["beyond_noise"]
 
 
 def test_curves_average_over_runs_and_lead_with_the_fr_features_score():
@@ -121,23 +155,27 @@ def test_discovery_claims_flow_writes_runs_claims_report_and_an_mlflow_run(tmp_p
     from flows.experiments import discovery_claims
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    out = discovery_claims(seeds=[0, 1], arms=["facegcd", "gcd"], quick=True, out_dir=str(tmp_path))
+    out = discovery_claims(seeds=[0], data_seeds=[2, 3], arms=["facegcd", "gcd"], quick=True, out_dir=str(tmp_path))
     results = json.loads((tmp_path / "metrics" / "discovery_claims.json").read_text())
     assert results["recipe"]["temperature"] == 1.0 and results["recipe"]["val_per_identity"] == 2  # params.yaml's
-    assert sorted((r["arm"], r["seed"]) for r in results["runs"]) == sorted(
-        (a, s) for a in ("fr_ssk", "facegcd", "gcd") for s in (0, 1))
-    trained = [r for r in results["runs"] if r["arm"] != "fr_ssk"]
+    assert sorted((r["arm"], r["data_seed"]) for r in results["runs"]) == sorted(
+        (a, d) for a in ("fr_ssk", "facegcd", "gcd", "chance") for d in (2, 3))
+    assert not any("_correct" in r for r in results["runs"])
+    trained = [r for r in results["runs"] if r["arm"] not in ("fr_ssk", "chance")]
     assert all(r["epochs"] == 2 and 0 <= r["best_epoch"] < 2 and r["loss/unsup/first"] > 0 for r in trained)
     claim = results["summary"]["claims"]["facegcd-gcd"]["test/novel"]
-    by = {(r["arm"], r["seed"]): r["test/novel"] for r in results["runs"]}
-    assert claim["mean"] == pytest.approx(sum(by[("facegcd", s)] - by[("gcd", s)] for s in (0, 1)) / 2)
+    by = {(r["arm"], r["data_seed"]): r["test/novel"] for r in results["runs"]}
+    assert claim["mean"] == pytest.approx(sum(by[("facegcd", d)] - by[("gcd", d)] for d in (2, 3)) / 2)
+    assert claim["test_sets"]["units"] == 2 and claim["test_sets"]["mean"] == pytest.approx(claim["mean"])
     assert set(results["summary"]["claims"]) == {"facegcd-gcd", "gcd-fr_ssk", "facegcd-fr_ssk"}
     report = (tmp_path / "reports" / "discovery_claims.md").read_text()
     assert "GCD (no prefixes) + SSK" in report and "| data seed | seed |" in report and "holds beyond noise" in report
+    assert "test sets);" in report
     assert "| FaceGCD: score |" in report and (tmp_path / "reports" / "discovery_claims_curves.png").stat().st_size
     assert all(len(r["curve"]) == 2 and 0 <= r["val/accuracy/fr"] <= 1 for r in trained)
     run = mlflow.get_run(out["mlflow_run"])
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(out["mlflow_run"])}
     assert {"discovery_claims.md", "discovery_claims_curves.png"} <= artifacts
     assert run.data.metrics["facegcd-gcd/test/novel/paired_mean"] == pytest.approx(claim["mean"])
+    assert run.data.metrics["facegcd-gcd/test/novel/test_sets_ci_low"] == pytest.approx(claim["test_sets"]["ci_low"])
     assert run.data.metrics["gcd/test/all/mean"] == pytest.approx(results["summary"]["arms"]["gcd"]["test/all"]["mean"])

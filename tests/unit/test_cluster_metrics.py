@@ -10,7 +10,7 @@ import pytest
 
 from ml.discovery.baselines import agglomerative_baseline, best_of, dbscan_baseline, kmeans_baseline
 from ml.errors import ConfigError, DataError
-from ml.eval.metrics import cluster_accuracy, clustering, nearest_neighbor_consistency
+from ml.eval.metrics import cluster_accuracy, cluster_correct, clustering, nearest_neighbor_consistency
 
 
 # ------------------------------------------------------------------------------------------
@@ -32,6 +32,15 @@ def test_one_matching_over_all_classes_hand_worked():
     known = np.array([True, True, True, False, False, False])
     acc = cluster_accuracy(y_true, y_pred, known)
     assert acc == {"all": pytest.approx(4 / 6), "known": pytest.approx(1 / 3), "novel": pytest.approx(1.0)}
+
+
+def test_per_point_outcomes_follow_the_same_global_matching():
+    # The hand-worked example above: c4->1, c8->0, so points 0 and 1 (class 0 in c4) are wrong, the rest right.
+    y_true = np.array([0, 0, 0, 1, 1, 1])
+    y_pred = np.array([4, 4, 8, 4, 4, 4])
+    assert cluster_correct(y_true, y_pred).tolist() == [False, False, True, True, True, True]
+    # More clusters than classes: the unmatched cluster (9) is wrong for its point.
+    assert cluster_correct(np.array([0, 0, 1, 1]), np.array([5, 5, 6, 9])).tolist() == [True, True, True, False]
 
 
 def test_arbitrary_ids_and_relabelling_invariance():

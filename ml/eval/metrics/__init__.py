@@ -6,13 +6,13 @@
 * ``identification`` - ``identification_rank`` (closed-set CMC), ``open_set_identification`` (TPIR at fixed
   FPIR, IJB-C / IJB-S 1:N and NIST FRVT) and ``identification_with_distractors`` (the TinyFace protocol).
 * ``templates`` - ``template_features``, the IJB media-then-template pooling of InsightFace.
-* ``clustering`` - ``cluster_accuracy`` (GCD All / Known / Novel) and ``nearest_neighbor_consistency`` (FaceGCD).
+* ``clustering`` - ``cluster_accuracy`` (GCD All / Known / Novel), ``cluster_correct`` (its per-point outcomes) and ``nearest_neighbor_consistency`` (FaceGCD).
 
 Each module's docstring gives the sources and its differences from the reference; this package exports their
 public names.
 """
 
-from ml.eval.metrics.clustering import cluster_accuracy, nearest_neighbor_consistency
+from ml.eval.metrics.clustering import cluster_accuracy, cluster_correct, nearest_neighbor_consistency
 from ml.eval.metrics.identification import (
     identification_rank,
     identification_with_distractors,
@@ -23,6 +23,7 @@ from ml.eval.metrics.verification import pair_correct, pair_scores, roc_curve, t
 
 __all__ = [
     "cluster_accuracy",
+    "cluster_correct",
     "identification_rank",
     "identification_with_distractors",
     "nearest_neighbor_consistency",

@@ -2,7 +2,8 @@
 
 * ``cluster_accuracy`` - generalized category discovery accuracy, All / Known / Novel, with one
   Hungarian matching over all classes (Vaze et al., "Generalized Category Discovery", CVPR 2022,
-  ``split_cluster_acc_v2``), as FaceGCD reports it.
+  ``split_cluster_acc_v2``), as FaceGCD reports it; ``cluster_correct`` gives each point's outcome
+  under that matching.
 * ``nearest_neighbor_consistency`` - share of the k cosine nearest neighbours with the same
   predicted label (FaceGCD, Appendix C.1).
 
@@ -60,6 +61,20 @@ def cluster_accuracy(y_true: np.ndarray, y_pred: np.ndarray, known_mask: np.ndar
     if known.dtype != bool:
         raise DataError(f"known_mask must be boolean (True = known class); got dtype {known.dtype}")
 
+    correct = cluster_correct(y_true, y_pred)
+
+    def acc(subset: np.ndarray) -> float:
+        return float(correct[subset].mean()) if subset.any() else math.nan
+
+    return {"all": float(correct.mean()), "known": acc(known), "novel": acc(~known)}
+
+
+def cluster_correct(y_true: np.ndarray, y_pred: np.ndarray) -> np.ndarray:
+    """Each point's outcome under ``cluster_accuracy``'s matching: (N,) bool, True where the class matched to the
+    point's cluster is its own, so ``cluster_correct(...).mean()`` is ``cluster_accuracy(...)["all"]``. What a
+    bootstrap over points resamples (the matching held fixed)."""
+    y_true = _as_vector(y_true, "y_true")
+    y_pred = _as_vector(y_pred, "y_pred", y_true.shape[0])
     classes, t = np.unique(y_true, return_inverse=True)  # t: (N,) in 0..T-1
     clusters, c = np.unique(y_pred, return_inverse=True)  # c: (N,) in 0..C-1
     w = np.bincount(c * classes.size + t, minlength=clusters.size * classes.size)
@@ -67,12 +82,7 @@ def cluster_accuracy(y_true: np.ndarray, y_pred: np.ndarray, known_mask: np.ndar
     rows, cols = linear_sum_assignment(w, maximize=True)
     mapped = np.full(clusters.size, -1, dtype=np.int64)  # class index of each cluster; -1 unmatched
     mapped[rows] = cols
-    correct = mapped[c] == t  # (N,)
-
-    def acc(subset: np.ndarray) -> float:
-        return float(correct[subset].mean()) if subset.any() else math.nan
-
-    return {"all": float(correct.mean()), "known": acc(known), "novel": acc(~known)}
+    return mapped[c] == t
 
 
 def nearest_neighbor_consistency(embeddings: np.ndarray, pred_labels: np.ndarray, k: int) -> float:
