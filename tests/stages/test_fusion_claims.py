@@ -1,0 +1,78 @@
+"""experiments/fusion_claims.py: the identity folds against hand-made material, and the experiment end to end at toy
+size (every fold trains without its test identities, the val block is never scored, the verdict's unit is the fold)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from experiments.fusion_claims import fold_blocks, render, run_folds, split_fold
+from ml.errors import ConfigError
+from ml.fr.backbones.vit import vit_tiny
+from ml.fusion.train import FusionConfig
+from ml.models.io import save_model
+from tasks.common import Paths
+from tasks.prepare import DataConfig, _prepare_part
+from tasks.train_fusion import FusionMaterial, FusionStageConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VIT = dict(depth=4, dim=32, heads=2, embed_dim=16, drop_path=0.0)
+DATA = DataConfig(train_identities=4, images_per_identity=3, val_fraction=0.0, fusion_identities=8,
+                  fusion_clean_images=2, fusion_sources=2, fusion_copies=3)
+STAGE = FusionStageConfig(val_identities=2, train=FusionConfig(epochs=1, steps_per_epoch=2, lr_steps=(), batch_size=4,
+                                                              per_identity=8, group=4, max_len=4, accelerator="cpu"))
+
+
+def test_folds_are_contiguous_blocks_that_stop_before_the_val_block():
+    assert fold_blocks(450, 50, 5) == [range(0, 50), range(50, 100), range(100, 150), range(150, 200), range(200, 250)]
+    assert fold_blocks(8, 2, 3)[-1] == range(4, 6)  # identities 6-7 are the val block
+    with pytest.raises(ConfigError, match="give --folds between 2 and 3"):
+        fold_blocks(8, 2, 4)
+    with pytest.raises(ConfigError, match="at least 2 identities"):
+        fold_blocks(8, 1, 2)
+
+
+def test_a_fold_splits_the_material_by_identity_with_contiguous_labels():
+    labels = np.repeat(np.arange(5), 2)  # identities 0..4, two items each
+    material = FusionMaterial(features=np.arange(10, dtype=np.float32)[:, None], styles=np.zeros((10, 1, 2)),
+                              labels=labels, sources=np.arange(10), centres=np.arange(5, dtype=np.float32)[:, None] * 10,
+                              dataset=Path("."), kind="procedural-fusion")
+    train, test = split_fold(material, range(1, 3))
+    assert train.labels.tolist() == [0, 0, 1, 1, 2, 2] and train.features[:, 0].tolist() == [0, 1, 6, 7, 8, 9]
+    assert train.centres[:, 0].tolist() == [0, 30, 40]  # identities 0, 3, 4
+    assert test.labels.tolist() == [0, 0, 1, 1] and test.centres[:, 0].tolist() == [10, 20]
+    assert test.sources.tolist() == [2, 3, 4, 5]
+
+
+def test_fusion_claims_end_to_end_train_without_the_fold_and_judge_over_folds(tmp_path, monkeypatch):
+    import ml.fusion.train as fusion_train
+
+    paths = Paths(tmp_path)
+    paths.prepared.mkdir(parents=True)
+    _prepare_part("fusion", DATA, paths.prepared, progress=False)
+    torch.manual_seed(0)
+    save_model(paths.fr_model("real"), vit_tiny(**VIT).eval(), backbone="vit_tiny", kwargs=VIT)
+    trained_on = []
+    real_train = fusion_train.train_fusion
+
+    def spy(cfg, features, styles, labels, **kwargs):
+        trained_on.append(len(kwargs["centres"]))
+        return real_train(cfg, features, styles, labels, **kwargs)
+
+    monkeypatch.setattr(fusion_train, "train_fusion", spy)
+    results = run_folds(paths, DATA, STAGE, folds=3)
+    assert trained_on == [6, 6, 6]  # 8 identities less the fold's 2: the val block is trained on, never scored
+    rows = results["folds"]
+    assert [r["identities"] for r in rows] == [[0, 1], [2, 3], [4, 5]] and all(r["sets"] == 2 * 4 for r in rows)
+    d = results["summary"]["caface_minus_average"]
+    assert d["units"] == 3 and d["mean"] == pytest.approx(np.mean([r["caface"] - r["average"] for r in rows]))
+    assert d["ci_low"] <= d["mean"] <= d["ci_high"] and results["summary"]["chance"] == 0.5
+    text = render({**results, "seconds": 1.0, "measured_at": "2026-01-01 00:00 UTC"})
+    assert "the last 2 identities (the val block" in text and text.count("\n| ") == 4  # header + 3 folds
+    assert ("not beyond noise" in text) != d["beyond_noise"]
+    assert dataclasses.asdict(STAGE.train)["lr"] == results["recipe"]["lr"]
