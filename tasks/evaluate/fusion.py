@@ -420,9 +420,11 @@ def render_section(metrics: dict[str, float]) -> list[str]:
     rows = methods + (["chance"] if "sets/templates/chance/tar@far=1e-2" in metrics else [])
     fars = [f"tar@far={f:.0e}".replace("e-0", "e-") for f in FARS]
     lines = ["", "## Set fusion: IJB-B/C-style templates (1:1 verification, TAR %)", "",
-             "Chosen on: CAFace keeps its last step; its recipe (lr, `lambda_u`, prefix, steps) was picked on the "
-             "video probes below before a val split existed (docs/methods/fusion.md), so its video numbers may be "
-             f"optimistic.{val_note(metrics)} Scored on: the templates and video probes of held-out identities.", "",
+             "Chosen on: CAFace keeps its last step; its recipe (lr, `lambda_u`, prefix, steps) was first picked on "
+             "the video probes below, before a val split existed, so its video numbers may be optimistic; a val "
+             "sweep (`faceops sweep train_fusion`) kept it, and `reports/fusion_claims.md` scores it on folds of "
+             f"identities no choice read (docs/methods/fusion.md).{val_note(metrics)} Scored on: the templates and "
+             "video probes of held-out identities.", "",
              "| fusion | " + " | ".join(f.replace("tar@far=", "TAR@FAR ") for f in fars) + " |",
              "|---|" + "---|" * len(fars)]
     for m in rows:
