@@ -1,6 +1,7 @@
 """The UIFace ablation's definition and its pure parts: the scale (``Scale``, ``QUICK``), the Table-2 rows
 (``MODES``), the adaptive switch threshold, and the aggregation over seeds, verdict and markdown report of the
-per-seed numbers (no training, no torch). ``experiments/uiface_claims.py`` runs the ablation.
+per-seed numbers (no training; torch is imported only to judge per-pair outcomes). ``experiments/uiface_claims.py``
+runs the ablation.
 """
 
 from __future__ import annotations
