@@ -100,8 +100,8 @@ def discovery_claims(seeds: list[int] = [0], data_seeds: list[int] = [2, 3, 4, 5
     for claim, keys in results["summary"]["claims"].items():
         for key, d in keys.items():
             metrics[f"{claim}/{key}/paired_mean"], metrics[f"{claim}/{key}/higher"] = d["mean"], float(d["higher"])
-            for stat in ("mean", "ci_low", "ci_high"):
-                if "test_sets" in d:
+            if "test_sets" in d:
+                for stat in ("mean", "ci_low", "ci_high"):
                     metrics[f"{claim}/{key}/test_sets_{stat}"] = d["test_sets"][stat]
     run_id = _log_run("discovery_claims", metrics, report, {"seeds": list(seeds), "data_seeds": list(data_seeds),
                                                             "arms": list(arms), "epochs": epochs, "quick": quick},
