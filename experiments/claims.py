@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
 import json
 import logging
 import time
@@ -29,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from experiments.test_sets import DATA_SEEDS, LOOKED_AT, across_test_sets, now_utc
 from ml.data.procedural import ProceduralConfig, ProceduralFaces
 from ml.eval.metrics import pair_correct, verification_accuracy
 from ml.fr.train import FRConfig, embed, train_fr
@@ -36,7 +36,6 @@ from ml.fr.data import needs_keypoints
 
 log = logging.getLogger("experiments.claims")
 ROOT = Path(__file__).resolve().parents[1]
-DATA_SEEDS = (2, 3, 4, 5, 6)  # independent test sets none of the recipes was chosen on (0 and 1 were looked at)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,39 +175,6 @@ def paired(arm: list[float], reference: list[float]) -> dict[str, float]:
     return {**mean_std(d.tolist()), "higher": int((d > 0).sum()), "seeds": len(d)}
 
 
-def across_test_sets(arm: list[np.ndarray], reference: list[np.ndarray], data_of: list[int], *,
-                     resamples: int = 2000, seed: int = 0, confidence: float = 0.95) -> dict[str, Any]:
-    """``arm − reference`` with the data seed, an independent test set, as the unit.
-
-    ``arm`` / ``reference``: each run's per-pair outcomes (``pair_correct``, the same pairs for both arms within a
-    data seed), ``data_of``: each run's data seed. Per data seed the runs' outcomes are averaged over its training
-    seeds, so a data seed's difference is its mean accuracy difference. → ``mean`` ± sample ``std`` and ``se``
-    (std / √units) over the ``units`` data seeds, how many were ``higher``; ``ci_low`` / ``ci_high``, a percentile
-    bootstrap interval over test pairs (resampled within each data seed, one draw for both arms; the statistic is
-    the mean over data seeds); ``beyond_noise``: at least 2 units, the mean beyond 2 SE, every data seed on its side
-    and the interval excluding 0."""
-    seeds = sorted(set(data_of))
-    diffs = []
-    for d in seeds:
-        rows = [i for i, dd in enumerate(data_of) if dd == d]
-        diffs.append(np.mean([arm[i].astype(np.float64) - reference[i].astype(np.float64) for i in rows], axis=0))
-    per = np.array([x.mean() for x in diffs])
-    n = len(per)
-    std = float(per.std(ddof=1)) if n > 1 else 0.0
-    rng = np.random.default_rng(seed)
-    boot = np.zeros(resamples)
-    for x in diffs:
-        boot += x[rng.integers(0, x.size, size=(resamples, x.size))].mean(axis=1) / n
-    tail = 100 * (1 - confidence) / 2
-    low, high = float(np.percentile(boot, tail)), float(np.percentile(boot, 100 - tail))
-    mean = float(per.mean())
-    se = std / np.sqrt(n) if n > 1 else None
-    side = np.sign(mean)
-    beyond = bool(se is not None and abs(mean) > 2 * se and (np.sign(per) == side).all() and (low > 0 or high < 0))
-    return {"mean": mean, "std": std, "se": se, "units": n, "higher": int((per > 0).sum()),
-            "ci_low": low, "ci_high": high, "beyond_noise": beyond}
-
-
 def run_claims(seeds: list[int], scale: Scale, only: str | None = None,
                conditions: tuple[str, ...] = ("aligned", "misaligned"),
                lvface_conditions: tuple[str, ...] = ("aligned", "noisy"),
@@ -255,7 +221,7 @@ def run_claims(seeds: list[int], scale: Scale, only: str | None = None,
                          "runs": [list(r) for r in runs_of], "pairs": scale.pairs,
                          "by_data_seed": {str(d): mean_std([a for (dd, _), a in zip(runs_of, accs) if dd == d])
                                           for d in data_seeds},
-                         "train_seconds": float(np.mean([r["seconds"] for r in runs]))}
+                         "train_seconds": float(np.mean([r["seconds"] for r in runs])), "measured_at": now_utc()}
                 if reference is None:
                     reference = runs
                 else:
@@ -273,11 +239,18 @@ def run_claims(seeds: list[int], scale: Scale, only: str | None = None,
 
 
 def render(results: dict, seeds: list[int], scale: Scale) -> str:
+    entries = [r for conds in results.values() for arms in conds.values() for r in arms.values()]
+    when = sorted({r["measured_at"] for r in entries if "measured_at" in r}) or [now_utc()]
+    scored = sorted({d for r in entries for d, _ in r.get("runs", [])})
     lines = [
         "# Paper claims at embedded scale",
         "",
-        f"Measured by `python -m experiments.claims` on {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}; "
-        "each row lists its own seeds and data seeds. Verification accuracy (10-fold, flip TTA) on "
+        f"Measured by `python -m experiments.claims` on {', '.join(when)}; "
+        "each row lists its own seeds and data seeds. "
+        "Chosen on: nothing per run (every arm trains its fixed recipe and keeps its last epoch); the recipes and "
+        f"this scale were set while data seeds {', '.join(map(str, LOOKED_AT))} were looked at. Scored on: each data "
+        f"seed's own held-out identities and pairs (data seeds {', '.join(map(str, scored)) or '—'}), read once per "
+        "run. Verification accuracy (10-fold, flip TTA) on "
         f"{scale.pairs} pairs of {scale.test_identities} held-out procedural identities; training on "
         f"{scale.train_identities} identities × {scale.images_per_identity} images at {scale.image_size}×"
         f"{scale.image_size} (condition noisy: {scale.noisy_identities} aligned identities × "

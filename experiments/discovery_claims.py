@@ -8,11 +8,11 @@ request (``--arms``): ``oracle``, FaceGCD with every training image labelled (th
 One ``vit_tiny`` ArcFace model on procedural identities; each data seed (``--data-seeds``) draws further unseen
 identities and their GFD split, an independent test set; each training seed (``--seeds``) trains every arm from the FR
 model with ``params.yaml`` ``discovery`` and seeds SSK (K = all identities). The default data seeds are
-``experiments.claims.DATA_SEEDS``: the recipe was set on data seed 0 and 1 was looked at. Each run records per-epoch
+``experiments.test_sets.DATA_SEEDS``: the recipe was set on data seed 0 and 1 was looked at. Each run records per-epoch
 curves: both losses and the selection score (nearest class mean of held-out labelled images), the FR features' score
 as epoch 0. Beside the arms, ``chance``: random partitions with the true cluster sizes, scored alike. Reported: mean ±
 sample std over the (data seed, seed) runs and each claim's paired difference with its sign count; the verdict takes
-the data seed as its unit (``experiments.claims.across_test_sets``): the difference per test set, and a bootstrap
+the data seed as its unit (``experiments.test_sets.across_test_sets``): the difference per test set, and a bootstrap
 interval over the scored images with each run's cluster-to-identity matching held fixed (``cluster_correct``). Writes
 ``reports/discovery_claims.md``, ``reports/discovery_claims_curves.png`` and ``metrics/discovery_claims.json``.
 """
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
 import json
 import logging
 import math
@@ -32,7 +31,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from experiments.claims import DATA_SEEDS, across_test_sets, mean_std, paired
+from experiments.claims import mean_std, paired
+from experiments.test_sets import DATA_SEEDS, LOOKED_AT, across_test_sets, now_utc
 from ml.config import from_mapping
 from ml.data.procedural import ProceduralConfig, ProceduralFaces
 from ml.discovery.protocol import GFDOutcome, gfd_chance, gfd_ssk
@@ -308,8 +308,12 @@ def render(results: dict, seeds: list[int], data_seeds: list[int], scale: Scale,
     lines = [
         "# FaceGCD claims at embedded scale",
         "",
-        f"Measured by `python -m experiments.discovery_claims` on {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC} "
-        f"in {seconds / 60:.0f} minutes: seeds {seeds} × data seeds {data_seeds} ({n} runs). FR model: `vit_tiny` "
+        f"Measured by `python -m experiments.discovery_claims` on {results.get('measured_at') or now_utc()} "
+        f"in {seconds / 60:.0f} minutes: seeds {seeds} × data seeds {data_seeds} ({n} runs). "
+        "Chosen on: each arm's epoch by the held-out labelled images of the known identities (val); the recipe "
+        f"(`params.yaml` `discovery`) while data seeds {', '.join(map(str, LOOKED_AT))} were looked at "
+        "(`reports/discovery_recipes.md`). Scored on: each data seed's unlabelled training images (transductive) "
+        "and its test images, whose labels no choice reads. FR model: `vit_tiny` "
         f"ArcFace on {scale.fr_identities} × {scale.fr_images_per_identity} procedural faces, {scale.fr_epochs} epochs. "
         f"Discovery set: {scale.discovery_identities} unseen identities × {scale.discovery_images_per_identity} "
         f"images ({scale.image_size}×{scale.image_size}) per data seed, GFD split (half the identities known, half of "
@@ -387,6 +391,7 @@ def write_results(results: dict, seeds: list[int], data_seeds: list[int], scale:
     ``out_dir``; → the report."""
     (out_dir / "metrics").mkdir(parents=True, exist_ok=True)
     runs = [{k: v for k, v in r.items() if k != "_correct"} for r in results["runs"]]
+    results = {"measured_at": now_utc(), **results}  # a re-render of stored results keeps their time
     payload = {**results, "runs": runs, "seeds": seeds, "data_seeds": data_seeds, "scale": dataclasses.asdict(scale),
                "seconds": seconds}
     (out_dir / "metrics" / "discovery_claims.json").write_text(json.dumps(payload, indent=2) + "\n")

@@ -1,12 +1,12 @@
 """FaceGCD training recipes against the features they start from: ``python -m experiments.discovery_recipes``.
 
 Which part of the recipe decides whether FaceGCD + SSK lands above or below SSK on the FR features it starts from?
-One FR model and one discovery set (``experiments.discovery_claims``' data, data seed 0). Each recipe is a delta on
-``DiscoveryConfig``'s class defaults (τ 0.07 for both terms, λ 0.35, lr 1e-3, uniform batches, the last epoch, no
-anchor), trained from that FR model per seed and scored by SSK on the test images, paired with SSK on the FR features
-under the same seed: ``default``; ``gcd`` (no prefixes); ``tau_u_1`` (InfoNCE τ 1.0, GCD's); ``balanced`` (P × K =
-8 × 4 batches); ``block_lr_0.1`` (the last block at lr/10); ``val_select`` (2 labelled images per known identity held
-out, the best epoch kept); ``combined`` (all four).
+One FR model and one discovery set (``experiments.discovery_claims``' data, data seed 0, which the claims never
+score). Each recipe is a delta on ``DiscoveryConfig``'s class defaults (τ 0.07 for both terms, λ 0.35, lr 1e-3,
+uniform batches, the last epoch, no anchor), trained from that FR model per seed and scored by SSK on the test
+images, paired with SSK on the FR features under the same seed: ``default``; ``gcd`` (no prefixes); ``tau_u_1``
+(InfoNCE τ 1.0, GCD's); ``balanced`` (P × K = 8 × 4 batches); ``block_lr_0.1`` (the last block at lr/10);
+``val_select`` (2 labelled images per known identity held out, the best epoch kept); ``combined`` (all four).
 
 Writes one JSON line per (recipe, seed) to ``--out`` as it goes (a run cut short keeps what it measured) and
 ``reports/discovery_recipes.md`` (mean ± sample std over seeds, the paired difference to FR + SSK with its sign count).
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
 import json
 import logging
 import os
@@ -28,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments.discovery_claims import Scale, make_data
+from experiments.test_sets import DATA_SEEDS, LOOKED_AT, now_utc
 from ml.discovery.protocol import gfd_ssk
 from ml.models.io import save_model
 from ml.discovery.train import DiscoveryConfig, train_discovery
@@ -36,6 +36,7 @@ from ml.fr.train import FRConfig, embed, train_fr
 log = logging.getLogger("experiments.discovery_recipes")
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = ("test/all", "test/known", "test/novel")
+DATA_SEED = LOOKED_AT[0]  # the discovery set the recipes are chosen on; the claims never score it
 
 RECIPES: dict[str, dict] = {
     "default": {},
@@ -56,7 +57,7 @@ def device_keys() -> dict[str, str]:
 
 def run(recipes: list[str], seeds: list[int], scale: Scale, out: Path) -> list[dict]:
     """Train every recipe for every seed; → one row per (recipe, seed) with its and FR + SSK's metrics."""
-    data = make_data(scale)
+    data = make_data(scale, DATA_SEED)
     dev = device_keys()
     fr = train_fr(FRConfig(backbone="vit_tiny", epochs=scale.fr_epochs, batch_size=64, **dev), data["x"], data["y"],
                progress=False)
@@ -78,7 +79,8 @@ def run(recipes: list[str], seeds: list[int], scale: Scale, out: Path) -> list[d
                 feats = res.model.embed(data["dx"], flip=True)
                 m = gfd_ssk(feats, data["dy"], data["labelled"], data["known"], data["test"], seed=seed).metrics
                 last = res.history[-1]
-                row = {"recipe": name, "seed": seed, "seconds": seconds, "best_epoch": res.best_epoch,
+                row = {"recipe": name, "seed": seed, "data_seed": DATA_SEED, "measured_at": now_utc(),
+                       "seconds": seconds, "best_epoch": res.best_epoch,
                        **{k: float(m[k]) for k in KEYS}, **{f"fr_ssk/{k}": float(base[k]) for k in KEYS},
                        "loss/unsup": float(last["loss/unsup"]), "loss/sup": float(last["loss/sup"]),
                        "first/loss/unsup": float(res.history[0]["loss/unsup"]),
@@ -94,11 +96,15 @@ def run(recipes: list[str], seeds: list[int], scale: Scale, out: Path) -> list[d
 def render(rows: list[dict], scale: Scale, note: str = "") -> str:
     """Markdown: per recipe mean ± sample std of test all/novel, and the paired difference to FR + SSK."""
     seeds = sorted({r["seed"] for r in rows})
+    data_seed = rows[0].get("data_seed", DATA_SEED)
     lines = [
         "# FaceGCD recipes against their starting features",
         "",
-        f"Measured by `python -m experiments.discovery_recipes` on {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}"
-        f"{note}, seeds {seeds}. FR model: `vit_tiny` ArcFace on {scale.fr_identities} × {scale.fr_images_per_identity}"
+        f"Measured by `python -m experiments.discovery_recipes` on {rows[-1].get('measured_at') or now_utc()}"
+        f"{note}, seeds {seeds}. Chosen and scored on: data seed {data_seed}'s test images, a discovery set that "
+        f"`experiments.discovery_claims` never scores (its data seeds are {', '.join(map(str, DATA_SEEDS))}): these "
+        "numbers chose the default recipe, so they are not an estimate of it. "
+        f"FR model: `vit_tiny` ArcFace on {scale.fr_identities} × {scale.fr_images_per_identity}"
         f" procedural faces, {scale.fr_epochs} epochs; discovery set: {scale.discovery_identities} unseen identities × "
         f"{scale.discovery_images_per_identity} images, GFD split; every recipe trained {scale.discovery_epochs} "
         "epochs from the FR model. Clustering accuracy (%) of semi-supervised k-means on the test images; Δ = recipe "

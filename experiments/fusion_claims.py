@@ -10,7 +10,7 @@ included, so each fold trains on as many identities as the stage), then the fold
 as the stage draws its val sets (``ml.fusion.train.val_sets``) and scored by rank-1 against their targets, CAFace's
 template and plain averaging's alike (chance: 1 / identities per fold).
 
-Statistics: the fold is the unit (``experiments.claims.across_test_sets``): per fold the paired difference in rank-1
+Statistics: the fold is the unit (``experiments.test_sets.across_test_sets``): per fold the paired difference in rank-1
 over its sets, mean ± sample std over folds, how many folds were higher, a percentile bootstrap interval over sets;
 beyond noise when at least two folds, the mean beyond 2 standard errors, every fold on its side and the interval
 excluding 0. The folds' test identities are disjoint; their training sets overlap (k-fold), which the report says.
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
 import logging
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from experiments.test_sets import across_test_sets, now_utc
 from ml.config import from_mapping
 from ml.errors import ConfigError, DataError
 from tasks.common import Paths, load_params, section, write_json, write_text
@@ -67,7 +67,6 @@ def split_fold(material: FusionMaterial, block: range) -> tuple[FusionMaterial, 
 def run_folds(paths: Paths, data: DataConfig, stage: FusionStageConfig, folds: int,
               progress: bool = False) -> dict[str, Any]:
     """Train and score CAFace per fold → {"folds": one row per fold, "summary", "identities", "sets"}."""
-    from experiments.claims import across_test_sets
     from ml.fusion.train import train_fusion, val_scores, val_sets
     from tasks.train_fusion import load_material
 
@@ -150,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ConfigError, DataError) as exc:
         parser.exit(2, f"error: {exc}\n")
     results["seconds"] = time.perf_counter() - start
-    results["measured_at"] = f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}"
+    results["measured_at"] = now_utc()
     write_json(paths.root / "metrics" / "fusion_claims.json", results)
     out = paths.root / "reports" / "fusion_claims.md"
     write_text(out, render(results))

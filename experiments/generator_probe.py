@@ -75,8 +75,9 @@ def render(results: dict[str, Any]) -> str:
     s, rows = results["summary"], results["rows"]
     lines = ["# The generator's probe on one generator", "",
              f"Measured by `python -m experiments.generator_probe` on {results['measured_at']}: the default run's "
-             f"generator probed with seeds {[r['seed'] for r in rows]} (sampling and the small FR model), scored on "
-             f"val identities only (chance {100 * rows[0]['val/chance']:.1f} %).", "",
+             f"generator probed with seeds {[r['seed'] for r in rows]} (sampling and the small FR model). Chosen and "
+             "scored on: val identities only, as `faceops sweep train_generator` is (chance "
+             f"{100 * rows[0]['val/chance']:.1f} %); no test split is read.", "",
              "| seed | " + " | ".join(KEYS) + " |", "|---|" + "---|" * len(KEYS)]
     for r in rows:
         lines.append(f"| {r['seed']} | " + " | ".join(f"{r[k]:.4f}" for k in KEYS) + " |")

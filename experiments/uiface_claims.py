@@ -6,9 +6,9 @@ the gap (REAL − SYN)/SYN at equal budget. Once (seed 0), on procedural faces (
 and the generator as the pipeline trains it (KL autoencoder of 32-px faces, then the latent UNet). Per seed: contexts
 filtered from empty-context faces; per sampler mode (``MODES``) K × M faces with the same contexts and noise, their
 metrics under the teacher and an FR model trained on them, scored on that seed's held-out real identities (b: drawn
-with the seed as data seed, so each seed is an independent test set; the defaults are ``experiments.claims.DATA_SEEDS``);
+with the seed as data seed, so each seed is an independent test set; the defaults are ``experiments.test_sets.DATA_SEEDS``);
 real-data FR models of the same budget (32-px bottleneck, native 64 px) give the gap. The accuracy verdict takes the
-test set as its unit (``experiments.claims.across_test_sets``, with a bootstrap interval over pairs). Writes
+test set as its unit (``experiments.test_sets.across_test_sets``, with a bootstrap interval over pairs). Writes
 ``reports/uiface_claims.md`` and ``metrics/uiface_claims.json``; ``--estimate-only`` prints the expected time. Scale
 and report: ``uiface_summary``.
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
 import logging
 import math
 import time
@@ -32,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.claims import DATA_SEEDS
+from experiments.test_sets import DATA_SEEDS, now_utc
 from experiments.uiface_summary import QUICK, Scale, effective_threshold, render, summarize
 
 log = logging.getLogger("experiments.uiface_claims")
@@ -422,7 +421,7 @@ def ablation(seeds: list[int], quick: bool = False, out_dir: Path = ROOT) -> dic
     start = time.perf_counter()
     results = run_claims(list(seeds), scale)
     results["seconds"] = time.perf_counter() - start
-    results["measured_at"] = f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}"
+    results["measured_at"] = now_utc()
     results["scale"] = dataclasses.asdict(scale)
     results["quick"] = quick
     results["estimate_seconds"] = est

@@ -1,16 +1,17 @@
 """The UIFace ablation's definition and its pure parts: the scale (``Scale``, ``QUICK``), the Table-2 rows
 (``MODES``), the adaptive switch threshold, and the aggregation over seeds, verdict and markdown report of the
-per-seed numbers (no training; torch is imported only to judge per-pair outcomes). ``experiments/uiface_claims.py``
+per-seed numbers (no training, no torch). ``experiments/uiface_claims.py``
 runs the ablation.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 from typing import Any
 
 import numpy as np
+
+from experiments.test_sets import LOOKED_AT, across_test_sets, now_utc, over_test_sets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +112,7 @@ def _mean_std(values: list[float]) -> dict[str, Any]:
 def compare(a: list[float], b: list[float], test_sets: dict[str, Any] | None = None) -> dict[str, Any]:
     """Mode ``a`` against ``b`` over the same seeds: difference of means and the paired per-seed differences (same
     contexts and noise within a seed). With ``test_sets`` (each seed's own held-out identities as the unit,
-    ``over_test_sets`` or ``experiments.claims.across_test_sets``) the verdict is "higher" / "lower" when the
+    ``experiments.test_sets``) the verdict is "higher" / "lower" when the
     difference is beyond noise there, else "within noise"; without (results from before the rule), "higher" /
     "lower" beyond a one-std margin (the larger of the two population stds), else "within one std"."""
     sa, sb = _mean_std(a), _mean_std(b)
@@ -126,20 +127,6 @@ def compare(a: list[float], b: list[float], test_sets: dict[str, Any] | None = N
     beyond = test_sets["beyond_noise"]
     verdict = "higher" if beyond and diff > 0 else "lower" if beyond and diff < 0 else "within noise"
     return {**out, "margin": 2 * (test_sets["se"] or 0.0), "verdict": verdict, "test_sets": test_sets}
-
-
-def over_test_sets(diffs: list[float]) -> dict[str, Any]:
-    """Per-seed differences, each seed with its own held-out identities (an independent test set), as the units:
-    ``mean`` ± sample ``std``, ``se``, ``units``, how many were ``higher``; ``beyond_noise`` at ≥ 2 units with the
-    mean beyond 2 SE and every unit on its side (the rule of ``experiments.claims.across_test_sets``, for numbers
-    that are not a mean over pairs)."""
-    d = np.asarray(diffs, dtype=float)
-    n = len(d)
-    std = float(d.std(ddof=1)) if n > 1 else 0.0
-    se = std / np.sqrt(n) if n > 1 else None
-    mean = float(d.mean())
-    beyond = bool(se is not None and abs(mean) > 2 * se and (np.sign(d) == np.sign(mean)).all())
-    return {"mean": mean, "std": std, "se": se, "units": n, "higher": int((d > 0).sum()), "beyond_noise": beyond}
 
 
 def summarize(per_seed: dict[str, dict]) -> dict[str, Any]:
@@ -166,8 +153,6 @@ def summarize(per_seed: dict[str, dict]) -> dict[str, Any]:
     found = _mean_std([per_seed[s]["identities_found"] for s in seeds])
     per_set = all("_correct" in per_seed[s] for s in seeds)
     if per_set:
-        from experiments.claims import across_test_sets  # torch comes with it: only where the run produced outcomes
-
         def outcomes(arm: str) -> list[np.ndarray]:
             return [per_seed[s]["_correct"][arm] for s in seeds]
 
@@ -304,12 +289,15 @@ def render(results: dict, scale: Scale) -> str:
     s, setup, seeds = results["summary"], results["setup"], results["seeds"]
     k = setup.get("recall_k", scale.recall_k)
     found = s["identities_found"]
-    when = results.get("measured_at") or f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}"
+    when = results.get("measured_at") or now_utc()
     lines = [
         "# UIFace claims at embedded scale (Table 2 ablation, Table 3 gap)",
         "",
         f"Measured by `python -m experiments.uiface_claims` on {when}, seeds {seeds}"
-        + (f", in {results['seconds'] / 60:.1f} min" if "seconds" in results else "") + ".",
+        + (f", in {results['seconds'] / 60:.1f} min" if "seconds" in results else "") + ". Chosen on: nothing per "
+        "seed (the teacher, the generator and every mode's FR model keep their last epoch; the scale below was set "
+        f"while data seeds {', '.join(map(str, LOOKED_AT))} were looked at). Scored on: each seed's own held-out "
+        "identities and pairs, read once per mode.",
         "",
         f"**Data.** Procedural faces at {scale.image_size}×{scale.image_size}: (a) {scale.train_identities} "
         f"identities × {scale.images_per_identity} images train the teacher FR model and the generator; (b) "
@@ -393,7 +381,7 @@ def render(results: dict, scale: Scale) -> str:
         "| mode | Δ diversity | Δ accuracy | Δ identity consistency | Δ recall |",
         "|---|---|---|---|---|",
     ]
-    for mode, v in s["versus_baseline"].items():
+    for mode, v in sorted(s["versus_baseline"].items(), key=lambda kv: list(MODES).index(kv[0])):  # json sorts keys
         cells = [f"{_signed(v[m]['diff'], kind)} ({v[m]['verdict']})"
                  for m, kind in (("diversity", "3f"), ("accuracy", "pct"), ("identity_consistency", "3f"),
                                  ("recall", "3f"))]

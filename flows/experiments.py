@@ -17,7 +17,7 @@ def uiface_ablation(seeds: list[int] = [2, 3, 4, 5, 6], quick: bool = False, out
 
     Args:
         seeds: one full synthesis + FR training per mode and seed, each seed scored on its own held-out identities
-            (an independent test set; the defaults are experiments.claims.DATA_SEEDS). ``python -m
+            (an independent test set; the defaults are experiments.test_sets.DATA_SEEDS). ``python -m
             experiments.uiface_claims --estimate-only`` prints the time.
         quick: toy scale, to check the code end to end in under two minutes (numbers mean nothing).
         out_dir: writes reports/uiface_claims.md and metrics/uiface_claims.json under it.
@@ -46,7 +46,7 @@ def paper_claims(seeds: list[int] = [0], only: str | None = "kprpe",
         only: ``kprpe`` or ``lvface``; None runs both claims.
         conditions: KP-RPE's face conditions (aligned, misaligned, unaligned).
         data_seeds: the procedural identities and pairs drawn, each an independent test set: the unit of the
-            verdicts (``experiments.claims.across_test_sets``); 0 and 1 were looked at while recipes were set.
+            verdicts (``experiments.test_sets.across_test_sets``); 0 and 1 were looked at while recipes were set.
         epochs: FR training epochs of LVFace's arms.
         kprpe_epochs: FR training epochs of KP-RPE's arms (the paper's AdaFace recipe).
         pairs: verification pairs of held-out identities (half genuine).
@@ -78,7 +78,7 @@ def discovery_claims(seeds: list[int] = [0], data_seeds: list[int] = [2, 3, 4, 5
     Args:
         seeds: training seeds; every trained arm runs once per seed and data seed.
         data_seeds: discovery sets (other unseen identities, another GFD split), each an independent test set; the
-            default ones were not looked at while the recipe was set (experiments.claims.DATA_SEEDS).
+            default ones were not looked at while the recipe was set (experiments.test_sets.DATA_SEEDS).
         arms: the trained arms (FR features + SSK always runs); ``oracle`` adds the headroom row (every training
             image labelled), ``embedding`` the diagnostic with the loss on the clustered features.
         epochs: epochs per trained arm (0: params.yaml discovery.epochs).

@@ -8,8 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from experiments.claims import (Scale, across_test_sets, held_out_pairs, inject_label_noise, mean_std, paired,
-                                write_results)
+from experiments.claims import Scale, held_out_pairs, inject_label_noise, mean_std, paired, write_results
 
 
 def test_held_out_pairs_are_distinct_half_genuine_and_labelled_right():
@@ -49,29 +48,6 @@ def test_statistics_are_sample_std_and_paired_per_seed():
     assert (d["higher"], d["seeds"]) == (2, 3)
 
 
-def test_differences_take_the_data_seed_as_the_unit_with_an_interval_over_pairs():
-    b = lambda *v: np.array(v, dtype=bool)  # noqa: E731
-    # data seed 0 has two training seeds: per-pair differences [1,0,0,0] and [1,0,1,0] average to [1,0,.5,0], mean
-    # 0.375; data seed 1: [0,1,0,0], mean 0.25. Over the two test sets: mean 0.3125, sample std 0.125/√2, SE 0.0625.
-    arm = [b(1, 1, 0, 0), b(1, 0, 1, 0), b(1, 1, 1, 1)]
-    ref = [b(0, 1, 0, 0), b(0, 0, 0, 0), b(1, 0, 1, 1)]
-    d = across_test_sets(arm, ref, [0, 0, 1])
-    assert d["mean"] == pytest.approx(0.3125) and d["std"] == pytest.approx(0.125 / np.sqrt(2))
-    assert d["se"] == pytest.approx(0.0625) and (d["units"], d["higher"]) == (2, 2)
-    assert d["ci_low"] <= d["mean"] <= d["ci_high"] and d["ci_low"] >= 0.0
-    # every pair right against every pair wrong on three test sets: no spread, the interval is the point
-    d = across_test_sets([np.ones(50, bool)] * 3, [np.zeros(50, bool)] * 3, [2, 3, 4])
-    assert (d["mean"], d["ci_low"], d["ci_high"], d["beyond_noise"]) == (1.0, 1.0, 1.0, True)
-    # a large gain on two test sets and a loss on the third: not beyond noise, whatever the mean
-    rng = np.random.default_rng(0)
-    ref = [rng.random(2000) < 0.5 for _ in range(3)]
-    arm = [ref[0] | (rng.random(2000) < 0.4), ref[1] | (rng.random(2000) < 0.4), ref[2] & (rng.random(2000) < 0.9)]
-    d = across_test_sets(arm, ref, [0, 1, 2])
-    assert d["mean"] > 0.1 and d["higher"] == 2 and not d["beyond_noise"]
-    d = across_test_sets(arm[:1], ref[:1], [0])  # one test set: no SE, no verdict beyond noise
-    assert d["se"] is None and d["units"] == 1 and not d["beyond_noise"] and d["ci_low"] > 0.1
-
-
 def test_a_run_of_one_condition_keeps_the_other_rows_and_only_new_rows_carry_a_verdict(tmp_path):
     def row(acc: float, **extra) -> dict:
         return {"accuracy": [acc], "mean": acc, "std": 0.0, "seeds": [0], "pairs": 100, "train_seconds": 1.0, **extra}
@@ -92,6 +68,16 @@ def test_a_run_of_one_condition_keeps_the_other_rows_and_only_new_rows_carry_a_v
     assert "beyond noise (5 test sets)" in kprpe and "+1.00 to +3.00" in kprpe
     assert "75.00" in lines["misaligned", "`vit_tiny`"] and "70.00" not in report.read_text()
     assert "80.00" in lines["aligned", "`vit_tiny`"] and lines["aligned", "`vit_tiny`"].count("| — |") >= 2
+
+
+def test_the_claims_report_says_what_chose_and_what_scored_and_keeps_its_time(tmp_path):
+    row = {"accuracy": [0.8, 0.7], "mean": 0.75, "std": 0.07, "seeds": [0], "pairs": 100, "train_seconds": 1.0,
+           "runs": [[3, 0], [5, 0]], "measured_at": "2026-01-02 03:04 UTC"}
+    _, report = write_results({"lvface": {"aligned": {"arcface": row}}}, [0], Scale(), tmp_path, keep_others=False)
+    text = report.read_text()
+    assert "on 2026-01-02 03:04 UTC" in text  # the stored time, not the time of rendering
+    assert "data seeds 0, 1 were looked at" in text and "(data seeds 3, 5), read once per run" in text
+    assert "Chosen on:" in text and "Scored on:" in text
 
 
 @pytest.mark.slow

@@ -133,6 +133,20 @@ def test_report_says_when_adaptive_faces_never_switched():
     assert "100 % of the adaptive faces never reached d_t < th" in text
 
 
+def test_a_report_rendered_again_from_its_json_is_the_same_report():
+    import json
+
+    per_seed = fabricate([0.70, 0.72, 0.74], [0.30, 0.31, 0.32])
+    summary, text = report(per_seed)
+    results = {"seeds": [int(s) for s in SEEDS], "setup": SETUP, "per_seed": per_seed, "summary": summary,
+               "measured_at": "2026-01-01 00:00 UTC"}
+    stored = json.loads(json.dumps(results, sort_keys=True))  # as tasks.common.write_json stores it
+    assert render(stored, Scale()) == text
+    assert "on 2026-01-01 00:00 UTC" in text and "Chosen on:" in text and "Scored on:" in text
+    rows = [line.split(" | ")[0] for line in text.splitlines() if line.startswith("| `two_stage")]
+    assert rows[-3:] == ["| `two_stage_fixed`", "| `two_stage_adaptive`", "| `two_stage_adaptive+injection`"]
+
+
 def test_with_pair_outcomes_each_seed_is_a_test_set_and_the_verdict_needs_them_to_agree():
     """Seeds that each scored their own held-out identities: the claimed mode's accuracy is "higher" only when every
     test set agrees beyond 2 SE and the pair interval excludes 0; a large mean carried by one set is within noise."""

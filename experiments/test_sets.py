@@ -1,0 +1,64 @@
+"""The claims experiments' test-set protocol, without torch: which data seeds a verdict may rest on, and the rule
+that calls a difference beyond noise with the independent test set as its unit.
+
+A data seed renders its own identities and draws its own pairs or images, so different data seeds are independent
+test sets. ``LOOKED_AT`` were in view while recipes and scales were set; ``DATA_SEEDS`` (the experiments' defaults)
+were not, so no choice read them. A difference holds beyond noise when, over at least two test sets, its mean
+exceeds twice its standard error (sample std / √units) and every test set is on its side; where per-item outcomes
+exist (``across_test_sets``) a percentile bootstrap interval over the items must exclude 0 as well.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import numpy as np
+
+__all__ = ["DATA_SEEDS", "LOOKED_AT", "across_test_sets", "now_utc", "over_test_sets"]
+
+LOOKED_AT = (0, 1)  # the data seeds in view while the recipes and the scales were set: never a verdict's test set
+DATA_SEEDS = (2, 3, 4, 5, 6)  # independent test sets none of the recipes was chosen on
+
+
+def now_utc() -> str:
+    """A report's clock, to the minute (stored with the results, so re-rendering keeps when they were measured)."""
+    return f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}"
+
+
+def over_test_sets(diffs: list[float] | np.ndarray) -> dict[str, Any]:
+    """One difference per independent test set as the units: ``mean`` ± sample ``std``, ``se`` (None under 2
+    units), ``units``, how many were ``higher``; ``beyond_noise`` at ≥ 2 units with the mean beyond 2 SE and every
+    unit on its side."""
+    d = np.asarray(diffs, dtype=float)
+    n = len(d)
+    std = float(d.std(ddof=1)) if n > 1 else 0.0
+    se = std / np.sqrt(n) if n > 1 else None
+    mean = float(d.mean())
+    beyond = bool(se is not None and abs(mean) > 2 * se and (np.sign(d) == np.sign(mean)).all())
+    return {"mean": mean, "std": std, "se": se, "units": n, "higher": int((d > 0).sum()), "beyond_noise": beyond}
+
+
+def across_test_sets(arm: list[np.ndarray], reference: list[np.ndarray], data_of: list[int], *,
+                     resamples: int = 2000, seed: int = 0, confidence: float = 0.95) -> dict[str, Any]:
+    """``arm − reference`` with the data seed, an independent test set, as the unit.
+
+    ``arm`` / ``reference``: each run's per-item outcomes (e.g. ``pair_correct``; the same items for both arms
+    within a data seed), ``data_of``: each run's data seed. Per data seed the runs' outcomes are averaged over its
+    training seeds, so a data seed's difference is its mean accuracy difference. → ``over_test_sets`` of those
+    differences, plus ``ci_low`` / ``ci_high``: a percentile bootstrap interval over the items (resampled within
+    each data seed, one draw for both arms; the statistic is the mean over data seeds); ``beyond_noise`` also needs
+    the interval to exclude 0."""
+    diffs = []
+    for d in sorted(set(data_of)):
+        rows = [i for i, dd in enumerate(data_of) if dd == d]
+        diffs.append(np.mean([arm[i].astype(np.float64) - reference[i].astype(np.float64) for i in rows], axis=0))
+    units = over_test_sets([x.mean() for x in diffs])
+    rng = np.random.default_rng(seed)
+    boot = np.zeros(resamples)
+    for x in diffs:
+        boot += x[rng.integers(0, x.size, size=(resamples, x.size))].mean(axis=1) / len(diffs)
+    tail = 100 * (1 - confidence) / 2
+    low, high = float(np.percentile(boot, tail)), float(np.percentile(boot, 100 - tail))
+    beyond = units["beyond_noise"] and (low > 0 or high < 0)
+    return {**units, "ci_low": low, "ci_high": high, "beyond_noise": beyond}

@@ -1,0 +1,60 @@
+"""experiments/test_sets.py: the rule that calls a difference beyond noise over independent test sets, against
+hand-computed values, and that the reports' pure parts load without torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from experiments.test_sets import DATA_SEEDS, LOOKED_AT, across_test_sets, over_test_sets
+
+
+def test_the_scored_data_seeds_are_not_the_ones_looked_at():
+    assert not set(DATA_SEEDS) & set(LOOKED_AT) and len(DATA_SEEDS) >= 5
+
+
+def test_over_test_sets_needs_two_units_the_mean_beyond_two_se_and_one_sign():
+    # +1, +2, +3: mean 2, sample std 1, SE 1/√3 = 0.577; 2 > 1.155 and all positive
+    d = over_test_sets([1.0, 2.0, 3.0])
+    assert d["mean"] == pytest.approx(2.0) and d["std"] == pytest.approx(1.0)
+    assert d["se"] == pytest.approx(1 / np.sqrt(3)) and (d["units"], d["higher"], d["beyond_noise"]) == (3, 3, True)
+    d = over_test_sets([-0.1, 2.0, 3.0])  # mean 1.63, SE 0.91: beyond 2 SE fails first, and one unit disagrees
+    assert not d["beyond_noise"] and d["higher"] == 2
+    d = over_test_sets([-1.0, 3.0, 3.1, 2.9, 3.0, 3.0])  # mean beyond 2 SE (2.33 > 1.33) but one unit disagrees
+    assert d["mean"] > 2 * d["se"] and not d["beyond_noise"]
+    d = over_test_sets([5.0])  # one test set: no SE, no verdict beyond noise
+    assert d["se"] is None and d["std"] == 0.0 and not d["beyond_noise"]
+
+
+def test_differences_take_the_data_seed_as_the_unit_with_an_interval_over_pairs():
+    b = lambda *v: np.array(v, dtype=bool)  # noqa: E731
+    # data seed 0 has two training seeds: per-pair differences [1,0,0,0] and [1,0,1,0] average to [1,0,.5,0], mean
+    # 0.375; data seed 1: [0,1,0,0], mean 0.25. Over the two test sets: mean 0.3125, sample std 0.125/√2, SE 0.0625.
+    arm = [b(1, 1, 0, 0), b(1, 0, 1, 0), b(1, 1, 1, 1)]
+    ref = [b(0, 1, 0, 0), b(0, 0, 0, 0), b(1, 0, 1, 1)]
+    d = across_test_sets(arm, ref, [0, 0, 1])
+    assert d["mean"] == pytest.approx(0.3125) and d["std"] == pytest.approx(0.125 / np.sqrt(2))
+    assert d["se"] == pytest.approx(0.0625) and (d["units"], d["higher"]) == (2, 2)
+    assert d["ci_low"] <= d["mean"] <= d["ci_high"] and d["ci_low"] >= 0.0
+    # every pair right against every pair wrong on three test sets: no spread, the interval is the point
+    d = across_test_sets([np.ones(50, bool)] * 3, [np.zeros(50, bool)] * 3, [2, 3, 4])
+    assert (d["mean"], d["ci_low"], d["ci_high"], d["beyond_noise"]) == (1.0, 1.0, 1.0, True)
+    # a large gain on two test sets and a loss on the third: not beyond noise, whatever the mean
+    rng = np.random.default_rng(0)
+    ref = [rng.random(2000) < 0.5 for _ in range(3)]
+    arm = [ref[0] | (rng.random(2000) < 0.4), ref[1] | (rng.random(2000) < 0.4), ref[2] & (rng.random(2000) < 0.9)]
+    d = across_test_sets(arm, ref, [0, 1, 2])
+    assert d["mean"] > 0.1 and d["higher"] == 2 and not d["beyond_noise"]
+    d = across_test_sets(arm[:1], ref[:1], [0])  # one test set: no SE, no verdict beyond noise
+    assert d["se"] is None and d["units"] == 1 and not d["beyond_noise"] and d["ci_low"] > 0.1
+
+
+def test_the_report_modules_pure_parts_load_without_torch():
+    code = ("import sys; import experiments.test_sets, experiments.uiface_summary; "
+            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    root = Path(__file__).resolve().parents[2]
+    assert subprocess.run([sys.executable, "-c", code], cwd=root, check=False).returncode == 0
