@@ -19,13 +19,17 @@ export DO_NOT_TRACK := 1
 # uv does not read pip's configuration: a PIP_INDEX_URL in the environment is handed on to it.
 # Bytecode is compiled at install: where PYTHONDONTWRITEBYTECODE is set, nothing would ever write it, and every
 # stage process (and every `dvc` call) would compile torch, Lightning, MLflow and Prefect from source again.
+# pip's own compile runs on one core; compileall -j 0 does torch and its dependencies on every core instead (a few
+# files written for newer Pythons do not compile, as under pip: they are skipped), uv the rest.
 ifdef PIP_INDEX_URL
 export UV_DEFAULT_INDEX ?= $(PIP_INDEX_URL)
 endif
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet torch==2.13.0 uv==0.13.8
+	$(BIN)/pip install --quiet --no-compile torch==2.13.0 uv==0.13.8
+	$(BIN)/python -m compileall -q -j 0 "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
+	  > /dev/null 2>&1 || true
 	$(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python -e '.[test]'
 	@touch $(STAMP)
 

@@ -2,7 +2,9 @@
 second fresh-clone run made while other work loads every core.
 
 - ``make_run``: wall time (installing included), CPU time of everything it started, each stage's seconds as the
-  command's summary prints them, and the machine facts that decide the run's numerics (cores, AMX).
+  command's summary prints them, the machine facts that decide the run's numerics (cores, AMX), and a fixed
+  workload's seconds before and after (``speed_probe``): a shared host's speed drifts over hours, and a row taken
+  on a slow hour says so.
 - ``reproducibility``: a second fresh clone runs ``make run`` beside other work (a busy process per core, or the
   command ``FACEOPS_BENCH_BESIDE`` names, e.g. another clone's ``.ci/run``); its ``metrics/*.json`` (wall-clock keys
   aside) and the output hashes in ``dvc.lock`` are compared with the first run's: ``make_run``'s clone (kept under
@@ -18,6 +20,7 @@ import re
 import resource
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -68,11 +71,39 @@ def _machine() -> dict:
             "cpu_has_amx": cpu_has_amx()}
 
 
+# a fixed one-thread workload (float32 matmuls, a bfloat16-autocast convolution step): its seconds say how fast this
+# machine ran around a measurement, so that rows taken on a slow hour of a shared host can be told apart
+PROBE = """
+import time, torch
+torch.manual_seed(0); torch.set_num_threads(1)
+a = torch.randn(512, 512); x = torch.randn(64, 3, 32, 32); conv = torch.nn.Conv2d(3, 64, 3, padding=1)
+def work():
+    for _ in range(100): a @ a
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for _ in range(10): conv(x).float().sum().backward()
+work()
+best = float("inf")
+for _ in range(3):
+    start = time.perf_counter()
+    for _ in range(5): work()
+    best = min(best, time.perf_counter() - start)
+print(best)
+"""
+
+
+def speed_probe() -> float:
+    """Seconds of ``PROBE``'s workload (best of 3), in a fresh interpreter."""
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True)
+    return round(float(out.stdout.split()[-1]), 2)
+
+
 def bench_make_run() -> dict:
     """``make run`` from a fresh clone of HEAD with nothing else running (the workspace is kept for
-    ``bench_reproducibility``)."""
+    ``bench_reproducibility``), between two speed probes."""
     root = _clone(RUNS / "alone")
-    return {"commit": _head()[:12], **_make_run(root), **_machine()}
+    before = speed_probe()
+    run = _make_run(root)
+    return {"commit": _head()[:12], **run, "probe_s_before": before, "probe_s_after": speed_probe(), **_machine()}
 
 
 # what a default run's outputs depend on: a clone of another commit that differs only elsewhere is the same run

@@ -119,7 +119,8 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "make_run": (
         "benchmarks.bench_default_run:bench_make_run",
         "`make run` from a fresh clone (installing included) with nothing else running: wall minutes, CPU seconds, "
-        "each stage's seconds, the machine facts that decide the run's numerics",
+        "each stage's seconds, the machine facts that decide the run's numerics, a fixed one-thread workload's "
+        "seconds before and after (`probe_s_*`: how fast the machine ran then)",
         "≤ 20 min on 2 cores",
     ),
     "reproducibility": (
