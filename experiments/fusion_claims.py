@@ -1,26 +1,33 @@
-"""CAFace against plain averaging on disjoint folds of held-out identities: ``python -m experiments.fusion_claims``.
+"""CAFace against plain averaging on independent test sets: ``python -m experiments.fusion_claims``.
 
 The claim (CAFace, Table 2): a set fused by CAFace identifies its person better than the average of its features. The
 benchmark (``evaluate``) scores it on one test set; this experiment asks whether the gain holds on several
-independent ones. On a finished run's data (``make run``), the frozen FR model (``fusion.fr_source``) embeds the
-``train_fusion`` stage's material once. Its identities, except the last ``fusion.val_identities`` (the val block the
-recipe and the sweeps were chosen on, never a test fold here), are cut into ``--folds`` contiguous blocks of as many
-identities. Per fold: CAFace is trained with ``params.yaml``'s recipe on every other identity (the val block
-included, so each fold trains on as many identities as the stage), then the fold's identities are drawn into sets
-as the stage draws its val sets (``ml.fusion.train.val_sets``) and scored by rank-1 against their targets, CAFace's
-template and plain averaging's alike (chance: 1 / identities per fold).
+independent ones, with a finished run's frozen FR model (``fusion.fr_source``) and ``params.yaml``'s recipe:
 
-Statistics: the fold is the unit (``experiments.test_sets.across_test_sets``): per fold the paired difference in rank-1
-over its sets, mean ± sample std over folds, how many folds were higher, a percentile bootstrap interval over sets;
-beyond noise when at least two folds, the mean beyond 2 standard errors, every fold on its side and the interval
-excluding 0. The folds' test identities are disjoint; their training sets overlap (k-fold), which the report says.
-Writes ``reports/fusion_claims.md`` and ``metrics/fusion_claims.json`` under ``--root``.
+- ``--data-seeds`` (default ``experiments.test_sets.DATA_SEEDS``): per data seed, ``data.fusion_identities`` new
+  identities rendered as ``prepare`` renders CAFace's material but with the data seed as the procedural seed (the
+  default run's is 0), embedded by the FR model; CAFace trains on all but the last ``fusion.val_identities`` as the
+  stage does, and those are drawn into sets as the stage draws its val sets (``ml.fusion.train.val_sets``) and
+  scored. The data seeds share no identity and no training item: the unit the claim rests on.
+- ``--folds``: on the run's own material, its identities except the last ``fusion.val_identities`` (the val block the
+  recipe and the sweeps were chosen on, never a test fold here) cut into contiguous blocks of as many identities;
+  per fold CAFace trains on every other identity (the val block included) and the fold is scored. The folds' test
+  identities are disjoint; their training sets overlap (k-fold), which the report says.
+
+Both score CAFace's template and plain averaging's by rank-1 against the held-out targets (chance: 1 / identities
+scored). Statistics: the data seed or fold is the unit (``experiments.test_sets.across_test_sets``): the paired
+difference in rank-1 per unit, mean ± sample std, how many were higher, a percentile bootstrap interval over sets;
+beyond noise when at least two units, the mean beyond 2 standard errors, every unit on its side and the interval
+excluding 0. Writes ``metrics/fusion_claims.json`` (one part per way, a run replacing its own) and
+``reports/fusion_claims.md`` under ``--root``.
 """
+
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import time
 from pathlib import Path
@@ -28,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.test_sets import across_test_sets, now_utc
+from experiments.test_sets import DATA_SEEDS, across_test_sets, now_utc
 from ml.config import from_mapping
 from ml.errors import ConfigError, DataError
 from tasks.common import Paths, load_params, section, write_json, write_text
@@ -102,33 +109,151 @@ def run_folds(paths: Paths, data: DataConfig, stage: FusionStageConfig, folds: i
             "recipe": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()}}
 
 
-def render(results: dict[str, Any]) -> str:
-    """Markdown: the protocol, one row per fold, the verdict."""
-    s, rows = results["summary"], results["folds"]
-    d = s["caface_minus_average"]
-    pct = lambda v: f"{100 * v:.1f}"  # noqa: E731
-    held = results["val_identities"]
+def _data_seed_run(root: str, data: DataConfig, stage: FusionStageConfig, data_seed: int,
+                   threads: int) -> dict[str, Any]:
+    """One data seed: ``fusion_identities`` identities rendered afresh (procedural seed ``data_seed``), the frozen FR
+    model's features of them, CAFace trained as the stage trains it on all but the last ``val_identities`` and both
+    templates scored on sets of those. → the row, with the per-set hits under ``_hits``."""
+    import tempfile
+
+    import torch
+
+    from ml.data.procedural import ProceduralFaces
+    from ml.fusion.train import train_fusion, val_scores
+    from ml.models.io import load_model
+    from tasks.prepare.sets import fusion_set
+    from tasks.train_fusion import procedural_material, split_val
+
+    torch.set_num_threads(threads)
+    start = time.perf_counter()
+    model, fr_config = load_model(Paths(Path(root)).fr_model(stage.fr_source))
+    contract = fr_config["input_contract"]
+    cfg = dataclasses.replace(stage.train, feature_dim=int(contract["embedding_dim"]),
+                              style_dim=int(contract["style_dim"]))
+    fresh = dataclasses.replace(data, seed=data_seed)
+    with tempfile.TemporaryDirectory(prefix=f"fusion-claims-{data_seed}-") as tmp:
+        paths = Paths(Path(tmp))
+        fusion_set(paths.fusion_set, ProceduralFaces(fresh.procedural_config(aligned=True), seed=data_seed), fresh,
+                   progress=False)
+        material = procedural_material(model, paths, fresh)
+    train, held = split_val(material, stage)  # the held-out block: never read until it is scored
+    res = train_fusion(cfg, train.features, train.styles, train.labels, sources=train.sources,
+                       centres=train.centres, progress=False)
+    scores = val_scores(res.model, held)
+    row = {"data_seed": data_seed, "identities": int(len(material.centres)), "sets": int(len(held.labels)),
+           "caface": float(scores["caface/hit"].mean()), "average": float(scores["average/hit"].mean()),
+           "lt": float(scores["caface/lt"].mean()), "lt_average": float(scores["average/lt"].mean()),
+           "seconds": time.perf_counter() - start}
+    log.info("data seed %d: rank-1 CAFace %.3f, average %.3f (%.0f s)", data_seed, row["caface"], row["average"],
+             row["seconds"])
+    return {**row, "_hits": (scores["caface/hit"], scores["average/hit"])}
+
+
+def run_data_seeds(paths: Paths, data: DataConfig, stage: FusionStageConfig, data_seeds: list[int],
+                   workers: int = 1) -> dict[str, Any]:
+    """CAFace against averaging on freshly rendered identities per data seed (``_data_seed_run``), ``workers``
+    data seeds at once on one thread each → {"data_seeds": one row per data seed, "summary", ...}."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    if data.ingested:
+        raise ConfigError("--data-seeds renders procedural identities; this run ingests real faces (data.ingest_*): "
+                          "use --folds")
+    if not stage.val_identities:
+        raise ConfigError("fusion.val_identities is 0: a data seed's held-out block has no identities to score")
+    fr_dir = paths.fr_model(stage.fr_source)
+    if not (fr_dir / "config.json").is_file():
+        raise DataError(f"fusion.fr_source is {stage.fr_source!r} but {fr_dir} holds no model: run `make run` first")
+    args = [(str(paths.root), data, stage, d, 1 if workers > 1 else 2) for d in data_seeds]
+    if workers > 1:
+        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+            rows = list(pool.map(_data_seed_run, *zip(*args)))
+    else:
+        rows = [_data_seed_run(*a) for a in args]
+    hits = [r.pop("_hits") for r in rows]
+    diff = across_test_sets([h[0] for h in hits], [h[1] for h in hits], list(data_seeds))
+    summary = {arm: {"mean": float(np.mean([r[arm] for r in rows])), "std": float(np.std([r[arm] for r in rows],
+                                                                                       ddof=1))}
+               for arm in ("caface", "average")}
+    return {"data_seeds": rows, "summary": {**summary, "caface_minus_average": diff,
+                                             "chance": 1.0 / stage.val_identities},
+            "val_identities": stage.val_identities,
+            "recipe": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(stage.train).items()}}
+
+
+def _verdict(d: dict[str, Any], unit: str) -> str:
+    verdict = "**beyond noise**" if d["beyond_noise"] else "**not beyond noise**"
+    return (f"CAFace − averaging over the {d['units']} {unit}s: {100 * d['mean']:+.1f} ± {100 * d['std']:.1f} pp "
+            f"(higher in {d['higher']} of {d['units']}; 95 % bootstrap over sets {100 * d['ci_low']:+.1f} to "
+            f"{100 * d['ci_high']:+.1f}): {verdict} (at least two {unit}s, the mean beyond 2 standard errors, every "
+            f"{unit} on its side and the interval excluding 0).")
+
+
+def _pct(v: float) -> str:
+    return f"{100 * v:.1f}"
+
+
+def render_data_seeds(part: dict[str, Any]) -> list[str]:
+    """The fresh-identities section: one row per data seed, the verdict with the data seed as the unit."""
+    s, rows, held = part["summary"], part["data_seeds"], part["val_identities"]
     lines = [
-        "# CAFace against averaging on independent test folds", "",
-        f"Measured by `python -m experiments.fusion_claims` on {results['measured_at']} in "
-        f"{results['seconds'] / 60:.0f} minutes, on a finished run's fusion material ({results['identities']} "
-        f"identities, the frozen FR model's features). Chosen on: the last {held} identities (the val block the "
-        f"recipe and the sweeps read), never scored here. Scored on: {len(rows)} folds of {held} other identities, "
-        f"each drawn into {rows[0]['sets']} sets as the stage's val sets are; per fold CAFace is trained with "
-        "`params.yaml`'s recipe on every other identity (so the folds' training sets overlap; their test identities "
-        f"do not). Rank-1 against the fold's targets (%); chance {pct(s['chance'])}.", "",
+        "## Fresh identities per data seed", "",
+        f"Measured on {part['measured_at']} in {part['seconds'] / 60:.0f} minutes. Each data seed renders "
+        f"{rows[0]['identities']} new procedural identities as `prepare` renders CAFace's material (procedural seed = "
+        "the data seed; the default run's is 0), the default run's frozen FR model embeds them, and CAFace trains "
+        f"with `params.yaml`'s recipe on all but the last {held}, as the stage does. Chosen on: nothing here (the "
+        "recipe was chosen on the default run's val block, data seed 0). Scored on: each data seed's last "
+        f"{held} identities, drawn into {rows[0]['sets']} sets as the stage's val sets are, read once; the data seeds "
+        f"share no identity and no training item. Rank-1 against their targets (%); chance {_pct(s['chance'])}.", "",
+        "| data seed | CAFace | plain average | CAFace − average | Lt / Lt of averaging | s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['data_seed']} | {_pct(r['caface'])} | {_pct(r['average'])} | "
+                     f"{100 * (r['caface'] - r['average']):+.1f} | {r['lt'] / r['lt_average']:.3f} | "
+                     f"{r['seconds']:.0f} |")
+    return lines + ["", _verdict(s["caface_minus_average"], "data seed"), ""]
+
+
+def render_folds(part: dict[str, Any]) -> list[str]:
+    """The folds section: one row per fold of the finished run's identities, the verdict with the fold as the unit."""
+    s, rows, held = part["summary"], part["folds"], part["val_identities"]
+    lines = [
+        "## Folds of the default run's identities", "",
+        f"Measured on {part['measured_at']} in {part['seconds'] / 60:.0f} minutes, on a finished run's fusion "
+        f"material ({part['identities']} identities, the frozen FR model's features). Chosen on: the last {held} "
+        "identities (the val block the recipe and the sweeps read), never scored here. Scored on: "
+        f"{len(rows)} folds of {held} other identities, each drawn into {rows[0]['sets']} sets as the stage's val sets "
+        "are; per fold CAFace is trained with `params.yaml`'s recipe on every other identity (so the folds' training "
+        f"sets overlap; their test identities do not). Rank-1 against the fold's targets (%); chance "
+        f"{_pct(s['chance'])}.", "",
         "| fold | identities | CAFace | plain average | CAFace − average | Lt / Lt of averaging | s |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['fold']} | {r['identities'][0]}-{r['identities'][1]} | {pct(r['caface'])} | "
-                     f"{pct(r['average'])} | {100 * (r['caface'] - r['average']):+.1f} | "
+        lines.append(f"| {r['fold']} | {r['identities'][0]}-{r['identities'][1]} | {_pct(r['caface'])} | "
+                     f"{_pct(r['average'])} | {100 * (r['caface'] - r['average']):+.1f} | "
                      f"{r['lt'] / r['lt_average']:.3f} | {r['seconds']:.0f} |")
-    verdict = "**beyond noise**" if d["beyond_noise"] else "**not beyond noise**"
-    lines += ["", f"CAFace − averaging over the {d['units']} folds: {100 * d['mean']:+.1f} ± {100 * d['std']:.1f} pp "
-              f"(higher in {d['higher']} of {d['units']}; 95 % bootstrap over sets {100 * d['ci_low']:+.1f} to "
-              f"{100 * d['ci_high']:+.1f}): {verdict} (at least two folds, the mean beyond 2 standard errors, every "
-              "fold on its side and the interval excluding 0).", ""]
+    return lines + ["", _verdict(s["caface_minus_average"], "fold"), ""]
+
+
+def stored(results: dict[str, Any]) -> dict[str, Any]:
+    """``metrics/fusion_claims.json`` as {"data_seeds": part, "folds": part} (a file from before the data seeds
+    holds the folds part alone)."""
+    return {"folds": results} if "summary" in results else results
+
+
+def render(results: dict[str, Any]) -> str:
+    """Markdown: the protocol and verdict of each part measured (fresh data seeds first, then folds)."""
+    results = stored(results)
+    lines = ["# CAFace against averaging on independent test sets", "",
+             "Does CAFace's gain over averaging hold on identities no choice read? Two ways to get independent test "
+             "sets: fresh identities per data seed (`--data-seeds`, the claim's unit), and folds of the default "
+             "run's own identities (`--folds`).", ""]
+    if "data_seeds" in results:
+        lines += render_data_seeds(results["data_seeds"])
+    if "folds" in results:
+        lines += render_folds(results["folds"])
     return "\n".join(lines)
 
 
@@ -136,22 +261,32 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m experiments.fusion_claims", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", type=Path, default=Path.cwd(), help="repository with a finished run (default: .)")
-    parser.add_argument("--folds", type=int, default=5, help="test folds of fusion.val_identities identities each")
+    how = parser.add_mutually_exclusive_group()
+    how.add_argument("--data-seeds", type=int, nargs="+", default=list(DATA_SEEDS),
+                     help="render fresh identities per data seed, each an independent test set (the default)")
+    how.add_argument("--folds", type=int, default=0,
+                     help="instead: test folds of fusion.val_identities of the finished run's own identities each")
+    parser.add_argument("--workers", type=int, default=2, help="data seeds at once, one thread each")
+    parser.add_argument("--render", action="store_true", help="only rewrite the report from metrics/fusion_claims.json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     paths = Paths(args.root.resolve())
-    start = time.perf_counter()
-    try:
-        params = load_params(paths.params)
-        stage = from_mapping(FusionStageConfig, section(params, "fusion"), "fusion")
-        data = from_mapping(DataConfig, section(params, "data"), "data")
-        results = run_folds(paths, data, stage, args.folds, progress=True)
-    except (ConfigError, DataError) as exc:
-        parser.exit(2, f"error: {exc}\n")
-    results["seconds"] = time.perf_counter() - start
-    results["measured_at"] = now_utc()
-    write_json(paths.root / "metrics" / "fusion_claims.json", results)
-    out = paths.root / "reports" / "fusion_claims.md"
+    metrics, out = paths.root / "metrics" / "fusion_claims.json", paths.root / "reports" / "fusion_claims.md"
+    results = stored(json.loads(metrics.read_text())) if metrics.is_file() else {}
+    if not args.render:
+        start = time.perf_counter()
+        try:
+            params = load_params(paths.params)
+            stage = from_mapping(FusionStageConfig, section(params, "fusion"), "fusion")
+            data = from_mapping(DataConfig, section(params, "data"), "data")
+            if args.folds:
+                key, part = "folds", run_folds(paths, data, stage, args.folds, progress=True)
+            else:
+                key, part = "data_seeds", run_data_seeds(paths, data, stage, args.data_seeds, args.workers)
+        except (ConfigError, DataError) as exc:
+            parser.exit(2, f"error: {exc}\n")
+        results[key] = {**part, "seconds": time.perf_counter() - start, "measured_at": now_utc()}
+        write_json(metrics, results)
     write_text(out, render(results))
     print(out.read_text())
 

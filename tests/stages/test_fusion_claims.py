@@ -1,16 +1,18 @@
-"""experiments/fusion_claims.py: the identity folds against hand-made material, and the experiment end to end at toy
-size (every fold trains without its test identities, the val block is never scored, the verdict's unit is the fold)."""
+"""experiments/fusion_claims.py: the identity folds against hand-made material, and both ways end to end at toy size
+(every fold trains without its test identities and never scores the val block; every data seed renders its own
+identities and trains without the block it scores), and the report of both parts."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from experiments.fusion_claims import fold_blocks, render, run_folds, split_fold
+from experiments.fusion_claims import fold_blocks, main, render, run_data_seeds, run_folds, split_fold
 from ml.errors import ConfigError
 from ml.fr.backbones.vit import vit_tiny
 from ml.fusion.train import FusionConfig
@@ -72,7 +74,63 @@ def test_fusion_claims_end_to_end_train_without_the_fold_and_judge_over_folds(tm
     d = results["summary"]["caface_minus_average"]
     assert d["units"] == 3 and d["mean"] == pytest.approx(np.mean([r["caface"] - r["average"] for r in rows]))
     assert d["ci_low"] <= d["mean"] <= d["ci_high"] and results["summary"]["chance"] == 0.5
-    text = render({**results, "seconds": 1.0, "measured_at": "2026-01-01 00:00 UTC"})
+    text = render({**results, "seconds": 1.0, "measured_at": "2026-01-01 00:00 UTC"})  # a file of the folds alone
     assert "the last 2 identities (the val block" in text and text.count("\n| ") == 4  # header + 3 folds
     assert ("not beyond noise" in text) != d["beyond_noise"]
     assert dataclasses.asdict(STAGE.train)["lr"] == results["recipe"]["lr"]
+
+
+def test_fusion_claims_on_fresh_data_seeds_renders_new_identities_and_scores_only_their_held_out_block(
+        tmp_path, monkeypatch):
+    import ml.fusion.train as fusion_train
+
+    paths = Paths(tmp_path)
+    torch.manual_seed(0)
+    save_model(paths.fr_model("real"), vit_tiny(**VIT).eval(), backbone="vit_tiny", kwargs=VIT)
+    trained, scored = [], []
+    real_train, real_scores = fusion_train.train_fusion, fusion_train.val_scores
+
+    def spy_train(cfg, features, styles, labels, **kwargs):
+        trained.append((len(kwargs["centres"]), kwargs.get("val")))
+        return real_train(cfg, features, styles, labels, **kwargs)
+
+    def spy_scores(model, val):
+        scored.append(val.centres.clone())
+        return real_scores(model, val)
+
+    monkeypatch.setattr(fusion_train, "train_fusion", spy_train)
+    monkeypatch.setattr(fusion_train, "val_scores", spy_scores)
+    results = run_data_seeds(paths, DATA, STAGE, [2, 3])
+    assert trained == [(6, None), (6, None)]  # 8 identities less the 2 scored; training never sees them
+    assert len(scored) == 2 and not torch.allclose(scored[0], scored[1])  # each data seed: other identities
+    rows = results["data_seeds"]
+    assert [r["data_seed"] for r in rows] == [2, 3] and all(r["sets"] == 2 * 4 and r["identities"] == 8 for r in rows)
+    d = results["summary"]["caface_minus_average"]
+    assert d["units"] == 2 and d["mean"] == pytest.approx(np.mean([r["caface"] - r["average"] for r in rows]))
+    assert not list(paths.root.glob("data"))  # rendered in a temporary folder, nothing left in the project
+
+
+def test_the_report_holds_both_parts_and_a_second_part_keeps_the_first(tmp_path, monkeypatch):
+    import experiments.fusion_claims as fc
+
+    diff = {"mean": 0.1, "std": 0.02, "se": 0.01, "units": 2, "higher": 2, "ci_low": 0.05, "ci_high": 0.15,
+            "beyond_noise": True}
+    part = {"summary": {"caface_minus_average": diff, "chance": 0.02}, "val_identities": 50,
+            "data_seeds": [{"data_seed": d, "identities": 450, "sets": 200, "caface": 0.7, "average": 0.6, "lt": 0.3,
+                            "lt_average": 0.35, "seconds": 9.0} for d in (2, 3)]}
+    folds = {"summary": {"caface_minus_average": {**diff, "beyond_noise": False}, "chance": 0.02},
+             "val_identities": 50, "identities": 450, "seconds": 60.0, "measured_at": "2026-01-01 00:00 UTC",
+             "folds": [{"fold": f, "identities": [50 * f, 50 * f + 49], "sets": 200, "caface": 0.7, "average": 0.6,
+                        "lt": 0.3, "lt_average": 0.35, "seconds": 9.0} for f in (0, 1)]}
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "fusion_claims.json").write_text(json.dumps(folds))  # the old layout
+    (tmp_path / "params.yaml").write_text("fusion: {}\ndata: {}\n")
+    monkeypatch.setattr(fc, "run_data_seeds", lambda *a, **k: part)
+    main(["--root", str(tmp_path), "--data-seeds", "2", "3"])
+    stored = json.loads((tmp_path / "metrics" / "fusion_claims.json").read_text())
+    assert stored["folds"]["folds"] == folds["folds"] and stored["data_seeds"]["data_seeds"] == part["data_seeds"]
+    text = (tmp_path / "reports" / "fusion_claims.md").read_text()
+    assert text.index("## Fresh identities per data seed") < text.index("## Folds of the default run's identities")
+    assert "over the 2 data seeds: +10.0 ± 2.0 pp" in text and "**beyond noise**" in text
+    assert "over the 2 folds" in text and "**not beyond noise**" in text
+    assert "Chosen on:" in text and "Scored on:" in text
