@@ -181,60 +181,53 @@ def run_data_seeds(paths: Paths, data: DataConfig, stage: FusionStageConfig, dat
             "recipe": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(stage.train).items()}}
 
 
-def _verdict(d: dict[str, Any], unit: str) -> str:
+def _section(title: str, protocol: str, part: dict[str, Any], unit: str, label: Any) -> list[str]:
+    """A part's section: its protocol, one table row per unit (``label(row)``: the unit's first cells), the
+    verdict with that unit."""
+    d, head = part["summary"]["caface_minus_average"], label(None)
+    cols = "CAFace | plain average | CAFace − average | Lt / Lt of averaging | s |"
+    lines = [f"## {title}", "", protocol, "", f"| {head} {cols}", "|---" * (head.count("|") + 5) + "|"]
+    for r in part[unit.replace(" ", "_") + "s"]:
+        lines.append(f"| {label(r)} | {100 * r['caface']:.1f} | {100 * r['average']:.1f} | "
+                     f"{100 * (r['caface'] - r['average']):+.1f} | {r['lt'] / r['lt_average']:.3f} | "
+                     f"{r['seconds']:.0f} |")
     verdict = "**beyond noise**" if d["beyond_noise"] else "**not beyond noise**"
-    return (f"CAFace − averaging over the {d['units']} {unit}s: {100 * d['mean']:+.1f} ± {100 * d['std']:.1f} pp "
-            f"(higher in {d['higher']} of {d['units']}; 95 % bootstrap over sets {100 * d['ci_low']:+.1f} to "
-            f"{100 * d['ci_high']:+.1f}): {verdict} (at least two {unit}s, the mean beyond 2 standard errors, every "
-            f"{unit} on its side and the interval excluding 0).")
-
-
-def _pct(v: float) -> str:
-    return f"{100 * v:.1f}"
+    return lines + ["", f"CAFace − averaging over the {d['units']} {unit}s: {100 * d['mean']:+.1f} ± "
+                    f"{100 * d['std']:.1f} pp (higher in {d['higher']} of {d['units']}; 95 % bootstrap over sets "
+                    f"{100 * d['ci_low']:+.1f} to {100 * d['ci_high']:+.1f}): {verdict} (at least two {unit}s, the "
+                    f"mean beyond 2 standard errors, every {unit} on its side and the interval excluding 0).", ""]
 
 
 def render_data_seeds(part: dict[str, Any]) -> list[str]:
     """The fresh-identities section: one row per data seed, the verdict with the data seed as the unit."""
-    s, rows, held = part["summary"], part["data_seeds"], part["val_identities"]
-    lines = [
-        "## Fresh identities per data seed", "",
+    rows, held = part["data_seeds"], part["val_identities"]
+    protocol = (
         f"Measured on {part['measured_at']} in {part['seconds'] / 60:.0f} minutes. Each data seed renders "
         f"{rows[0]['identities']} new procedural identities as `prepare` renders CAFace's material (procedural seed = "
         "the data seed; the default run's is 0), the default run's frozen FR model embeds them, and CAFace trains "
         f"with `params.yaml`'s recipe on all but the last {held}, as the stage does. Chosen on: nothing here (the "
         "recipe was chosen on the default run's val block, data seed 0). Scored on: each data seed's last "
         f"{held} identities, drawn into {rows[0]['sets']} sets as the stage's val sets are, read once; the data seeds "
-        f"share no identity and no training item. Rank-1 against their targets (%); chance {_pct(s['chance'])}.", "",
-        "| data seed | CAFace | plain average | CAFace − average | Lt / Lt of averaging | s |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(f"| {r['data_seed']} | {_pct(r['caface'])} | {_pct(r['average'])} | "
-                     f"{100 * (r['caface'] - r['average']):+.1f} | {r['lt'] / r['lt_average']:.3f} | "
-                     f"{r['seconds']:.0f} |")
-    return lines + ["", _verdict(s["caface_minus_average"], "data seed"), ""]
+        "share no identity and no training item. Rank-1 against their targets (%); chance "
+        f"{100 * part['summary']['chance']:.1f}.")
+    return _section("Fresh identities per data seed", protocol, part, "data seed",
+                    lambda r: "data seed |" if r is None else str(r["data_seed"]))
 
 
 def render_folds(part: dict[str, Any]) -> list[str]:
     """The folds section: one row per fold of the finished run's identities, the verdict with the fold as the unit."""
-    s, rows, held = part["summary"], part["folds"], part["val_identities"]
-    lines = [
-        "## Folds of the default run's identities", "",
+    rows, held = part["folds"], part["val_identities"]
+    protocol = (
         f"Measured on {part['measured_at']} in {part['seconds'] / 60:.0f} minutes, on a finished run's fusion "
         f"material ({part['identities']} identities, the frozen FR model's features). Chosen on: the last {held} "
         "identities (the val block the recipe and the sweeps read), never scored here. Scored on: "
         f"{len(rows)} folds of {held} other identities, each drawn into {rows[0]['sets']} sets as the stage's val sets "
         "are; per fold CAFace is trained with `params.yaml`'s recipe on every other identity (so the folds' training "
-        f"sets overlap; their test identities do not). Rank-1 against the fold's targets (%); chance "
-        f"{_pct(s['chance'])}.", "",
-        "| fold | identities | CAFace | plain average | CAFace − average | Lt / Lt of averaging | s |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(f"| {r['fold']} | {r['identities'][0]}-{r['identities'][1]} | {_pct(r['caface'])} | "
-                     f"{_pct(r['average'])} | {100 * (r['caface'] - r['average']):+.1f} | "
-                     f"{r['lt'] / r['lt_average']:.3f} | {r['seconds']:.0f} |")
-    return lines + ["", _verdict(s["caface_minus_average"], "fold"), ""]
+        "sets overlap; their test identities do not). Rank-1 against the fold's targets (%); chance "
+        f"{100 * part['summary']['chance']:.1f}.")
+    return _section("Folds of the default run's identities", protocol, part, "fold",
+                    lambda r: "fold | identities |" if r is None
+                    else f"{r['fold']} | {r['identities'][0]}-{r['identities'][1]}")
 
 
 def stored(results: dict[str, Any]) -> dict[str, Any]:
