@@ -100,10 +100,11 @@ def speed_probe() -> float:
 def bench_make_run() -> dict:
     """``make run`` from a fresh clone of HEAD with nothing else running (the workspace is kept for
     ``bench_reproducibility``), between two speed probes."""
+    commit = _head()  # what the clone checks out: HEAD may move while the run takes its minutes
     root = _clone(RUNS / "alone")
     before = speed_probe()
     run = _make_run(root)
-    return {"commit": _head()[:12], **run, "probe_s_before": before, "probe_s_after": speed_probe(), **_machine()}
+    return {"commit": commit[:12], **run, "probe_s_before": before, "probe_s_after": speed_probe(), **_machine()}
 
 
 # what a default run's outputs depend on: a clone of another commit that differs only elsewhere is the same run
@@ -158,6 +159,7 @@ def bench_reproducibility() -> dict:
     alone = RUNS / "alone"
     if not (alone / "dvc.lock").is_file() or not _same_pipeline(alone):
         bench_make_run()
+    commit = _head()
     loaded = _clone(RUNS / "loaded")
     command = os.environ.get("FACEOPS_BENCH_BESIDE", "").strip()
     beside: dict = {}
@@ -179,5 +181,5 @@ def bench_reproducibility() -> dict:
             for h in hogs:
                 h.terminate()
         beside = {"beside": f"{cores} busy processes"}
-    return {"commit": _head()[:12], "loaded_minutes": run["minutes"], **beside, **compare_runs(alone, loaded),
+    return {"commit": commit[:12], "loaded_minutes": run["minutes"], **beside, **compare_runs(alone, loaded),
             **_machine()}
