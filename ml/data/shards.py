@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import io
 import itertools
+import logging
 import math
 import os
 import shutil
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -41,6 +43,7 @@ MAX_BYTES = 256 * 2**20  # per tar: hundreds of shards for millions of faces, fe
 INDEX_COLUMNS = ("key", "ext", "shard", "offset", "size")
 INDEX_TYPES = ("string", "string", "string", "int64", "int64")  # their Arrow types in index.parquet
 _OWNER = "faceops"
+log = logging.getLogger(__name__)
 
 
 def _check_key(key: str, ext: str) -> None:
@@ -215,23 +218,62 @@ class ShardReader:
         return np.concatenate([by_shard[s][rng.permutation(len(by_shard[s]))] for s in mine] or
                               [np.zeros(0, dtype=np.int64)])
 
-    def stream(self, *, seed: int, epoch: int, rank: int = 0, world: int = 1, start: int = 0
+    def stream(self, *, seed: int, epoch: int, rank: int = 0, world: int = 1, start: int = 0,
+               max_skipped_fraction: float = 0.0, retries: int = 3, backoff_s: float = 1.0
                ) -> Iterator[tuple[str, bytes]]:
         """``(key, bytes)`` of ``epoch_order``, from its ``start``-th item (a resumed epoch), one shard open at a
-        time (read whole: the unit a remote store serves well)."""
+        time (read whole: the unit a remote store serves well).
+
+        A missing or truncated shard loses the faces it cannot serve: they are skipped, with a warning naming the
+        shard, and counted in ``self.skipped`` ({shard: faces}) until they exceed ``max_skipped_fraction`` of this
+        stream's faces; then a ``DataError`` names the shards (the default 0 refuses the first). A read that fails
+        otherwise (a store unreachable, a connection reset) is tried ``retries`` more times, ``backoff_s`` × 2^k
+        apart, then ends the stream with one ``DataError`` naming the shard and the last error."""
+        if not 0.0 <= max_skipped_fraction < 1.0:
+            raise DataError(f"max_skipped_fraction {max_skipped_fraction!r} must be in [0, 1)")
         rows = self.epoch_order(seed, epoch, rank, world)[start:]
+        allowed = int(max_skipped_fraction * len(rows))
         shard_of = self.index["shard"].to_numpy()
         keys = self.index["key"].to_numpy()
         offsets, sizes = self.index["offset"].to_numpy(np.int64), self.index["size"].to_numpy(np.int64)
+        self.skipped: dict[str, int] = {}
         for shard, run in itertools.groupby(rows, key=shard_of.__getitem__):  # epoch_order keeps a shard together
-            with self.fs.open(f"{self.root}/{shard}", "rb") as f:
-                blob = f.read()
+            blob = self._fetch(shard, retries, backoff_s)
+            lost = 0
             for row in run:
                 offset, size = int(offsets[row]), int(sizes[row])
-                if offset + size > len(blob):
-                    raise DataError(f"{self.url}/{shard}: {keys[row]!r} lies past the shard's end ({len(blob)} "
-                                    "bytes); the shard is truncated: write it again or restore it")
+                if blob is None or offset + size > len(blob):
+                    lost += 1
+                    continue
                 yield str(keys[row]), blob[offset:offset + size]
+            if lost:
+                self.skipped[shard] = lost
+                total = sum(self.skipped.values())
+                why = "missing" if blob is None else f"truncated at {len(blob)} bytes"
+                if total > allowed:
+                    raise DataError(
+                        f"{self.url}/{shard}: the shard is {why}; {total} of this stream's {len(rows)} faces are "
+                        f"unreadable (shards {sorted(self.skipped)}), above max_skipped_fraction "
+                        f"{max_skipped_fraction:g}: restore them (dvc checkout / dvc pull) or write the shard set again")
+                log.warning("%s/%s: the shard is %s; skipped its %d unreadable face(s) (%d of %d so far, at most %d)",
+                            self.url, shard, why, lost, total, len(rows), allowed)
+
+    def _fetch(self, shard: str, retries: int, backoff_s: float) -> bytes | None:
+        """A shard's bytes (None when it is missing), a failing read retried ``retries`` times with backoff."""
+        for attempt in itertools.count():
+            try:
+                with self.fs.open(f"{self.root}/{shard}", "rb") as f:
+                    return f.read()
+            except FileNotFoundError:
+                return None
+            except OSError as exc:  # ConnectionError, TimeoutError and s3fs's wrapped failures are OSErrors
+                if attempt >= retries:
+                    raise DataError(f"{self.url}/{shard}: unreadable after {retries + 1} tries ({exc!r}); check that "
+                                    "the store is reachable, then resume the epoch") from exc
+                log.warning("%s/%s: read failed (%r); retry %d of %d in %.1f s", self.url, shard, exc, attempt + 1,
+                            retries, backoff_s * 2**attempt)
+                time.sleep(backoff_s * 2**attempt)
+        raise AssertionError  # itertools.count() does not end
 
 
 def export_folder(shards_dir: str | os.PathLike, out_dir: str | os.PathLike, *, limit: int | None = None) -> int:

@@ -77,6 +77,57 @@ def test_a_truncated_shard_is_named_when_read_or_streamed(tmp_path):
         list(reader.stream(seed=0, epoch=0))
 
 
+def test_a_stream_skips_a_bad_shard_up_to_its_threshold_and_names_it(tmp_path, caplog):
+    items = _items(60)
+    index = write_shards(items, tmp_path / "s", max_bytes=12_000)
+    shards = sorted(index["shard"].unique())
+    assert len(shards) >= 4
+    bad, gone = tmp_path / "s" / shards[1], tmp_path / "s" / shards[2]
+    bad.write_bytes(bad.read_bytes()[:1000])  # keeps its first face or none: every face past 1000 bytes is lost
+    gone.unlink()
+    per_shard = index.groupby("shard").size()
+    readable = index[(index["shard"] != shards[2]) & ((index["shard"] != shards[1])
+                                                      | (index["offset"] + index["size"] <= 1000))]
+    lost = len(index) - len(readable)
+    reader = ShardReader(tmp_path / "s")
+    by_key = {k: d for k, _, d in items}
+    with caplog.at_level("WARNING", logger="ml.data.shards"):
+        got = list(reader.stream(seed=0, epoch=0, max_skipped_fraction=(lost + 1) / len(index)))
+    assert sorted(k for k, _ in got) == sorted(readable["key"]) and all(by_key[k] == d for k, d in got)
+    assert reader.skipped[shards[2]] == per_shard[shards[2]] and sum(reader.skipped.values()) == lost
+    assert shards[2] in caplog.text and "missing" in caplog.text and "truncated at 1000 bytes" in caplog.text
+    with pytest.raises(DataError, match="above max_skipped_fraction 0.1"):  # fewer allowed than lost: refused
+        list(reader.stream(seed=0, epoch=0, max_skipped_fraction=0.1))
+    with pytest.raises(DataError, match="restore them"):  # the default skips nothing
+        list(reader.stream(seed=0, epoch=0))
+
+
+def test_a_failing_store_is_retried_then_refused_with_one_error(tmp_path, monkeypatch):
+    items = _items(20)
+    write_shards(items, tmp_path / "s", max_bytes=12_000)
+    reader = ShardReader(tmp_path / "s")
+    real_open, calls = reader.fs.open, []
+
+    def flaky(path, mode="rb", **kwargs):
+        calls.append(path)
+        if len(calls) <= 2:
+            raise ConnectionResetError("connection reset by peer")
+        return real_open(path, mode, **kwargs)
+
+    monkeypatch.setattr(reader.fs, "open", flaky)  # fsspec caches the instance: patch it for this test only
+    got = list(reader.stream(seed=0, epoch=0, backoff_s=0.0))
+    assert sorted(k for k, _ in got) == sorted(k for k, _, _ in items) and calls[0] == calls[1] == calls[2]
+
+    def down(path, mode="rb", **kwargs):
+        raise TimeoutError("the store did not answer")
+
+    monkeypatch.setattr(reader.fs, "open", down)
+    with pytest.raises(DataError, match=r"unreadable after 3 tries \(TimeoutError"):
+        list(reader.stream(seed=0, epoch=0, retries=2, backoff_s=0.0))
+    with pytest.raises(DataError, match="max_skipped_fraction"):
+        next(reader.stream(seed=0, epoch=0, max_skipped_fraction=1.0))
+
+
 def test_bad_keys_and_a_missing_index_are_refused(tmp_path):
     with pytest.raises(DataError, match="no dot"):
         write_shards([("alice/3.5", "png", b"x")], tmp_path / "s")
