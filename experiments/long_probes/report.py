@@ -302,7 +302,9 @@ def render(metrics: dict[str, Any], cfg: LongProbesConfig, results: Sequence[Pro
         f"Measured by `python -m experiments.long_probes` on {info.measured_at}, {platform.machine()} with "
         f"{info.cores} cores, {cfg.workers} worker process(es) × {cfg.torch_threads} torch thread(s); "
         f"{info.wall_seconds:.0f} s in all, {info.probe_wall_seconds:.0f} s for the probes.{load} Every number "
-        "below was measured in that run.",
+        "below was measured in that run. Chosen on: nothing here (each model as its stage trained it, every "
+        "fusion method at its defaults). Scored on: the probes and galleries below, identities rendered for this "
+        "report only.",
         "",
         "## Configuration",
         "",
