@@ -100,20 +100,29 @@ def run_folds(paths: Paths, data: DataConfig, stage: FusionStageConfig, folds: i
                      "seconds": time.perf_counter() - start})
         log.info("fold %d: rank-1 CAFace %.3f, average %.3f (%.0f s)", f, rows[-1]["caface"], rows[-1]["average"],
                  rows[-1]["seconds"])
-    diff = across_test_sets([h[0] for h in hits], [h[1] for h in hits], list(range(len(blocks))))
+    return {"folds": rows, "summary": _summary(rows, hits, list(range(len(blocks))), stage),
+            "identities": len(material.centres), "val_identities": stage.val_identities, "recipe": _recipe(cfg)}
+
+
+def _summary(rows: list[dict], hits: list[tuple], units: list[int], stage: FusionStageConfig) -> dict[str, Any]:
+    """Each arm's mean ± sample std over the units, CAFace − averaging with the unit as the unit, chance."""
     summary = {arm: {"mean": float(np.mean([r[arm] for r in rows])), "std": float(np.std([r[arm] for r in rows],
                                                                                        ddof=1))}
                for arm in ("caface", "average")}
-    return {"folds": rows, "summary": {**summary, "caface_minus_average": diff, "chance": 1.0 / stage.val_identities},
-            "identities": len(material.centres), "val_identities": stage.val_identities,
-            "recipe": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()}}
+    diff = across_test_sets([h[0] for h in hits], [h[1] for h in hits], units)
+    return {**summary, "caface_minus_average": diff, "chance": 1.0 / stage.val_identities}
+
+
+def _recipe(cfg: Any) -> dict[str, Any]:
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()}
 
 
 def _data_seed_run(root: str, data: DataConfig, stage: FusionStageConfig, data_seed: int,
-                   threads: int) -> dict[str, Any]:
+                   threads: int = 0) -> dict[str, Any]:
     """One data seed: ``fusion_identities`` identities rendered afresh (procedural seed ``data_seed``), the frozen FR
     model's features of them, CAFace trained as the stage trains it on all but the last ``val_identities`` and both
-    templates scored on sets of those. → the row, with the per-set hits under ``_hits``."""
+    templates scored on sets of those, on ``threads`` torch threads (0: as they are). → the row, with the per-set
+    hits under ``_hits``."""
     import tempfile
 
     import torch
@@ -124,7 +133,8 @@ def _data_seed_run(root: str, data: DataConfig, stage: FusionStageConfig, data_s
     from tasks.prepare.sets import fusion_set
     from tasks.train_fusion import procedural_material, split_val
 
-    torch.set_num_threads(threads)
+    if threads:
+        torch.set_num_threads(threads)
     start = time.perf_counter()
     model, fr_config = load_model(Paths(Path(root)).fr_model(stage.fr_source))
     contract = fr_config["input_contract"]
@@ -164,21 +174,15 @@ def run_data_seeds(paths: Paths, data: DataConfig, stage: FusionStageConfig, dat
     fr_dir = paths.fr_model(stage.fr_source)
     if not (fr_dir / "config.json").is_file():
         raise DataError(f"fusion.fr_source is {stage.fr_source!r} but {fr_dir} holds no model: run `make run` first")
-    args = [(str(paths.root), data, stage, d, 1 if workers > 1 else 2) for d in data_seeds]
+    args = [(str(paths.root), data, stage, d, 1 if workers > 1 else 0) for d in data_seeds]
     if workers > 1:
         with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
             rows = list(pool.map(_data_seed_run, *zip(*args)))
     else:
         rows = [_data_seed_run(*a) for a in args]
     hits = [r.pop("_hits") for r in rows]
-    diff = across_test_sets([h[0] for h in hits], [h[1] for h in hits], list(data_seeds))
-    summary = {arm: {"mean": float(np.mean([r[arm] for r in rows])), "std": float(np.std([r[arm] for r in rows],
-                                                                                       ddof=1))}
-               for arm in ("caface", "average")}
-    return {"data_seeds": rows, "summary": {**summary, "caface_minus_average": diff,
-                                             "chance": 1.0 / stage.val_identities},
-            "val_identities": stage.val_identities,
-            "recipe": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(stage.train).items()}}
+    return {"data_seeds": rows, "summary": _summary(rows, hits, list(data_seeds), stage),
+            "val_identities": stage.val_identities, "recipe": _recipe(stage.train)}
 
 
 def _section(title: str, protocol: str, part: dict[str, Any], unit: str, label: Any) -> list[str]:

@@ -1,7 +1,6 @@
 """The UIFace ablation's definition and its pure parts: the scale (``Scale``, ``QUICK``), the Table-2 rows
 (``MODES``), the adaptive switch threshold, and the aggregation over seeds, verdict and markdown report of the
-per-seed numbers (no training, no torch). ``experiments/uiface_claims.py``
-runs the ablation.
+per-seed numbers (no training, no torch). ``experiments/uiface_claims.py`` runs the ablation.
 """
 
 from __future__ import annotations
@@ -112,9 +111,9 @@ def _mean_std(values: list[float]) -> dict[str, Any]:
 def compare(a: list[float], b: list[float], test_sets: dict[str, Any] | None = None) -> dict[str, Any]:
     """Mode ``a`` against ``b`` over the same seeds: difference of means and the paired per-seed differences (same
     contexts and noise within a seed). With ``test_sets`` (each seed's own held-out identities as the unit,
-    ``experiments.test_sets``) the verdict is "higher" / "lower" when the
-    difference is beyond noise there, else "within noise"; without (results from before the rule), "higher" /
-    "lower" beyond a one-std margin (the larger of the two population stds), else "within one std"."""
+    ``experiments.test_sets``) the verdict is "higher" / "lower" when the difference is beyond noise there, else
+    "within noise"; without (results from before the rule), "higher" / "lower" beyond a one-std margin (the larger
+    of the two population stds), else "within one std"."""
     sa, sb = _mean_std(a), _mean_std(b)
     diff = sa["mean"] - sb["mean"]
     paired = _mean_std([x - y for x, y in zip(a, b)])
