@@ -39,11 +39,11 @@ def _head() -> str:
                           check=True).stdout.strip()
 
 
-def _clone(dst: Path) -> Path:
+def _clone(dst: Path, commit: str) -> Path:
     shutil.rmtree(dst, ignore_errors=True)
     dst.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run(["git", "clone", "-q", str(REPO), str(dst)], check=True)
-    subprocess.run(["git", "checkout", "-q", _head()], cwd=dst, check=True)
+    subprocess.run(["git", "checkout", "-q", commit], cwd=dst, check=True)
     return dst
 
 
@@ -101,7 +101,7 @@ def bench_make_run() -> dict:
     """``make run`` from a fresh clone of HEAD with nothing else running (the workspace is kept for
     ``bench_reproducibility``), between two speed probes."""
     commit = _head()  # what the clone checks out: HEAD may move while the run takes its minutes
-    root = _clone(RUNS / "alone")
+    root = _clone(RUNS / "alone", commit)
     before = speed_probe()
     run = _make_run(root)
     return {"commit": commit[:12], **run, "probe_s_before": before, "probe_s_after": speed_probe(), **_machine()}
@@ -160,7 +160,7 @@ def bench_reproducibility() -> dict:
     if not (alone / "dvc.lock").is_file() or not _same_pipeline(alone):
         bench_make_run()
     commit = _head()
-    loaded = _clone(RUNS / "loaded")
+    loaded = _clone(RUNS / "loaded", commit)
     command = os.environ.get("FACEOPS_BENCH_BESIDE", "").strip()
     beside: dict = {}
     if command:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
 import json
 import logging
 import statistics
@@ -22,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from experiments.test_sets import now_utc
 from ml.config import from_mapping
 from ml.errors import ConfigError, DataError
 from tasks.common import Paths, load_params, section, write_json, write_text
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ConfigError, DataError) as exc:
         parser.exit(2, f"error: {exc}\n")
     results = {"rows": rows, "summary": summarise(rows, sweep),
-               "measured_at": f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}"}
+               "measured_at": now_utc()}
     write_json(paths.root / "metrics" / "generator_probe.json", results)
     write_text(paths.root / "reports" / "generator_probe.md", render(results))
     print(render(results))

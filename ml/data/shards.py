@@ -160,6 +160,7 @@ class ShardReader:
         if missing:
             raise DataError(f"{self.url}/{INDEX_FILE}: columns {missing} are missing; rewrite the shard set")
         self._row = pd.Index(self.index["key"])
+        self.skipped: dict[str, int] = {}  # the last stream's faces skipped per bad shard
 
     def __len__(self) -> int:
         return len(self.index)
@@ -236,7 +237,7 @@ class ShardReader:
         shard_of = self.index["shard"].to_numpy()
         keys = self.index["key"].to_numpy()
         offsets, sizes = self.index["offset"].to_numpy(np.int64), self.index["size"].to_numpy(np.int64)
-        self.skipped: dict[str, int] = {}
+        self.skipped = {}
         for shard, run in itertools.groupby(rows, key=shard_of.__getitem__):  # epoch_order keeps a shard together
             blob = self._fetch(shard, retries, backoff_s)
             lost = 0
@@ -260,7 +261,8 @@ class ShardReader:
 
     def _fetch(self, shard: str, retries: int, backoff_s: float) -> bytes | None:
         """A shard's bytes (None when it is missing), a failing read retried ``retries`` times with backoff."""
-        for attempt in itertools.count():
+        attempt = 0
+        while True:
             try:
                 with self.fs.open(f"{self.root}/{shard}", "rb") as f:
                     return f.read()
@@ -273,7 +275,7 @@ class ShardReader:
                 log.warning("%s/%s: read failed (%r); retry %d of %d in %.1f s", self.url, shard, exc, attempt + 1,
                             retries, backoff_s * 2**attempt)
                 time.sleep(backoff_s * 2**attempt)
-        raise AssertionError  # itertools.count() does not end
+                attempt += 1
 
 
 def export_folder(shards_dir: str | os.PathLike, out_dir: str | os.PathLike, *, limit: int | None = None) -> int:
