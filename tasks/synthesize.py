@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,7 +123,8 @@ def embed_generated(fr: Any, aligner: Any, faces: np.ndarray, size: int
 
 
 def face_judge(aligner: Any, synthetic_faces: np.ndarray, synthetic_scores: np.ndarray, real_faces: np.ndarray,
-               size: int, nonfaces: int = 500, seed: int = 0) -> dict[str, float]:
+               size: int, nonfaces: int = 500, seed: int = 0, generator_size: int | None = None,
+               reconstruct: Callable[[np.ndarray], np.ndarray] | None = None) -> dict[str, float]:
     """A judge independent of the FR model that conditions the generator: the DFA aligner (trained on procedural
     faces against non-face crops, never on generated faces).
 
@@ -132,9 +134,14 @@ def face_judge(aligner: Any, synthetic_faces: np.ndarray, synthetic_scores: np.n
     - a Fréchet distance in its backbone's features (``DFA.features``, ``frechet_distance``) between the synthetic
       faces and as many real training faces → ``synthetic/judge/frechet``, beside ``frechet_real`` (two disjoint
       real samples of that size: what the same distribution scores, the floor) and ``frechet_nonface`` (the
-      non-face crops against real faces: what blobs score). Needs twice as many real faces as synthetic ones."""
+      non-face crops against real faces: what blobs score). Needs twice as many real faces as synthetic ones;
+    - where the generator makes faces smaller than ``size`` (``generator_size``), the share of the first
+      ``nonfaces`` real faces made at that size and resized back (``real_at_size_face_share``: the most a generator of that size can
+      reach), and of ``reconstruct``'s output for those faces (a latent generator's autoencoder, uint8 faces in and
+      out: ``reconstruction_face_share``, the most a generator decoding through it can reach)."""
     from ml.aligner.data import HELDOUT_NONFACE_START, nonface_crops
     from ml.generator.diversity import frechet_distance
+    from tasks.train_generator import resize_faces
 
     blobs = nonface_crops(0, HELDOUT_NONFACE_START, nonfaces, size)
     _, real_scores = aligner.predict(real_faces)
@@ -143,6 +150,13 @@ def face_judge(aligner: Any, synthetic_faces: np.ndarray, synthetic_scores: np.n
            "synthetic/judge/face_score_mean": float(synthetic_scores.mean()),
            "synthetic/judge/real_face_share": float((real_scores >= 0.5).mean()),
            "synthetic/judge/nonface_share": float((blob_scores >= 0.5).mean())}
+    small = resize_faces(real_faces[:nonfaces], generator_size or size)
+    if generator_size is not None and generator_size != size:
+        _, at_size = aligner.predict(resize_faces(small, size))
+        out["synthetic/judge/real_at_size_face_share"] = float((at_size >= 0.5).mean())
+    if reconstruct is not None:
+        _, recon_scores = aligner.predict(resize_faces(reconstruct(small), size))
+        out["synthetic/judge/reconstruction_face_share"] = float((recon_scores >= 0.5).mean())
     n = min(len(synthetic_faces), len(real_faces) // 2, len(blobs))
     if n < 2:
         return out
@@ -340,6 +354,7 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
     from ml.generator.diversity import diversity_report, identity_gap, nearest_real
     from ml.generator.image_diversity import adjacent_pixel_correlation, ssim_diversity
     from ml.aligner.dfa import load_aligner
+    from ml.generator.autoencoder import reconstruct
     from ml.generator.contexts import select_identity_contexts
     from tasks.train_generator import identity_embeddings, load_fr, resize_faces
     from tasks.validate import ValidateConfig, validate_manifests
@@ -363,6 +378,8 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
                                 seed=cfg.seed * 1_000_003 + 7919, autoencoder=autoencoder, desc="synthesize")
     labels = np.repeat(np.arange(len(keep)), cfg.images_per_identity)
     emb, landmarks, face_scores = embed_faces(faces)
+    generated_size = faces.shape[1]
+    reconstruct_faces = None if autoencoder is None else (lambda x: reconstruct(autoencoder, x)[0])
     faces = resize_faces(faces, data.image_size)
     # 3. calibrated gates: memorisation fails the stage; privacy and consistency drop identities
     real_rows = read_manifest(paths.train_set / "manifest.parquet")
@@ -422,7 +439,8 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
                       "synthetic/t0_mean": float(t0.mean()), "synthetic/t0_std": float(t0.std()),
                       "synthetic/unet_evals_per_image": float(evals.mean()),
                       "synthetic/candidates_kept_fraction": float(len(keep) / cfg.candidates),
-                      **face_judge(aligner, faces, face_scores, real_faces, data.image_size, seed=cfg.seed)}
+                      **face_judge(aligner, faces, face_scores, real_faces, data.image_size, seed=cfg.seed,
+                                   generator_size=generated_size, reconstruct=reconstruct_faces)}
     write_json(paths.metrics / "synthesize.json", result.metrics)
     failed = [f"{name} {value:.3f} < synthesize.{key} = {bound}" for name, value, key, bound in (
         ("identity gap", gap["gap"], "min_identity_gap", cfg.min_identity_gap),

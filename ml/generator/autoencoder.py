@@ -42,6 +42,7 @@ from ml.train.checkpoint import check_resume, mix_seed, resume_path
 from ml.fr.train import EpochSampler
 from ml.fr.data import check_keypoints, needs_keypoints
 from ml.generator.train import images_to_unit_range
+from ml.generator.uiface import decode_latents, encode_images
 from ml.train.schedules import adamw
 
 __all__ = ["AutoencoderConfig", "AutoencoderModule", "build_autoencoder", "reconstruct", "train_autoencoder"]
@@ -165,16 +166,17 @@ class AutoencoderModule(lightning.LightningModule):
 
 
 @torch.no_grad()
-def reconstruct(autoencoder: AutoencoderKL, images: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
-    """(uint8 reconstructions (N, H, W, 3) from the posterior means, the means (N, C, h, w) unscaled)."""
+def reconstruct(autoencoder: nn.Module, images: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
+    """(uint8 reconstructions (N, H, W, 3) of uint8 ``images``, their latents (N, C, h, w)) through a diffusers
+    ``AutoencoderKL`` (the posterior means × ``scaling_factor``: the raw means while it is 1) or ``VQModel``."""
     device = next(autoencoder.parameters()).device
     recon, means = [], []
     for i in range(0, len(images), ENCODE_BATCH):
         x = images_to_unit_range(torch.from_numpy(images[i : i + ENCODE_BATCH]).permute(0, 3, 1, 2)).to(device)
-        mu = autoencoder.encode(x).latent_dist.mean
-        y = autoencoder.decode(mu).sample.clamp(-1, 1)
+        latents = encode_images(autoencoder, x)
+        y = decode_latents(autoencoder, latents).clamp(-1, 1)
         recon.append(((y + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy())
-        means.append(mu.float().cpu())
+        means.append(latents.float().cpu())
     return np.concatenate(recon), torch.cat(means)
 
 

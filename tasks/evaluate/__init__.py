@@ -403,13 +403,13 @@ def run(cfg: EvaluateConfig, data: DataConfig, paths: Paths, *, tracker: Any = N
         path = paths.metrics / f"train_fr_{tag}.json"
         train_metrics[tag] = json.loads(path.read_text()) if path.is_file() else {}
     stage_json = {n: json.loads((paths.metrics / f"{n}.json").read_text()) if (paths.metrics / f"{n}.json").is_file()
-                  else {} for n in ("train_aligner", "align", "synthesize")}
+                  else {} for n in ("train_aligner", "align", "synthesize", "train_generator")}
     write_text(paths.benchmark_report, render_report(
         metrics, models, train_metrics,
         data_section(paths, bins, metrics, models)
         + ijb_section(metrics, models, ijb)
         + aligner_section(stage_json["train_aligner"], stage_json["align"])
-        + synthetic_section(stage_json["synthesize"], metrics, models),
+        + synthetic_section(stage_json["synthesize"], metrics, models, stage_json["train_generator"]),
         note=preset_note(load_params(paths.params), paths.root)))
     result = StageResult("evaluate", metrics=metrics,
                          outputs=[paths.metrics / "evaluate.json", paths.plots / "roc.png", paths.benchmark_report])

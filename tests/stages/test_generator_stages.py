@@ -10,7 +10,7 @@ import pytest
 from ml.config import from_mapping
 from ml.errors import ConfigError, DataError
 from tasks.common import Paths
-from tasks.evaluate.synthetic import synthetic_gap
+from tasks.evaluate.synthetic import synthetic_gap, targets_table
 from tasks.synthesize import SynthesizeConfig, per_identity_consistency
 from tasks.pipeline import PipelineConfig
 from tasks.train_fr import source_datasets, training_rows
@@ -56,6 +56,21 @@ def test_synthetic_gap_is_real_minus_synthetic_over_synthetic():
                "mixed/verification/procedural/accuracy": 0.9, "real/verification/other/accuracy": 0.8}
     gap = synthetic_gap(metrics)
     assert gap == pytest.approx({"gap/synthetic/procedural": 0.5, "gap/mixed/procedural": 0.0})
+
+
+def test_targets_table_says_by_how_much_each_target_is_missed_and_leaves_out_what_the_run_lacks():
+    metrics = {"synthetic/verification/procedural/accuracy": 0.70,
+               "baseline/raw_pixels/verification/procedural/accuracy": 0.54,
+               "baseline/linear_probe/verification/procedural/accuracy": 0.68}
+    lines = targets_table({"synthetic/judge/face_share": 0.25}, metrics, {"autoencoder/psnr": 26.5})
+    rows = {line.split(" | ")[0].strip("| "): line for line in lines if line.startswith("| ") and "≥" in line}
+    assert "**missed by 3.0 pp**" in rows["synthetic-trained FR − linear probe on pixels (`procedural.bin`)"]
+    assert "16.0 pp | met" in rows["synthetic-trained FR − raw-pixel cosine (`procedural.bin`)"]
+    assert "25.0 % | **missed by 65.0 %**" in rows["synthetic faces the aligner calls faces"]
+    assert "26.5 dB | met" in rows["latent autoencoder PSNR (training faces)"]
+    # a pixel-space generator has no autoencoder: its row is left out, the others stay
+    assert len([line for line in targets_table({"synthetic/judge/face_share": 0.25}, metrics, None) if "≥" in line]) == 3
+    assert targets_table({}, {}, {}) == []
 
 
 def test_per_identity_consistency_is_the_mean_pairwise_cosine():

@@ -77,3 +77,41 @@ def test_face_judge_reads_the_aligners_scores_at_its_threshold_and_its_features_
     # too few real faces for two disjoint samples: the distance is left out, the scores stay
     assert "synthetic/judge/frechet" not in face_judge(BrightnessAligner(), synthetic, np.full(4, 0.5), real[:3], 32,
                                                        nonfaces=50)
+
+
+def test_face_judge_scores_what_a_generator_of_that_size_and_latent_space_can_reach_at_most():
+    from tasks.synthesize import face_judge
+
+    seen = []
+
+    class EdgeAligner:  # a stand-in whose "face score" is sharpness: the mean jump between neighbouring pixels
+        def predict(self, images):
+            seen.append(images.shape[1:3])
+            jump = np.abs(np.diff(images.astype(np.float32), axis=2)).mean(axis=(1, 2, 3)) / 64.0
+            return np.zeros((len(images), 5, 2), np.float32), jump
+
+        def features(self, images):
+            return images.reshape(len(images), -1, 3).mean(1).astype(np.float32)
+
+    stripes = np.zeros((6, 32, 32, 3), np.uint8)
+    stripes[:, :, ::2] = 255  # one-pixel stripes: as sharp as a 32-px face gets; gone at 16 px
+    blocks = np.zeros((6, 32, 32, 3), np.uint8)
+    blocks[:, :, ::8] = blocks[:, :, 1::8] = blocks[:, :, 2::8] = blocks[:, :, 3::8] = 255  # survive 16 px
+    real = np.concatenate([stripes, blocks])
+    calls = []
+
+    def halve(faces):  # a stand-in autoencoder that keeps half the contrast
+        calls.append(faces.shape)
+        return (faces // 2).astype(np.uint8)
+
+    out = face_judge(EdgeAligner(), real[:2], np.full(2, 0.9, np.float32), real, 32, nonfaces=12,
+                     generator_size=16, reconstruct=halve)
+    assert out["synthetic/judge/real_face_share"] == 1.0
+    assert out["synthetic/judge/real_at_size_face_share"] == 0.5  # the stripes blur away at 16 px, the blocks stay
+    assert calls == [(12, 16, 16, 3)]  # the autoencoder sees the faces at the generator's size …
+    assert out["synthetic/judge/reconstruction_face_share"] == 0.0  # … and its half contrast halves every jump
+    assert all(shape == (32, 32) for shape in seen)  # the judge always reads faces at the data's size
+    # a generator at the data's size and without a latent space: no ceilings to report
+    plain = face_judge(EdgeAligner(), real[:2], np.full(2, 0.9, np.float32), real, 32, nonfaces=12)
+    assert "synthetic/judge/real_at_size_face_share" not in plain
+    assert "synthetic/judge/reconstruction_face_share" not in plain
