@@ -109,7 +109,7 @@ def targets_table(synth: dict[str, Any], metrics: dict[str, float], generator: d
             v = float(value(synth, metrics, generator or {}))
         except KeyError:
             continue
-        outcome = "met" if v >= target else f"**missed by {target - v:.1f} {unit}**"
+        outcome = "met" if v >= target else f"**missed by {target - v:.1f} {'pp' if unit == '%' else unit}**"
         rows.append(f"| {what} | ≥ {target:g} {unit} | {v:.1f} {unit} | {outcome} |")
     if not rows:
         return []
@@ -144,13 +144,14 @@ def synthetic_section(synth: dict[str, Any], metrics: dict[str, float], models: 
                   f"{100 * k('judge/face_share'):.1f} % of the synthetic faces (mean score "
                   f"{k('judge/face_score_mean'):.2f}), {100 * k('judge/real_face_share'):.1f} % of real training "
                   f"faces and {100 * k('judge/nonface_share'):.1f} % of held-out non-face crops."]
-        ceilings = [f"{100 * k(f'judge/{key}'):.1f} % {what}" for key, what in (
-            ("real_at_size_face_share", "of real faces made at the generator's face size and resized back"),
-            ("reconstruction_face_share", "of the autoencoder's reconstructions of those faces"))
+        ceilings = [f"{what} pass at {100 * k(f'judge/{key}'):.1f} % ({bound})" for key, what, bound in (
+            ("real_at_size_face_share", "real faces made at the generator's face size and resized back",
+             "the most a generator of that size can reach"),
+            ("reconstruction_face_share", "the autoencoder's reconstructions of those faces",
+             "the most a generator decoding through it can reach"))
             if f"synthetic/judge/{key}" in synth]
         if ceilings:
-            lines[-1] += (" What a generator of this size and latent space can reach at most: "
-                          + " and ".join(ceilings) + ".")
+            lines[-1] += " Ceilings: " + "; ".join(ceilings) + "."
     if "synthetic/judge/frechet" in synth:
         lines += ["", f"Fréchet distance to {k('judge/frechet_faces'):.0f} real training faces in the aligner's "
                   f"backbone features (FID's formula; lower is closer; equal sample sizes): synthetic faces "

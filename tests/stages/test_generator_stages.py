@@ -66,7 +66,7 @@ def test_targets_table_says_by_how_much_each_target_is_missed_and_leaves_out_wha
     rows = {line.split(" | ")[0].strip("| "): line for line in lines if line.startswith("| ") and "≥" in line}
     assert "**missed by 3.0 pp**" in rows["synthetic-trained FR − linear probe on pixels (`procedural.bin`)"]
     assert "16.0 pp | met" in rows["synthetic-trained FR − raw-pixel cosine (`procedural.bin`)"]
-    assert "25.0 % | **missed by 65.0 %**" in rows["synthetic faces the aligner calls faces"]
+    assert "25.0 % | **missed by 65.0 pp**" in rows["synthetic faces the aligner calls faces"]
     assert "26.5 dB | met" in rows["latent autoencoder PSNR (training faces)"]
     # a pixel-space generator has no autoencoder: its row is left out, the others stay
     assert len([line for line in targets_table({"synthetic/judge/face_share": 0.25}, metrics, None) if "≥" in line]) == 3
