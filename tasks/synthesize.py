@@ -136,9 +136,9 @@ def face_judge(aligner: Any, synthetic_faces: np.ndarray, synthetic_scores: np.n
       real samples of that size: what the same distribution scores, the floor) and ``frechet_nonface`` (the
       non-face crops against real faces: what blobs score). Needs twice as many real faces as synthetic ones;
     - where the generator makes faces smaller than ``size`` (``generator_size``), the share of the first
-      ``nonfaces`` real faces made at that size and resized back (``real_at_size_face_share``: the most a generator of that size can
-      reach), and of ``reconstruct``'s output for those faces (a latent generator's autoencoder, uint8 faces in and
-      out: ``reconstruction_face_share``, the most a generator decoding through it can reach)."""
+      ``nonfaces`` real faces made at that size and resized back (``real_at_size_face_share``: the most a generator
+      of that size can reach), and of ``reconstruct``'s output for those faces (a latent generator's autoencoder,
+      uint8 faces in and out: ``reconstruction_face_share``, the most a generator decoding through it can reach)."""
     from ml.aligner.data import HELDOUT_NONFACE_START, nonface_crops
     from ml.generator.diversity import frechet_distance
     from tasks.train_generator import resize_faces

@@ -69,7 +69,8 @@ def test_targets_table_says_by_how_much_each_target_is_missed_and_leaves_out_wha
     assert "25.0 % | **missed by 65.0 pp**" in rows["synthetic faces the aligner calls faces"]
     assert "26.5 dB | met" in rows["latent autoencoder PSNR (training faces)"]
     # a pixel-space generator has no autoencoder: its row is left out, the others stay
-    assert len([line for line in targets_table({"synthetic/judge/face_share": 0.25}, metrics, None) if "≥" in line]) == 3
+    pixel_space = targets_table({"synthetic/judge/face_share": 0.25}, metrics, None)
+    assert len([line for line in pixel_space if "≥" in line]) == 3
     assert targets_table({}, {}, {}) == []
 
 
