@@ -422,8 +422,9 @@ def render_section(metrics: dict[str, float]) -> list[str]:
     lines = ["", "## Set fusion: IJB-B/C-style templates (1:1 verification, TAR %)", "",
              "Chosen on: CAFace keeps its last step; its recipe (lr, `lambda_u`, prefix, steps) was first picked on "
              "the video probes below, before a val split existed, so its video numbers may be optimistic; a val "
-             "sweep (`faceops sweep train_fusion`) kept it, and `reports/fusion_claims.md` scores it on folds of "
-             f"identities no choice read (docs/methods/fusion.md).{val_note(metrics)} Scored on: the templates and "
+             "sweep (`faceops sweep train_fusion`) kept it, and `reports/fusion_claims.md` scores it on material "
+             "rendered afresh per data seed and on folds of this material's identities, none of which a choice read "
+             f"(docs/methods/fusion.md).{val_note(metrics)} Scored on: the templates and "
              "video probes of held-out identities.", "",
              "| fusion | " + " | ".join(f.replace("tar@far=", "TAR@FAR ") for f in fars) + " |",
              "|---|" + "---|" * len(fars)]
