@@ -2,8 +2,9 @@
 
 ``shard_ingest``: a RecordIO of ``FACEOPS_BENCH_FACES`` (default 1,000,000) JPEG faces at 112×112 (a bank of 400
 procedural faces, 20 images per identity) converted to shards by ``faceops data shard``'s function in a fresh process
-over every core, keeping the JPEG bytes: faces/s, the shard set's size against the ``.rec``, peak RSS of the parent and
-of the largest writer process.
+over every core, keeping the JPEG bytes packed into 1 MB tar members (its default): faces/s, the shard set's size
+against the ``.rec``, peak RSS of the parent and of the largest writer process; then again with a tar member per face
+(``--pack-kb 0``, ``*_member_per_face``).
 
 ``dvc_shards``: the same faces as a folder of loose files (``export_folder``) and as shards, each ``dvc add``-ed,
 ``dvc status``-ed and ``dvc push``-ed to a local remote in its own fresh repository: seconds per command
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -21,14 +23,15 @@ import time
 from pathlib import Path
 
 from benchmarks.bench_ingest import face_recordio
+from ml.data.shards import PACK_BYTES
 
 CHILD = r"""
 import json, resource, sys, time
 from ml.data.shards import shard_recordio
 
-rec, out = sys.argv[1], sys.argv[2]
+rec, out, pack_bytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
 start = time.perf_counter()
-index = shard_recordio(rec, out)
+index = shard_recordio(rec, out, pack_bytes=pack_bytes)
 seconds = time.perf_counter() - start
 print(json.dumps({"faces": len(index), "seconds": seconds,
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -51,16 +54,22 @@ def bench_shard_ingest() -> dict[str, object]:
     with tempfile.TemporaryDirectory() as tmp:
         rec = Path(tmp) / "train.rec"
         face_recordio(rec, n)
-        out = subprocess.run([sys.executable, "-c", CHILD, str(rec), str(Path(tmp) / "shards")],
-                             capture_output=True, text=True, check=True)
-        row = json.loads(out.stdout.strip().splitlines()[-1])
-        shard_bytes = sum(p.stat().st_size for p in (Path(tmp) / "shards").iterdir())
         rec_bytes = rec.stat().st_size + rec.with_suffix(".idx").stat().st_size
-        shards = len(list((Path(tmp) / "shards").glob("*.tar")))
-    return {"faces": row["faces"], "cores": os.cpu_count(), "seconds": round(row["seconds"], 1),
-            "faces_per_s": round(row["faces"] / row["seconds"]), "shards": shards,
-            "disk_over_rec": round(shard_bytes / rec_bytes, 3), "rec_mb": round(rec_bytes / 2**20, 1),
-            "peak_rss_mb": round(row["peak_rss_mb"], 1), "writer_peak_rss_mb": round(row["writer_peak_rss_mb"], 1)}
+        result: dict[str, object] = {"faces": n, "cores": os.cpu_count(), "rec_mb": round(rec_bytes / 2**20, 1)}
+        for suffix, pack_bytes in (("", PACK_BYTES), ("_member_per_face", 0)):
+            folder = Path(tmp) / f"shards{suffix}"
+            out = subprocess.run([sys.executable, "-c", CHILD, str(rec), str(folder), str(pack_bytes)],
+                                 capture_output=True, text=True, check=True)
+            row = json.loads(out.stdout.strip().splitlines()[-1])
+            shard_bytes = sum(p.stat().st_size for p in folder.iterdir())
+            result.update({f"seconds{suffix}": round(row["seconds"], 1),
+                           f"faces_per_s{suffix}": round(row["faces"] / row["seconds"]),
+                           f"shards{suffix}": len(list(folder.glob("*.tar"))),
+                           f"disk_over_rec{suffix}": round(shard_bytes / rec_bytes, 3),
+                           f"peak_rss_mb{suffix}": round(row["peak_rss_mb"], 1),
+                           f"writer_peak_rss_mb{suffix}": round(row["writer_peak_rss_mb"], 1)})
+            shutil.rmtree(folder)
+    return result
 
 
 def _dvc(repo: Path, *args: str) -> float:

@@ -187,13 +187,16 @@ def shard(
     size: Annotated[Optional[int], typer.Option(help="refuse faces whose header says another width or height, "
                                                      "e.g. 112")] = None,
     shard_mb: Annotated[int, typer.Option(help="largest shard file, MB")] = 256,
+    pack_kb: Annotated[int, typer.Option(help="pack faces into tar members of this many kB (0: a member per face, "
+                                              "as WebDataset samples)", min=0)] = 1024,
 ) -> None:
     """Convert a RecordIO's faces to WebDataset shards without decoding or re-encoding them.
 
     Each writer process takes a contiguous range of records and writes its own series of tar files
     (`faces-<writer>-<n>.tar`, at most `--shard-mb` each); `index.parquet` says where each face's bytes lie and its
-    label. Faces keep their JPEG (or PNG) bytes: the shard set is the RecordIO's size plus a tar header (about
-    0.8 kB) per face. Nothing is left behind when a record is refused.
+    label. Faces keep their JPEG (or PNG) bytes, packed back to back into members of `--pack-kb`: the shard set is
+    about the RecordIO's size. With `--pack-kb 0` each face is its own member, as a plain WebDataset reader expects,
+    at a tar header and padding (about 0.8 kB) per face. Nothing is left behind when a record is refused.
     """
     import time
 
@@ -201,7 +204,8 @@ def shard(
 
     start = time.perf_counter()
     with _errors():
-        index = shard_recordio(recordio, out, workers=workers, size=size, max_bytes=shard_mb * 2**20)
+        index = shard_recordio(recordio, out, workers=workers, size=size, max_bytes=shard_mb * 2**20,
+                               pack_bytes=pack_kb * 1024)
     seconds = time.perf_counter() - start
     total = sum(p.stat().st_size for p in out.glob("*.tar"))
     typer.echo(f"{len(index):,} faces of {index['label'].nunique():,} identities in {index['shard'].nunique()} "

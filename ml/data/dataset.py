@@ -4,7 +4,8 @@ A dataset directory holds::
 
     shards/faces-NNNNNN.tar     the images as RGB uint8 PNGs in WebDataset tars (``ml.data.shards``), one member
                                 ``images/<identity>/<n>.png`` per image (its manifest ``path``), n counting from 0
-                                within each identity; a few files for any number of images
+                                within each identity; a few files for any number of images. An ingested JPEG
+                                face that needed no resize keeps its bytes: ``images/<identity>/<n>.jpg``
     shards/index.parquet        where each image's bytes lie in the shards
     manifest.parquet            one row per image, columns MANIFEST_COLUMNS
     dataset.json                name, source, image size, counts, generator, content digest
@@ -12,7 +13,7 @@ A dataset directory holds::
 
 :class:`DatasetWriter` builds the directory under ``.<out>.<pid>.tmp`` and moves it onto ``<out>`` only when
 closed without error, so readers never see a half-written dataset. The content digest is the sha256 over one
-canonical JSON line per image, sorted by path: ``[path, sha256(PNG bytes), identity, label, split, source,
+canonical JSON line per image, sorted by path: ``[path, sha256(image bytes), identity, label, split, source,
 landmarks, quality, template, media, width, height]``. It changes when any pixel, label or annotation changes,
 not when rows are reordered; ``records.parquet`` is outside it. The contract in full: ``docs/data.md``.
 """
@@ -39,7 +40,7 @@ import pyarrow.compute as pc
 from ml.atomic import remove_dead_temporaries
 from ml.data import shards as _shards
 from ml.data.digest import digest_line, manifest_digest
-from ml.data.formats import decode_image, encode_image
+from ml.data.formats import decode_image, encode_image, encoded_format
 from ml.data.manifest import (
     MANIFEST_COLUMNS,
     NUM_LANDMARKS,
@@ -80,6 +81,7 @@ IMAGES_DIR = "images"  # the first part of every image's path (and shard member 
 SHARDS_DIR = "shards"
 _READ_BLOCK = 2048  # images whose encoded bytes are in memory at once while reading
 _HAS_LANDMARKS, _HAS_TEMPLATE, _HAS_MEDIA = 1, 2, 4  # DatasetWriter's per-image bits: which nullable cells are set
+_JPEG = 8  # and whether the image's bytes are a JPEG (kept as given) rather than a PNG
 _ROW_GROUP = 16_384  # manifest rows per Parquet row group as DatasetWriter writes them (memory holds one group)
 
 
@@ -101,9 +103,7 @@ def read_dataset_info(dataset_dir: str | os.PathLike) -> dict:
     return info
 
 
-# --------------------------------------------------------------------------------------------------
-# Images and landmarks
-# --------------------------------------------------------------------------------------------------
+# Images and landmarks ------------------------------------------------------------------------------
 
 
 def _progress(items: Iterable | None, total: int, enabled: bool, desc: str) -> Any:
@@ -226,9 +226,7 @@ def landmarks_array(manifest: pd.DataFrame) -> np.ndarray:
     return out
 
 
-# --------------------------------------------------------------------------------------------------
-# Digest
-# --------------------------------------------------------------------------------------------------
+# Digest --------------------------------------------------------------------------------------------
 
 
 def dataset_digest(dataset_dir: str | os.PathLike, *, progress: bool = False) -> str:
@@ -241,9 +239,7 @@ def dataset_digest(dataset_dir: str | os.PathLike, *, progress: bool = False) ->
     return manifest_digest(manifest, hashes)
 
 
-# --------------------------------------------------------------------------------------------------
-# Writer
-# --------------------------------------------------------------------------------------------------
+# Writer --------------------------------------------------------------------------------------------
 
 
 def _check_identity(identity: Any) -> str:
@@ -305,8 +301,12 @@ class _RowFile:
         self.path.unlink(missing_ok=True)
 
 
-def _image_path(identity: str, number: int) -> str:
-    return f"{IMAGES_DIR}/{identity}/{number}.png"
+def _image_path(identity: str, number: int, ext: str = "png") -> str:
+    return f"{IMAGES_DIR}/{identity}/{number}.{ext}"
+
+
+def _ext(known: int) -> str:
+    return "jpg" if known & _JPEG else "png"
 
 
 def _is_replaceable(path: Path) -> bool:
@@ -363,8 +363,13 @@ class DatasetWriter:
         self._rows: _RowFile | None = None
 
     def add(self, image: np.ndarray, *, identity: str, split: str = "train", landmarks: Any = None,
-            quality: float | None = None, template: int | None = None, media: int | None = None) -> str:
-        """Append ``image`` (RGB uint8 (H, W, 3)) as a PNG to the shards and record its row; returns its path."""
+            quality: float | None = None, template: int | None = None, media: int | None = None,
+            encoded: bytes | None = None) -> str:
+        """Append ``image`` (RGB uint8 (H, W, 3)) as a PNG to the shards and record its row; returns its path.
+
+        ``encoded``: the JPEG or PNG file ``image`` was decoded from (RGB, at this size), stored as it is instead of
+        encoding ``image`` again: an ingested JPEG face stays the JPEG it was (``.jpg`` path), at its size on disk
+        and without the cost of a PNG encode. The caller vouches that the bytes decode to ``image``."""
         if self._closed:
             raise RuntimeError(f"DatasetWriter for {self.out_dir} is closed")
         identity = _check_identity(identity)
@@ -386,11 +391,14 @@ class DatasetWriter:
             if value is not None and not -(1 << 63) <= int(value) < (1 << 63):
                 raise DataError(f"{where}: {key} {value!r} does not fit the manifest's int64 column")
 
-        rel = _image_path(identity, number)
-        data = encode_image(image, "png")
+        ext = "png" if encoded is None else encoded_format(encoded)
+        if ext is None:
+            raise DataError(f"{where}: encoded bytes are neither a JPEG nor a PNG; pass the image alone instead")
+        data = encode_image(image, "png") if encoded is None else bytes(encoded)
+        rel = _image_path(identity, number, ext)
         if self._rows is None:
             self._rows = _RowFile(self.tmp_dir / ".rows")
-        place = self._shards.add(_member_key(rel), "png", data)
+        place = self._shards.add(_member_key(rel), ext, data)
         if code is None:
             code = self._identities[identity] = len(self._counts)
             self._counts.append(0)
@@ -406,7 +414,7 @@ class DatasetWriter:
             math.nan if quality is None else float(quality), 0 if template is None else int(template),
             0 if media is None else int(media),
             (_HAS_LANDMARKS if lm is not None else 0) | (_HAS_TEMPLATE if template is not None else 0)
-            | (_HAS_MEDIA if media is not None else 0),
+            | (_HAS_MEDIA if media is not None else 0) | (_JPEG if ext == "jpg" else 0),
             0.0 if lm is None else lm, *place))
         return rel
 
@@ -439,10 +447,10 @@ class DatasetWriter:
         codes = np.empty(n, dtype=np.int32)  # (N,) identity code of each row, for the digest's path order
         seen = [0] * len(names)  # next file number per identity code, in row order
 
-        def paths(block_codes: np.ndarray) -> Iterable[str]:
-            for code in block_codes.tolist():
+        def paths(block: np.ndarray) -> Iterable[str]:
+            for code, known in zip(block["code"].tolist(), block["known"].tolist()):
                 seen[code] += 1  # before the yield: the consumer stops at the block's last path
-                yield _image_path(names[code], seen[code] - 1)
+                yield _image_path(names[code], seen[code] - 1, _ext(known))
 
         pool = pa.system_memory_pool()  # freed to malloc, reusable by numpy and Python (see write_parquet)
 
@@ -467,7 +475,7 @@ class DatasetWriter:
                 np.cumsum(has_lm, out=offsets[1:])
                 offsets *= 2 * NUM_LANDMARKS
                 arrays = [
-                    column(paths(block["code"]), type=pa.string(), size=k),
+                    column(paths(block), type=pa.string(), size=k),
                     lookup(identities, block["code"]),
                     column(label_of[block["code"]]),
                     lookup(splits, block["split"]),
@@ -504,7 +512,7 @@ class DatasetWriter:
 
     def _write_shard_index(self) -> None:
         """``shards/index.parquet`` from the manifest's paths (read back a row group at a time) and the spilled
-        places: the shards' keys are the paths without ``.png``."""
+        places: the shards' keys are the paths without their extension."""
         import pyarrow.parquet as pq
 
         shard_names = pa.array([self._shards.shard_name(k) for k in range(len(self._shards.names))], pa.string())
@@ -515,9 +523,10 @@ class DatasetWriter:
             for part in pq.ParquetFile(self.tmp_dir / MANIFEST_FILE).iter_batches(columns=["path"]):
                 rows = self._rows.read(lo, len(part))
                 lo += len(part)
-                keys = pc.replace_substring_regex(part.column(0), r"\.png$", "")
+                keys = pc.replace_substring_regex(part.column(0), r"\.(png|jpg)$", "")
+                exts = pa.array(np.where(rows["known"] & _JPEG, "jpg", "png"), pa.string())
                 yield pa.RecordBatch.from_arrays([
-                    keys, pa.repeat(pa.scalar("png"), len(part)), pc.take(shard_names, pa.array(rows["shard"])),
+                    keys, exts, pc.take(shard_names, pa.array(rows["shard"])),
                     pa.array(rows["offset"]), pa.array(rows["size"])], schema=schema)
 
         write_parquet_batches(batches(), schema, self.tmp_dir / SHARDS_DIR / _shards.INDEX_FILE)
@@ -528,7 +537,8 @@ class DatasetWriter:
 
         Rows sorted by path without building the paths: an identity's paths ``images/<identity>/...`` are
         contiguous in sorted order and ordered by ``<identity>/`` (an identity holds no ``/``); within one identity
-        the file names ``<n>.png`` sort as strings (``1.png`` < ``10.png`` < ``2.png``)."""
+        the file names ``<n>.png`` sort as strings (``1.png`` < ``10.png`` < ``2.png``; never by the extension,
+        a ``.`` sorts before every digit)."""
         by_identity = np.argsort(codes, kind="stable")  # rows grouped by identity code, in file order
         starts = np.concatenate([[0], np.cumsum(self._counts)[:-1]]).tolist()
         splits = list(self._splits)
@@ -542,7 +552,7 @@ class DatasetWriter:
             for number in name_order[count]:
                 row = self._rows.row(at[number])
                 bits, q = int(row["known"]), float(row["quality"])
-                h.update(digest_line(_image_path(names[code], number), row["sha"].tobytes().hex(), (
+                h.update(digest_line(_image_path(names[code], number, _ext(bits)), row["sha"].tobytes().hex(), (
                     names[code], int(label_of[code]), splits[row["split"]], self.source,
                     row["landmarks"].tolist() if bits & _HAS_LANDMARKS else None,
                     None if math.isnan(q) else q,

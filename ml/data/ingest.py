@@ -3,9 +3,10 @@ datasets, streaming.
 
 The items (a file path or a record key, and its identity) are listed first, without decoding an image; the
 identities are split by seed into training, held-out and discovery groups (disjoint); then the images are decoded
-one at a time and written to their group's dataset. Memory holds the items by column (:class:`Items`: an identity
-code and a record key or file name per image; ``DatasetWriter`` spills each image's manifest values to disk), never
-the images nor an object per image (``benchmarks/bench_ingest.py``).
+one at a time and written to their group's dataset: a JPEG or PNG face already at ``image_size`` keeps its bytes (it
+is decoded only to be checked), one of another size is resized and stored as a PNG. Memory holds the items by column
+(:class:`Items`: an identity code and a record key or file name per image; ``DatasetWriter`` spills each image's
+manifest values to disk), never the images nor an object per image (``benchmarks/bench_ingest.py``).
 
 Bad input: an image that does not decode is skipped with its file or record named in the log, and the ingest fails
 when more than ``max_corrupt_fraction`` of the images are skipped; a non-square face is refused (aligned faces are
@@ -208,16 +209,17 @@ def decoded(spec: IngestSpec, items: Sequence[Item], skipped: list[str], *,
             progress: bool = True) -> Iterator[tuple[Item, np.ndarray]]:
     """``(item, RGB uint8 image at image_size)`` in item order; an undecodable image is skipped and its reason
     appended to ``skipped``, and a share above ``max_corrupt_fraction`` raises naming the first of them."""
-    for _, item, image in _decoded(spec, items, skipped, progress=progress):
+    for _, item, image, _ in _decoded(spec, items, skipped, progress=progress):
         yield item, image
 
 
 def _decoded(spec: IngestSpec, items: Sequence[Item], skipped: list[str], *,
-             progress: bool) -> Iterator[tuple[int, Item, np.ndarray]]:
-    """:func:`decoded` with each item's position in ``items``."""
+             progress: bool) -> Iterator[tuple[int, Item, np.ndarray, bytes | None]]:
+    """:func:`decoded` with each item's position in ``items`` and, when the face needed no resize, the bytes it was
+    decoded from (None when it was resized)."""
     from tqdm.auto import tqdm
 
-    from ml.data.formats import RecordIOReader, decode_image, unpack_irheader
+    from ml.data.formats import RecordIOReader, decode_image, encoded_format, unpack_irheader
 
     reader = None if spec.folder else RecordIOReader(Path(spec.recordio), rgb_only=True)
     try:
@@ -237,18 +239,20 @@ def _decoded(spec: IngestSpec, items: Sequence[Item], skipped: list[str], *,
                                     f"data.ingest_max_corrupt_fraction = {spec.max_corrupt_fraction}); the first: "
                                     f"{skipped[0]}") from exc
                 continue
-            yield i, item, _resized(image, spec, where)
+            face = _resized(image, spec, where)
+            yield i, item, face, (data if face is image and encoded_format(data) else None)
     finally:
         if reader is not None:
             reader.close()
 
 
 def ingest_split(
-    spec: IngestSpec, writers: dict[str, Callable[[np.ndarray, str, int, int, Path | int], None]], *, seed: int,
-    heldout_fraction: float, discovery_fraction: float, progress: bool = True,
+    spec: IngestSpec, writers: dict[str, Callable[[np.ndarray, str, int, int, Path | int, bytes | None], None]], *,
+    seed: int, heldout_fraction: float, discovery_fraction: float, progress: bool = True,
 ) -> dict[str, float]:
     """Stream the source's faces to ``writers[group](image, identity, index within identity, images of identity,
-    item ref)`` (the ref: the image file, or the RecordIO key the face was read from);
+    item ref, encoded)`` (the ref: the image file, or the RecordIO key the face was read from; encoded: the bytes
+    ``image`` was decoded from when it needed no resize, else None);
     a group without a writer (``discovery`` when no GFD set is drawn from the real faces) takes no identities.
     Returns counts: images per group, identities, single-image identities, corrupt images skipped."""
     items = list_items(spec)
@@ -260,9 +264,9 @@ def ingest_split(
     seen = [0] * len(names)
     written: Counter[str] = Counter()
     skipped: list[str] = []
-    for i, item, image in _decoded(spec, items, skipped, progress=progress):
+    for i, item, image, encoded in _decoded(spec, items, skipped, progress=progress):
         code = int(items.codes[i])
-        writers[group_of[code]](image, item.identity, seen[code], per_identity[code], item.ref)
+        writers[group_of[code]](image, item.identity, seen[code], per_identity[code], item.ref, encoded)
         seen[code] += 1
         written[group_of[code]] += 1
     stats: dict[str, float] = {f"data/real_{g}_images": float(written[g]) for g in GROUPS if g in writers}

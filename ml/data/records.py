@@ -4,9 +4,10 @@ InsightFace RecordIO its faces were ingested from, read in place.
 When ``prepare`` ingests a RecordIO it writes, beside each real dataset's manifest, ``records.parquet``: the
 manifest ``path`` of every face and the ``record`` key it was read from, with the RecordIO's path and size in the
 file's metadata. :func:`recordio_dataset` turns manifest rows into a :class:`RecordIODataset` over those keys, so a
-training stage can read the JPEG payloads where they lie instead of the PNG copies (cheaper to decode, from a
-smaller file: ``benchmarks/bench_decode.py``). The faces are the ones ingest wrote: the same decoder, and the same
-bicubic resize when the RecordIO's faces are of another size, so the pixels equal the PNG copy's (PNG is lossless).
+training stage can read the JPEG payloads where they lie instead of the dataset's copies (a PNG when ingest resized
+the face: cheaper to decode, from a smaller file, ``benchmarks/bench_decode.py``). The faces are the ones ingest wrote:
+the same decoder, and the same bicubic resize when the RecordIO's faces are of another size, so the pixels equal the
+copy's (a kept JPEG, or a lossless PNG).
 
 Both datasets give ``(uint8 tensor (H, W, 3), label)``: the decoded array itself (a batch's ``permute(0, 3, 1, 2)``
 makes the (B, 3, H, W) view a model reads). :class:`RecordIODataset` opens the ``.rec`` lazily, once
@@ -236,10 +237,11 @@ def recordio_dataset(dataset_dir: str | os.PathLike, rows: pd.DataFrame, *, imag
     rec, size = Path(meta[_META_REC].decode()), int(meta[_META_SIZE].decode())
     if not rec.is_file():
         raise DataError(f"{rec}: the RecordIO {Path(dataset_dir).name!r} was ingested from is gone; put it back, or "
-                        "read the prepared PNG copies (data.train_reader: png)")
+                        "read the prepared copies (data.train_reader: png)")
     if rec.stat().st_size != size:
         raise DataError(f"{rec}: {rec.stat().st_size} bytes, but {size} when it was ingested; the RecordIO changed: "
-                        "run `dvc repro prepare` to ingest it again, or read the PNG copies (data.train_reader: png)")
+                        "run `dvc repro prepare` to ingest it again, or read the prepared copies (data.train_reader: "
+                        "png)")
     key_of = dict(zip(table.column("path").to_pylist(), table.column("record").to_pylist()))
     try:
         keys = [key_of[str(p)] for p in rows["path"]]

@@ -2,11 +2,16 @@
 
 A shard set is a folder::
 
-    faces-00-000000.tar …   WebDataset tars, one member ``<key>.<ext>`` per face holding its encoded bytes as they
-                            were given (a renderer's PNG, a RecordIO's JPEG: nothing is re-encoded), each tar at most
-                            ``max_bytes``; ``faces-<writer>-<n>``, one series per writer process
+    faces-00-000000.tar …   WebDataset tars of the faces' encoded bytes as they were given (a renderer's PNG, a
+                            RecordIO's JPEG: nothing is re-encoded), packed back to back into members
+                            ``pack-<n>.faces`` of about ``pack_bytes``, each tar at most ``max_bytes``;
+                            ``faces-<writer>-<n>``, one series per writer process
     index.parquet           ``key``, ``ext``, ``shard``, ``offset``, ``size`` (+ ``label`` from a RecordIO): where
                             each face's bytes lie
+
+Why packs: a tar member costs a 512-byte header and pads its bytes to 512, about 0.8 kB, a fifth of a 112-px JPEG
+face; a pack shares that among a few hundred faces. With ``pack_bytes=0`` each face is its own member ``<key>.<ext>``,
+the samples a plain WebDataset reader (or ``tar x``) expects; readers here go through the index, so both read alike.
 
 Tar members are stored uncompressed, so a face is a byte range: ``ShardReader.read_many`` reads the ranges it needs
 shard by shard (the stages that hold a split in memory), ``ShardReader.stream`` yields a rank's share of an epoch
@@ -35,11 +40,14 @@ import pandas as pd
 
 from ml.errors import DataError
 
-__all__ = ["INDEX_COLUMNS", "INDEX_FILE", "INDEX_TYPES", "ShardReader", "ShardWriter", "export_folder", "shard_recordio",
-           "write_shards"]
+__all__ = ["INDEX_COLUMNS", "INDEX_FILE", "INDEX_TYPES", "PACK_BYTES", "ShardReader", "ShardWriter", "export_folder",
+           "shard_recordio", "write_shards"]
 
 INDEX_FILE = "index.parquet"
 MAX_BYTES = 256 * 2**20  # per tar: hundreds of shards for millions of faces, few enough for DVC and S3
+PACK_BYTES = 2**20  # per packed member: its 0.8 kB of header and padding is under 0.1 % of it
+PACK_EXT = "faces"
+_HEADER = 512  # a tar member's header (GNU format, a name under 100 characters: no long-name block before it)
 INDEX_COLUMNS = ("key", "ext", "shard", "offset", "size")
 INDEX_TYPES = ("string", "string", "string", "int64", "int64")  # their Arrow types in index.parquet
 _OWNER = "faceops"
@@ -58,42 +66,73 @@ class ShardWriter:
     """Append ``(key, ext, encoded bytes)`` faces, in order, to ``out_dir/<prefix>-NNNNNN.tar`` shards of at most
     ``max_bytes`` each (a face larger than that gets a shard of its own); :meth:`close` writes
     ``out_dir/index.parquet`` and returns the index (``INDEX_COLUMNS``), :meth:`abort` removes what was written.
-    Keys must be unique. Memory holds the index's rows, not the faces; with ``index=False`` not even those: a caller
-    that keeps :meth:`add`'s returned place itself writes the index (``DatasetWriter`` spills it to disk)."""
+    Keys must be unique. Faces are packed into members of about ``pack_bytes`` (0: a member per face).
+    Memory holds the index's rows and one pack, not the faces; with ``index=False`` not even the rows: a caller that
+    keeps :meth:`add`'s returned place itself writes the index (``DatasetWriter`` spills it to disk)."""
 
     def __init__(self, out_dir: str | os.PathLike, *, prefix: str = "faces-00", max_bytes: int = MAX_BYTES,
-                 index: bool = True) -> None:
-        self.out, self.prefix, self.max_bytes = Path(out_dir), prefix, max_bytes
+                 index: bool = True, pack_bytes: int = PACK_BYTES) -> None:
+        if pack_bytes < 0:
+            raise DataError(f"pack_bytes {pack_bytes!r}: need 0 (a member per face) or a positive size")
+        self.out, self.prefix, self.max_bytes, self.pack_bytes = Path(out_dir), prefix, max_bytes, pack_bytes
         self.out.mkdir(parents=True, exist_ok=True)
         self._columns: dict[str, list[Any]] | None = {c: [] for c in INDEX_COLUMNS} if index else None
         self._writer: Any = None
         self._written = 0  # bytes in the open shard, roughly
+        self._pack = bytearray()  # the faces of the pack being filled
+        self._pack_at = 0  # where the pack's bytes will start in the open shard
+        self._packs = 0  # packs written, for their member names
         self.names: list[str] = []  # the shards written, in order
 
     def shard_name(self, number: int) -> str:
         return f"{self.prefix}-{number:06d}.tar"
 
-    def add(self, key: str, ext: str, data: bytes) -> tuple[int, int, int]:
-        """Append one face → where its bytes lie: (shard number, byte offset, size)."""
+    def _open_shard_for(self, size: int) -> None:
+        """Start a new shard unless the open one takes ``size`` more bytes (and its header and padding)."""
         import webdataset as wds
 
+        if self._writer is not None and not (self._written and self._written + size + 1024 > self.max_bytes):
+            return
+        if self._writer is not None:
+            self._flush_pack()
+            self._writer.close()
+        name = self.shard_name(len(self.names))
+        self.names.append(name)
+        self._written = 0
+        # GNU headers (long names allowed), a fixed mtime, owner and mode: the same faces give the same bytes
+        self._writer = wds.TarWriter(str(self.out / name), encoder=False, mtime=0, user=_OWNER, group=_OWNER,
+                                     mode=0o444, format="GNU_FORMAT")
+
+    def _flush_pack(self) -> None:
+        if not self._pack:
+            return
+        self._writer.write({"__key__": f"pack-{self._packs:08d}", PACK_EXT: bytes(self._pack)})
+        start = self._writer.tarstream.offset - math.ceil(len(self._pack) / 512) * 512
+        if start != self._pack_at:  # the places already handed out assumed a one-block header
+            raise RuntimeError(f"{self.out}: pack {self._packs} starts at {start}, not {self._pack_at}")
+        self._packs += 1
+        self._pack = bytearray()
+
+    def add(self, key: str, ext: str, data: bytes) -> tuple[int, int, int]:
+        """Append one face → where its bytes lie: (shard number, byte offset, size)."""
         _check_key(key, ext)
-        if self._writer is None or (self._written and self._written + len(data) + 1024 > self.max_bytes):
-            if self._writer is not None:
-                self._writer.close()
-            name = self.shard_name(len(self.names))
-            self.names.append(name)
-            self._written = 0
-            # GNU headers (long names allowed), a fixed mtime, owner and mode: the same faces give the same bytes
-            self._writer = wds.TarWriter(str(self.out / name), encoder=False, mtime=0, user=_OWNER, group=_OWNER,
-                                         mode=0o444, format="GNU_FORMAT")
-        self._writer.write({"__key__": key, ext: bytes(data)})
-        # the member's bytes end where the tar now ends, before their padding to a 512-byte block
-        offset = self._writer.tarstream.offset - math.ceil(len(data) / 512) * 512
+        self._open_shard_for(len(data))
+        if self.pack_bytes:
+            if self._pack and len(self._pack) + len(data) > self.pack_bytes:
+                self._flush_pack()
+            if not self._pack:  # the pack's bytes follow its header at the shard's current end
+                self._pack_at = self._writer.tarstream.offset + _HEADER
+            offset = self._pack_at + len(self._pack)
+            self._pack += data
+            self._written += len(data) + (1024 if len(self._pack) == len(data) else 0)
+        else:
+            self._writer.write({"__key__": key, ext: bytes(data)})
+            # the member's bytes end where the tar now ends, before their padding to a 512-byte block
+            offset = self._writer.tarstream.offset - math.ceil(len(data) / 512) * 512
+            self._written += len(data) + 1024  # the member's header and padding, roughly
         if self._columns is not None:
             for column, value in zip(INDEX_COLUMNS, (key, ext, self.names[-1], offset, len(data))):
                 self._columns[column].append(value)
-        self._written += len(data) + 1024  # the member's header and padding, roughly
         return len(self.names) - 1, offset, len(data)
 
     def close(self, *, write_index: bool = True) -> pd.DataFrame | None:
@@ -101,6 +140,7 @@ class ShardWriter:
         caller that merges several writers' indexes); None when the index was not kept."""
         try:
             if self._writer is not None:
+                self._flush_pack()
                 self._writer.close()
                 self._writer = None
             if self._columns is None:
@@ -117,6 +157,7 @@ class ShardWriter:
         return index
 
     def abort(self) -> None:
+        self._pack = bytearray()
         if self._writer is not None:
             self._writer.close()
             self._writer = None
@@ -125,10 +166,10 @@ class ShardWriter:
 
 
 def write_shards(items: Iterable[tuple[str, str, bytes]], out_dir: str | os.PathLike, *, prefix: str = "faces-00",
-                 max_bytes: int = MAX_BYTES, index: bool = True) -> pd.DataFrame:
+                 max_bytes: int = MAX_BYTES, index: bool = True, pack_bytes: int = PACK_BYTES) -> pd.DataFrame:
     """:class:`ShardWriter` over ``items`` → the index (also written to ``out_dir/index.parquet`` unless ``index`` is
     False: a caller that merges several writers' indexes). On an error the shards written so far are removed."""
-    writer = ShardWriter(out_dir, prefix=prefix, max_bytes=max_bytes)
+    writer = ShardWriter(out_dir, prefix=prefix, max_bytes=max_bytes, pack_bytes=pack_bytes)
     try:
         for key, ext, data in items:
             writer.add(key, ext, data)
@@ -294,11 +335,11 @@ def export_folder(shards_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
 
 
 def _image_ext(data: bytes, where: str) -> str:
-    if data[:3] == b"\xff\xd8\xff":
-        return "jpg"
-    if data[:8] == b"\x89PNG\r\n\x1a\n":
-        return "png"
-    raise DataError(f"{where}: the payload is neither JPEG nor PNG; convert the RecordIO's images first")
+    from ml.data.formats.images import encoded_format
+
+    if (ext := encoded_format(data)) is None:
+        raise DataError(f"{where}: the payload is neither JPEG nor PNG; convert the RecordIO's images first")
+    return ext
 
 
 def _image_size(data: bytes, where: str) -> tuple[int, int]:
@@ -312,8 +353,8 @@ def _image_size(data: bytes, where: str) -> tuple[int, int]:
         raise DataError(f"{where}: cannot read the image header ({exc})") from exc
 
 
-def _shard_keys(rec: str, keys: np.ndarray, out: str, prefix: str, max_bytes: int, size: int | None
-                ) -> pd.DataFrame:
+def _shard_keys(rec: str, keys: np.ndarray, out: str, prefix: str, max_bytes: int, size: int | None,
+                pack_bytes: int) -> pd.DataFrame:
     """One writer process: records ``keys`` of ``rec`` → shards ``<prefix>-NNNNNN.tar`` and their index rows."""
     from ml.data.formats.recordio import RecordIOReader, unpack_irheader
 
@@ -332,18 +373,19 @@ def _shard_keys(rec: str, keys: np.ndarray, out: str, prefix: str, max_bytes: in
             yield f"{label}/{int(key)}", _image_ext(payload, where), payload
 
     with reader:
-        index = write_shards(items(), out, prefix=prefix, max_bytes=max_bytes, index=False)
+        index = write_shards(items(), out, prefix=prefix, max_bytes=max_bytes, index=False, pack_bytes=pack_bytes)
     index["label"] = labels
     return index
 
 
 def shard_recordio(rec_path: str | os.PathLike, out_dir: str | os.PathLike, *, workers: int | None = None,
-                   max_bytes: int = MAX_BYTES, size: int | None = None) -> pd.DataFrame:
+                   max_bytes: int = MAX_BYTES, size: int | None = None, pack_bytes: int = PACK_BYTES
+                   ) -> pd.DataFrame:
     """Convert an InsightFace RecordIO's image records to a shard set, keeping each payload's bytes as they are,
     over ``workers`` processes (default: every core), each writing its own shard series from a contiguous key
     range, at flat memory → the index (with each face's ``label``). ``size``: refuse faces whose header says
     another width or height (resizing means re-encoding: that is ``prepare``'s ingest). Keys are
-    ``<label>/<record key>``."""
+    ``<label>/<record key>``. Packed (``pack_bytes``), the set is about the RecordIO's size."""
     from ml.data.formats.recordio import RecordIOReader
 
     out = Path(out_dir)
@@ -356,7 +398,8 @@ def shard_recordio(rec_path: str | os.PathLike, out_dir: str | os.PathLike, *, w
     workers = max(1, min(workers or os.cpu_count() or 1, len(keys)))
     parts = np.array_split(keys, workers)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # moved onto ``out`` only when every writer succeeded
-    jobs = [(str(rec_path), part, str(tmp), f"faces-{w:02d}", max_bytes, size) for w, part in enumerate(parts)]
+    jobs = [(str(rec_path), part, str(tmp), f"faces-{w:02d}", max_bytes, size, pack_bytes)
+            for w, part in enumerate(parts)]
     try:
         if workers == 1:
             indexes = [_shard_keys(*jobs[0])]

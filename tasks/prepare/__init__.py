@@ -72,7 +72,7 @@ class DataConfig:
     real_heldout_fraction: float = 0.2  # share of the real identities held out: verification, identification only
     real_discovery_fraction: float = 0.2  # share drawn for the GFD set when data.gfd_dataset resolves to real
     # how train_fr reads ingested training faces: recordio (the RecordIO's JPEGs in place, decoded in DataLoader
-    # workers), png (the prepared PNG copies), auto (recordio when the faces came from a RecordIO)
+    # workers), png (the dataset's own shards), auto (recordio when the faces came from a RecordIO)
     train_reader: str = "auto"
     # generalized face discovery (FaceGCD): identities disjoint from train and held-out, and the GFD split
     discovery_identities: int = 100

@@ -161,7 +161,7 @@ def ingest_real(out: Path, cfg: DataConfig, progress: bool = True) -> dict[str, 
                   for g, (d, name) in groups.items()}
 
         records = {}
-        if spec.recordio:  # which record each face came from: training can read it there, not the PNG
+        if spec.recordio:  # which record each face came from: training can read it there, not the shards
             from ml.data.records import RecordsWriter
 
             records = {g: RecordsWriter(w.tmp_dir, spec.recordio) for g, w in opened.items()}
@@ -169,8 +169,8 @@ def ingest_real(out: Path, cfg: DataConfig, progress: bool = True) -> dict[str, 
                 stack.callback(rw.abort)
 
         def writer(group: str):
-            def add(img, identity, i, n, ref):
-                rel = opened[group].add(img, identity=identity, split=split_of[group](i, n))
+            def add(img, identity, i, n, ref, encoded):
+                rel = opened[group].add(img, identity=identity, split=split_of[group](i, n), encoded=encoded)
                 if group in records:
                     records[group].add(rel, ref)
             return add

@@ -144,8 +144,8 @@ def test_recordio_ingest_streams_and_checks_the_header_ranges(tmp_path):
     items = list_items(spec)
     assert len(items) == 40 and len({it.identity for it in items}) == 8
     got: dict[str, list] = {"train": [], "heldout": [], "discovery": []}
-    stats = ingest_split(spec, {g: (lambda g: lambda img, ident, i, n, ref: got[g].append((ident, i, n)))(g) for g in got},
-                         seed=0, heldout_fraction=0.25, discovery_fraction=0.25, progress=False)
+    stats = ingest_split(spec, {g: (lambda g: lambda img, ident, i, n, ref, enc: got[g].append((ident, i, n)))(g)
+                                for g in got}, seed=0, heldout_fraction=0.25, discovery_fraction=0.25, progress=False)
     assert stats["data/real_images"] == 40 and stats["data/real_heldout_identities"] == 2
     assert {len({ident for ident, _, _ in v}) for v in got.values()} == {2, 4}
     # an image record whose label disagrees with the identity record whose range holds it
@@ -217,6 +217,45 @@ def test_wrong_size_is_refused_unless_resizing_is_allowed(tmp_path):
         run(cfg, Paths(tmp_path / "strict"), workers=1)
     run(dataclasses.replace(cfg, ingest_resize=True), Paths(tmp_path / "ok"), workers=1)
     assert (read_manifest(tmp_path / "ok" / "data" / "prepared" / "train" / "manifest.parquet")["width"] == 64).all()
+
+
+def test_faces_at_the_right_size_keep_their_bytes_others_are_resized_to_pngs(tmp_path):
+    """A JPEG or PNG face already at data.image_size is stored as the file it was (no re-encode); a BMP, or a face
+    that needed a resize, is stored as a PNG. The dataset reads back the same pixels either way."""
+    import io
+
+    from PIL import Image
+
+    from ml.data.dataset import dataset_digest, load_images
+    from ml.data.formats import decode_image, encode_image
+    from ml.data.shards import ShardReader
+
+    images, _ = _faces(8, 4)
+    big, _ = _faces(8, 1, size=80, seed=5)
+    folder, source = tmp_path / "faces", {}
+    for ident in range(8):
+        (folder / f"p{ident}").mkdir(parents=True)
+        files = {"0.jpg": encode_image(images[4 * ident], "jpg"), "1.png": encode_image(images[4 * ident + 1], "png"),
+                 "3.jpg": encode_image(big[ident], "jpg")}  # 80 px: resized
+        bmp = io.BytesIO()
+        Image.fromarray(images[4 * ident + 2]).save(bmp, "BMP")
+        files["2.bmp"] = bmp.getvalue()
+        for name, data in files.items():
+            (folder / f"p{ident}" / name).write_bytes(data)
+            source[data] = name
+    paths = Paths(tmp_path / "ws")
+    run(dataclasses.replace(TINY, ingest_folder=str(folder), ingest_resize=True), paths, workers=1)
+    for root in (paths.train_set, paths.heldout_set):
+        manifest = read_manifest(root / "manifest.parquet")
+        stored = ShardReader(root / "shards").read_many([p.rsplit(".", 1)[0] for p in manifest["path"]])
+        kept = [source.get(data) for data in stored]
+        for path, name in zip(manifest["path"], kept):  # kept: the 64-px JPEG and PNG files, nothing else
+            assert path.endswith(name[-4:]) if name else path.endswith(".png")
+        assert {name for name in kept if name} == {"0.jpg", "1.png"}
+        assert kept.count("0.jpg") == kept.count("1.png") == len(kept) // 4
+        decoded = np.stack([decode_image(data, source="test") for data in stored])
+        assert np.array_equal(load_images(root, manifest), decoded)
+        assert read_dataset_info(root)["digest"] == dataset_digest(root)
 
 
 def test_ingest_config_errors_name_the_key():

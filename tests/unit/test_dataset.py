@@ -23,6 +23,8 @@ from ml.data.dataset import (
     validate_manifest_columns,
     write_manifest,
 )
+from ml.data.formats import decode_image, encode_image
+from ml.data.shards import ShardReader
 from ml.errors import DataError
 
 LANDMARKS = np.array([[38.3, 51.7], [73.5, 51.5], [56.0, 71.7], [41.5, 92.4], [70.7, 92.2]], dtype=np.float32)
@@ -35,6 +37,10 @@ def _img(seed: int, h: int = 12, w: int = 10) -> np.ndarray:
 def _members(out) -> list[str]:
     with tarfile.open(out / "shards" / "faces-000000.tar") as tar:
         return tar.getnames()
+
+
+def _keys(out) -> list[str]:
+    return pd.read_parquet(out / "shards" / "index.parquet")["key"].tolist()
 
 
 def _write(out, *, tweak_pixel: bool = False, generator=None):
@@ -58,9 +64,9 @@ def test_writer_layout_labels_and_dtypes(tmp_path):
     assert tuple(m.columns) == MANIFEST_COLUMNS
     assert m["path"].tolist() == ["images/zoe/0.png", "images/adam/0.png", "images/mia/0.png",
                                   "images/adam/1.png", "images/zoe/1.png"]
-    # the images are one tar's members, named by their manifest paths, in the order they were added
+    # the images are packed into one tar, indexed by their manifest paths, in the order they were added
     assert sorted(p.name for p in (out / "shards").iterdir()) == ["faces-000000.tar", "index.parquet"]
-    assert _members(out) == m["path"].tolist()
+    assert _members(out) == ["pack-00000000.faces"]
     index = pd.read_parquet(out / "shards" / "index.parquet")
     assert index["key"].tolist() == [p[:-len(".png")] for p in m["path"]] and set(index["ext"]) == {"png"}
     # labels contiguous 0..K-1 by sorted identity
@@ -179,7 +185,7 @@ def test_exception_keeps_existing_dataset_and_close_replaces_it(tmp_path):
     with DatasetWriter(out, name="new", source="real", aligned=False) as w:
         w.add(_img(9), identity="other")
     assert read_dataset_info(out)["name"] == "new"
-    assert _members(out) == ["images/other/0.png"]
+    assert _keys(out) == ["images/other/0"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
 
 
@@ -203,8 +209,17 @@ def test_writer_input_checks(tmp_path):
             w.add(_img(0), identity="a", landmarks=[1, 2, 3, 4])
         with pytest.raises(DataError, match="quality 1.5"):
             w.add(_img(0), identity="a", quality=1.5)
+        with pytest.raises(DataError, match="identity 'a', image 0: encoded bytes are neither a JPEG nor a PNG"):
+            w.add(_img(0), identity="a", encoded=b"BM" + bytes(60))
         w.add(_img(0), identity="a")
-    assert read_dataset_info(tmp_path / "ds")["image_count"] == 1
+        jpeg = encode_image(_img(1), "jpg")
+        w.add(decode_image(jpeg, source="test"), identity="a", encoded=jpeg)  # kept as it is, under .jpg
+    m = read_manifest(tmp_path / "ds" / "manifest.parquet")
+    assert m["path"].tolist() == ["images/a/0.png", "images/a/1.jpg"]
+    index = pd.read_parquet(tmp_path / "ds" / "shards" / "index.parquet")
+    assert index["ext"].tolist() == ["png", "jpg"] and index["key"].tolist() == ["images/a/0", "images/a/1"]
+    assert ShardReader(tmp_path / "ds" / "shards").read("images/a/1") == jpeg
+    assert read_dataset_info(tmp_path / "ds")["digest"] == dataset_digest(tmp_path / "ds")
 
 
 def test_empty_writer_raises_and_cleans_up(tmp_path):

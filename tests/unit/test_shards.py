@@ -1,5 +1,6 @@
-"""WebDataset shard sets: byte-exact round trips, reproducible tars, a deterministic and resumable stream split
-across ranks, RecordIO payloads kept as they are, and clear errors on truncated shards and bad keys."""
+"""WebDataset shard sets: byte-exact round trips (faces packed into members, or a member per face), reproducible
+tars, a deterministic and resumable stream split across ranks, RecordIO payloads kept as they are, and clear errors on
+truncated shards and bad keys."""
 
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ def _items(n: int = 40, seed: int = 0) -> list[tuple[str, str, bytes]]:
     return [(f"id{i % 7}/{i}", "png" if i % 3 else "jpg", rng.bytes(int(rng.integers(100, 3000)))) for i in range(n)]
 
 
-def test_round_trip_across_several_shards_in_any_key_order(tmp_path):
+def test_round_trip_across_several_shards_in_any_key_order_a_member_per_face(tmp_path):
     items = _items()
-    index = write_shards(items, tmp_path / "s", max_bytes=16_000)
+    index = write_shards(items, tmp_path / "s", max_bytes=16_000, pack_bytes=0)
     assert index["shard"].nunique() > 3 and (tmp_path / "s" / INDEX_FILE).is_file()
     reader = ShardReader(tmp_path / "s")
     order = np.random.default_rng(1).permutation(len(items))
@@ -37,9 +38,38 @@ def test_round_trip_across_several_shards_in_any_key_order(tmp_path):
         assert [m.name for m in members] == [f"{k}.{e}" for k, e in zip(part["key"], part["ext"])]
         assert [m.offset_data for m in members] == part["offset"].tolist()
     long_key = "a" * 150 + "/1"  # a GNU long-name header before the member: the offset still points at its bytes
-    long_index = write_shards([(long_key, "png", b"long"), ("b/2", "png", b"short")], tmp_path / "long")
+    long_index = write_shards([(long_key, "png", b"long"), ("b/2", "png", b"short")], tmp_path / "long", pack_bytes=0)
     assert ShardReader(tmp_path / "long").read_many([long_key, "b/2"]) == [b"long", b"short"]
     assert long_index["offset"].iloc[1] > long_index["offset"].iloc[0] + 512
+
+
+def test_packed_faces_read_alike_and_lie_inside_their_pack_members(tmp_path):
+    items = _items(60) + [("big/0", "jpg", bytes(range(256)) * 40)]  # 10 kB: larger than a pack
+    index = write_shards(items, tmp_path / "p", max_bytes=20_000, pack_bytes=5_000)
+    loose = write_shards(items, tmp_path / "l", max_bytes=20_000, pack_bytes=0)
+    reader = ShardReader(tmp_path / "p")
+    order = np.random.default_rng(2).permutation(len(items))
+    assert reader.read_many([items[i][0] for i in order]) == [items[i][2] for i in order]
+    assert sorted(k for k, _ in reader.stream(seed=1, epoch=0)) == sorted(k for k, _, _ in items)
+    assert index[["key", "ext", "size"]].equals(loose[["key", "ext", "size"]])
+    packs = 0
+    for shard, part in index.groupby("shard"):
+        with tarfile.open(tmp_path / "p" / shard) as tar:
+            members = tar.getmembers()
+        assert all(m.name.startswith("pack-") and m.name.endswith(".faces") and m.size <= 10_240 for m in members)
+        starts = np.array([m.offset_data for m in members])
+        ends = starts + [m.size for m in members]
+        inside = np.searchsorted(starts, part["offset"].to_numpy(), side="right") - 1  # the member each face is in
+        assert (inside >= 0).all() and (part["offset"] + part["size"] <= ends[inside]).all()
+        packs += len(members)
+    assert packs <= len(items) / 2
+    size = {d: sum(f.stat().st_size for f in (tmp_path / d).glob("*.tar")) for d in ("p", "l")}
+    assert size["l"] - size["p"] >= 512 * (len(items) - packs)  # a header (and padding) per pack, not per face
+    again = write_shards(items, tmp_path / "p2", max_bytes=20_000, pack_bytes=5_000)
+    assert again.equals(index) and all(
+        (tmp_path / "p" / n).read_bytes() == (tmp_path / "p2" / n).read_bytes() for n in index["shard"].unique())
+    with pytest.raises(DataError, match="pack_bytes -1"):
+        write_shards(items, tmp_path / "bad", pack_bytes=-1)
 
 
 def test_the_same_items_give_the_same_shard_bytes(tmp_path):

@@ -14,7 +14,13 @@ Differences from the reference:
 - ``RecordIOReader`` reopens its file after a fork, so DataLoader workers can share one reader.
 """
 
-from ml.data.formats.images import IMAGE_EXTENSIONS, decode_image, encode_image, ingest_image_folder
+from ml.data.formats.images import (
+    IMAGE_EXTENSIONS,
+    decode_image,
+    encode_image,
+    encoded_format,
+    ingest_image_folder,
+)
 from ml.data.formats.recordio import (
     RECORDIO_MAGIC,
     IRHeader,
@@ -34,6 +40,7 @@ __all__ = [
     "RecordIOReader",
     "decode_image",
     "encode_image",
+    "encoded_format",
     "ingest_image_folder",
     "pack_irheader",
     "read_record_at",

@@ -23,6 +23,14 @@ _GRAYSCALE_MODES = ("1", "L", "I", "I;16", "I;16B", "I;16L", "I;16N", "F")
 _ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
 
 
+def encoded_format(data: bytes | bytearray | memoryview) -> str | None:
+    """``"jpg"`` or ``"png"`` from the file's magic bytes, None for anything else (BMP, not an image)."""
+    head = bytes(data[:8])
+    if head[:3] == b"\xff\xd8\xff":
+        return "jpg"
+    return "png" if head == b"\x89PNG\r\n\x1a\n" else None
+
+
 def decode_image(data: bytes | bytearray | memoryview, *, source: str, rgb_only: bool = False) -> np.ndarray:
     """Decode JPEG/PNG/BMP bytes to an RGB uint8 (H, W, 3) array; ``source`` names it in errors.
 
