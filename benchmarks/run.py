@@ -99,6 +99,13 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
         "JPEG bytes kept): images/s, peak RSS, the datasets' shards over the RecordIO's bytes",
         "≥ 1,500 images/s on 2 cores; shards ≤ 1.1× the RecordIO",
     ),
+    "stream_read_112": (
+        "benchmarks.bench_stream:bench_stream_read_112",
+        "20k 112-px JPEG faces streamed from shards (ml.data.stream, batches of 128, one thread): read + decode, and "
+        "with the kprpe augmentation, per CPU-second, from local shards and from moto's S3 server on loopback "
+        "(wall images/s beside: moto-bound); `by_index_*`: the same faces read by byte range as `fr.stream` does",
+        "≥ 1,000 images/s per core with augmentation; stream ≥ by index",
+    ),
     "decode_augment_112": (
         "benchmarks.bench_decode:bench_decode_augment_112",
         "112×112 faces per core (one thread): Pillow JPEG/PNG decode, RecordIO record read + decode, FR augmentation "

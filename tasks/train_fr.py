@@ -15,6 +15,8 @@ Faces ingested from a RecordIO are read from it in place (``data.train_reader``:
 whenever ``prepare`` recorded the records; ``png`` reads the prepared PNGs from the dataset's shards), decoded in
 DataLoader workers. With ``fr.stream`` no face is held decoded: ``fr.num_workers`` DataLoader workers decode each
 batch's faces from the shards (or the RecordIO) every epoch, for sets larger than memory; same batches, same model.
+With ``fr.stream_from`` (a copy of the training dataset's directory, e.g. ``s3://bucket/datasets/train``) the faces
+stream from there a window of shards at a time (``ml.data.stream``), in that module's order.
 A KP-RPE backbone reads each face's landmarks from the manifest, or for real faces (ingested without landmarks)
 the ones the ``align`` stage predicted with the DFA aligner; ``config.json`` records which (``keypoints_source``)
 and ``train/keypoints_from_aligner`` the share of training images whose keypoints were predicted.
@@ -139,6 +141,36 @@ def face_dataset(dataset_dir: Path, rows: Any, data: DataConfig) -> Any:
     return ShardDataset(dataset_dir, rows)
 
 
+def streamed_faces(url: str, parts: list[tuple[Path, Any]], data: DataConfig, source: str) -> Any:
+    """``fr.stream_from``: the training faces of the stage's one dataset as an ``ml.data.stream.ShardStream`` over
+    the copy of its directory at ``url`` (its manifest and labels are the local checkout's); a copy that holds
+    another dataset (another content digest) is refused."""
+    import json
+
+    import fsspec
+
+    from ml.data.dataset import INFO_FILE, SHARDS_DIR, read_dataset_info
+    from ml.data.stream import ShardStream
+
+    if len(parts) != 1:
+        raise ConfigError(f"fr.stream_from streams one dataset, but train_fr@{source} trains on {len(parts)}; "
+                          "train it from the local shards (fr.stream_from: '')")
+    dataset_dir, rows = parts[0]
+    url = url.rstrip("/")
+    try:
+        with fsspec.open(f"{url}/{INFO_FILE}", "rt") as f:
+            copied = json.load(f).get("digest")
+    except FileNotFoundError:
+        raise DataError(f"fr.stream_from: {url}/{INFO_FILE} not found; copy the dataset directory {dataset_dir} "
+                        f"there (e.g. `aws s3 sync {dataset_dir} {url}`)") from None
+    local = read_dataset_info(dataset_dir)["digest"]
+    if copied != local:
+        raise DataError(f"fr.stream_from: {url} holds dataset digest {copied!r}, but {dataset_dir} has {local!r}; "
+                        "copy the dataset there again")
+    keys = [str(p).rsplit(".", 1)[0] for p in rows["path"]]
+    return ShardStream(f"{url}/{SHARDS_DIR}", keys, rows["label"].to_numpy(), image_size=data.image_size)
+
+
 def load_rows(dataset_dir: Path, rows: Any, data: DataConfig, *, progress: bool = False) -> Any:
     """uint8 (N, S, S, 3) faces of ``rows``: from the RecordIO they were ingested from when ``data.train_reader``
     says so (``auto``: whenever the dataset records one), decoded by as many DataLoader workers as the stage has
@@ -182,7 +214,9 @@ def run(cfg: FRConfig, data: DataConfig, paths: Paths, *, source: str = "real", 
 
     parts, digest, data_source = training_rows(paths, source)
     model_dir = paths.fr_model(source)
-    if cfg.stream:  # decoded by the DataLoader's workers each epoch, never held: sets larger than memory
+    if cfg.stream_from:  # streamed a window at a time from a copy of the dataset, e.g. in an object store
+        images = streamed_faces(cfg.stream_from, parts, data, source)
+    elif cfg.stream:  # decoded by the DataLoader's workers each epoch, never held: sets larger than memory
         from torch.utils.data import ConcatDataset
 
         images = ConcatDataset([face_dataset(d, r, data) for d, r in parts])

@@ -179,18 +179,19 @@ def write_shards(items: Iterable[tuple[str, str, bytes]], out_dir: str | os.Path
         raise
 
 
-def _fs(url: str) -> tuple[Any, str]:
+def _fs(url: str, **storage_options: Any) -> tuple[Any, str]:
     import fsspec
 
-    return fsspec.core.url_to_fs(url)
+    return fsspec.core.url_to_fs(url, **storage_options)
 
 
 class ShardReader:
-    """A shard set's faces by key (``read``, ``read_many``) or as a deterministic, resumable stream (``stream``)."""
+    """A shard set's faces by key (``read``, ``read_many``) or as a deterministic, resumable stream (``stream``).
+    ``storage_options`` go to fsspec (e.g. an S3 ``endpoint_url``; by default the environment's settings)."""
 
-    def __init__(self, shards_dir: str | os.PathLike):
+    def __init__(self, shards_dir: str | os.PathLike, **storage_options: Any):
         self.url = str(shards_dir).rstrip("/")
-        self.fs, self.root = _fs(self.url)
+        self.fs, self.root = _fs(self.url, **storage_options)
         index_path = f"{self.root}/{INDEX_FILE}"
         try:
             with self.fs.open(index_path, "rb") as f:

@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from tqdm.auto import tqdm
 
 from ml.data.records import worker_kwargs
+from ml.data.stream import ShardStream, StreamLoader
 from ml.errors import ConfigError, DataError
 from ml.fr.backbones import BACKBONES, build_backbone, input_contract
 from ml.train.augment import FLIP_LANDMARK_ORDER, flip_keypoints
@@ -190,7 +191,9 @@ def train_fr(
 
     ``images`` may instead be a dataset of N faces decoded on access (``faces[i][0]``: uint8 (H, W, 3) tensor, e.g.
     ``ml.data.records.ShardDataset``; ``fr.stream``): the DataLoader's ``fr.num_workers`` workers decode each
-    epoch's faces, nothing is held decoded, and the batches (hence the model) are those of the decoded array.
+    epoch's faces, nothing is held decoded, and the batches (hence the model) are those of the decoded array. Or an
+    ``ml.data.stream.ShardStream`` (``fr.stream_from``): the faces are streamed a window at a time from shards that
+    may lie in an object store, in the stream's own order (its docstring), by non-persistent workers.
 
     KP-RPE backbones also need ``keypoints`` (N, 5, 2): pixel landmarks in ArcFace order.
 
@@ -209,7 +212,9 @@ def train_fr(
     """
     start = time.perf_counter()
     streamed = not isinstance(images, np.ndarray)
-    if streamed:
+    if isinstance(images, ShardStream):
+        n, size = len(images.labels), images.image_size
+    elif streamed:
         n = len(images)  # type: ignore[arg-type]
         size = _streamed_size(images) if n else 0
     else:
@@ -231,8 +236,10 @@ def train_fr(
     if world > 1:  # BatchNorm over the global batch: DDP trains the model of one process with every rank's images
         global_batchnorm(backbone)
     keypoints = check_keypoints(keypoints, n, cfg.backbone) if needs_keypoints(backbone) else None
-    if streamed:
-        dataset: Dataset = LabelledFaces(images, labels, keypoints)  # type: ignore[arg-type]
+    if isinstance(images, ShardStream):
+        dataset: Dataset = images
+    elif streamed:
+        dataset = LabelledFaces(images, labels, keypoints)  # type: ignore[arg-type]
     else:
         dataset = TensorDataset(
             torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).contiguous(),  # uint8 (N, 3, H, W)
@@ -254,13 +261,19 @@ def train_fr(
 
     batch_size = min(cfg.batch_size, per_rank)
     steps_per_epoch = per_rank // batch_size  # drop_last: a batch of 1 would break BatchNorm
-    loader = DataLoader(
-        dataset,
-        batch_size=batch_size,
-        sampler=EpochSampler(n, cfg.seed),
-        drop_last=True,
-        **worker_kwargs(cfg.num_workers, persistent=True),
-    )
+    if isinstance(dataset, ShardStream):
+        if not np.array_equal(dataset.labels, labels):
+            raise DataError("the ShardStream's labels are not the labels passed to train_fr")
+        loader: DataLoader = StreamLoader(dataset.training(batch_size, cfg.seed, keypoints),
+                                          **worker_kwargs(cfg.num_workers))
+    else:
+        loader = DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=EpochSampler(n, cfg.seed),
+            drop_last=True,
+            **worker_kwargs(cfg.num_workers, persistent=True),
+        )
     module = FRModule(backbone, head, cfg, steps_per_epoch, val=val_tensors)
     log.info(
         "training %s %s on %d images (%d identities, %d×%d), %s head: %d steps/epoch × %d epochs%s",

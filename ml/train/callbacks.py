@@ -181,6 +181,23 @@ class _ResumedEpoch(Callback):
         self.sampler.set_epoch(int(progress.get("processed", checkpoint.get("epoch", -1) + 1)))
 
 
+class _LoaderEpoch(Callback):
+    """Tells a loader that orders its data itself (``ml.data.stream.StreamLoader``: it has no sampler for
+    Lightning to give the epoch) which epoch starts, before Lightning creates that epoch's iterator, and after each
+    step how many of the epoch's batches are trained (Lightning fetches one ahead: a checkpoint saved mid-epoch must
+    resume after the last batch trained, not the last one fetched)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def on_train_epoch_start(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule) -> None:
+        self.loader.set_epoch(trainer.current_epoch)
+
+    def on_train_batch_end(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        self.loader.consumed = batch_idx + 1
+
+
 def fit(
     module: lightning.LightningModule,
     loader: DataLoader,
@@ -219,6 +236,9 @@ def fit(
     deterministic_algorithms()
     own: list[Callback] = [history]
     sampler = loader.sampler if hasattr(loader.sampler, "set_epoch") else getattr(loader.batch_sampler, "sampler", None)
+    if hasattr(loader, "set_epoch"):
+        sampler = loader
+        own.append(_LoaderEpoch(loader))
     if ckpt_path is not None and hasattr(sampler, "set_epoch"):
         own.append(_ResumedEpoch(sampler))
     if run_info is not None:
@@ -245,6 +265,8 @@ def fit(
     )
     with warnings.catch_warnings(), attention_kernels(accelerator, precision):
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        # ml.data.stream gives each worker its own part and knows its length: Lightning's caution does not apply
+        warnings.filterwarnings("ignore", message=".*IterableDataset. has .__len__. defined.*")
         warnings.filterwarnings("ignore", message=".*treespec, LeafSpec.*")  # lightning 2.6 vs torch 2.13, harmless
         warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")  # frozen parts (FaceGCD) by design
         if ckpt_path is not None:  # resuming into the directory is the point

@@ -114,6 +114,54 @@ def test_a_run_streamed_from_shards_resumes_to_the_in_memory_runs_weights(resume
         train_fr(cfg, faces, labels[:-1], progress=False, backbone_overrides=RESUME_OVERRIDES)
 
 
+class SaveAt(lightning.Callback):
+    """Saves a checkpoint to ``path`` once ``step`` optimiser steps are done, in the middle of an epoch."""
+
+    def __init__(self, step: int, path) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
+def test_a_run_streamed_from_a_shard_copy_resumes_exactly_at_and_within_an_epoch(resumed, tmp_path):
+    """``fr.stream_from``: the faces stream from a shard set a window at a time, by two workers that start afresh
+    every epoch. Stopped after two epochs, or checkpointed after 11 of 32 steps (3 batches into epoch 1) and
+    resumed from there, the run ends with the weights of the uninterrupted streamed run."""
+    import shutil
+
+    from ml.data.formats import encode_image
+    from ml.data.shards import write_shards
+    from ml.data.stream import ShardStream
+
+    images, labels, *_ = resumed
+    keys = [f"id{label:02d}/{i}" for i, label in enumerate(labels)]
+    write_shards([(k, "png", encode_image(im, "png")) for k, im in zip(keys, images)], tmp_path / "shards",
+                 max_bytes=60_000, pack_bytes=8_000)
+    stream = ShardStream(tmp_path / "shards", keys, labels, image_size=32, window_bytes=20_000)
+    assert len(stream.windows) >= 4
+    cfg = dataclasses.replace(RESUME_CFG, num_workers=2)
+    val = (images[::4], labels[::4])
+
+    def run(**kw):
+        return train_fr(cfg, stream, labels, progress=False, backbone_overrides=RESUME_OVERRIDES, val=val, **kw)
+
+    full = run(callbacks=[SaveAt(11, tmp_path / "step11.ckpt")])
+    first = run(checkpoint_dir=tmp_path / "a", callbacks=[stop_after(2)])
+    second = run(checkpoint_dir=tmp_path / "a", resume=True)
+    (tmp_path / "b").mkdir()
+    shutil.copy(tmp_path / "step11.ckpt", tmp_path / "b" / "last.ckpt")
+    within = run(checkpoint_dir=tmp_path / "b", resume=True)
+    assert [r["epoch"] for r in first.history] == [0, 1] and len(second.history) == 4
+    a = full.model.state_dict()
+    for other in (second, within):
+        b = other.model.state_dict()
+        for key in a:
+            torch.testing.assert_close(b[key], a[key], atol=1e-6, rtol=0, msg=key)
+    assert full.history[-1]["train/accuracy"] > 4 / 16  # it learns from the stream (16 classes: chance 1/16)
+
+
 def test_partial_fc_lvface_step_schedule_and_clipping(resumed):
     *_, full, _, _, _, probe = resumed
     head = probe.head
