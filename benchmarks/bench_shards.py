@@ -4,7 +4,7 @@
 procedural faces, 20 images per identity) converted to shards by ``faceops data shard``'s function in a fresh process
 over every core, keeping the JPEG bytes packed into 1 MB tar members (its default): faces/s, the shard set's size
 against the ``.rec``, peak RSS of the parent and of the largest writer process; then again with a tar member per face
-(``--pack-kb 0``, ``*_member_per_face``).
+(``--pack-kb 0``, ``*_member_per_face``), and the largest writer's peak RSS for a tenth of the faces (``*_tenth``).
 
 ``dvc_shards``: the same faces as a folder of loose files (``export_folder``) and as shards, each ``dvc add``-ed,
 ``dvc status``-ed and ``dvc push``-ed to a local remote in its own fresh repository: seconds per command
@@ -31,9 +31,9 @@ from ml.data.shards import shard_recordio
 
 rec, out, pack_bytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
 start = time.perf_counter()
-index = shard_recordio(rec, out, pack_bytes=pack_bytes)
+done = shard_recordio(rec, out, pack_bytes=pack_bytes)
 seconds = time.perf_counter() - start
-print(json.dumps({"faces": len(index), "seconds": seconds,
+print(json.dumps({"faces": done.faces, "seconds": seconds,
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "writer_peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))
 """
@@ -69,6 +69,13 @@ def bench_shard_ingest() -> dict[str, object]:
                            f"peak_rss_mb{suffix}": round(row["peak_rss_mb"], 1),
                            f"writer_peak_rss_mb{suffix}": round(row["writer_peak_rss_mb"], 1)})
             shutil.rmtree(folder)
+        # the same conversion of a tenth of the faces: the writers' memory must not grow with the faces
+        small = Path(tmp) / "small.rec"
+        face_recordio(small, max(1, n // 10))
+        out = subprocess.run([sys.executable, "-c", CHILD, str(small), str(Path(tmp) / "small"), str(PACK_BYTES)],
+                             capture_output=True, text=True, check=True)
+        row = json.loads(out.stdout.strip().splitlines()[-1])
+        result["writer_peak_rss_mb_tenth"] = round(row["writer_peak_rss_mb"], 1)
     return result
 
 

@@ -204,13 +204,12 @@ def shard(
 
     start = time.perf_counter()
     with _errors():
-        index = shard_recordio(recordio, out, workers=workers, size=size, max_bytes=shard_mb * 2**20,
-                               pack_bytes=pack_kb * 1024)
+        done = shard_recordio(recordio, out, workers=workers, size=size, max_bytes=shard_mb * 2**20,
+                              pack_bytes=pack_kb * 1024)
     seconds = time.perf_counter() - start
     total = sum(p.stat().st_size for p in out.glob("*.tar"))
-    typer.echo(f"{len(index):,} faces of {index['label'].nunique():,} identities in {index['shard'].nunique()} "
-               f"shards, {_size(total)} (the .rec: {_size(recordio.stat().st_size)}), "
-               f"{len(index) / max(seconds, 1e-9):,.0f} faces/s → {out}")
+    typer.echo(f"{done.faces:,} faces of {done.identities:,} identities in {done.shards} shards, {_size(total)} "
+               f"(the .rec: {_size(recordio.stat().st_size)}), {done.faces / max(seconds, 1e-9):,.0f} faces/s → {out}")
 
 
 @app.command("export")

@@ -32,6 +32,7 @@ import shutil
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +41,8 @@ import pandas as pd
 
 from ml.errors import DataError
 
-__all__ = ["INDEX_COLUMNS", "INDEX_FILE", "INDEX_TYPES", "PACK_BYTES", "ShardReader", "ShardWriter", "export_folder",
-           "shard_recordio", "write_shards"]
+__all__ = ["INDEX_COLUMNS", "INDEX_FILE", "INDEX_TYPES", "PACK_BYTES", "ShardReader", "ShardWriter", "Sharded",
+           "export_folder", "shard_recordio", "write_shards"]
 
 INDEX_FILE = "index.parquet"
 MAX_BYTES = 256 * 2**20  # per tar: hundreds of shards for millions of faces, few enough for DVC and S3
@@ -354,39 +355,80 @@ def _image_size(data: bytes, where: str) -> tuple[int, int]:
         raise DataError(f"{where}: cannot read the image header ({exc})") from exc
 
 
+_INDEX_BLOCK_ROWS = 65_536  # index rows a RecordIO writer holds before it appends them to its part file
+
+
+def _index_schema(label: bool = False) -> Any:
+    import pyarrow as pa
+
+    fields = [(c, pa.type_for_alias(t)) for c, t in zip(INDEX_COLUMNS, INDEX_TYPES)]
+    return pa.schema(fields + ([("label", pa.int64())] if label else []))
+
+
 def _shard_keys(rec: str, keys: np.ndarray, out: str, prefix: str, max_bytes: int, size: int | None,
-                pack_bytes: int) -> pd.DataFrame:
-    """One writer process: records ``keys`` of ``rec`` → shards ``<prefix>-NNNNNN.tar`` and their index rows."""
+                pack_bytes: int) -> tuple[str, set[int]]:
+    """One writer process: records ``keys`` of ``rec`` → shards ``<prefix>-NNNNNN.tar``, their index rows in the
+    Parquet file ``<out>/.<prefix>.index`` (appended a block of rows at a time: memory stays flat however many
+    faces the writer takes) → (that file, the labels seen)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     from ml.data.formats.recordio import RecordIOReader, unpack_irheader
 
-    labels: list[int] = []
-    reader = RecordIOReader(rec)
+    part = f"{out}/.{prefix}.index"
+    schema = _index_schema(label=True)
+    rows: dict[str, list[Any]] = {name: [] for name in schema.names}
+    labels: set[int] = set()
+    writer = ShardWriter(out, prefix=prefix, max_bytes=max_bytes, index=False, pack_bytes=pack_bytes)
+    with RecordIOReader(rec) as reader, pq.ParquetWriter(part, schema) as index:
+        def flush() -> None:
+            index.write_batch(pa.record_batch([pa.array(rows[n], schema.field(n).type) for n in schema.names],
+                                              schema=schema))
+            for column in rows.values():
+                column.clear()
 
-    def items() -> Iterator[tuple[str, str, bytes]]:
-        for key in keys:
-            where = f"{rec}: record {int(key)}"
-            header, payload = unpack_irheader(reader.read_raw(int(key)), source=where)
-            label = int(header.label[0] if header.flag > 0 else header.label)
-            if size is not None and (found := _image_size(payload, where)) != (size, size):
-                raise DataError(f"{where}: image is {found} (width, height), not {size}x{size}; ingest it with "
-                                "`faceops run --set data.ingest_recordio=…` to resize")
-            labels.append(label)
-            yield f"{label}/{int(key)}", _image_ext(payload, where), payload
+        try:
+            for key in keys:
+                where = f"{rec}: record {int(key)}"
+                header, payload = unpack_irheader(reader.read_raw(int(key)), source=where)
+                label = int(header.label[0] if header.flag > 0 else header.label)
+                if size is not None and (found := _image_size(payload, where)) != (size, size):
+                    raise DataError(f"{where}: image is {found} (width, height), not {size}x{size}; ingest it with "
+                                    "`faceops run --set data.ingest_recordio=…` to resize")
+                name, ext = f"{label}/{int(key)}", _image_ext(payload, where)
+                shard, offset, length = writer.add(name, ext, payload)
+                for column, value in zip(schema.names, (name, ext, writer.shard_name(shard), offset, length, label)):
+                    rows[column].append(value)
+                labels.add(label)
+                if len(rows["key"]) >= _INDEX_BLOCK_ROWS:
+                    flush()
+            flush()
+            writer.close(write_index=False)
+        except BaseException:
+            writer.abort()
+            raise
+    return part, labels
 
-    with reader:
-        index = write_shards(items(), out, prefix=prefix, max_bytes=max_bytes, index=False, pack_bytes=pack_bytes)
-    index["label"] = labels
-    return index
+
+@dataclass(frozen=True)
+class Sharded:
+    """What :func:`shard_recordio` wrote: faces, identities (distinct labels) and shard files."""
+
+    faces: int
+    identities: int
+    shards: int
 
 
 def shard_recordio(rec_path: str | os.PathLike, out_dir: str | os.PathLike, *, workers: int | None = None,
-                   max_bytes: int = MAX_BYTES, size: int | None = None, pack_bytes: int = PACK_BYTES
-                   ) -> pd.DataFrame:
+                   max_bytes: int = MAX_BYTES, size: int | None = None, pack_bytes: int = PACK_BYTES) -> Sharded:
     """Convert an InsightFace RecordIO's image records to a shard set, keeping each payload's bytes as they are,
     over ``workers`` processes (default: every core), each writing its own shard series from a contiguous key
-    range, at flat memory → the index (with each face's ``label``). ``size``: refuse faces whose header says
-    another width or height (resizing means re-encoding: that is ``prepare``'s ingest). Keys are
+    range, at flat memory: no process holds the faces or the index (each writer appends its rows to a part file,
+    merged a row group at a time; ``index.parquet`` has each face's ``label`` too). ``size``: refuse faces whose
+    header says another width or height (resizing means re-encoding: that is ``prepare``'s ingest). Keys are
     ``<label>/<record key>``. Packed (``pack_bytes``), the set is about the RecordIO's size."""
+    import pyarrow.parquet as pq
+
     from ml.data.formats.recordio import RecordIOReader
 
     out = Path(out_dir)
@@ -399,20 +441,26 @@ def shard_recordio(rec_path: str | os.PathLike, out_dir: str | os.PathLike, *, w
     workers = max(1, min(workers or os.cpu_count() or 1, len(keys)))
     parts = np.array_split(keys, workers)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # moved onto ``out`` only when every writer succeeded
+    tmp.mkdir(parents=True)
     jobs = [(str(rec_path), part, str(tmp), f"faces-{w:02d}", max_bytes, size, pack_bytes)
             for w, part in enumerate(parts)]
     try:
         if workers == 1:
-            indexes = [_shard_keys(*jobs[0])]
+            written = [_shard_keys(*jobs[0])]
         else:
             with ProcessPoolExecutor(workers) as pool:
-                indexes = list(pool.map(_shard_keys, *zip(*jobs)))
-        index = pd.concat(indexes, ignore_index=True)
-        index.to_parquet(tmp / INDEX_FILE, index=False)
+                written = list(pool.map(_shard_keys, *zip(*jobs)))
+        faces = 0
+        with pq.ParquetWriter(tmp / INDEX_FILE, _index_schema(label=True)) as index:
+            for part, _ in written:  # in key order: writer 0's rows, then writer 1's, …
+                for batch in pq.ParquetFile(part).iter_batches():
+                    index.write_batch(batch)
+                    faces += batch.num_rows
+                Path(part).unlink()
         if out.exists():
             out.rmdir()
         tmp.replace(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return index
+    return Sharded(faces, len(set().union(*(labels for _, labels in written))), len(list(out.glob("*.tar"))))

@@ -179,8 +179,11 @@ def _faces(n: int, size: int = 16) -> list[np.ndarray]:
 def test_recordio_payloads_are_sharded_as_they_are_over_two_workers(tmp_path):
     labels = np.arange(30) % 5
     write_recordio(tmp_path / "train.rec", _faces(30), labels)
-    index = shard_recordio(tmp_path / "train.rec", tmp_path / "s", workers=2, max_bytes=4_000, size=16)
+    done = shard_recordio(tmp_path / "train.rec", tmp_path / "s", workers=2, max_bytes=4_000, size=16)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s", "train.idx", "train.rec"]  # no temporary left
+    assert sorted(p.name for p in (tmp_path / "s").iterdir() if not p.name.endswith(".tar")) == [INDEX_FILE]
+    index = ShardReader(tmp_path / "s").index
+    assert (done.faces, done.identities, done.shards) == (30, 5, index["shard"].nunique())
     assert {name[:8] for name in index["shard"]} == {"faces-00", "faces-01"} and (index["ext"] == "jpg").all()
     reader, shards = RecordIOReader(tmp_path / "train.rec"), ShardReader(tmp_path / "s")
     for key, label, data in zip(index["key"], index["label"], shards.read_many(index["key"].tolist())):
@@ -201,9 +204,17 @@ def test_recordio_faces_of_another_size_and_a_used_folder_are_refused_leaving_no
         shard_recordio(tmp_path / "train.rec", tmp_path / "used")
 
 
-def test_export_writes_each_face_as_a_file(tmp_path):
+def test_export_writes_each_face_as_a_file(tmp_path, monkeypatch):
+    import pyarrow.parquet as pq
+
+    import ml.data.shards
+
+    monkeypatch.setattr(ml.data.shards, "_INDEX_BLOCK_ROWS", 3)  # the writer appends its index 3 rows at a time
     write_recordio(tmp_path / "train.rec", _faces(8), np.arange(8) % 2)
-    index = shard_recordio(tmp_path / "train.rec", tmp_path / "s", workers=1)
+    shard_recordio(tmp_path / "train.rec", tmp_path / "s", workers=1)
+    index = ShardReader(tmp_path / "s").index
+    assert pq.ParquetFile(tmp_path / "s" / INDEX_FILE).metadata.num_rows == 8  # no row lost between blocks
+    assert [int(k.split("/")[1]) for k in index["key"]] == sorted(RecordIOReader(tmp_path / "train.rec").image_keys)
     assert export_folder(tmp_path / "s", tmp_path / "look", limit=5) == 5
     files = sorted((tmp_path / "look").rglob("*.jpg"))
     assert len(files) == 5

@@ -321,6 +321,28 @@ def test_two_ddp_ranks_train_the_model_of_one_process_with_their_global_batch():
 
 
 @pytest.mark.slow
+def test_two_ddp_ranks_train_in_step_on_their_own_parts_of_a_stream(tmp_path):
+    """Two CPU ranks (gloo) streaming from one shard set: each reads its own equal part of the epoch (the split is
+    ``test_stream.py``'s), so both take the same number of steps and the run ends instead of waiting on a rank."""
+    from ml.data.formats import encode_image
+    from ml.data.shards import write_shards
+    from ml.data.stream import ShardStream
+    from ml.fr.train import embed
+
+    images, labels = separable(8, 9)  # 72 faces: 36 per rank, 4 batches of 8 each (4 faces a rank left over)
+    keys = [f"id{label}/{i}" for i, label in enumerate(labels)]
+    write_shards([(k, "png", encode_image(im, "png")) for k, im in zip(keys, images)], tmp_path / "shards",
+                 max_bytes=40_000, pack_bytes=6_000)
+    stream = ShardStream(tmp_path / "shards", keys, labels, image_size=32, window_bytes=12_000)
+    cfg = FRConfig(epochs=2, batch_size=8, embedding_dim=32, accelerator="cpu", augment=False, lr=2e-3, devices=2,
+                   strategy="ddp_spawn")
+    result = train_fr(cfg, stream, labels, progress=False, backbone_overrides=TINY, checkpoint_dir=tmp_path / "ckpt")
+    ckpt = torch.load(tmp_path / "ckpt" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert (ckpt["epoch"], ckpt["global_step"]) == (1, 8)  # 2 epochs × 4 steps on each rank
+    assert np.isfinite(embed(result.model, images)).all()
+
+
+@pytest.mark.slow
 def test_ddp_checkpoint_holds_every_class_and_resumes_in_one_process(tmp_path):
     """Two CPU ranks (gloo): PartialFC shards of 8 classes are gathered into a 16-class checkpoint, AdamW
     moments included, and a single process resumes from it."""
