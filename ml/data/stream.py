@@ -16,6 +16,11 @@ worker ``(p + k) % W`` that were not handed out (a new DataLoader's turns start 
 epoch is the uninterrupted one's. A consumer that fetches ahead (Lightning prefetches a batch) saves its own
 count of batches trained, not the loader's, to resume in the middle of an epoch.
 
+Bad input: a key missing from the shard set's index is refused up front; a missing or truncated shard, a face
+that does not decode or is of another size, or a store that still fails after ``retries`` tries with exponential
+backoff, stops the stream with one ``DataError`` naming the shard (and the face's byte offset). Faces are not
+skipped, as ``ShardReader.stream`` can: under DDP a rank that skipped would take fewer steps than the others.
+
 Differences from WebDataset's loader (``wds.WebLoader`` + ``shuffle(n)``): the order is a pure function of the
 index and (seed, epoch), not of a buffer's fill, so a resumed or re-run epoch is the same, and ranks get equal
 numbers of faces from one index instead of whole shards each.

@@ -184,3 +184,34 @@ def test_train_fr_streams_only_a_copy_of_its_own_dataset(tmp_path):
         streamed_faces(str(tmp_path / "nowhere"), parts, data, "real")
     with pytest.raises(ConfigError, match="streams one dataset, but train_fr@mixed trains on 2"):
         streamed_faces(str(tmp_path / "store" / "train"), parts * 2, data, "mixed")
+
+
+def test_a_store_that_fails_is_retried_then_refused_and_a_corrupt_face_is_named(dataset, monkeypatch):
+    root, keys, labels, _ = dataset
+    stream = _stream(dataset, backoff_s=0.0)
+    fs = stream._filesystem()
+    real, calls = fs.cat_file, []
+
+    def flaky(path, start, end):
+        calls.append(path)
+        if len(calls) <= 2:
+            raise ConnectionResetError("connection reset by peer")
+        return real(path, start, end)
+
+    monkeypatch.setattr(fs, "cat_file", flaky)
+    assert len(_batches(_loader(stream))) == 15 and calls[0] == calls[1] == calls[2]
+
+    def down(path, start, end):
+        raise TimeoutError("the store did not answer")
+
+    monkeypatch.setattr(fs, "cat_file", down)
+    with pytest.raises(DataError, match=r"unreadable after 4 tries \(TimeoutError"):
+        list(StreamLoader(stream))
+    monkeypatch.setattr(fs, "cat_file", real)
+    first = stream.windows[0][0]  # a face's bytes overwritten inside its pack: named by shard and byte offset
+    shard = root / stream.shard_names[stream.shard[first]]
+    data = bytearray(shard.read_bytes())
+    data[stream.offset[first]:stream.offset[first] + stream.size[first]] = bytes(int(stream.size[first]))
+    shard.write_bytes(bytes(data))
+    with pytest.raises(DataError, match=f"{shard.name} at byte {stream.offset[first]}: cannot decode"):
+        list(StreamLoader(stream))
