@@ -123,3 +123,8 @@ def bench_dvc_shards_1m() -> dict[str, object]:
     """``bench_dvc_shards`` of a million faces as shards alone (as loose files they would take tens of minutes).
     Target: ``dvc status`` ≤ 5 s, ``dvc push`` ≤ 1 min to a local remote."""
     return bench_dvc_shards(1_000_000, ("shards",))
+
+
+def bench_dvc_loose_1m() -> dict[str, object]:
+    """The same million faces as one file each, the layout shards replaced: what the shards save at that size."""
+    return bench_dvc_shards(1_000_000, ("loose",))

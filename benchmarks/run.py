@@ -222,13 +222,19 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
         "`faceops data shard`), in a fresh repository",
         "status ≤ 5 s, push ≤ 1 min",
     ),
+    "dvc_loose_1m": (
+        "benchmarks.bench_shards:bench_dvc_loose_1m",
+        "dvc add / status / push to a local remote of the same 1M faces as one file each (the layout before shards), "
+        "in a fresh repository",
+        "report: against `dvc_shards_1m`",
+    ),
 }
 
 
 # benchmarks that run the whole default pipeline, write millions of faces, train the real-112 generator (tens of
 # minutes each on a CPU) or start a Ray cluster: only when named (benchmarks/gpu_check.sh names the GPU ones)
-ON_REQUEST = frozenset({"make_run", "reproducibility", "shard_ingest", "dvc_shards", "dvc_shards_1m", "uiface112",
-                        "fr112_stream", "launch"})
+ON_REQUEST = frozenset({"make_run", "reproducibility", "shard_ingest", "dvc_shards", "dvc_shards_1m", "dvc_loose_1m",
+                        "uiface112", "fr112_stream", "launch"})
 
 
 def _load(spec: str) -> Callable[[], dict[str, Any]]:
