@@ -388,8 +388,7 @@ def restored_record(root: Path, stage: str, metrics_files: list[str]) -> tuple[d
         if isinstance(doc, dict) and isinstance(doc.get("metrics"), dict):
             doc = doc["metrics"]
         flat = flat_items(doc if isinstance(doc, dict) else {}, "/")
-        metrics.update({tracking.mlflow_metric_name(k): float(v) for k, v in flat.items()
-                        if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        metrics.update({k: float(v) for k, v in flat.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
     return {k: str(v)[:500] for k, v in params.items()}, metrics
 
 
@@ -407,9 +406,10 @@ def flat_items(tree: Any, sep: str = ".", prefix: str = "") -> dict[str, Any]:
 def log_restored_stage(root: Path, stage: str, parent_run_id: str | None, params: dict[str, str],
                        metrics: dict[str, float]) -> str:
     """The MLflow run of a stage restored from DVC's run-cache (its cmd did not run, so no stage process opened
-    one): named, nested and tagged like a stage's own run, plus ``dvc.restored=true`` and, when this store holds
-    it, ``dvc.restored_from``: the run that produced the restored outputs (the earliest run of the stage tagged
-    with the same output hash). → the run id. ``_tag_stage_runs`` adds DVC's hashes afterwards."""
+    one): named, nested, tagged and its metrics split (``tracking.split_summary``) like a stage's own run, plus
+    ``dvc.restored=true`` and, when this store holds it, ``dvc.restored_from``: the run that produced the restored
+    outputs (the earliest run of the stage tagged with the same output hash). → the run id. ``_tag_stage_runs`` adds
+    DVC's hashes afterwards."""
     from mlflow import MlflowClient
     from mlflow.entities import Metric, Param
 
@@ -430,8 +430,12 @@ def log_restored_stage(root: Path, stage: str, parent_run_id: str | None, params
             tags["dvc.restored_from"] = source
         run = client.create_run(experiment_id, run_name=stage, tags=tags)
         now = int(time.time() * 1000)
-        client.log_batch(run.info.run_id, metrics=[Metric(k, v, now, 0) for k, v in metrics.items()],
-                         params=[Param(k, v) for k, v in params.items()])
+        columns, curves, details = tracking.split_summary(metrics)  # as the stage's own run logged its summary
+        rows = [Metric(k, v, now, 0) for k, v in columns.items()]
+        rows += [Metric(k, v, now, step) for k, points in curves.items() for step, v in points.items()]
+        client.log_batch(run.info.run_id, metrics=rows, params=[Param(k, v) for k, v in params.items()])
+        if details:
+            client.log_dict(run.info.run_id, dict(sorted(details.items())), tracking.DETAILS_ARTIFACT)
         client.set_terminated(run.info.run_id, "FINISHED")
     return run.info.run_id
 

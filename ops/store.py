@@ -26,6 +26,12 @@ ARTIFACT_DIR = "mlruns"  # ... and its artifact root, both in the repository roo
 log = logging.getLogger(__name__)
 
 
+def runs_page(experiment_id: str) -> str:
+    """The path of an experiment's runs table in MLflow's UI, in its model-training view: a browser that never chose
+    a mode opens an experiment on the GenAI traces overview, and MLflow keeps no server-side default."""
+    return f"/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+
+
 def project_root(root: Path) -> Path:
     """The repository whose store a run in ``root`` logs to: ``DVC_ROOT`` when DVC runs the stage (a queued ``dvc exp
     run`` executes in a temporary copy under ``.dvc/tmp/exps/`` and DVC points ``DVC_ROOT`` at the repository that

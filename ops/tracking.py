@@ -66,6 +66,55 @@ def mlflow_metric_name(name: str) -> str:
     return re.sub(r"[^\w./\- :]", "_", name.replace("@", "_at_"))
 
 
+# MLflow's runs table has a column for every metric key of every run in the experiment. A column holds a number runs
+# are compared on; what qualifies one (counts, confidence bounds, spreads) and a gate's per-check tallies go to the
+# run's ``metrics/details.json`` artifact instead, and a family indexed by set size (``sets/gain/caface/n=16/rank1``)
+# becomes one curve over that size (``sets/gain/caface/rank1`` at step 16), which the chart view draws.
+DETAIL = re.compile(r"(^|/)(n_\w+|\w*ci_(low|high)|std|shuffles|pairs|impostor_pairs|count|reference_size)$"
+                    r"|^validate/leakage/")
+SIZE_STEP = re.compile(r"/n=(\d+)(?=/|$)")
+DETAILS_ARTIFACT = "metrics/details.json"
+
+
+def split_summary(metrics: Mapping[str, float]) -> tuple[dict[str, float], dict[str, dict[int, float]],
+                                                          dict[str, float]]:
+    """A stage's summary metrics as MLflow gets them → (columns, curves ``{key: {step: value}}``, details).
+
+    Keys are MLflow's (``mlflow_metric_name``); details keep the stage's own key."""
+    columns: dict[str, float] = {}
+    curves: dict[str, dict[int, float]] = {}
+    details: dict[str, float] = {}
+    for key, value in metrics.items():
+        if value is None:
+            continue
+        if DETAIL.search(key):
+            details[key] = float(value)
+        elif (size := SIZE_STEP.search(key)) is not None:
+            name = mlflow_metric_name(key[:size.start()] + key[size.end():])
+            curves.setdefault(name, {})[int(size.group(1))] = float(value)
+        else:
+            columns[mlflow_metric_name(key)] = float(value)
+    return columns, curves, details
+
+
+def log_summary(metrics: Mapping[str, float], details: dict[str, float] | None = None) -> dict[str, float]:
+    """Log ``split_summary(metrics)`` to the active MLflow run: columns at step 0, curves at their sizes, details
+    added to ``details`` (the run's details so far) and written as its ``metrics/details.json``; → the columns."""
+    import mlflow
+
+    columns, curves, new = split_summary(metrics)
+    if columns:
+        mlflow.log_metrics(columns)
+    for key, points in curves.items():
+        for step, value in sorted(points.items()):
+            mlflow.log_metric(key, value, step=step)
+    if new:
+        details = {} if details is None else details
+        details.update(new)
+        mlflow.log_dict(dict(sorted(details.items())), DETAILS_ARTIFACT)
+    return columns
+
+
 def _same(a: float, b: float) -> bool:
     """Equal as logged values: NaN equals NaN, and a float32 rounding (a tensor's ``.item()``) is no change."""
     return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12)
@@ -103,33 +152,35 @@ class StageTracker(_Tracker):
     start every chart at the final value. So a summary value of a curve key is dropped when it equals the curve's
     last point and otherwise appended one step after it, and a point equal to a curve's last one (same step, same
     value: Lightning adds ``epoch`` to both its step and its epoch-end logs) is not logged twice. Every curve's
-    steps strictly increase; summary keys without a curve go to step 0.
+    steps strictly increase; summary keys without a curve go to step 0, split by ``split_summary`` into columns,
+    set-size curves and the run's ``metrics/details.json``.
     """
 
     def __init__(self, run_id: str, root: Path):
         self.run_id = run_id
         self.root = root
         self._curves: dict[str, tuple[int, float]] = {}  # MLflow key → (last step, last value) logged with a step
+        self._details: dict[str, float] = {}  # what metrics/details.json holds so far
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         import mlflow
 
-        clean = {mlflow_metric_name(k): float(v) for k, v in metrics.items() if v is not None}
         if step is not None:
+            clean = {mlflow_metric_name(k): float(v) for k, v in metrics.items() if v is not None}
             new = {k: v for k, v in clean.items() if self._curves.get(k, (None, None))[0] != step
                    or not _same(v, self._curves[k][1])}
             if new:
                 mlflow.log_metrics(new, step=step)
             self._curves.update({k: (int(step), v) for k, v in new.items()})
             return
-        summary = {k: v for k, v in clean.items() if k not in self._curves}
-        if summary:
-            mlflow.log_metrics(summary)
-        for key, value in clean.items():
-            if key in self._curves and not _same(value, self._curves[key][1]):
+        clean = {k: v for k, v in metrics.items() if mlflow_metric_name(k) not in self._curves}
+        log_summary(clean, self._details)
+        for key, value in metrics.items():
+            key = mlflow_metric_name(key)
+            if key in self._curves and value is not None and not _same(float(value), self._curves[key][1]):
                 last = self._curves[key][0] + 1
-                mlflow.log_metric(key, value, step=last)
-                self._curves[key] = (last, value)
+                mlflow.log_metric(key, float(value), step=last)
+                self._curves[key] = (last, float(value))
 
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
         import mlflow

@@ -61,6 +61,23 @@ def _echo_env(services: Sequence[Service]) -> None:
         typer.echo(f"export {key}={value}{comment}")
 
 
+def _runs_link(mlflow_url: str) -> str | None:
+    """The faceops experiment's runs table on the MLflow server at ``mlflow_url`` (``ops.store.runs_page``), or
+    None while no run has made the experiment."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from ops.store import EXPERIMENT, runs_page
+
+    query = f"{mlflow_url}/api/2.0/mlflow/experiments/get-by-name?experiment_name={EXPERIMENT}"
+    try:
+        with urllib.request.urlopen(query, timeout=10) as answer:
+            return mlflow_url + runs_page(json.load(answer)["experiment"]["experiment_id"])
+    except (OSError, ValueError, KeyError):  # 404 (no such experiment yet) is an HTTPError, an OSError
+        return None
+
+
 def _echo_services(root: Path, services: Sequence[Service]) -> None:
     for s in services:
         extra = "  ".join(f"{k} {_rel(root, v)}" for k, v in s.info.items() if k != "note")
@@ -113,6 +130,9 @@ def up_cmd(
     for s in services:
         if "note" in s.info:
             typer.echo(f"  note: {s.label}: {s.info['note']}")
+    runs = _runs_link(next(s.url for s in services if s.name == "mlflow"))
+    if runs:  # MLflow's UI opens an experiment on its GenAI overview unless the address names the view
+        typer.echo(f"  MLflow runs {runs}")
     if any(s.name.startswith("worker-") for s in services):
         prefect = next(s.url for s in services if s.name == "prefect")
         typer.echo(f"\nDeployments: {prefect}/deployments (schedules paused). Quick run of `pipeline-smoke` runs the "

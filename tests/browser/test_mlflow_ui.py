@@ -21,6 +21,9 @@ pytestmark = pytest.mark.slow
 STEPS = (27, 54, 81, 108)  # the optimiser step at each epoch's end, as the FR trainer logs its epochs
 ACCURACY = (0.52, 0.61, 0.68, 0.74)
 
+# an evaluation's summary: two set sizes of one family, a count and a bound (details, not columns)
+SUMMARY = {"sets/gain/caface/n=4/rank1": 0.5, "sets/gain/caface/n=16/rank1": 0.75, "sets/caface/n_mated": 40.0,
+           "sets/caface/rank1_ci_low": 0.52}
 # a stage as the trainers log it: per-epoch points, then the stage's summary (no step) equal to the last point
 STAGE = textwrap.dedent(f"""
     from pathlib import Path
@@ -33,13 +36,22 @@ STAGE = textwrap.dedent(f"""
 """)
 
 
-@pytest.fixture(scope="module")
-def logged_run(tmp_path_factory):
-    """A server with one finished ``train_fr`` run; yields (server URL, experiment id, run id)."""
+# an evaluation as `evaluate` logs its summary
+EVALUATE = textwrap.dedent(f"""
+    from pathlib import Path
+    from ops.tracking import stage_run
+
+    with stage_run("evaluate", {{}}, Path.cwd()) as tracker:
+        tracker.log_metrics({{"sets/caface/rank1": 0.6, **{SUMMARY!r}}})
+""")
+
+
+def _server_with(tmp_path_factory, script: str):
+    """A server with the one finished run ``script`` logs; yields (server URL, experiment id, run id)."""
     from mlflow import MlflowClient
 
     work = tmp_path_factory.mktemp("mlflow_ui")
-    (work / "stage.py").write_text(STAGE)
+    (work / "stage.py").write_text(script)
     with mlflow_server(work) as env:
         proc = subprocess.run([sys.executable, "stage.py"], cwd=work, capture_output=True, text=True, timeout=180,
                               env={**os.environ, **env, "PYTHONPATH": str(REPO)})
@@ -48,6 +60,18 @@ def logged_run(tmp_path_factory):
         experiment = client.get_experiment_by_name("faceops")
         (run,) = client.search_runs([experiment.experiment_id])
         yield env["MLFLOW_TRACKING_URI"], experiment.experiment_id, run.info.run_id
+
+
+@pytest.fixture(scope="module")
+def logged_run(tmp_path_factory):
+    """A server with one finished ``train_fr`` run; yields (server URL, experiment id, run id)."""
+    yield from _server_with(tmp_path_factory, STAGE)
+
+
+@pytest.fixture(scope="module")
+def evaluated_run(tmp_path_factory):
+    """A server with one finished ``evaluate`` run (``SUMMARY`` and a column); yields as ``logged_run``."""
+    yield from _server_with(tmp_path_factory, EVALUATE)
 
 
 def _is_history_of(response, key: str) -> bool:
@@ -95,3 +119,35 @@ def test_after_one_click_on_model_training_the_experiment_opens_on_its_runs(page
     page.goto(f"{base}/#/experiments/{experiment_id}")
     page.get_by_text("train_fr", exact=True).first.wait_for()
     assert "/runs" in page.url and "workflowType=machine_learning" in page.url, page.url
+
+
+def test_the_address_faceops_prints_opens_the_runs_table(page, logged_run):
+    """`faceops stack up` prints the experiment's address as ``ops.store.runs_page`` gives it: a browser that never
+    chose a mode opens it on the runs table, the stage run in it, not on the GenAI traces overview."""
+    from ops.store import runs_page
+
+    base, experiment_id, _ = logged_run
+    page.goto(f"{base}{runs_page(experiment_id)}")
+    page.get_by_text("train_fr", exact=True).first.wait_for()
+    assert "workflowType=genai" not in page.url, page.url
+    assert page.get_by_role("button", name="Columns").count() == 1  # the runs table's own control
+
+
+def test_the_columns_picker_lists_compared_numbers_not_their_counts_and_bounds(page, evaluated_run):
+    """The runs table's Columns picker has one entry per metric key: the set-size family is one entry (a curve over
+    set size), and the count and the bound are not there (they are in the run's metrics/details.json)."""
+    base, experiment_id, run_id = evaluated_run
+    page.goto(f"{base}/")
+    page.get_by_text("Model training", exact=True).first.click()
+    page.goto(f"{base}/#/experiments/{experiment_id}")
+    page.get_by_text("evaluate", exact=True).first.wait_for()
+    page.get_by_role("button", name="Columns").click()
+    page.get_by_text("Metrics (2)", exact=True).wait_for()  # sets/caface/rank1, sets/gain/caface/rank1
+    for key in ("sets/caface/rank1", "sets/gain/caface/rank1"):
+        assert page.get_by_text(key, exact=True).count() == 1, key
+    assert page.get_by_text("sets/caface/n_mated", exact=True).count() == 0
+
+    page.goto(f"{base}/#/experiments/{experiment_id}/runs/{run_id}/artifacts")
+    page.get_by_text("metrics", exact=True).first.click()  # the run's artifact tree: metrics/details.json
+    page.get_by_text("details.json", exact=True).first.click()
+    page.get_by_text("sets/caface/n_mated").first.wait_for()

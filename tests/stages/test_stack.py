@@ -364,6 +364,8 @@ def test_the_stacks_mlflow_shows_the_runs_make_run_logged(project_with_runs):
     experiment = client.get_experiment_by_name("faceops")
     runs = {r.info.run_id: r for r in client.search_runs([experiment.experiment_id])}
     assert {parent_id, stage_id} <= set(runs)
+    # the address of its runs table in the model-training view (tests/browser/test_mlflow_ui.py opens it)
+    assert f"MLflow runs {url}/#/experiments/{experiment.experiment_id}/runs?workflowType=machine_learning" in stdout
     assert runs[stage_id].data.tags["mlflow.parentRunId"] == parent_id
     assert [m.value for m in client.get_metric_history(stage_id, "train/accuracy")] == [0.77]
     # the artifact as the UI fetches it: through the server, from the file store `make run` wrote

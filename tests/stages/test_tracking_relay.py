@@ -53,6 +53,9 @@ CURVES = textwrap.dedent("""
         # the stage's summary: the last epoch's loss (float32-rounded, as a tensor's .item() gives it), the whole
         # training's seconds (not the curve's last point), a number without a curve
         tracker.log_metrics({"train/loss": 0.3333333432674408, "train/seconds": 33.0, "train/images": 128.0})
+        # an evaluation's summary: a set-size family, a count and a bound that qualify a column
+        tracker.log_metrics({"sets/gain/caface/n=16/rank1": 0.75, "sets/gain/caface/n=4/rank1": 0.5,
+                             "sets/caface/rank1": 0.6, "sets/caface/n_mated": 40.0, "sets/caface/rank1_ci_low": 0.52})
 """)
 
 
@@ -122,8 +125,15 @@ def test_summary_values_end_curves_instead_of_restarting_them_at_step_zero(tmp_p
                        "train/seconds": [(27, 10.0), (54, 11.0), (81, 12.0), (82, 33.0)],  # another value: after it
                        "train/images": [(0, 128.0)],
                        "epoch": [(27, 0.0), (54, 1.0), (81, 2.0)]}  # one point per step
-    assert client.get_run(run_id).data.metrics["train/seconds"] == 33.0  # the run's table shows the summary
+    metrics = client.get_run(run_id).data.metrics
+    assert metrics["train/seconds"] == 33.0  # the run's table shows the summary
     assert curve_problems(client, run_id) == []
+    # one column per compared number; the set sizes are a curve's steps; count and bound are in the details
+    assert {k for k in metrics if k.startswith("sets/")} == {"sets/caface/rank1", "sets/gain/caface/rank1"}
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "sets/gain/caface/rank1")] == [(4, 0.5),
+                                                                                                        (16, 0.75)]
+    details = json.loads(Path(client.download_artifacts(run_id, tracking.DETAILS_ARTIFACT, str(tmp_path))).read_text())
+    assert details == {"sets/caface/n_mated": 40.0, "sets/caface/rank1_ci_low": 0.52}
 
 
 def test_failed_stage_ends_failed_with_what_it_logged(tmp_path, store):
