@@ -30,7 +30,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -304,21 +304,32 @@ class ShardReader:
 
     def _fetch(self, shard: str, retries: int, backoff_s: float) -> bytes | None:
         """A shard's bytes (None when it is missing), a failing read retried ``retries`` times with backoff."""
-        attempt = 0
-        while True:
-            try:
-                with self.fs.open(f"{self.root}/{shard}", "rb") as f:
-                    return f.read()
-            except FileNotFoundError:
-                return None
-            except OSError as exc:  # ConnectionError, TimeoutError and s3fs's wrapped failures are OSErrors
-                if attempt >= retries:
-                    raise DataError(f"{self.url}/{shard}: unreadable after {retries + 1} tries ({exc!r}); check that "
-                                    "the store is reachable, then resume the epoch") from exc
-                log.warning("%s/%s: read failed (%r); retry %d of %d in %.1f s", self.url, shard, exc, attempt + 1,
-                            retries, backoff_s * 2**attempt)
-                time.sleep(backoff_s * 2**attempt)
-                attempt += 1
+        def read() -> bytes:
+            with self.fs.open(f"{self.root}/{shard}", "rb") as f:
+                return f.read()
+
+        try:
+            return read_retried(read, f"{self.url}/{shard}", retries, backoff_s)
+        except FileNotFoundError:
+            return None
+
+
+def read_retried(read: Callable[[], bytes], where: str, retries: int, backoff_s: float) -> bytes:
+    """``read()`` from a store, retried ``retries`` times after a failure, ``backoff_s`` × 2^attempt apart; then one
+    error naming ``where``. A missing file (``FileNotFoundError``) is not retried: the caller says what it means."""
+    for attempt in range(retries + 1):
+        try:
+            return read()
+        except FileNotFoundError:
+            raise
+        except OSError as exc:  # ConnectionError, TimeoutError and s3fs's wrapped failures are OSErrors
+            if attempt == retries:
+                raise DataError(f"{where}: unreadable after {retries + 1} tries ({exc!r}); check that the store is "
+                                "reachable, then resume") from exc
+            log.warning("%s: read failed (%r); retry %d of %d in %.1f s", where, exc, attempt + 1, retries,
+                        backoff_s * 2**attempt)
+            time.sleep(backoff_s * 2**attempt)
+    raise AssertionError("unreachable")
 
 
 def export_folder(shards_dir: str | os.PathLike, out_dir: str | os.PathLike, *, limit: int | None = None) -> int:

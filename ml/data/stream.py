@@ -29,7 +29,6 @@ numbers of faces from one index instead of whole shards each.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -38,7 +37,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ml.data.formats.images import decode_image
-from ml.data.shards import ShardReader
+from ml.data.shards import ShardReader, read_retried
 from ml.errors import DataError
 
 __all__ = ["WINDOW_BYTES", "ShardStream", "StreamLoader", "handed_out"]
@@ -180,18 +179,11 @@ class ShardStream(IterableDataset):
         window, shard = self.windows[self.window_of[i]], int(self.shard[i])
         lo, hi = int(self.offset[window].min()), int((self.offset[window] + self.size[window]).max())
         path = f"{self.url}/{self.shard_names[shard]}"
-        for attempt in range(self.retries + 1):
-            try:
-                data = self._filesystem().cat_file(path, start=lo, end=hi)
-                break
-            except FileNotFoundError:
-                raise DataError(f"{path}: the shard is missing; restore it (dvc pull) or copy the dataset again") \
-                    from None
-            except OSError as exc:  # a store unreachable, a connection reset (s3fs wraps its failures as OSError)
-                if attempt == self.retries:
-                    raise DataError(f"{path}: unreadable after {self.retries + 1} tries ({exc!r}); check that the "
-                                    "store is reachable, then resume") from exc
-                time.sleep(self.backoff_s * 2**attempt)
+        try:
+            data = read_retried(lambda: self._filesystem().cat_file(path, start=lo, end=hi), path, self.retries,
+                                self.backoff_s)
+        except FileNotFoundError:
+            raise DataError(f"{path}: the shard is missing; restore it (dvc pull) or copy the dataset again") from None
         if len(data) != hi - lo:
             raise DataError(f"{path}: needs bytes {lo}-{hi} but ends before; the shard is truncated: restore it "
                             "(dvc pull) or copy the dataset again")
