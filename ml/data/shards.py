@@ -1,24 +1,16 @@
 """Faces as WebDataset shards: a few tar files of encoded images instead of one file per face (DESIGN.md §3).
 
-A shard set is a folder::
+A shard set is a folder of ``faces-<writer>-<n>.tar`` (the faces' encoded bytes as given, never re-encoded, packed
+back to back into members ``pack-<n>.faces`` of about ``pack_bytes``; each tar at most ``max_bytes``) and an
+``index.parquet`` (``key``, ``ext``, ``shard``, ``offset``, ``size``, + ``label`` from a RecordIO) of where each
+face's bytes lie. A tar member costs a 512-byte header and pads to 512 bytes, a fifth of a 112-px JPEG face; a pack
+shares that among hundreds of faces. With ``pack_bytes=0`` each face is its own member ``<key>.<ext>``, as a plain
+WebDataset reader expects; readers here go through the index, so both read alike.
 
-    faces-00-000000.tar …   WebDataset tars of the faces' encoded bytes as they were given (a renderer's PNG, a
-                            RecordIO's JPEG: nothing is re-encoded), packed back to back into members
-                            ``pack-<n>.faces`` of about ``pack_bytes``, each tar at most ``max_bytes``;
-                            ``faces-<writer>-<n>``, one series per writer process
-    index.parquet           ``key``, ``ext``, ``shard``, ``offset``, ``size`` (+ ``label`` from a RecordIO): where
-                            each face's bytes lie
-
-Why packs: a tar member costs a 512-byte header and pads its bytes to 512, about 0.8 kB, a fifth of a 112-px JPEG
-face; a pack shares that among a few hundred faces. With ``pack_bytes=0`` each face is its own member ``<key>.<ext>``,
-the samples a plain WebDataset reader (or ``tar x``) expects; readers here go through the index, so both read alike.
-
-Tar members are stored uncompressed, so a face is a byte range: ``ShardReader.read_many`` reads the ranges it needs
-shard by shard (the stages that hold a split in memory), ``ShardReader.stream`` yields a rank's share of an epoch
-shard by shard, in an order fixed by (seed, epoch), from any position (a resumed epoch skips what it has seen). Shards
-are reproducible: members carry a fixed mtime, owner and mode, so the same faces in the same order give the same
-bytes, and DVC hashes a few hundred files, not one object per face. Paths may be local or any fsspec URL
-(``s3://…``). Why WebDataset and not litdata or MosaicML Streaming: ``docs/scale-out.md``.
+A face is a byte range of an uncompressed tar: ``ShardReader.read_many`` reads ranges shard by shard,
+``ShardReader.stream`` yields a rank's share of an epoch in an order fixed by (seed, epoch), from any position.
+Shards are reproducible (members carry a fixed mtime, owner and mode), and DVC hashes a few hundred files, not one
+per face. Why WebDataset and not litdata or MosaicML Streaming: ``docs/scale-out.md``.
 """
 
 from __future__ import annotations

@@ -1,29 +1,18 @@
-"""A training split streamed from a dataset's shards wherever they lie: a local folder or an fsspec URL (``s3://…``),
-read a window of consecutive faces at a time with one ranged read, decoded in DataLoader workers.
+"""A training split streamed from a dataset's shards wherever they lie (a folder or an fsspec URL such as ``s3://…``),
+a window of consecutive faces per ranged read, decoded in DataLoader workers.
 
-One epoch's order depends on (seed, epoch) only: the shards in a random order, each shard cut into windows of
-about ``window_bytes`` of faces that lie next to each other, the windows in a random order, the faces of a window in
-a random order (the shuffle a streaming reader can afford: no face is read twice, memory holds one window per
-worker). Rank ``r`` of ``world`` takes the ``r``-th contiguous part of that order, ``n // world`` faces for every
-rank (DDP needs equal steps), cut into batches; DataLoader worker ``w`` of ``W`` takes the ``w``-th contiguous part
-of the rank's batches, so it reads about 1/W of the rank's windows, each once. The DataLoader hands the workers'
-batches out in turn (worker 0's first, worker 1's first, …), so the batches depend on (seed, epoch, rank, world,
-workers) and on nothing else.
+An epoch's order is a function of (seed, epoch) alone: shards, then their windows of about ``window_bytes``, then a
+window's faces, each in a random order (no face read twice, one window in memory per worker). Rank ``r`` of
+``world`` takes the ``r``-th contiguous part (``n // world`` faces each: DDP needs equal steps), DataLoader worker
+``w`` the ``w``-th contiguous part of its rank's batches. :class:`StreamLoader` saves the epoch and the batches
+trained in Lightning's checkpoints and resumes mid-epoch with the uninterrupted run's batches
+(``docs/scale-out.md``). A missing or truncated shard, an undecodable face or a store failing after ``retries``
+tries stops the stream with one ``DataError`` naming the shard; faces are never skipped (a DDP rank that skipped
+would take fewer steps than the others).
 
-Resuming: :class:`StreamLoader` records the epoch and the batches it handed out (``state_dict``, saved by Lightning
-with every checkpoint); loaded (``load_state_dict``) after ``k`` batches, worker process ``p`` serves the batches of
-worker ``(p + k) % W`` that were not handed out (a new DataLoader's turns start at process 0), so the rest of the
-epoch is the uninterrupted one's. A consumer that fetches ahead (Lightning prefetches a batch) saves its own
-count of batches trained, not the loader's, to resume in the middle of an epoch.
-
-Bad input: a key missing from the shard set's index is refused up front; a missing or truncated shard, a face
-that does not decode or is of another size, or a store that still fails after ``retries`` tries with exponential
-backoff, stops the stream with one ``DataError`` naming the shard (and the face's byte offset). Faces are not
-skipped, as ``ShardReader.stream`` can: under DDP a rank that skipped would take fewer steps than the others.
-
-Differences from WebDataset's loader (``wds.WebLoader`` + ``shuffle(n)``): the order is a pure function of the
-index and (seed, epoch), not of a buffer's fill, so a resumed or re-run epoch is the same, and ranks get equal
-numbers of faces from one index instead of whole shards each.
+Differences from WebDataset's ``WebLoader`` + ``shuffle(n)``: the order is a pure function of the index and (seed,
+epoch), not of a buffer's fill, so a resumed or re-run epoch is the same, and ranks get equal numbers of faces from
+one index instead of whole shards each.
 """
 
 from __future__ import annotations

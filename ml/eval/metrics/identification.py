@@ -1,22 +1,16 @@
 """1:N identification: closed-set CMC, open-set TPIR at fixed FPIR, and CMC against distractors.
 
-* ``identification_rank`` - closed-set CMC (rank-k identification rate), as in MegaFace and the
-  IJB 1:N protocol.
-* ``open_set_identification`` - open-set 1:N search, TPIR at fixed FPIR, as in the IJB-C / IJB-S
-  1:N protocols and NIST FRVT identification (Grother et al., NISTIR 8271, 2019).
-* ``identification_with_distractors`` - closed-set CMC against a gallery padded with distractor
-  images, the TinyFace protocol (Cheng et al., "Low-Resolution Face Recognition", ACCV 2018).
+* ``identification_rank`` - closed-set CMC (rank-k rate), as in MegaFace and the IJB 1:N protocol.
+* ``open_set_identification`` - TPIR at fixed FPIR, as in IJB-C / IJB-S 1:N and NIST FRVT (NISTIR 8271, 2019).
+* ``identification_with_distractors`` - CMC against a gallery padded with distractor images, the TinyFace protocol
+  (Cheng et al., "Low-Resolution Face Recognition", ACCV 2018).
 
 Differences from the reference:
 
-* ``identification_rank`` counts ties against the probe (a gallery identity scoring exactly the
-  probe's true-identity score ranks ahead of it), so a constant embedding cannot score rank-1 = 1.
-* ``open_set_identification`` accepts a search iff its score is strictly above the threshold and
-  reads the threshold from the non-mated top-1 order statistic with the ``tar_at_far`` tie rule;
-  FRVT states FPIR(T) and FNIR(T) with score >= T on a continuous threshold sweep. Mated ranks use
-  the ``identification_rank`` tie rule.
-* ``identification_with_distractors`` ranks each distractor image as its own identity, as TinyFace's
-  distractors are unlabelled; a distractor is never merged with a gallery identity.
+* ``identification_rank`` counts ties against the probe, so a constant embedding cannot score rank-1 = 1.
+* ``open_set_identification`` accepts a search iff its score is strictly above the threshold, read from the
+  non-mated top-1 order statistic with the ``tar_at_far`` tie rule (FRVT: score >= T on a continuous sweep).
+* ``identification_with_distractors`` ranks each (unlabelled) distractor image as its own identity.
 """
 
 from __future__ import annotations

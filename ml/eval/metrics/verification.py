@@ -1,23 +1,17 @@
 """Pair verification: the LFW-style k-fold accuracy, TAR at fixed FAR, the ROC, and rowwise cosine scores.
 
-* ``verification_accuracy`` - the LFW-style 10-fold pair accuracy of InsightFace
-  ``recognition/arcface_torch/eval/verification.py`` (``calculate_roc``), itself from FaceNet's
-  ``lfw.py`` (Schroff et al., "FaceNet", CVPR 2015; Huang et al., LFW tech. report 07-49, 2007).
-* ``tar_at_far`` / ``roc_curve`` - true accept rate at a fixed false accept rate, the IJB-B/C 1:1
-  verification protocol (Whitelam et al., "IARPA Janus Benchmark-B", CVPRW 2017; Maze et al.,
-  "IARPA Janus Benchmark-C", ICB 2018).
-* ``pair_correct`` - each pair right or wrong under ``verification_accuracy``'s thresholds.
-* ``pair_scores`` - rowwise cosine similarity.
+* ``verification_accuracy`` - the 10-fold pair accuracy of InsightFace's ``eval/verification.py``
+  (``calculate_roc``, from FaceNet's ``lfw.py``; Huang et al., LFW tech. report 07-49, 2007).
+* ``tar_at_far`` / ``roc_curve`` - true accept rate at a fixed false accept rate, the IJB-B/C 1:1 protocol
+  (Whitelam et al., CVPRW 2017; Maze et al., ICB 2018). ``pair_correct``: each pair right or wrong;
+  ``pair_scores``: rowwise cosine similarity.
 
 Differences from the reference:
 
-* ``verification_accuracy`` counts correct predictions with sorted distances and ``searchsorted``
-  instead of one boolean pass per threshold; the counts, the first-best tie rule and the folds are
-  the same. It also returns the mean of the per-fold best thresholds, which ``calculate_roc``
-  computes but does not return, and it omits the optional PCA step.
-* ``tar_at_far`` reads the operating point from the impostor order statistic (``np.partition``)
-  instead of interpolating an ``sklearn.metrics.roc_curve``: the result is exact and the
-  threshold is always an observed impostor score (see its docstring for the tie convention).
+* ``verification_accuracy`` counts correct predictions with sorted distances and ``searchsorted`` (same counts,
+  first-best tie rule and folds), also returns the mean of the per-fold best thresholds, and omits the PCA step.
+* ``tar_at_far`` reads the operating point from the impostor order statistic (``np.partition``) instead of
+  interpolating ``sklearn.metrics.roc_curve``: exact, and the threshold is an observed impostor score.
 """
 
 from __future__ import annotations
