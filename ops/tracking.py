@@ -97,9 +97,9 @@ def split_summary(metrics: Mapping[str, float]) -> tuple[dict[str, float], dict[
     return columns, curves, details
 
 
-def log_summary(metrics: Mapping[str, float], details: dict[str, float] | None = None) -> dict[str, float]:
+def log_summary(metrics: Mapping[str, float], details: dict[str, float] | None = None) -> None:
     """Log ``split_summary(metrics)`` to the active MLflow run: columns at step 0, curves at their sizes, details
-    added to ``details`` (the run's details so far) and written as its ``metrics/details.json``; → the columns."""
+    added to ``details`` (the run's details so far) and written as its ``metrics/details.json``."""
     import mlflow
 
     columns, curves, new = split_summary(metrics)
@@ -112,7 +112,6 @@ def log_summary(metrics: Mapping[str, float], details: dict[str, float] | None =
         details = {} if details is None else details
         details.update(new)
         mlflow.log_dict(dict(sorted(details.items())), DETAILS_ARTIFACT)
-    return columns
 
 
 def _same(a: float, b: float) -> bool:

@@ -65,7 +65,6 @@ def _runs_link(mlflow_url: str) -> str | None:
     """The faceops experiment's runs table on the MLflow server at ``mlflow_url`` (``ops.store.runs_page``), or
     None while no run has made the experiment."""
     import json
-    import urllib.error
     import urllib.request
 
     from ops.store import EXPERIMENT, runs_page
