@@ -309,7 +309,8 @@ class ShardReader:
 def read_retried(read: Callable[[], bytes], where: str, retries: int, backoff_s: float) -> bytes:
     """``read()`` from a store, retried ``retries`` times after a failure, ``backoff_s`` × 2^attempt apart; then one
     error naming ``where``. A missing file (``FileNotFoundError``) is not retried: the caller says what it means."""
-    for attempt in range(retries + 1):
+    attempt = 0
+    while True:
         try:
             return read()
         except FileNotFoundError:
@@ -321,7 +322,7 @@ def read_retried(read: Callable[[], bytes], where: str, retries: int, backoff_s:
             log.warning("%s: read failed (%r); retry %d of %d in %.1f s", where, exc, attempt + 1, retries,
                         backoff_s * 2**attempt)
             time.sleep(backoff_s * 2**attempt)
-    raise AssertionError("unreachable")
+            attempt += 1
 
 
 def export_folder(shards_dir: str | os.PathLike, out_dir: str | os.PathLike, *, limit: int | None = None) -> int:
