@@ -15,10 +15,11 @@ import pytest
 # free_port, wait_healthy and stop are the ones `faceops stack` uses (stop: SIGTERM to the process group,
 # then SIGKILL after 20 s); re-exported here for the tests
 from faceops.processes import free_port, spawn, stop, wait_healthy
-from faceops.stack.servers import QUIET_ENV as QUIET
+from faceops.stack.compose import quiet_env
 from faceops.stack.servers import mlflow_command, prefect_command, prefect_server_env
 
 BIN = Path(sys.executable).parent
+QUIET = quiet_env()
 
 
 @contextlib.contextmanager

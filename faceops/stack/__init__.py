@@ -1,6 +1,7 @@
 """``faceops stack``: the Prefect server, the MLflow server and, with ``--s3``, moto's S3 on a laptop, no Docker;
 with ``--workers``, also the work pools, the deployments of prefect.yaml, a worker per pool and a local DVC remote.
-The laptop counterpart of ``infra/docker-compose.yml`` (PostgreSQL, MinIO and containers for a team).
+These are ``infra/docker-compose.yml``'s services run as local processes, with its command lines and ports
+(``faceops/stack/compose.py`` says what stands in for each other service, e.g. SQLite for PostgreSQL, and why).
 
 This module plans the servers (``plans``), starts them (``up``), reports them (``status``) and stops them
 (``down``); the command is ``faceops/stack/cli.py``, the command lines and set-up steps ``faceops/stack/servers.py``,
@@ -30,8 +31,9 @@ from faceops.processes import (
     HOST, STOP_TIMEOUT, ServerFailed, StackError, Target, http_ok, pid_alive, port_busy, proc_start, spawn,
     stop_targets, utc_now, wait_healthy,
 )
+from faceops.stack.compose import pools, published_port
 from faceops.stack.servers import (
-    POOLS, S3_DUMMY_CREDENTIALS, check_git_head, create_bucket, install_crash_detection, mlflow_command, moto_command,
+    S3_DUMMY_CREDENTIALS, check_git_head, create_bucket, install_crash_detection, mlflow_command, moto_command,
     prefect_command, prefect_server_env, server_env, setup_deployments, worker_command,
 )
 
@@ -125,7 +127,7 @@ def plans(root: Path, *, s3: bool, prefect_port: int, mlflow_port: int, s3_port:
     out.append(Plan("mlflow", "MLflow UI", mlflow_port, "--mlflow-port", cmd, mlflow_env, "/health", info))
     if workers:
         env = worker_env(root, prefect_port, mlflow_port, git_url)
-        for pool in POOLS:
+        for pool in pools():
             out.append(Plan(f"worker-{pool}", f"worker {pool}", 0, "", worker_command(pool), env, "",
                             {"pool": pool, "clones": env["FACEOPS_GIT_URL"]}))
     return out
@@ -258,15 +260,16 @@ def _log_ending(path: str) -> str:
     return ", ending:\n" + "\n".join(f"    {line}" for line in tail) if tail else ""
 
 
-def up(root: Path, *, s3: bool = False, prefect_port: int = 4200, mlflow_port: int = 5000, s3_port: int = 5055,
-       bucket: str = "faceops", timeout: float = HEALTH_TIMEOUT, workers: bool = False, git_url: str | None = None
-       ) -> tuple[list[Service], bool]:
+def up(root: Path, *, s3: bool = False, prefect_port: int | None = None, mlflow_port: int | None = None,
+       s3_port: int = 5055, bucket: str = "faceops", timeout: float = HEALTH_TIMEOUT, workers: bool = False,
+       git_url: str | None = None) -> tuple[list[Service], bool]:
     """Start the stack and wait until every server answers its health check; returns (services, already_running).
 
     A stack already running with the same servers and ports is reported, not restarted; with other options it
     is an error (``down`` first). A record whose processes are all gone is cleaned. Busy ports are refused before
-    anything starts. If a server fails, the ones started are stopped and the error quotes its log. With
-    ``workers``, the pools, deployments, workers and the local DVC remote follow once the servers answer.
+    anything starts; ports default to those the compose file publishes (``PREFECT_PORT``, ``MLFLOW_PORT``). If a
+    server fails, the ones started are stopped and the error quotes its log. With ``workers``, the pools,
+    deployments, workers and the local DVC remote follow once the servers answer.
     """
     if s3:
         if not _BUCKET.match(bucket):
@@ -275,6 +278,8 @@ def up(root: Path, *, s3: bool = False, prefect_port: int = 4200, mlflow_port: i
         if importlib.util.find_spec("moto") is None:
             raise StackError("--s3 needs moto's server, which is not installed: pip install 'moto[server]' "
                              "(or `pip install -e '.[test]'`)")
+    prefect_port = prefect_port or published_port("prefect-server", os.environ)
+    mlflow_port = mlflow_port or published_port("mlflow", os.environ)
     todo = plans(root, s3=s3, prefect_port=prefect_port, mlflow_port=mlflow_port, s3_port=s3_port, bucket=bucket,
                  workers=workers, git_url=git_url)
     if workers:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -31,8 +31,10 @@ stack_app = typer.Typer(
         "* `eval \"$(faceops stack env)\"` — point this shell (and so `faceops run`) at them\n\n"
         "* `faceops stack status` — is each one running and answering\n\n"
         "* `faceops stack down` — stop them\n\n"
-        "State, logs and stores: `.faceops/stack/` in the repository root. A team deployment is `infra/` "
-        "(see `infra/README.md`)."
+        "* `faceops stack services` — what runs here for each service of `infra/docker-compose.yml`\n\n"
+        "The servers and workers are the compose file's services, with its command lines and ports, run as local "
+        "processes (SQLite for PostgreSQL, moto or folders for MinIO). State, logs and stores: `.faceops/stack/` in "
+        "the repository root. A team deployment is the compose file itself (see `infra/README.md`)."
     ),
 )
 
@@ -87,8 +89,12 @@ def _echo_services(root: Path, services: Sequence[Service]) -> None:
 @stack_app.command("up")
 def up_cmd(
     s3: Annotated[bool, typer.Option("--s3", help="also start moto's S3 and keep MLflow's artifacts in `s3://BUCKET/mlflow`")] = False,
-    prefect_port: Annotated[int, typer.Option(min=1, max=65535, help="Prefect server (API + UI) port")] = 4200,
-    mlflow_port: Annotated[int, typer.Option(min=1, max=65535, help="MLflow tracking server (API + UI) port")] = 5000,
+    prefect_port: Annotated[Optional[int], typer.Option(
+        min=1, max=65535, show_default=False,
+        help="Prefect server (API + UI) port  [default: the compose file's, 4200 unless PREFECT_PORT says]")] = None,
+    mlflow_port: Annotated[Optional[int], typer.Option(
+        min=1, max=65535, show_default=False,
+        help="MLflow tracking server (API + UI) port  [default: the compose file's, 5000 unless MLFLOW_PORT says]")] = None,
     s3_port: Annotated[int, typer.Option(min=1, max=65535, help="moto S3 port (with `--s3`)")] = 5055,
     bucket: Annotated[str, typer.Option(help="bucket created on moto for MLflow's artifacts (with `--s3`)")] = "faceops",
     timeout: Annotated[float, typer.Option(min=1, help="seconds to wait for each server's health check")] = HEALTH_TIMEOUT,
@@ -140,6 +146,30 @@ def up_cmd(
     typer.echo("\nTo use it from this shell (`faceops run` reads these), run `eval \"$(faceops stack env)\"` or:")
     _echo_env(services)
     typer.echo("\nStop it with `faceops stack down`.")
+
+
+@stack_app.command("services")
+def services_cmd() -> None:
+    """List the services of `infra/docker-compose.yml` and what `faceops stack up` runs for each: the compose
+    command made local (loopback, this interpreter, dropped container-only flags) or what stands in for it.
+    """
+    import os
+    import shlex
+
+    from faceops.stack.compose import DROPPED_FLAGS, LOCAL, compose, local_command
+
+    try:
+        names = list(compose()["services"])
+    except StackError as exc:
+        _fail(str(exc))
+    for name in names:
+        runs, note = LOCAL.get(name, (False, "no local counterpart yet: give it one in faceops/stack/compose.py"))
+        typer.echo(f"{name:<15} {note}")
+        if runs:
+            typer.echo(f"{'':<15} $ {shlex.join(['python', *local_command(name, os.environ)[1:]])}")
+    typer.echo("\nleft out of the compose commands:")
+    for flag, (_, why) in DROPPED_FLAGS.items():
+        typer.echo(f"  {flag}: {why}")
 
 
 @stack_app.command("env")

@@ -2,8 +2,9 @@
 Prefect worker per work pool) and the set-up steps that follow their start: the S3 bucket, the work pools and
 deployments (schedules paused), and the crash-detection automation.
 
-``faceops/stack`` plans and records the servers; the integration tests' servers (``tests/servers.py``) use
-the same command lines.
+The Prefect, MLflow and worker command lines are ``infra/docker-compose.yml``'s, made local by
+``faceops/stack/compose.py``; moto stands in for MinIO. ``faceops/stack`` plans and records the servers; the
+integration tests' servers (``tests/servers.py``) use the same command lines.
 """
 
 from __future__ import annotations
@@ -16,30 +17,30 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from faceops.processes import HOST, ServerFailed, StackError
+from faceops.stack.compose import local_command, pools, quiet_env, worker_service
 
-QUIET_ENV = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "1"}
 # moto accepts any credentials; these fixed dummies keep real ones from ever being sent to it
 S3_DUMMY_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                         "AWS_DEFAULT_REGION": "us-east-1"}
 # settings a user may have exported for another server; the stack's servers must use their own stores
 _FOREIGN_SERVER_ENV = ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_API_DATABASE_CONNECTION_URL",
                        "PREFECT_SERVER_DATABASE_CONNECTION_URL")
-POOLS = ("cpu", "gpu")  # the work pools of prefect.yaml
 
 
 def prefect_command(port: int) -> list[str]:
-    """``prefect server start`` on 127.0.0.1:``port`` (its SQLite store lives in ``PREFECT_HOME``)."""
-    return [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port)]
+    """compose's ``prefect-server``: ``prefect server start`` on 127.0.0.1:``port`` (its SQLite store lives in
+    ``PREFECT_HOME``)."""
+    return local_command("prefect-server", os.environ, port=str(port))
 
 
 def mlflow_command(port: int, backend_store_uri: str, artifacts_destination: str,
                    default_artifact_root: str | None = None) -> list[str]:
-    """``mlflow server`` on 127.0.0.1:``port``, proxying artifacts to ``artifacts_destination`` (a path or s3://);
-    with ``default_artifact_root``, experiments it creates keep their artifacts there instead (a path that clients
-    without the server can read too)."""
+    """compose's ``mlflow``: ``mlflow server`` on 127.0.0.1:``port``, proxying artifacts to
+    ``artifacts_destination`` (a path or s3://); with ``default_artifact_root``, experiments it creates keep their
+    artifacts there instead (a path that clients without the server can read too)."""
     root = ["--default-artifact-root", default_artifact_root] if default_artifact_root else []
-    return [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", backend_store_uri, *root,
-            "--artifacts-destination", artifacts_destination, "--host", HOST, "--port", str(port), "--workers", "1"]
+    return [*local_command("mlflow", os.environ, port=str(port)), "--backend-store-uri", backend_store_uri, *root,
+            "--artifacts-destination", artifacts_destination]
 
 
 def prefect_server_env(port: int, home: Path) -> dict[str, str]:
@@ -51,9 +52,8 @@ def prefect_server_env(port: int, home: Path) -> dict[str, str]:
 
 
 def worker_command(pool: str) -> list[str]:
-    """``prefect worker start`` for the ``process`` work pool ``pool``."""
-    return [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process",
-            "--name", f"faceops-{pool}"]
+    """compose's worker for work pool ``pool``: ``prefect worker start --pool POOL --type process``."""
+    return local_command(worker_service(pool), os.environ)
 
 
 def moto_command(port: int) -> list[str]:
@@ -64,7 +64,7 @@ def moto_command(port: int) -> list[str]:
 def server_env(extra: Mapping[str, str]) -> dict[str, str]:
     """This process's environment, quiet and offline, without settings that point at other servers, plus ``extra``."""
     env = {k: v for k, v in os.environ.items() if k not in _FOREIGN_SERVER_ENV}
-    return {**env, **QUIET_ENV, **extra}
+    return {**env, **quiet_env(), **extra}
 
 
 def create_bucket(endpoint: str, bucket: str) -> None:
@@ -111,7 +111,7 @@ def setup_deployments(root: Path, api_url: str, env: Mapping[str, str], log: Pat
 
     with temporary_settings(updates={PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
         template = ProcessWorker.get_default_base_job_template()
-        for pool in POOLS:
+        for pool in pools():
             with contextlib.suppress(ObjectAlreadyExists):
                 client.create_work_pool(WorkPoolCreate(name=pool, type="process", base_job_template=template))
         with open(log, "ab") as out:

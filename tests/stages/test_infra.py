@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from faceops.stack import compose as local
+from faceops.stack.compose import VARIABLE, interpolate
+
 REPO = Path(__file__).resolve().parents[2]
 INFRA = REPO / "infra"
 COMPOSE = INFRA / "docker-compose.yml"
@@ -23,8 +26,6 @@ DOCKERFILE = INFRA / "Dockerfile"
 TEMPLATE = INFRA / "k8s" / "gpu-work-pool.json"
 
 SECRET_KEY = re.compile(r"PASSWORD|SECRET|TOKEN|ACCESS_KEY")
-# ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?error}, ${VAR?error}; $${...} is an escape for the container
-VARIABLE = re.compile(r"(?<!\$)\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
 SERVICE_KEYS = {  # the compose specification's service attributes
     "annotations", "attach", "blkio_config", "build", "cap_add", "cap_drop", "cgroup", "cgroup_parent", "command",
     "configs", "container_name", "cpu_count", "cpu_percent", "cpu_period", "cpu_quota", "cpu_rt_period",
@@ -63,20 +64,6 @@ def _env(service: dict) -> dict[str, str]:
 def _compose_lines() -> str:
     """The compose file without its comment lines (what compose interpolates)."""
     return "\n".join(line for line in COMPOSE.read_text().splitlines() if not line.lstrip().startswith("#"))
-
-
-def _resolve(text: str, env: dict[str, str]) -> str:
-    """Compose's interpolation of ``${VAR...}`` with ``env`` and the defaults written in the file."""
-
-    def value(m: re.Match) -> str:
-        name, op, arg = m.group(1), m.group(2) or "", m.group(3) or ""
-        if name in env and (env[name] or ":" not in op):
-            return env[name]
-        if op.endswith("-"):
-            return arg
-        raise KeyError(f"${{{name}}} is unset and has no default")
-
-    return VARIABLE.sub(value, text)
 
 
 # ── docker-compose.yml ────────────────────────────────────────────────────────────────────────────────────────────
@@ -203,10 +190,58 @@ def test_published_ports_bind_to_loopback(compose, example_env):
     for name, service in compose["services"].items():
         for port in service.get("ports", []):
             for env in ({}, example_env):  # the file's defaults, and the documented settings
-                host_ip = _resolve(str(port), env).rsplit(":", 2)[0]
+                host_ip = interpolate(str(port), env).rsplit(":", 2)[0]
                 assert host_ip == "127.0.0.1", f"{name} publishes {port} on {host_ip!r}"
             published += 1
     assert published >= 4  # prefect, mlflow, minio (API + console)
+
+
+# ── faceops stack: the compose file's services as local processes ──────────────────────────────────────────────
+
+
+def test_every_compose_service_has_a_local_counterpart_or_a_reason(compose):
+    """`faceops stack` wraps the compose file: a service added there must be given its local stand-in."""
+    assert set(compose["services"]) == set(local.LOCAL), (
+        f"faceops/stack/compose.py LOCAL lacks {set(compose['services']) - set(local.LOCAL)} "
+        f"and names {set(local.LOCAL) - set(compose['services'])} the file does not have")
+    for name, (runs, _) in local.LOCAL.items():
+        if runs:  # its command runs as a local process: an entry point this interpreter has as a module
+            assert compose["services"][name]["command"][0] in ("mlflow", "prefect"), name
+
+
+def test_the_local_stack_runs_the_compose_commands_made_local(tmp_path):
+    """A flag added to a service's compose command reaches the local process; host, port and the container-only
+    flags are the local stack's; defaults and pools come from the file."""
+    text = COMPOSE.read_text()
+    text = text.replace('"--workers", "2"]', '"--workers", "2", "--gunicorn-opts", "--timeout=90"]')
+    text = text.replace('"--pool", "gpu"', '"--pool", "accel"')
+    text = text.replace("${MLFLOW_PORT:-5000}:5000", "${MLFLOW_PORT:-5123}:5000")
+    (tmp_path / "infra").mkdir()
+    (tmp_path / "infra" / "docker-compose.yml").write_text(text)
+    mlflow = local.local_command("mlflow", {}, tmp_path, port="5100")
+    assert mlflow[1:] == ["-m", "mlflow", "server", "--host", "127.0.0.1", "--port", "5100", "--workers", "1",
+                          "--gunicorn-opts", "--timeout=90"]
+    worker = local.local_command(local.worker_service("cpu", tmp_path), {"CPU_WORKER_LIMIT": "7"}, tmp_path)
+    assert worker[1:] == ["-m", "prefect", "worker", "start", "--pool", "cpu", "--type", "process",
+                          "--name", "cpu-worker"]  # no --limit 7, no --with-healthcheck
+    assert local.pools(tmp_path) == ("cpu", "accel")
+    assert local.published_port("mlflow", {}, tmp_path) == 5123
+    assert local.published_port("mlflow", {"MLFLOW_PORT": "5200"}, tmp_path) == 5200
+    assert local.quiet_env(tmp_path)["DO_NOT_TRACK"] == "1"
+
+
+def test_the_local_pools_are_the_deployments_pools():
+    prefect = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    assert set(local.pools()) == {p["name"] for p in prefect["definitions"]["work_pools"].values()}
+
+
+def test_a_broken_compose_file_is_one_error_naming_it(tmp_path):
+    (tmp_path / "infra").mkdir()
+    (tmp_path / "infra" / "docker-compose.yml").write_text("services: [\n")
+    with pytest.raises(local.StackError, match="docker-compose.yml: cannot read"):
+        local.compose(tmp_path)
+    with pytest.raises(local.StackError, match="has no Prefect worker for pool 'tpu'"):
+        local.worker_service("tpu")
 
 
 def test_docker_compose_config_accepts_the_file(tmp_path):
