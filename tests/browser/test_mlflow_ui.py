@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -151,3 +152,56 @@ def test_the_columns_picker_lists_compared_numbers_not_their_counts_and_bounds(p
     page.get_by_text("metrics", exact=True).first.click()  # the run's artifact tree: metrics/details.json
     page.get_by_text("details.json", exact=True).first.click()
     page.get_by_text("sets/caface/n_mated").first.wait_for()
+
+
+# a pipeline run and its folded stage runs; the stages' keys are named as in a default run
+STAGE_KEYS = {"align": {"align/residual_nme": 0.03}, "train_aligner": {"test/nme": 0.05, "val/nme": 0.06},
+              "evaluate": {"real/verification/accuracy": 0.8, "sets/videos_single/caface/rank1": 0.35}}
+
+
+def _pipeline_store(tmp_path_factory, parent_holds_summary: bool):
+    """A server with one pipeline run and a nested run per stage of ``STAGE_KEYS``; the pipeline run holds its own
+    timings and, when ``parent_holds_summary``, the stages' numbers as ``flows.pipeline`` logs them."""
+    import mlflow
+
+    from ops.tracking import log_summary
+
+    work = tmp_path_factory.mktemp("mlflow_chart")
+    with mlflow_server(work) as env:
+        mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
+        experiment = mlflow.set_experiment("faceops")
+        with mlflow.start_run(run_name="pipeline default"):
+            mlflow.log_metrics({"pipeline/wall_seconds": 1200.0, "pipeline/stages_ran": 3.0})
+            if parent_holds_summary:
+                log_summary({k: v for keys in STAGE_KEYS.values() for k, v in keys.items()})
+            for stage, keys in STAGE_KEYS.items():
+                with mlflow.start_run(run_name=stage, nested=True):
+                    log_summary(keys)
+        yield env["MLFLOW_TRACKING_URI"], experiment.experiment_id
+
+
+def _chart_sections(page, base: str, experiment_id: str) -> dict[str, int]:
+    """The chart view's sections as the page shows them: name → the chart count beside it."""
+    from ops.store import runs_page
+
+    page.goto(f"{base}{runs_page(experiment_id)}&compareRunsMode=CHART")
+    page.get_by_text("pipeline", exact=True).first.wait_for()
+    page.wait_for_timeout(1500)  # the sections settle once the folded runs' keys have loaded
+    text = page.inner_text("body")
+    return {name: int(count) for name, count in re.findall(r"\n([\w/.@=-]+)\n\((\d+)\)\n", text)}
+
+
+@pytest.mark.parametrize("parent_holds_summary", [False, True], ids=["stage-runs-only", "as-faceops-logs"])
+def test_the_chart_view_opens_without_an_empty_section(page, tmp_path_factory, parent_holds_summary):
+    """With the stage runs folded under their pipeline run (as the table opens), MLflow shows an empty section for
+    the first metric prefix only folded runs hold; the pipeline run holding its stages' numbers fills it, and every
+    section of a faceops prefix has a chart of the pipeline run."""
+    for base, experiment_id in _pipeline_store(tmp_path_factory, parent_holds_summary):
+        sections = _chart_sections(page, base, experiment_id)
+    ours = {name: n for name, n in sections.items() if name not in ("Model metrics", "System metrics")}
+    assert ours.get("pipeline") == 2, sections
+    if parent_holds_summary:
+        assert min(ours.values()) >= 1, sections
+        assert {"align", "test", "real/verification"} <= set(ours), sections
+    else:  # the defect the pipeline's summary answers, as MLflow shows it
+        assert 0 in ours.values(), sections

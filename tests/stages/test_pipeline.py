@@ -167,6 +167,13 @@ def test_mlflow_curves_rise_in_steps_and_the_pipeline_times_say_what_they_are(sm
     metrics = pipeline.data.metrics
     assert "pipeline/seconds" not in metrics and metrics["pipeline/stage_seconds_sum"] > 0
     assert 0 < metrics["pipeline/wall_seconds"] <= (pipeline.info.end_time - pipeline.info.start_time) / 1000
+    # the pipeline run holds each number exactly one of its stages wrote, as that stage's run has it
+    aligner, sets = by_name["train_aligner"].data.metrics, by_name["evaluate"].data.metrics
+    assert metrics["test/nme"] == pytest.approx(aligner["test/nme"])
+    assert metrics["sets/videos_single/caface/rank1"] == pytest.approx(sets["sets/videos_single/caface/rank1"])
+    assert metrics["align/residual_nme"] == pytest.approx(by_name["align"].data.metrics["align/residual_nme"])
+    assert "train/loss" not in metrics and "val/accuracy" not in metrics  # several stages write them
+    assert not any(k.endswith(("/ci_low", "/std", "/n_mated")) for k in metrics)  # details stay in the stage runs
 
 
 def test_digests_in_mlflow_tags_are_the_ones_dvc_recorded(smoke_run):
