@@ -95,7 +95,11 @@ def quiet_env(root: Path | None = None) -> dict[str, str]:
 def published_port(name: str, env: Mapping[str, str], root: Path | None = None) -> int:
     """The host port service ``name`` publishes first, interpolated with ``env`` (e.g. ``MLFLOW_PORT``)."""
     spec = interpolate(str(service(name, root)["ports"][0]), env, lenient=True)
-    return int(spec.rsplit(":", 2)[-2])
+    try:
+        return int(spec.rsplit(":", 2)[-2])
+    except (ValueError, IndexError):
+        raise StackError(f"service {name!r} publishes {spec!r}, which names no host port: check PREFECT_PORT / "
+                         "MLFLOW_PORT in the environment, or pass the port option") from None
 
 
 def local_command(name: str, env: Mapping[str, str], root: Path | None = None, **flags: str) -> list[str]:

@@ -227,6 +227,8 @@ def test_the_local_stack_runs_the_compose_commands_made_local(tmp_path):
     assert local.pools(tmp_path) == ("cpu", "accel")
     assert local.published_port("mlflow", {}, tmp_path) == 5123
     assert local.published_port("mlflow", {"MLFLOW_PORT": "5200"}, tmp_path) == 5200
+    with pytest.raises(local.StackError, match="names no host port"):
+        local.published_port("mlflow", {"MLFLOW_PORT": "five"}, tmp_path)
     assert local.quiet_env(tmp_path)["DO_NOT_TRACK"] == "1"
 
 
