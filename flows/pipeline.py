@@ -8,7 +8,7 @@ and the generator after ``train_fr@real``) run at the same time, up to params
 ``pipeline.jobs`` at once; the stages in ``pipeline.exclusive`` run alone, on every core (``tasks.pipeline``).
 Prefect adds the flow run, one visible task per stage, retries and logs; MLflow gets a parent run per flow run under
 which each stage's run nests. The parent run also holds its stages' summary numbers
-(``flows.stages.pipeline_summary``), so pipeline runs compare in MLflow's table and chart view with their stage runs
+(``ops.lineage.unique_summary``), so pipeline runs compare in MLflow's table and chart view with their stage runs
 folded.
 """
 
@@ -24,8 +24,8 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows import routing
-from flows.stages import limit_jobs, pipeline_summary, stage_graph
-from ops import store, tracking
+from flows.stages import DVC_LOCK, limit_jobs, stage_graph
+from ops import lineage, store, tracking
 from ops.run_config import config_label, run_config
 
 
@@ -120,7 +120,8 @@ def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = Fal
         logger.info("%d stage(s) ran, %d restored from DVC's run-cache%s, %d up to date",
                     sum(r["ran"] for r in results), len(restored), f" ({', '.join(restored)})" if restored else "",
                     sum(not r["ran"] and not r.get("restored") for r in results))
-        summary = pipeline_summary(root_path, [r["stage"] for r in results])
+        with DVC_LOCK:
+            summary = lineage.unique_summary(root_path, [r["stage"] for r in results])
         tracking.log_summary({k: v for k, v in summary.items() if not tracking.DETAIL.search(k)})
         mlflow.log_metrics({
             "pipeline/stages_ran": float(sum(r["ran"] for r in results)),

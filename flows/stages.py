@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -34,8 +34,9 @@ import yaml
 from prefect import get_run_logger
 from prefect.runtime import flow_run
 
-from ml.errors import ConfigError
+from ml.errors import ConfigError, DataError
 from ops import lineage, store, tracking
+from ops.lineage import flat_items, stage_metrics  # flat_items: also flows.routing's
 
 # one DVC operation at a time in this process: DVC's Repo is not thread-safe (the file lock guards other processes)
 DVC_LOCK = threading.Lock()
@@ -376,56 +377,12 @@ def restored_record(root: Path, stage: str, metrics_files: list[str]) -> tuple[d
     params: dict[str, Any] = {}
     for values in (entry.get("params") or {}).values():  # {params.yaml: {section or dotted key: value}}
         params.update(flat_items(values))
-    return {k: str(v)[:500] for k, v in params.items()}, stage_metrics(root, stage, metrics_files)
-
-
-def stage_metrics(root: Path, stage: str, metrics_files: list[str]) -> dict[str, float]:
-    """The numbers in ``stage``'s ``metrics_files`` (``metrics/train_fr_real.json``; a file holding a ``metrics``
-    mapping beside its settings contributes that mapping), nested keys joined with ``/``."""
-    metrics: dict[str, float] = {}
-    for rel in metrics_files:
-        path = root / rel
-        try:
-            doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except (OSError, yaml.YAMLError) as exc:
-            raise StageFailed(f"stage '{stage}': its metrics file {path} cannot be read ({exc}); run the stage with "
-                              "--force to write it again") from exc
-        if isinstance(doc, dict) and isinstance(doc.get("metrics"), dict):
-            doc = doc["metrics"]
-        flat = flat_items(doc if isinstance(doc, dict) else {}, "/")
-        metrics.update({k: float(v) for k, v in flat.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
-    return metrics
-
-
-def pipeline_summary(root: Path, stages: list[str]) -> dict[str, float]:
-    """What the pipeline's own MLflow run shows of its stages: each key of their DVC metrics files that exactly one
-    of ``stages`` writes (``test/nme``, ``sets/caface/rank1``), so pipeline runs compare side by side in one table
-    and their chart view has a chart in every section the folded stage runs open. A key several stages write
-    (``train/loss``, the FR arms' ``val/accuracy``) stays on the stage runs: on the pipeline run it would be
-    ambiguous. Stages whose metrics files are missing (not run yet) add nothing."""
-    from dvc.repo import Repo
-
-    owners: dict[str, list[str]] = {}
-    values: dict[str, float] = {}
-    with DVC_LOCK, Repo(str(root)) as repo:
-        files = {s: [str(o.def_path) for o in repo.stage.collect(s)[0].outs if o.is_metric] for s in stages}
-    for stage, paths in files.items():
-        found = stage_metrics(root, stage, [p for p in paths if (root / p).is_file()])
-        for key, value in found.items():
-            owners.setdefault(key, []).append(stage)
-            values[key] = value
-    return {k: v for k, v in values.items() if len(owners[k]) == 1}
-
-
-def flat_items(tree: Any, sep: str = ".", prefix: str = "") -> dict[str, Any]:
-    """Key path (keys joined with ``sep``) → value of every leaf of a nested mapping (lists are leaves; empty mappings
-    have none)."""
-    if not isinstance(tree, Mapping):
-        return {prefix: tree}
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        out.update(flat_items(value, sep, f"{prefix}{sep}{key}" if prefix else str(key)))
-    return out
+    try:
+        metrics = stage_metrics(root, metrics_files)
+    except DataError as exc:
+        raise StageFailed(f"stage '{stage}' was restored from DVC's run-cache but {exc}; run the stage with --force "
+                          "to write it again") from exc
+    return {k: str(v)[:500] for k, v in params.items()}, metrics
 
 
 def log_restored_stage(root: Path, stage: str, parent_run_id: str | None, params: dict[str, str],

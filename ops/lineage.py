@@ -11,15 +11,23 @@ that made an output by them. The hashes come from one of two places:
   runs then. DVC keeps the hashes in its state database, so its own hashing right after costs nothing extra.
 
 The stages of one ``dvc exp run`` nest under one parent run, ``dvc exp <name>`` (``experiment_parent``), as a
-``faceops run``'s nest under its pipeline run.
+``faceops run``'s nest under its pipeline run. A parent run also shows its stages' numbers (``unique_summary``):
+each key of their DVC metrics files that exactly one stage writes, so parent runs compare in MLflow's table and its
+chart view has charts with the stage runs folded.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ml.errors import DataError
 
 log = logging.getLogger(__name__)
 
@@ -101,3 +109,76 @@ def experiment_parent(experiment_id: str, tags: Mapping[str, str]) -> str | None
         **tags, "faceops.kind": KIND, "dvc.exp_name": name, "dvc.exp_baseline_rev": baseline})
     client.set_terminated(run.info.run_id)
     return run.info.run_id
+
+
+def flat_items(tree: Any, sep: str = ".", prefix: str = "") -> dict[str, Any]:
+    """Key path (keys joined with ``sep``) → value of every leaf of a nested mapping (lists are leaves; empty mappings
+    have none)."""
+    if not isinstance(tree, Mapping):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(flat_items(value, sep, f"{prefix}{sep}{key}" if prefix else str(key)))
+    return out
+
+
+def stage_metrics(root: Path, metrics_files: Sequence[str]) -> dict[str, float]:
+    """The numbers in a stage's DVC ``metrics_files`` (``metrics/train_fr_real.json``; a file holding a ``metrics``
+    mapping beside its settings contributes that mapping), nested keys joined with ``/``. An unreadable file is a
+    DataError naming it."""
+    metrics: dict[str, float] = {}
+    for rel in metrics_files:
+        path = root / rel
+        try:
+            doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError) as exc:
+            raise DataError(f"its metrics file {path} cannot be read ({exc})") from exc
+        if isinstance(doc, dict) and isinstance(doc.get("metrics"), dict):
+            doc = doc["metrics"]
+        flat = flat_items(doc if isinstance(doc, dict) else {}, "/")
+        metrics.update({k: float(v) for k, v in flat.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    return metrics
+
+
+def unique_summary(root: Path, stages: Sequence[str] | None = None, only: str | None = None) -> dict[str, float]:
+    """What a parent run shows of ``stages`` (DVC addresses; default every stage of ``root``'s pipeline): each key of
+    their DVC metrics files that exactly one of them writes (``test/nme``, ``sets/caface/rank1``), restricted to
+    stage ``only``'s keys when given. A key several stages write (``train/loss``, the FR arms' ``val/accuracy``)
+    stays on the stage runs: on the parent it would be ambiguous. Metrics files not written yet add nothing."""
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        names = list(stages) if stages is not None else [s.addressing for s in repo.index.stages]
+        files = {s: [str(o.def_path) for o in repo.stage.collect(s)[0].outs if o.is_metric] for s in names}
+    owners: dict[str, list[str]] = {}
+    values: dict[str, float] = {}
+    for stage, paths in files.items():
+        for key, value in stage_metrics(root, [p for p in paths if (root / p).is_file()]).items():
+            owners.setdefault(key, []).append(stage)
+            values[key] = value
+    unique = {k: v for k, v in values.items() if len(owners[k]) == 1}
+    return unique if only is None else {k: v for k, v in unique.items() if owners[k] == [only]}
+
+
+def summarise_on_experiment_parent(root: Path, parent_run_id: str) -> None:
+    """When DVC runs this stage (``DVC_STAGE``) inside a ``dvc exp run``, add its unique summary numbers
+    (``unique_summary``, split as a stage run's summary is) to the experiment's parent run. A failure is a warning:
+    the stage's own run holds every number."""
+    stage = os.environ.get("DVC_STAGE")
+    if not stage:
+        return
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric
+
+    from ops.tracking import DETAIL, split_summary
+
+    try:
+        found = unique_summary(root, only=stage)
+        columns, curves, _ = split_summary({k: v for k, v in found.items() if not DETAIL.search(k)})
+        now = int(time.time() * 1000)
+        rows = [Metric(k, v, now, 0) for k, v in columns.items()]
+        rows += [Metric(k, v, now, step) for k, points in curves.items() for step, v in points.items()]
+        if rows:
+            MlflowClient().log_batch(parent_run_id, metrics=rows)
+    except Exception as exc:  # noqa: BLE001 - the parent's summary is a view; the stage's run holds the numbers
+        log.warning("could not add stage %s's numbers to its experiment's run %s: %s", stage, parent_run_id, exc)

@@ -427,9 +427,10 @@ def stage_run(stage: str, params: Mapping[str, Any], root: Path) -> Iterator[_Tr
 
     experiment_id = configure(root)
     parent = os.environ.get(ENV_PARENT_RUN)
+    experiment_parent = None
     if not parent and os.environ.get("DVC_EXP_NAME"):  # `dvc exp run`: its stages nest under one run
         with store_creation_lock(tracking_uri(root)):
-            parent = lineage.experiment_parent(experiment_id, {
+            parent = experiment_parent = lineage.experiment_parent(experiment_id, {
                 "git.commit": tags["git.commit"], **run_config(root)})
     run = _start_run(stage, flat, tags, parent)
     try:
@@ -438,6 +439,8 @@ def stage_run(stage: str, params: Mapping[str, Any], root: Path) -> Iterator[_Tr
         mlflow.end_run("FAILED")
         raise
     lineage.tag_from_dvc(root, run.info.run_id)  # dvc repro / dvc exp run: nothing reads dvc.lock after us
+    if experiment_parent:
+        lineage.summarise_on_experiment_parent(root, experiment_parent)
     mlflow.end_run()
 
 

@@ -200,7 +200,10 @@ EXP_STAGE = textwrap.dedent("""
     with stage_run("count", {"count": {"value": value}}, Path.cwd()) as tracker:
         tracker.log_metrics({"count/value": float(value)})
         Path("out.txt").write_text(str(value))
+        Path("metrics.json").write_text('{"count": {"value": %d, "seen": 1}}' % value)
 """)
+SEEN = 'import pathlib\npathlib.Path("seen.json").write_text(\'{"count": {"seen": 1}}\')\n'
+
 
 
 def test_a_dvc_experiment_in_a_temporary_copy_logs_into_the_projects_store(tmp_path):
@@ -209,9 +212,13 @@ def test_a_dvc_experiment_in_a_temporary_copy_logs_into_the_projects_store(tmp_p
     repo = tmp_path / "proj"
     repo.mkdir()
     (repo / "stage.py").write_text(EXP_STAGE)
+    (repo / "seen.py").write_text(SEEN)
+    (repo / "seen.json").write_text('{"count": {"seen": 1}}')  # committed, as a project's metrics files are
     (repo / "params.yaml").write_text("count:\n  value: 1\n")
-    (repo / "dvc.yaml").write_text("stages:\n  count:\n    cmd: python stage.py\n    deps: [stage.py]\n"
-                                   "    params: [count.value]\n    outs: [out.txt]\n")
+    (repo / "dvc.yaml").write_text(  # `seen`: a stage that writes a key of `count`'s metrics too
+        "stages:\n  count:\n    cmd: python stage.py\n    deps: [stage.py]\n    params: [count.value]\n"
+        "    outs: [out.txt]\n    metrics: [{metrics.json: {cache: false}}]\n"
+        "  seen:\n    cmd: python seen.py\n    deps: [seen.py]\n    metrics: [{seen.json: {cache: false}}]\n")
     (repo / ".gitignore").write_text("mlflow.db*\nmlruns/\n")
     env = {**os.environ, "PYTHONPATH": str(REPO), "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
            "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t", "DVC_NO_ANALYTICS": "1",
@@ -234,5 +241,7 @@ def test_a_dvc_experiment_in_a_temporary_copy_logs_into_the_projects_store(tmp_p
     # nested under the experiment's parent run, and tagged with DVC's hashes as dvc.lock records them
     assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
     assert parent.data.tags["faceops.kind"] == "dvc-experiment" and parent.data.tags["dvc.exp_name"] == "two"
+    # the parent shows the numbers only `count` writes, not the key another stage's metrics file has too
+    assert parent.data.metrics == {"count/value": 2.0}
     assert run.data.tags["dvc.dep.stage.py"] == hashlib.md5((repo / "stage.py").read_bytes()).hexdigest()
     assert run.data.tags["dvc.out.out.txt"] == hashlib.md5(b"2").hexdigest()
