@@ -136,7 +136,8 @@ def stage_metrics(root: Path, metrics_files: Sequence[str]) -> dict[str, float]:
         if isinstance(doc, dict) and isinstance(doc.get("metrics"), dict):
             doc = doc["metrics"]
         flat = flat_items(doc if isinstance(doc, dict) else {}, "/")
-        metrics.update({k: float(v) for k, v in flat.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        metrics.update({k: float(v) for k, v in flat.items()
+                        if isinstance(v, (int, float)) and not isinstance(v, bool)})
     return metrics
 
 
