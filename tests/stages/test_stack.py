@@ -300,6 +300,22 @@ def test_stack_outside_a_project_says_where_to_run_it(tmp_path):
     assert out.returncode == 2 and "no dvc.yaml" in out.stderr and "repository root" in out.stderr
 
 
+def test_services_lists_each_compose_service_with_what_runs_for_it_here(tmp_path):
+    """`faceops stack services`: every service of infra/docker-compose.yml, the local command of those whose command
+    runs here (loopback, one MLflow web worker) and the flags left out with their reasons."""
+    import yaml
+
+    out = _stack(["services"], _project(tmp_path))
+    assert out.returncode == 0, out.stderr
+    compose = Path(__file__).resolve().parents[2] / "infra" / "docker-compose.yml"
+    names = yaml.safe_load(compose.read_text())["services"]
+    listed = [line.split()[0] for line in out.stdout.splitlines() if line and not line.startswith((" ", "left"))]
+    assert listed == list(names), out.stdout
+    assert "$ python -m mlflow server --host 127.0.0.1 --port 5000 --workers 1" in out.stdout
+    assert "$ python -m prefect worker start --pool gpu --type process --name gpu-worker" in out.stdout
+    assert "--limit: " in out.stdout and "--with-healthcheck: " in out.stdout
+
+
 # ── one MLflow store: what `make run` logged is in the stack's UI, and `faceops promote` sees it ──
 
 LOG_LIKE_MAKE_RUN = """
@@ -407,3 +423,4 @@ def test_promote_with_the_stacks_env_acts_on_the_same_registry(project_with_runs
     # v2 is @champion and v1 @previous in the store `make run` wrote: the plan names them, not an empty registry
     assert out.returncode == 0, said[-3000:]
     assert "not in the MLflow registry" not in said and "v1" in said and "v2" in said, said[-3000:]
+
