@@ -149,8 +149,9 @@ def unique_summary(root: Path, stages: Sequence[str] | None = None, only: str | 
     from dvc.repo import Repo
 
     with Repo(str(root)) as repo:
-        names = list(stages) if stages is not None else [s.addressing for s in repo.index.stages]
-        files = {s: [str(o.def_path) for o in repo.stage.collect(s)[0].outs if o.is_metric] for s in names}
+        by_name = {s.name: s for s in repo.index.stages}  # train_fr@real: foreach stages come expanded
+        names = list(stages) if stages is not None else list(by_name)
+        files = {s: [str(o.def_path) for o in by_name[s].outs if o.is_metric] for s in names}
     owners: dict[str, list[str]] = {}
     values: dict[str, float] = {}
     for stage, paths in files.items():

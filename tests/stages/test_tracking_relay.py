@@ -245,3 +245,24 @@ def test_a_dvc_experiment_in_a_temporary_copy_logs_into_the_projects_store(tmp_p
     assert parent.data.metrics == {"count/value": 2.0}
     assert run.data.tags["dvc.dep.stage.py"] == hashlib.md5((repo / "stage.py").read_bytes()).hexdigest()
     assert run.data.tags["dvc.out.out.txt"] == hashlib.md5(b"2").hexdigest()
+
+
+def test_a_parent_run_shows_the_numbers_exactly_one_stage_writes(tmp_path):
+    """``ops.lineage.unique_summary`` on a two-stage DVC project: a key both metrics files hold is left to the stage
+    runs, a file not written yet adds nothing, and an unreadable one is one error naming it."""
+    from ml.errors import DataError
+    from ops import lineage
+
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q", "--no-scm"], cwd=tmp_path, check=True, capture_output=True,
+                   env={**os.environ, "DVC_NO_ANALYTICS": "1"})
+    (tmp_path / "dvc.yaml").write_text(
+        "stages:\n  a:\n    cmd: 'true'\n    metrics: [{a.json: {cache: false}}]\n"
+        "  b:\n    cmd: 'true'\n    metrics: [{b.json: {cache: false}}]\n")
+    (tmp_path / "a.json").write_text('{"test": {"nme": 0.05}, "train": {"loss": 1.5}}')
+    assert lineage.unique_summary(tmp_path) == {"test/nme": 0.05, "train/loss": 1.5}  # b.json not written yet
+    (tmp_path / "b.json").write_text('{"sets": {"rank1": 0.4}, "train": {"loss": 0.7}}')
+    assert lineage.unique_summary(tmp_path) == {"test/nme": 0.05, "sets/rank1": 0.4}
+    assert lineage.unique_summary(tmp_path, only="b") == {"sets/rank1": 0.4}
+    (tmp_path / "a.json").write_text('{"test": [')
+    with pytest.raises(DataError, match="a.json cannot be read"):
+        lineage.unique_summary(tmp_path)
