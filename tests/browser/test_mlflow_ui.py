@@ -159,24 +159,38 @@ STAGE_KEYS = {"align": {"align/residual_nme": 0.03}, "train_aligner": {"test/nme
               "evaluate": {"real/verification/accuracy": 0.8, "sets/videos_single/caface/rank1": 0.35}}
 
 
+# a pipeline as flows.pipeline logs it; in its own process, as `_server_with`'s: the fluent API's tracking URI and
+# active experiment are process-wide (mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI), so later tests keep them
+PIPELINE = textwrap.dedent("""
+    import sys
+    import mlflow
+    from ops.tracking import log_summary
+
+    stage_keys, parent_holds_summary = {stage_keys!r}, sys.argv[1] == "1"
+    mlflow.set_experiment("faceops")
+    with mlflow.start_run(run_name="pipeline default"):
+        mlflow.log_metrics({{"pipeline/wall_seconds": 1200.0, "pipeline/stages_ran": 3.0}})
+        if parent_holds_summary:
+            log_summary({{k: v for keys in stage_keys.values() for k, v in keys.items()}})
+        for stage, keys in stage_keys.items():
+            with mlflow.start_run(run_name=stage, nested=True):
+                log_summary(keys)
+""")
+
+
 def _pipeline_store(tmp_path_factory, parent_holds_summary: bool):
     """A server with one pipeline run and a nested run per stage of ``STAGE_KEYS``; the pipeline run holds its own
     timings and, when ``parent_holds_summary``, the stages' numbers as ``flows.pipeline`` logs them."""
-    import mlflow
-
-    from ops.tracking import log_summary
+    from mlflow import MlflowClient
 
     work = tmp_path_factory.mktemp("mlflow_chart")
+    (work / "pipeline.py").write_text(PIPELINE.format(stage_keys=STAGE_KEYS))
     with mlflow_server(work) as env:
-        mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
-        experiment = mlflow.set_experiment("faceops")
-        with mlflow.start_run(run_name="pipeline default"):
-            mlflow.log_metrics({"pipeline/wall_seconds": 1200.0, "pipeline/stages_ran": 3.0})
-            if parent_holds_summary:
-                log_summary({k: v for keys in STAGE_KEYS.values() for k, v in keys.items()})
-            for stage, keys in STAGE_KEYS.items():
-                with mlflow.start_run(run_name=stage, nested=True):
-                    log_summary(keys)
+        proc = subprocess.run([sys.executable, "pipeline.py", str(int(parent_holds_summary))], cwd=work,
+                              capture_output=True, text=True, timeout=180,
+                              env={**os.environ, **env, "PYTHONPATH": str(REPO)})
+        assert proc.returncode == 0, proc.stderr
+        experiment = MlflowClient(env["MLFLOW_TRACKING_URI"]).get_experiment_by_name("faceops")
         yield env["MLFLOW_TRACKING_URI"], experiment.experiment_id
 
 
