@@ -344,7 +344,7 @@ def open_storage(spec: StorageSpec, heartbeat_s: int = 0) -> Any:
             raise SweepError(f"Optuna storage {spec.masked}: directory {db.parent} does not exist")
     engine = {"connect_args": {"timeout": 60}} if spec.target.startswith("sqlite") else {"pool_pre_ping": True}
     last: Exception | None = None
-    for attempt in range(3):  # processes creating one fresh SQLite file at once race on its tables: retry
+    for attempt in range(3):
         try:
             if heartbeat_s <= 0:
                 return optuna.storages.RDBStorage(spec.target, engine_kwargs=engine)
@@ -358,7 +358,10 @@ def open_storage(spec: StorageSpec, heartbeat_s: int = 0) -> Any:
             raise SweepError(f"Optuna storage {spec.masked}: its database driver cannot be imported") from None
         except Exception as exc:  # sqlalchemy's OperationalError & co: unreachable host, bad credentials
             last = exc
-            if not spec.target.startswith("sqlite"):
+            # processes creating a fresh database's tables at once race on them, on SQLite as on a server (two
+            # CREATE TABLE alembic_version: "duplicate key value"); the loser finds them made on its next try
+            raced = "duplicate key" in str(exc) or "already exists" in str(exc)
+            if not (spec.target.startswith("sqlite") or raced):
                 break
             time.sleep(1.0 + attempt)
     detail = redact(str(last).splitlines()[0] if str(last) else type(last).__name__)

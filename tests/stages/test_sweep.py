@@ -392,6 +392,38 @@ def test_a_killed_workers_trial_is_failed_by_its_silent_heartbeat_and_run_again(
     assert plain.get_trials()[stuck.number].state == optuna.trial.TrialState.RUNNING
 
 
+
+def test_a_server_storage_whose_tables_another_worker_is_creating_is_retried(monkeypatch):
+    """Two workers opening one fresh PostgreSQL study race on its tables (PostgreSQL refuses the loser's CREATE
+    TABLE with "duplicate key value"); the loser opens the storage on its next try. An unreachable server is not
+    retried: it fails at once, naming the storage without its password."""
+    import optuna
+
+    from ops.sweep import StorageSpec, SweepError, open_storage
+
+    calls = []
+
+    def storage(url, **kwargs):
+        calls.append(url)
+        if len(calls) == 1:
+            raise RuntimeError('duplicate key value violates unique constraint "pg_type_typname_nsp_index"')
+        return "opened"
+
+    monkeypatch.setattr(optuna.storages, "RDBStorage", storage)
+    monkeypatch.setattr("ops.sweep.config.time.sleep", lambda s: None)
+    spec = StorageSpec("rdb", "postgresql+psycopg2://user:secret@db:5432/optuna")
+    assert open_storage(spec) == "opened" and len(calls) == 2
+
+    def unreachable(url, **kwargs):
+        calls.append(url)
+        raise RuntimeError("could not connect to server: Connection refused")
+
+    calls.clear()
+    monkeypatch.setattr(optuna.storages, "RDBStorage", unreachable)
+    with pytest.raises(SweepError, match="Connection refused") as err:
+        open_storage(spec)
+    assert len(calls) == 1 and "secret" not in str(err.value)
+
 # ── trial workers placed by Ray ───────────────────────────────────────────────────────────────────────────────
 @pytest.fixture
 def ray_local():
