@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -161,26 +160,3 @@ def unique_summary(root: Path, stages: Sequence[str] | None = None, only: str | 
     unique = {k: v for k, v in values.items() if len(owners[k]) == 1}
     return unique if only is None else {k: v for k, v in unique.items() if owners[k] == [only]}
 
-
-def summarise_on_experiment_parent(root: Path, parent_run_id: str) -> None:
-    """When DVC runs this stage (``DVC_STAGE``) inside a ``dvc exp run``, add its unique summary numbers
-    (``unique_summary``, split as a stage run's summary is) to the experiment's parent run. A failure is a warning:
-    the stage's own run holds every number."""
-    stage = os.environ.get("DVC_STAGE")
-    if not stage:
-        return
-    from mlflow import MlflowClient
-    from mlflow.entities import Metric
-
-    from ops.tracking import DETAIL, split_summary
-
-    try:
-        found = unique_summary(root, only=stage)
-        columns, curves, _ = split_summary({k: v for k, v in found.items() if not DETAIL.search(k)})
-        now = int(time.time() * 1000)
-        rows = [Metric(k, v, now, 0) for k, v in columns.items()]
-        rows += [Metric(k, v, now, step) for k, points in curves.items() for step, v in points.items()]
-        if rows:
-            MlflowClient().log_batch(parent_run_id, metrics=rows)
-    except Exception as exc:  # noqa: BLE001 - the parent's summary is a view; the stage's run holds the numbers
-        log.warning("could not add stage %s's numbers to its experiment's run %s: %s", stage, parent_run_id, exc)

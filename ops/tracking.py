@@ -401,6 +401,30 @@ def _start_run(stage: str, flat_params: Mapping[str, Any], tags: Mapping[str, st
     return run
 
 
+def summarise_on_experiment_parent(root: Path, parent_run_id: str) -> None:
+    """When DVC runs this stage (``DVC_STAGE``) inside a ``dvc exp run``, add its unique summary numbers
+    (``unique_summary``, split as a stage run's summary is) to the experiment's parent run. A failure is a warning:
+    the stage's own run holds every number."""
+    stage = os.environ.get("DVC_STAGE")
+    if not stage:
+        return
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric
+
+    from ops import lineage
+
+    try:
+        found = lineage.unique_summary(root, only=stage)
+        columns, curves, _ = split_summary({k: v for k, v in found.items() if not DETAIL.search(k)})
+        now = int(time.time() * 1000)
+        rows = [Metric(k, v, now, 0) for k, v in columns.items()]
+        rows += [Metric(k, v, now, step) for k, points in curves.items() for step, v in points.items()]
+        if rows:
+            MlflowClient().log_batch(parent_run_id, metrics=rows)
+    except Exception as exc:  # noqa: BLE001 - the parent's summary is a view; the stage's run holds the numbers
+        log.warning("could not add stage %s's numbers to its experiment's run %s: %s", stage, parent_run_id, exc)
+
+
 @contextlib.contextmanager
 def stage_run(stage: str, params: Mapping[str, Any], root: Path) -> Iterator[_Tracker]:
     """The MLflow run of one execution of ``stage`` (direct or through the journal, see the module docstring);
@@ -440,7 +464,7 @@ def stage_run(stage: str, params: Mapping[str, Any], root: Path) -> Iterator[_Tr
         raise
     lineage.tag_from_dvc(root, run.info.run_id)  # dvc repro / dvc exp run: nothing reads dvc.lock after us
     if experiment_parent:
-        lineage.summarise_on_experiment_parent(root, experiment_parent)
+        summarise_on_experiment_parent(root, experiment_parent)
     mlflow.end_run()
 
 
