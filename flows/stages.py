@@ -393,7 +393,7 @@ def log_restored_stage(root: Path, stage: str, parent_run_id: str | None, params
     outputs (the earliest run of the stage tagged with the same output hash). → the run id. ``_tag_stage_runs`` adds
     DVC's hashes afterwards."""
     from mlflow import MlflowClient
-    from mlflow.entities import Metric, Param
+    from mlflow.entities import Param
 
     commit = tracking.git_commit(root)
     tags = {"dvc.stage": stage, "faceops.stage": stage, "git.commit": commit,
@@ -412,9 +412,7 @@ def log_restored_stage(root: Path, stage: str, parent_run_id: str | None, params
             tags["dvc.restored_from"] = source
         run = client.create_run(experiment_id, run_name=stage, tags=tags)
         now = int(time.time() * 1000)
-        columns, curves, details = tracking.split_summary(metrics)  # as the stage's own run logged its summary
-        rows = [Metric(k, v, now, 0) for k, v in columns.items()]
-        rows += [Metric(k, v, now, step) for k, points in curves.items() for step, v in points.items()]
+        rows, details = tracking.summary_rows(metrics, now)  # as the stage's own run logged its summary
         client.log_batch(run.info.run_id, metrics=rows, params=[Param(k, v) for k, v in params.items()])
         if details:
             client.log_dict(run.info.run_id, dict(sorted(details.items())), tracking.DETAILS_ARTIFACT)

@@ -114,6 +114,17 @@ def log_summary(metrics: Mapping[str, float], details: dict[str, float] | None =
         mlflow.log_dict(dict(sorted(details.items())), DETAILS_ARTIFACT)
 
 
+def summary_rows(metrics: Mapping[str, float], timestamp_ms: int) -> tuple[list[Any], dict[str, float]]:
+    """``split_summary(metrics)`` as rows for ``MlflowClient.log_batch`` (columns at step 0, curves at their sizes)
+    → (rows, details)."""
+    from mlflow.entities import Metric
+
+    columns, curves, details = split_summary(metrics)
+    rows = [Metric(k, v, timestamp_ms, 0) for k, v in columns.items()]
+    rows += [Metric(k, v, timestamp_ms, step) for k, points in curves.items() for step, v in points.items()]
+    return rows, details
+
+
 def _same(a: float, b: float) -> bool:
     """Equal as logged values: NaN equals NaN, and a float32 rounding (a tensor's ``.item()``) is no change."""
     return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12)
@@ -409,17 +420,12 @@ def summarise_on_experiment_parent(root: Path, parent_run_id: str) -> None:
     if not stage:
         return
     from mlflow import MlflowClient
-    from mlflow.entities import Metric
 
     from ops import lineage
 
     try:
-        found = lineage.unique_summary(root, only=stage)
-        columns, curves, _ = split_summary({k: v for k, v in found.items() if not DETAIL.search(k)})
-        now = int(time.time() * 1000)
-        rows = [Metric(k, v, now, 0) for k, v in columns.items()]
-        rows += [Metric(k, v, now, step) for k, points in curves.items() for step, v in points.items()]
-        if rows:
+        rows, _ = summary_rows(lineage.unique_summary(root, only=stage), int(time.time() * 1000))
+        if rows:  # the details stay in the stage's own run
             MlflowClient().log_batch(parent_run_id, metrics=rows)
     except Exception as exc:  # noqa: BLE001 - the parent's summary is a view; the stage's run holds the numbers
         log.warning("could not add stage %s's numbers to its experiment's run %s: %s", stage, parent_run_id, exc)
