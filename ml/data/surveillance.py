@@ -30,7 +30,10 @@ from ml.errors import ConfigError
 
 __all__ = [
     "FUSION_FIRST_IDENTITY",
+    "NO_DEGRADATION",
+    "PROBE_SEQ_INDEX",
     "SurveillanceConfig",
+    "clean_capture",
     "degrade_image",
     "draw_copy_degradation",
     "draw_degradation",
@@ -41,6 +44,10 @@ __all__ = [
 
 # CAFace's procedural training identities start here: far from every other prepared set, whatever their sizes.
 FUSION_FIRST_IDENTITY = 1_000_000
+# the sequence index of every IJB-S-like probe (``ProceduralFaces.iter_sequence_nuisance``): its poses and light
+PROBE_SEQ_INDEX = 7
+# a camera that adds nothing: full resolution, no blur, no noise, no compression
+NO_DEGRADATION = {"lowres": 1.0, "blur": 0.0, "noise": 0.0, "jpeg_quality": 100.0}
 _DEGRADATION_KEYS = ("lowres", "blur", "noise", "jpeg_quality")
 _OCCLUDERS = ("glasses", "sunglasses", "mask", "bar")
 
@@ -134,6 +141,22 @@ def stream_surveillance_sequence(gen: ProceduralFaces, identity: int, length: in
             yield gen.render(identity, _apply(n, degradation, seeds[t]))
 
     return frames()
+
+
+def clean_capture(gen: ProceduralFaces, identity: int, length: int, frames: Sequence[int],
+                  seq_index: int = PROBE_SEQ_INDEX) -> list[FaceSample]:
+    """Frames ``frames`` (indices in 0 … length − 1) of the probe :func:`surveillance_sequence` renders for
+    (``identity``, ``length``, ``seq_index``), as a good camera would have filmed them: the same pose, expression,
+    light, background and occluders, without the capture degradations (``NO_DEGRADATION``). The clean source of
+    each frame: the set-fusion benchmark's reference for what removing degradation could give."""
+    wanted = sorted({int(t) for t in frames})
+    if wanted and not 0 <= wanted[0] <= wanted[-1] < length:
+        raise ValueError(f"frame indices must lie in 0 … {length - 1}, got {wanted[0]} … {wanted[-1]}")
+    picked, out = set(wanted), []
+    for t, n in enumerate(gen.iter_sequence_nuisance(identity, length, seq_index)):
+        if t in picked:
+            out.append(gen.render(identity, _apply(n, NO_DEGRADATION, 0)))
+    return out
 
 
 def _clean(nuisance: dict) -> dict:

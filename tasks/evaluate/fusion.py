@@ -4,6 +4,8 @@ Over the same per-image features and styles of the FR model: ``average``, ``norm
 (KP-RPE supp. Eq. 17–18: landmarks and face scores of the DFA aligner when ``models/aligner`` exists, else the
 manifest's; ``sets/face_inputs/*`` say which), ``caface`` (``models/fusion``, streamed in ``fusion_chunk_size``
 frames) and ``quality_oracle`` (unit features weighted by the manifest's true quality: a reference, not a method).
+On procedural videos a second reference, ``clean_capture``: each probe's frames rendered again without the capture
+degradations (``ml.data.surveillance.clean_capture``) and averaged, what removing degradation would give averaging.
 
 - templates (``data/prepared/templates``): 1:1 verification, TAR@FAR 1e-5..1e-2;
 - videos (``data/prepared/videos``): galleries *single* (one still) and *booking* (all stills, same fusion);
@@ -33,6 +35,10 @@ LABELS = {"average": "average", "norm_weighted": "norm-weighted average",
           "landmark_score": "KP-RPE landmark × face score", "caface": "CAFace",
           "quality_oracle": "weighted by the renderer's true quality (a reference row: neither a method nor a bound)"}
 CHANCE = "chance (random scores)"
+CLEAN = "clean_capture"
+CLEAN_LABEL = ("the same frames without capture degradation, averaged (a reference: what removing the degradation "
+               "gives averaging)")
+CLEAN_FRAMES = 16  # clean frames per probe, evenly spaced over it: a smooth walk's poses, at a fraction of the cost
 ZERO_QUALITY = 0.05  # a probe whose every frame is below this true quality holds no usable frame
 
 
@@ -139,6 +145,55 @@ def split_videos(rows: Any, frames: Frames) -> VideoSplit:
     )
 
 
+def clean_capture_templates(fr_model: Any, paths: Paths, data: Any, rows: Any, batch_size: int
+                            ) -> np.ndarray | None:
+    """(P, D) unit templates of the ``clean_capture`` reference, probes in template id order as
+    :func:`split_videos` numbers them: the average FR feature of up to ``CLEAN_FRAMES`` evenly spaced frames of each
+    probe, rendered again from the data params without the capture degradations. None (and a log line saying why)
+    where the video set is not procedural or its first probe frame does not render again as stored: then the params
+    are not the ones that made it, and the reference would be of other frames."""
+    from tqdm.auto import tqdm
+
+    from ml.data.dataset import load_images, read_dataset_info
+    from ml.data.procedural import ProceduralFaces
+    from ml.data.surveillance import PROBE_SEQ_INDEX, clean_capture, stream_surveillance_sequence
+    from ml.fr.train import needs_keypoints
+    from ml.fusion.sets import features_and_styles, fuse_templates
+
+    info = read_dataset_info(paths.video_set)
+    if info.get("source") != "procedural":
+        log.info("no %s reference: the video set's source is %r, not procedural", CLEAN, info.get("source"))
+        return None
+    probes = rows[rows["split"] == "probe"]
+    tids = np.unique(probes["template"].to_numpy(np.int64))
+    by_template = probes.groupby("template")
+    identities = by_template["identity"].first().loc[tids]
+    if not identities.str.fullmatch(r"id\d+").all():
+        log.info("no %s reference: probe identities are not the renderer's id<number>", CLEAN)
+        return None
+    numbers, lengths = identities.str[2:].astype(int).to_numpy(), by_template.size().loc[tids].to_numpy()
+    gen = ProceduralFaces(data.procedural_config(aligned=bool(info.get("aligned", True))), seed=data.seed)
+    first = probes[probes["template"] == tids[0]].head(1)  # the first frame of probe 0
+    stored = load_images(paths.video_set, first)[0]
+    again = next(stream_surveillance_sequence(gen, int(numbers[0]), int(lengths[0]), PROBE_SEQ_INDEX,
+                                              data.surveillance_config())).image
+    if not np.array_equal(stored, again):
+        log.warning("no %s reference: the first probe frame of %s does not render again from params data.* as "
+                    "stored; re-run `dvc repro prepare`", CLEAN, paths.video_set)
+        return None
+    images, landmarks, groups = [], [], []
+    for p, (ident, length) in enumerate(tqdm(list(zip(numbers, lengths)), desc="clean capture", unit="probe")):
+        frames = np.unique(np.linspace(0, length - 1, min(int(length), CLEAN_FRAMES)).round().astype(int))
+        for sample in clean_capture(gen, int(ident), int(length), frames):
+            images.append(sample.image)
+            landmarks.append(sample.landmarks)
+            groups.append(p)
+    keypoints = np.stack(landmarks).astype(np.float32) if needs_keypoints(fr_model) else None
+    feats, _ = features_and_styles(fr_model, np.stack(images), keypoints=keypoints, batch_size=batch_size,
+                                   progress=True)
+    return fuse_templates("average", feats, np.asarray(groups))
+
+
 def zero_quality_probes(quality: np.ndarray, groups: np.ndarray, threshold: float = ZERO_QUALITY) -> int:
     """How many probes (``groups`` (N,) ∈ 0..P-1) have every frame's true ``quality`` (N,) below ``threshold``."""
     best = np.full(int(groups.max()) + 1 if groups.size else 0, -np.inf)
@@ -219,11 +274,9 @@ def evaluate_sets(cfg: Any, data: Any, paths: Paths, fr_model: Any, chunk_size: 
     g_frames, g_groups, gallery_ids, single = videos.gallery, videos.gallery_groups, videos.gallery_ids, videos.single
     galleries: dict[str, dict[str, np.ndarray]] = {}
     hits: dict[str, np.ndarray] = {}  # per mated probe: rank-1 hit against the single gallery
-    for method in methods:
-        probes = _fuse(method, p_frames, p_groups, caface, data, chunk_size)
-        booking = _fuse(method, g_frames, g_groups, caface, data, chunk_size)
-        galleries[method] = {"booking": booking, "single": single}
-        for name, gallery in galleries[method].items():
+
+    def identify(method: str, probes: np.ndarray, booking: np.ndarray) -> None:
+        for name, gallery in (("booking", booking), ("single", single)):
             for k, v in video_identification(probes, probe_ids, gallery, gallery_ids, ranks=cfg.ranks,
                                              fpirs=cfg.fpirs).items():
                 metrics[f"sets/videos_{name}/{method}/{k}"] = v
@@ -232,13 +285,25 @@ def evaluate_sets(cfg: Any, data: Any, paths: Paths, fr_model: Any, chunk_size: 
             low, high = wilson_interval(hits[method])
             metrics[f"sets/videos_single/{method}/rank1_ci_low"] = low
             metrics[f"sets/videos_single/{method}/rank1_ci_high"] = high
-    # CAFace and the oracle against averaging; CAFace also against each quality-weighting baseline
-    pairs = [(m, "average") for m in ("caface", "quality_oracle")] + [("caface", b) for b in WEIGHTING_BASELINES]
+
+    for method in methods:
+        probes = _fuse(method, p_frames, p_groups, caface, data, chunk_size)
+        galleries[method] = {"booking": _fuse(method, g_frames, g_groups, caface, data, chunk_size), "single": single}
+        identify(method, probes, galleries[method]["booking"])
+    clean = clean_capture_templates(fr_model, paths, data, rows, cfg.batch_size)
+    if clean is not None:  # the clean frames against the stills as averaging fuses them
+        identify(CLEAN, clean, galleries["average"]["booking"])
+    # CAFace and the references against averaging; CAFace also against each quality-weighting baseline
+    pairs = [(m, "average") for m in ("caface", "quality_oracle", CLEAN)] + [("caface", b) for b in WEIGHTING_BASELINES]
     for method, baseline in pairs:
         if method in hits and baseline in hits and hits[method].size:
             diff = paired_difference(hits[method], hits[baseline], seed=data.seed)
             key = f"sets/videos_single/{method}_minus_{baseline}/rank1"
             metrics.update({key: diff["mean"], f"{key}/ci_low": diff["ci_low"], f"{key}/ci_high": diff["ci_high"]})
+    headroom = metrics.get(f"sets/videos_single/{CLEAN}_minus_average/rank1", 0.0)
+    if "caface" in hits and headroom > 0:  # the share of what clean frames add to averaging that CAFace gets
+        metrics["sets/videos_single/caface/headroom_closed"] = (
+            metrics["sets/videos_single/caface_minus_average/rank1"] / headroom)
     if caface is not None:  # does CAFace weight a probe's frames by their true quality?
         diagnostics = caface_diagnostics(caface, p_frames.feats, p_frames.styles, p_groups, p_frames.quality)
         metrics.update({f"sets/caface/{k}": v for k, v in diagnostics.items()})
@@ -329,12 +394,14 @@ def _beyond_noise(low: float, high: float) -> str:
 def gain_note(metrics: dict[str, float]) -> str:
     """CAFace's and the oracle's single-gallery rank-1 minus the average's, with their paired 95 % intervals."""
     parts = []
-    for method, what in (("caface", "CAFace"), ("quality_oracle", "the true-quality oracle")):
+    for method, what in (("caface", "CAFace"), ("quality_oracle", "the true-quality oracle"),
+                         (CLEAN, "the same frames without capture degradation")):
         key = f"sets/videos_single/{method}_minus_average/rank1"
         if key in metrics:
             low, high = metrics[f"{key}/ci_low"], metrics[f"{key}/ci_high"]
-            tail = (" (a reference: frames weighted by the renderer's quality, which CAFace does not see; not an "
-                    "upper bound)") if method == "quality_oracle" else ""
+            tail = {"quality_oracle": " (a reference: frames weighted by the renderer's quality, which CAFace does "
+                                      "not see; not an upper bound)",
+                    CLEAN: " (the headroom: what removing the degradation gives averaging)"}.get(method, "")
             if method == "caface" and "sets/caface/train_seed" in metrics:
                 tail = (f" (one training run: seed {int(metrics['sets/caface/train_seed'])}, "
                         f"{int(metrics['sets/caface/train_steps'])} steps)")
@@ -343,6 +410,9 @@ def gain_note(metrics: dict[str, float]) -> str:
         return ""
     note = ("Gain over averaging (single gallery, rank-1 on the same probes, paired bootstrap 95 % interval): "
             + "; ".join(parts) + ".")
+    if "sets/videos_single/caface/headroom_closed" in metrics:
+        note += (f" CAFace gets {100 * metrics['sets/videos_single/caface/headroom_closed']:.0f} % of that "
+                 "headroom.")
     rank1 = {b: metrics.get(f"sets/videos_single/{b}/rank1") for b in WEIGHTING_BASELINES
              if f"sets/videos_single/caface_minus_{b}/rank1" in metrics}
     if rank1:  # the strongest baseline that weights frames, as CAFace does: what CAFace has to beat
@@ -437,7 +507,9 @@ def render_section(metrics: dict[str, float]) -> list[str]:
               f"{int(metrics.get('sets/videos/frames_max', 0))})", "",
               "| fusion | single: rank-1 (95 % CI) | single: rank-5 | single: TPIR@FPIR 1 % | booking: rank-1 | "
               "booking: rank-5 | booking: TPIR@FPIR 1 % |", "|---|---|---|---|---|---|---|"]
-    for m in rows:
+    labels[CLEAN] = CLEAN_LABEL
+    video_rows = methods + [r for r in (CLEAN, "chance") if f"sets/videos_single/{r}/rank1" in metrics]
+    for m in video_rows:
         cells = [pct(metrics.get(f"sets/videos_{g}/{m}/{k}")) for g in ("single", "booking")
                  for k in ("rank1", "rank5", "tpir@fpir=1e-2")]
         if f"sets/videos_single/{m}/rank1_ci_low" in metrics:

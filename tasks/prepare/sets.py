@@ -240,7 +240,7 @@ def video_set(
     ``template`` = the probe or gallery id, ``media`` = one id per video or still; ``meta/face_tid_mid.txt`` as IJB.
     A probe is mated when its identity has a gallery."""
     from ml.data.dataset import DatasetWriter
-    from ml.data.surveillance import surveillance_sequence
+    from ml.data.surveillance import PROBE_SEQ_INDEX, surveillance_sequence
 
     surveillance = cfg.surveillance_config()
     rng = np.random.default_rng(cfg.seed + 17)
@@ -260,7 +260,8 @@ def video_set(
                     rows.append((rel, tid, mid))
                     mid += 1
                 tid += 1
-            for s in surveillance_sequence(gen, ident, int(lengths[k]), seq_index=7, cfg=surveillance):
+            for s in surveillance_sequence(gen, ident, int(lengths[k]), seq_index=PROBE_SEQ_INDEX,
+                                            cfg=surveillance):
                 rel = _add(w, s, identity, "probe", template=tid, media=mid)
                 rows.append((rel, tid, mid))
             tid += 1

@@ -149,8 +149,15 @@ def test_evaluate_sets_adds_the_oracle_intervals_and_caface_diagnostics(workspac
                                          "num_clusters")} <= set(metrics)
     assert metrics["sets/videos/zero_quality_probes"] == 0  # every surveillance probe has a usable window
     assert json.loads((workspace.metrics / "sets.json").read_text()) == pytest.approx(metrics)
+    clean = f"sets/videos_single/{sets_eval.CLEAN}"  # the probes' frames rendered again without degradation
+    assert 0.0 <= metrics[f"{clean}/rank1_ci_low"] <= metrics[f"{clean}/rank1"] <= metrics[f"{clean}/rank1_ci_high"]
+    assert metrics[f"{clean}_minus_average/rank1"] == pytest.approx(metrics[f"{clean}/rank1"]
+                                                                   - metrics["sets/videos_single/average/rank1"])
+    assert f"sets/videos_booking/{sets_eval.CLEAN}/tpir@fpir=1e-2" in metrics
+    assert f"sets/gain/{sets_eval.CLEAN}/n=1/rank1" not in metrics  # not a fusion of the probes' frames
     report = "\n".join(sets_eval.render_section(metrics))
-    assert f"| {sets_eval.LABELS['quality_oracle']} |" in report
+    assert f"| {sets_eval.LABELS['quality_oracle']} |" in report and f"| {sets_eval.CLEAN_LABEL} |" in report
+    assert "the same frames without capture degradation" in report
     assert "Gain over averaging" in report and "the true-quality oracle" in report
     assert "Does CAFace weight frames by quality?" in report and "Spearman ρ" in report
     gallery = metrics["sets/videos_single/chance/rank1"]  # random scores: one hit in G identities
@@ -194,3 +201,37 @@ def test_fusion_recipes_refuses_an_unknown_key_before_training(workspace):
 
     with pytest.raises(ConfigError, match=r"unknown FusionConfig key\(s\) \['lambda_q'\]"):
         compare_recipes(workspace, DATA, STAGE, [{"lambda_q": 1.0}], seeds=[0])
+
+
+def test_clean_capture_is_the_probe_as_a_good_camera_films_it(workspace):
+    """``clean_capture`` renders a probe's frames without degradation; with every frame usable and the usable
+    ranges at no degradation, the probe itself is that clean capture, frame for frame."""
+    from ml.data.procedural import ProceduralFaces
+    from ml.data.surveillance import PROBE_SEQ_INDEX, clean_capture, surveillance_sequence
+
+    gen = ProceduralFaces(DATA.procedural_config(), seed=DATA.seed)
+    none = SurveillanceConfig(usable_fraction=1.0, usable_lowres=(1.0, 1.0), usable_blur=(0.0, 0.0),
+                              usable_noise=(0.0, 0.0), usable_jpeg=(100.0, 100.0))
+    frames = [1, 4, 9]
+    probe = surveillance_sequence(gen, 7, 11, PROBE_SEQ_INDEX, none)
+    got = clean_capture(gen, 7, 11, frames)
+    for t, sample in zip(frames, got):
+        np.testing.assert_array_equal(sample.image, probe[t].image)
+        np.testing.assert_allclose(sample.landmarks, probe[t].landmarks)
+    degraded = surveillance_sequence(gen, 7, 11, PROBE_SEQ_INDEX, DATA.surveillance_config())
+    assert all(c.quality > d.quality for c, d in zip(got, (degraded[t] for t in frames)))
+    with pytest.raises(ValueError, match="0 … 10"):
+        clean_capture(gen, 7, 11, [0, 11])
+
+
+def test_no_clean_capture_reference_for_videos_the_params_did_not_make(workspace, caplog):
+    """Frames rendered again from other data params are other frames: the reference is left out, saying why."""
+    model, _ = load_model(workspace.fr_model("real"))
+    rows = read_manifest(workspace.video_set / "manifest.parquet")
+    other = dataclasses.replace(DATA, seed=DATA.seed + 1)
+    assert sets_eval.clean_capture_templates(model, workspace, other, rows, 16) is None
+    assert "does not render again" in caplog.text and "dvc repro prepare" in caplog.text
+    templates = sets_eval.clean_capture_templates(model, workspace, DATA, rows, 16)
+    probes = rows[rows["split"] == "probe"]["template"].nunique()
+    assert templates.shape[0] == probes  # one template per probe, in template id order
+    np.testing.assert_allclose(np.linalg.norm(templates, axis=1), 1.0, atol=1e-5)
