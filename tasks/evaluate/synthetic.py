@@ -92,7 +92,7 @@ def _accuracy(m: dict[str, float], model: str) -> float:
     return m[f"{model}/verification/procedural/accuracy"]
 
 
-# (what, its value, the most a generator can reach at this run's set size and latent space, the target, unit);
+# (what, its value, its ceiling at this run's set size and latent space (CEILINGS), the target, unit);
 # value and ceiling from (synthesize.json, evaluate metrics, train_generator.json); a ceiling of None: none known
 TARGETS = (
     ("synthetic-trained FR − linear probe on pixels (`procedural.bin`)",
@@ -105,11 +105,11 @@ TARGETS = (
      lambda s, m, g: 100 * s["synthetic/judge/reconstruction_face_share"], 90.0, "%"),
     ("latent autoencoder PSNR (training faces)", lambda s, m, g: g["autoencoder/psnr"], None, 26.0, "dB"),
 )
-CEILINGS = ("The most a generator can reach at this run's budget: for the FR targets, real faces of as many identities "
-            "× images as the synthetic set (`real_matched`) in place of the synthetic faces; for the judge, the "
-            "autoencoder's reconstructions of real faces, which no face decoded through it is sharper than. A goal "
-            "above its ceiling cannot be met by a better generator alone: it needs a larger synthetic set or a "
-            "sharper decoder.")
+CEILINGS = ("Ceiling at this budget: for the FR targets, what real faces give in place of the synthetic ones at as "
+            "many identities × images (`real_matched`), i.e. a generator whose faces were as good as real ones; for "
+            "the judge, the autoencoder's reconstructions of real faces, as no face decoded through it is sharper. "
+            "A goal above its ceiling needs a larger synthetic set or a sharper decoder before a better generator "
+            "can meet it.")
 
 
 def targets_table(synth: dict[str, Any], metrics: dict[str, float], generator: dict[str, Any] | None) -> list[str]:
