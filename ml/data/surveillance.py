@@ -47,7 +47,7 @@ FUSION_FIRST_IDENTITY = 1_000_000
 # the sequence index of every IJB-S-like probe (``ProceduralFaces.iter_sequence_nuisance``): its poses and light
 PROBE_SEQ_INDEX = 7
 # a camera that adds nothing: full resolution, no blur, no noise, no compression
-NO_DEGRADATION = {"lowres": 1.0, "blur": 0.0, "noise": 0.0, "jpeg_quality": 100.0}
+NO_DEGRADATION = {"lowres": 1.0, "blur": 0.0, "noise": 0.0, "jpeg_quality": 100}
 _DEGRADATION_KEYS = ("lowres", "blur", "noise", "jpeg_quality")
 _OCCLUDERS = ("glasses", "sunglasses", "mask", "bar")
 
@@ -161,7 +161,7 @@ def clean_capture(gen: ProceduralFaces, identity: int, length: int, frames: Sequ
 
 def _clean(nuisance: dict) -> dict:
     n = dict(nuisance)
-    n.update(lowres=1.0, blur=0.0, noise=0.0, jpeg_quality=100, **{k: False for k in _OCCLUDERS})
+    n.update(NO_DEGRADATION, **{k: False for k in _OCCLUDERS})
     return n
 
 
