@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --no-compile torch==2.13.0 uv==0.13.8
 	$(BIN)/python -m compileall -q -j 0 "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
 	  > /dev/null 2>&1 || true
-	$(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python -e '.[test]'
+	$(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python -e '.[test,reference]'
 	@touch $(STAMP)
 
 # the page template .dvc/config names for `dvc plots show`: Vega inline from the installed vl-convert, no CDN

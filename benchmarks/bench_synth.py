@@ -55,7 +55,7 @@ def bench_sampler_cost(batch: int = 32, steps: int = 25, rounds: int = 2) -> dic
     with torch.no_grad():
         cond = model.encode_context(torch.randn(batch, m.id_dim))
         empty = model.empty_context.detach()
-    shape = (batch, m.in_channels, m.image_size, m.image_size)
+    shape = model.sample_shape(batch)
     modes = {
         "baseline": SamplerConfig(mode="baseline", attention_injection=False, steps=steps),
         "adaptive_injection": SamplerConfig(mode="two_stage_adaptive", attention_injection=True, steps=steps),

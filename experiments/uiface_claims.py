@@ -164,11 +164,10 @@ def switch_profile(model: Any, contexts: np.ndarray, cfg: Any, seed: int) -> dic
 
     from ml.generator.sampler import sample
 
-    m = model.config
     with torch.no_grad():
         cond = model.encode_context(torch.as_tensor(contexts, dtype=torch.float32))
-    res = sample(model.unet, cond, model.empty_context.detach(), (len(contexts), m.in_channels, m.image_size,
-                 m.image_size), dataclasses.replace(cfg, seed=seed), generator=torch.Generator().manual_seed(seed))
+    res = sample(model.unet, cond, model.empty_context.detach(), model.sample_shape(len(contexts)),
+                 dataclasses.replace(cfg, seed=seed), generator=torch.Generator().manual_seed(seed))
     d = res.d_history[1:].numpy()  # (steps − 1, n); the first step has no previous map
     return {"timesteps": [int(t) for t in res.timesteps[1:]], "median": np.median(d, axis=1).tolist(),
             "q10": np.quantile(d, 0.1, axis=1).tolist(), "q90": np.quantile(d, 0.9, axis=1).tolist()}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,7 +139,8 @@ def face_judge(aligner: Any, synthetic_faces: np.ndarray, synthetic_scores: np.n
     - where the generator makes faces smaller than ``size`` (``generator_size``), the share of the first
       ``nonfaces`` real faces made at that size and resized back (``real_at_size_face_share``: the most a generator
       of that size can reach), and of ``reconstruct``'s output for those faces (a latent generator's autoencoder,
-      uint8 faces in and out: ``reconstruction_face_share``, the most a generator decoding through it can reach)."""
+      uint8 faces in and out: ``reconstruction_face_share``, the most a generator decoding through it can reach);
+    - YuNet's detection rate beside it (``detector_judge``)."""
     from ml.aligner.data import HELDOUT_NONFACE_START, nonface_crops
     from ml.generator.diversity import frechet_distance
     from tasks.train_generator import resize_faces
@@ -157,6 +159,7 @@ def face_judge(aligner: Any, synthetic_faces: np.ndarray, synthetic_scores: np.n
     if reconstruct is not None:
         _, recon_scores = aligner.predict(resize_faces(reconstruct(small), size))
         out["synthetic/judge/reconstruction_face_share"] = float((recon_scores >= 0.5).mean())
+    out.update(detector_judge(synthetic_faces, real_faces[:nonfaces], generator_size or size))
     n = min(len(synthetic_faces), len(real_faces) // 2, len(blobs))
     if n < 2:
         return out
@@ -169,13 +172,38 @@ def face_judge(aligner: Any, synthetic_faces: np.ndarray, synthetic_scores: np.n
             "synthetic/judge/frechet_faces": float(n)}
 
 
+DETECTOR_SIZE = 128  # YuNet finds faces from about 10 px on, but a crop of a few dozen pixels gives it no context
+
+
+def detector_judge(synthetic_faces: np.ndarray, real_faces: np.ndarray, generator_size: int) -> dict[str, float]:
+    """A second judge nobody here trained: the share of faces OpenCV Zoo's YuNet detector finds
+    (``ml.aligner.yunet``; each face upscaled to ``DETECTOR_SIZE`` and padded), for the synthetic faces
+    (``synthetic/judge/detector_face_share``) and for real faces made at the generator's size and upscaled the same
+    way (``detector_real_at_size_face_share``: what a perfect generator of that size scores). Empty, with a log
+    line, where YuNet cannot run (the ``reference`` extra is not installed)."""
+    from ml.aligner.yunet import yunet_available, yunet_landmarks
+    from tasks.train_generator import resize_faces
+
+    reason = yunet_available()
+    if reason is not None:
+        log.warning("synthetic/judge/detector_* skipped: %s", reason)
+        return {}
+    found = {}
+    for key, faces in (("detector_face_share", synthetic_faces),
+                       ("detector_real_at_size_face_share", resize_faces(real_faces, generator_size))):
+        _, scores = yunet_landmarks(resize_faces(faces, DETECTOR_SIZE))
+        found[f"synthetic/judge/{key}"] = float((scores > 0).mean())
+    return found
+
+
 def sampler_for(cfg: SamplerConfig, extra: dict[str, Any]) -> SamplerConfig:
-    """The sampler config with the generator's own noise schedule (T, β range)."""
+    """The sampler config with the generator's own noise schedule (T, β range, what the UNet predicts)."""
     schedule = extra.get("noise_schedule", {})
     return dataclasses.replace(
         cfg, train_timesteps=int(schedule.get("num_train_timesteps", cfg.train_timesteps)),
         beta_start=float(schedule.get("beta_start", cfg.beta_start)),
-        beta_end=float(schedule.get("beta_end", cfg.beta_end)))
+        beta_end=float(schedule.get("beta_end", cfg.beta_end)),
+        prediction_type=str(schedule.get("prediction_type", cfg.prediction_type)))
 
 
 def generate(model: Any, contexts: Any | None, count_per_context: int, cfg: SamplerConfig, *, batch_size: int,
@@ -205,9 +233,10 @@ def generate(model: Any, contexts: Any | None, count_per_context: int, cfg: Samp
         for b, start in enumerate(range(0, total, batch_size)):
             part = cond[start:start + batch_size]
             gen = torch.Generator().manual_seed(seed + b)
-            res = sample(model.unet, part, empty, (len(part), m.in_channels, m.image_size, m.image_size),
+            res = sample(model.unet, part, empty, model.sample_shape(len(part)),
                          dataclasses.replace(cfg, seed=seed + b), generator=gen)
-            x = res.x0 if autoencoder is None else decode_latents(autoencoder, res.x0).float()
+            x = model.from_unet(res.x0)
+            x = x if autoencoder is None else decode_latents(autoencoder, x).float()
             images.append(((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).numpy())
             t0s.append(res.t0.numpy())
             evals.append(res.unet_evals.numpy())
@@ -359,6 +388,7 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
     from tasks.train_generator import identity_embeddings, load_fr, resize_faces
     from tasks.validate import ValidateConfig, validate_manifests
 
+    start = time.perf_counter()
     fr, _, fr_dir = load_fr(paths, cfg.fr_source, "synthesize.fr_source")
     model, extra, autoencoder = load_generator_for(paths, generator_cfg)
     sampler = sampler_for(cfg.sampler, extra)
@@ -440,7 +470,8 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
                       "synthetic/unet_evals_per_image": float(evals.mean()),
                       "synthetic/candidates_kept_fraction": float(len(keep) / cfg.candidates),
                       **face_judge(aligner, faces, face_scores, real_faces, data.image_size, seed=cfg.seed,
-                                   generator_size=generated_size, reconstruct=reconstruct_faces)}
+                                   generator_size=generated_size, reconstruct=reconstruct_faces),
+                      "synthetic/seconds": time.perf_counter() - start}
     write_json(paths.metrics / "synthesize.json", result.metrics)
     failed = [f"{name} {value:.3f} < synthesize.{key} = {bound}" for name, value, key, bound in (
         ("identity gap", gap["gap"], "min_identity_gap", cfg.min_identity_gap),

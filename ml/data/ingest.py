@@ -40,7 +40,8 @@ class IngestSpec:
     recordio: str = ""
     image_size: int = 64
     resize: bool = True                # faces of another (square) size are resized to image_size; False refuses them
-    max_images: int = 0                # the first N images in file order (0 = all)
+    max_images: int = 0                # at most N images, spread over the identities (``cap_items``; 0 = all)
+    seed: int = 0                      # which identities and images a cap keeps
     max_corrupt_fraction: float = 0.01  # undecodable images skipped up to this share of the set, then the ingest fails
 
     @property
@@ -89,13 +90,20 @@ class Items(Sequence[Item]):
         i = range(len(self))[index]  # negative indices, IndexError
         return self._item(int(self.codes[i]), i)
 
+    def take(self, indices: np.ndarray) -> Items:
+        """The items at ``indices`` (in that order), the identity names unchanged."""
+        return Items(self.identities, self.codes[indices], folder=self.folder,
+                     keys=None if self.keys is None else self.keys[indices],
+                     files=None if self.files is None else [self.files[i] for i in indices.tolist()])
+
     def __iter__(self) -> Iterator[Item]:
         for i, code in enumerate(self.codes):
             yield self._item(int(code), i)
 
 
 def list_items(spec: IngestSpec) -> Items:
-    """Every image of the source with its identity, in file order (the first ``max_images``); decodes nothing."""
+    """Every image of the source with its identity, in file order (at most ``max_images``, spread over the
+    identities by ``cap_items``); decodes nothing."""
     from ml.data.formats import RecordIOReader, ingest_image_folder
 
     if spec.folder:
@@ -104,7 +112,7 @@ def list_items(spec: IngestSpec) -> Items:
         files: list[str] = []
         code_of = array("i")
         listed = ingest_image_folder(folder)
-        for path, identity in listed[: spec.max_images] if spec.max_images else listed:
+        for path, identity in listed:
             code = codes.get(identity)
             if code is None:
                 code = codes[identity] = len(codes)
@@ -122,13 +130,56 @@ def list_items(spec: IngestSpec) -> Items:
                 labels[i] = int(header.label[0] if header.flag > 0 else header.label)
             if reader.header0 is not None:
                 _check_identity_ranges(reader, keys, labels)
-        if spec.max_images:
-            keys, labels = keys[: spec.max_images], labels[: spec.max_images]
         values, code_of = np.unique(labels, return_inverse=True)
         items = Items([f"{label:06d}" for label in values.tolist()], code_of.astype(np.intc), keys=keys)
     if not len(items):
         raise DataError(f"{spec.source}: no face images to ingest")
+    if spec.max_images and len(items) > spec.max_images:
+        kept = cap_items(items.codes, spec.max_images, spec.seed)
+        log.info("%s: data.ingest_max_images = %d keeps %d images of %d identities (at most %d each) of its %d "
+                 "images of %d identities", spec.source, spec.max_images, len(kept),
+                 len(np.unique(items.codes[kept])), int(np.bincount(items.codes[kept]).max()), len(items),
+                 len(items.identities))
+        items = items.take(kept)
     return items
+
+
+MIN_CAPPED_IMAGES = 4  # a capped identity keeps at least this many images (or all it has): pairs, a val image
+
+
+def cap_items(codes: np.ndarray, max_images: int, seed: int) -> np.ndarray:
+    """Sorted indices of at most ``max_images`` items spread over the identities (``codes``: one identity code per
+    item), seeded. Every identity keeps ``min(n_i, c)`` images for the largest per-identity cap ``c`` that fits
+    (water-filling, so no identity order of the source, such as a RecordIO's, decides who is kept); where ``c``
+    would fall below ``MIN_CAPPED_IMAGES``, a seeded subset of the identities keeps that many each instead. Which
+    of an identity's images are kept is a seeded draw."""
+    if max_images < 1:
+        raise ConfigError(f"max_images = {max_images}: need ≥ 1 (0 means no cap and does not call this)")
+    codes = np.asarray(codes)
+    rng = np.random.default_rng(seed + 83)
+    counts = np.bincount(codes)
+    present = np.flatnonzero(counts)
+    if counts.sum() <= max_images:
+        return np.arange(len(codes))
+    low, high = 0, int(counts.max())  # largest c with Σ min(n_i, c) ≤ max_images
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if np.minimum(counts, mid).sum() <= max_images else (low, mid - 1)
+    cap = np.zeros_like(counts)
+    if low >= MIN_CAPPED_IMAGES:
+        cap[present] = np.minimum(counts[present], low)
+    else:
+        budget = max_images
+        for identity in rng.permutation(present):
+            take = min(int(counts[identity]), MIN_CAPPED_IMAGES, budget)
+            cap[identity], budget = take, budget - take
+            if budget == 0:
+                break
+    order = np.argsort(codes, kind="stable")
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    kept = [order[starts[i] + np.sort(rng.choice(counts[i], size=cap[i], replace=False))]
+            for i in np.flatnonzero(cap)]
+    return np.sort(np.concatenate(kept))
 
 
 def _check_identity_ranges(reader, keys: np.ndarray, labels: np.ndarray) -> None:

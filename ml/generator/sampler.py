@@ -2,7 +2,7 @@
 
 ``sample(unet, cond_context, empty_context, shape, cfg)``: diffusers ``DDIMScheduler`` (linear β, "leading" spacing,
 η = 0, no clipping); ε = ε(x_t, t, c_e) for t ≥ t0 of the sample, else ``(w+1)·ε(x_t, t, c) − w·ε(x_t, t, c_e)``.
-Modes: ``baseline`` (t0 = T), ``two_stage_fixed`` (t0 = ``cfg.t0``), ``two_stage_adaptive`` (t0 = the first t with
+A v-prediction or EDM-preconditioned UNet's output is turned into ε at every step (``epsilon_from``). Modes: ``baseline`` (t0 = T), ``two_stage_fixed`` (t0 = ``cfg.t0``), ``two_stage_adaptive`` (t0 = the first t with
 ``d_t = dist(h_{t+1}, h_t) < threshold``, h_t from ``attention.switch_map`` on the c_e pass; ``hard_switch_t``
 forces stage 2 below it; never switched: t0 = 0). A step is one UNet call on ``[x with c_e for all B; x with c for
 the n₂ in stage 2]`` (``unet_evals``: 1 per stage-1 step, 2 per stage-2 step); injection pairs the two halves.
@@ -35,6 +35,29 @@ __all__ = ["DISTANCES", "MODES", "SampleResult", "SamplerConfig", "ddim_schedule
 log = logging.getLogger(__name__)
 
 MODES = ("baseline", "two_stage_fixed", "two_stage_adaptive")
+PREDICTION_TYPES = ("epsilon", "v_prediction", "edm")
+EDM_SIGMA_DATA = 0.5  # σ_data of EDM's preconditioning: faces in [−1, 1] have a standard deviation of about 0.5
+
+
+def edm_coefficients(abar: torch.Tensor, sigma_data: float = EDM_SIGMA_DATA) -> tuple[torch.Tensor, torch.Tensor]:
+    """(c_skip, c_out) of EDM's denoiser D = c_skip·x + c_out·F (Karras et al. 2022, Table 1) at the VP timestep
+    with ᾱ_t = ``abar``, read as σ² = (1 − ᾱ)/ᾱ on x = x_t/√ᾱ: ``c_skip = σ_d²/(σ² + σ_d²)``, ``c_out =
+    σ·σ_d/√(σ² + σ_d²)``. At low noise D is nearly x itself, so an untrained UNet already denoises there."""
+    sigma2 = (1.0 - abar) / abar
+    return sigma_data ** 2 / (sigma2 + sigma_data ** 2), sigma2.sqrt() * sigma_data / (sigma2 + sigma_data ** 2).sqrt()
+
+
+def epsilon_from(out: torch.Tensor, x_t: torch.Tensor, abar: torch.Tensor, prediction_type: str) -> torch.Tensor:
+    """The ε a UNet output means at ᾱ_t = ``abar`` (broadcast against ``out``): ε itself; ``v_prediction``:
+    ``ε = √ᾱ·v + √(1 − ᾱ)·x_t``; ``edm``: ``ε = (x_t − √ᾱ·x̂_0)/√(1 − ᾱ)`` with ``x̂_0 = c_skip·x_t/√ᾱ + c_out·F``.
+    Each is affine in the output, so guidance mixes ε exactly as it would mix the outputs."""
+    if prediction_type == "epsilon":
+        return out
+    if prediction_type == "v_prediction":
+        return abar.sqrt() * out + (1.0 - abar).sqrt() * x_t
+    c_skip, c_out = edm_coefficients(abar)
+    x0 = c_skip * x_t / abar.sqrt() + c_out * out
+    return (x_t - abar.sqrt() * x0) / (1.0 - abar).sqrt()
 
 
 def mean_abs_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -63,6 +86,7 @@ class SamplerConfig:
     train_timesteps: int = 1000  # T of the trained model
     beta_start: float = 1e-4  # linear β schedule of the trained model
     beta_end: float = 0.02
+    prediction_type: str = "epsilon"  # what the trained UNet predicts: epsilon | v_prediction | edm (→ ε per step)
     eta: float = 0.0  # DDIM η (0: deterministic given x_T)
     guidance_scale: float = 1.0  # w in ε = (w+1)ε(c) − wε(c_e)
     t0: int = 500  # two_stage_fixed: c_e only for t ≥ t0
@@ -85,6 +109,9 @@ class SamplerConfig:
             raise ConfigError(f"sampler.mode = {self.mode!r} is not one of {list(MODES)}")
         if not isinstance(self.attention_injection, bool):
             raise ConfigError(f"sampler.attention_injection must be true/false, got {self.attention_injection!r}")
+        if self.prediction_type not in PREDICTION_TYPES:
+            raise ConfigError(f"sampler.prediction_type = {self.prediction_type!r} is not one of "
+                              f"{list(PREDICTION_TYPES)}")
         if self.distance not in DISTANCES:
             raise ConfigError(f"sampler.distance = {self.distance!r} is not one of {list(DISTANCES)}")
         if self.train_timesteps < 1 or self.steps < 1:
@@ -242,6 +269,8 @@ def sample(
             labels = context.flatten(1) if time_context else None  # the context's time-embedding route
             out = unet(x_in, t.to(device), encoder_hidden_states=context, class_labels=labels,
                        return_dict=False)[0].float()
+            out = epsilon_from(out, x_in.float(), scheduler.alphas_cumprod[t_int].double(), cfg.prediction_type
+                               ).float()  # float64 ᾱ: at t = 0, 1 − ᾱ is 1e-4
             eps = out[:b].clone()  # ε(c_e) for every sample
             if n2:
                 eps[rows] = (w + 1.0) * out[b:] - w * out[:b][rows]

@@ -4,6 +4,10 @@
 
     x_t = √ᾱ_t · x_0 + √(1 − ᾱ_t) · ε,   t ~ U{0, …, T−1},  ε ~ N(0, I);    L = mean ‖ε − ε_θ(x_t, t, c'')‖²
 
+(ε-prediction, the paper's; ``prediction_type`` ``v_prediction`` regresses v = √ᾱ_t·ε − √(1 − ᾱ_t)·x_0 instead, and
+``edm`` regresses the F of EDM's preconditioned denoiser x̂_0 = c_skip·x_t/√ᾱ_t + c_out·F (Karras et al. 2022; c_skip
+→ 1 at low noise, so the UNet need not learn the identity there); ``loss_weighting: min_snr`` weights each timestep by
+min(SNR_t, γ)/SNR_t (Hang et al. 2023)). x_0 is in the UNet's layout (``IDConditionedUNet.to_unet``: p×p patches).
 c'' is ``IDConditionedUNet.training_context``; x_0 the image in [−1, 1] or its latent under a frozen ``VQModel`` /
 ``AutoencoderKL``, encoded once. EMA after every step with ``d = min(ema_decay, (1 + n)/(10 + n))`` (LDM's warm-up);
 the EMA network is returned, saved and sampled. Exact resume: batch order from (seed, epoch), a step's random draws
@@ -31,7 +35,6 @@ from typing import Any
 import lightning
 import numpy as np
 import torch
-import torch.nn.functional as F
 from diffusers import DDPMScheduler
 from lightning.pytorch.callbacks import Callback
 from torch import nn
@@ -39,6 +42,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ml.data.records import worker_kwargs
 from ml.errors import ConfigError, DataError
+from ml.generator.sampler import PREDICTION_TYPES, edm_coefficients
 from ml.generator.uiface import (
     GeneratorModelConfig,
     IDConditionedUNet,
@@ -68,6 +72,7 @@ log = logging.getLogger(__name__)
 LAST_CHECKPOINT = "last.ckpt"
 CHECKPOINT_KEY = "faceops_generator"  # run description stored in every checkpoint, checked before resuming
 LR_SCHEDULES = ("constant", "cosine")
+LOSS_WEIGHTINGS = ("uniform", "min_snr")
 BETA_SCHEDULES = ("linear", "scaled_linear")
 ENCODE_BATCH = 64  # images per autoencoder call when precomputing latents
 
@@ -87,6 +92,9 @@ class GeneratorConfig:
     batch_size: int = 32
     epochs: int = 20
     ema_decay: float = 0.999
+    prediction_type: str = "epsilon"  # | "v_prediction" (v = √ᾱ_t·ε − √(1 − ᾱ_t)·x_0) | "edm" (F of D = c_skip·x + c_out·F)
+    loss_weighting: str = "uniform"  # | "min_snr": each timestep's ε loss × min(SNR_t, γ)/SNR_t (Hang et al. 2023)
+    min_snr_gamma: float = 5.0  # γ of min_snr
     grad_clip: float = 0.0  # max gradient norm; 0 = off
     seed: int = 0
     num_workers: int = 0
@@ -107,6 +115,7 @@ class GeneratorConfig:
             "batch_size": (self.batch_size >= 1, "≥ 1"),
             "epochs": (self.epochs >= 1, "≥ 1"),
             "ema_decay": (0.0 <= self.ema_decay < 1.0, "in [0, 1)"),
+            "min_snr_gamma": (self.min_snr_gamma > 0, "> 0"),
             "grad_clip": (self.grad_clip >= 0, "≥ 0 (0 = off)"),
             "num_workers": (self.num_workers >= 0, "≥ 0"),
             "max_steps": (self.max_steps == -1 or self.max_steps >= 1, "-1 or ≥ 1"),
@@ -114,8 +123,12 @@ class GeneratorConfig:
         for key, (ok, need) in checks.items():
             if not ok:
                 raise ConfigError(f"generator.{key} = {getattr(self, key)!r} is out of range; it must be {need}")
+        if self.prediction_type == "edm" and self.loss_weighting != "uniform":
+            raise ConfigError(f"generator.loss_weighting = {self.loss_weighting!r} with prediction_type 'edm': EDM's "
+                              "preconditioning already weights the timesteps (unit weight on F); set it to 'uniform'")
         check_device_keys("generator", self.accelerator, self.devices, self.precision)
-        choices = {"lr_schedule": LR_SCHEDULES, "beta_schedule": BETA_SCHEDULES}
+        choices = {"lr_schedule": LR_SCHEDULES, "beta_schedule": BETA_SCHEDULES, "loss_weighting": LOSS_WEIGHTINGS,
+                   "prediction_type": PREDICTION_TYPES}
         for key, valid in choices.items():
             if getattr(self, key) not in valid:
                 raise ConfigError(f"generator.{key} {getattr(self, key)!r} is not one of {list(valid)}")
@@ -127,13 +140,18 @@ class GeneratorConfig:
             "beta_start": self.beta_start,
             "beta_end": self.beta_end,
             "beta_schedule": self.beta_schedule,
-            "prediction_type": "epsilon",
+            "prediction_type": self.prediction_type,
         }
 
 
 def make_noise_scheduler(schedule: dict[str, Any]) -> DDPMScheduler:
-    """The diffusers ``DDPMScheduler`` of ``GeneratorConfig.noise_schedule()`` (or a saved model's extra)."""
-    return DDPMScheduler(**schedule)
+    """The diffusers ``DDPMScheduler`` of ``GeneratorConfig.noise_schedule()`` (or a saved model's extra); an
+    ``edm`` model's forward process is the same VP one (diffusers knows no such prediction type: it is kept as ε,
+    which only ``step`` would read)."""
+    kwargs = dict(schedule)
+    if kwargs.get("prediction_type") == "edm":
+        kwargs["prediction_type"] = "epsilon"
+    return DDPMScheduler(**kwargs)
 
 
 def ema_decay_at(updates: int, ema_decay: float) -> float:
@@ -175,20 +193,43 @@ class GeneratorModule(lightning.LightningModule):
             self._generator = torch.Generator(device=self.device)
         return self._generator.manual_seed(mix_seed(self.cfg.seed, self.global_step))
 
+    def loss_weights(self, t: torch.Tensor) -> torch.Tensor:
+        """(B,) per-sample weights of the ε loss: 1, or min-SNR-γ's ``min(SNR_t, γ) / SNR_t`` with
+        ``SNR_t = ᾱ_t / (1 − ᾱ_t)``: the nearly clean timesteps, whose ε targets are noise the model cannot see,
+        stop dominating the gradient."""
+        if self.cfg.loss_weighting == "uniform":
+            return torch.ones(t.shape, device=t.device)
+        abar = self.noise_scheduler.alphas_cumprod.to(t.device)[t].float()
+        snr = abar / (1.0 - abar)
+        # a v target's loss is the ε loss × (SNR + 1): the same weight on x_0's error is min(SNR, γ)/(SNR + 1)
+        return snr.clamp(max=self.cfg.min_snr_gamma) / (snr + 1.0 if self.cfg.prediction_type == "v_prediction"
+                                                         else snr)
+
     def diffusion_loss(self, x0: torch.Tensor, ids: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        """Mean ‖ε − ε_θ(x_t, t, c'')‖² of one batch; every random draw from ``generator``."""
+        """Mean w_t·‖ε − ε_θ(x_t, t, c'')‖² of one batch (x0 in the UNet's layout; w_t from ``loss_weights``);
+        every random draw from ``generator``."""
         b = x0.shape[0]
         noise = torch.randn(x0.shape, generator=generator, device=generator.device).to(x0.device)
         t = torch.randint(0, self.cfg.num_train_timesteps, (b,), generator=generator, device=generator.device)
         t = t.to(x0.device)
         context = self.model.training_context(ids, generator=generator)  # (B, tokens, context_dim)
         x_t = self.noise_scheduler.add_noise(x0, noise, t).contiguous(memory_format=self.memory_format)
-        eps = self.model(x_t, t, context)
-        return F.mse_loss(eps.float(), noise.float())
+        out = self.model(x_t, t, context)
+        kind = self.cfg.prediction_type
+        if kind == "epsilon":
+            target = noise
+        elif kind == "v_prediction":
+            target = self.noise_scheduler.get_velocity(x0, noise, t)
+        else:  # F's target (x_0 − c_skip·x_t/√ᾱ)/c_out: EDM's loss weight 1/c_out² on D, unit weight on F
+            abar = self.noise_scheduler.alphas_cumprod.to(x0.device)[t].double().view(-1, 1, 1, 1)
+            c_skip, c_out = edm_coefficients(abar)
+            target = ((x0.double() - c_skip * x_t.double() / abar.sqrt()) / c_out).float()
+        per_sample = (out.float() - target.float()).pow(2).flatten(1).mean(dim=1)
+        return (per_sample * self.loss_weights(t)).mean()
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         data, ids = batch  # uint8 (B, 3, H, W) images or float (B, C, h, w) latents; float (B, id_dim)
-        x0 = images_to_unit_range(data) if self.pixel else data.float()
+        x0 = self.model.to_unet(images_to_unit_range(data) if self.pixel else data.float())
         loss = self.diffusion_loss(x0, ids, self._step_generator())
         if not bool(torch.isfinite(loss)):
             raise non_finite_loss(self, float(loss.detach()), batch_idx, what="train/loss", entry="train_generator",

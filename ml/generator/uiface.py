@@ -7,8 +7,9 @@ for the two-stage sampler and CFG. Space: pixels in [−1, 1], or a diffusers ``
 (``load_autoencoder``, ``encode_images``, ``decode_latents``); ``save_generator`` writes the EMA weights and ``extra``.
 
 Differences from the reference (appendix A.1; code from IDiff-Face / LDM):
-- The embedded default denoises a 4×8×8 KL latent of 32-px faces with a 2-level UNet, not VQ-f4's 3×32×32 of
-  128-px faces with four levels; a given VQ/KL autoencoder plugs in, pixel space stays a parameter.
+- Small UNets on 32-px faces, not VQ-f4's 3×32×32 latent of 128-px faces with four levels: a trained KL latent
+  (4×8×8) or the pixels themselves, which ``patch_size`` p hands the UNet as p×p patches in its channels (pixel
+  unshuffle: lossless, so no decoder bounds the faces); a given VQ/KL autoencoder plugs in.
 - Element dropout rescales kept entries by 1/(1 − p) and draws from an optional generator (exact resume).
 - The context is one Linear into ``context_tokens`` tokens; the paper gives no token layout.
 - ``time_context``: the flattened context also enters the time embedding (diffusers ``class_embed_type =
@@ -59,8 +60,9 @@ class GeneratorModelConfig:
     """``generator.model`` section: the denoiser's shape and its context. ``image_size``/``in_channels`` are
     what the UNet sees: pixels (3 × image_size²) or, with an autoencoder, its latent."""
 
-    image_size: int = 32  # UNet sample size (pixels, or latent side with an autoencoder)
+    image_size: int = 32  # side of what the denoiser makes: pixels, or the latent side with an autoencoder
     in_channels: int = 3
+    patch_size: int = 1  # the UNet sees p×p patches as channels (pixel unshuffle): (C·p², S/p, S/p), lossless
     block_out_channels: tuple[int, ...] = (32, 64, 64)  # one UNet level each; len − 1 downsamplings
     layers_per_block: int = 1
     attention_heads: int = 8  # per attention layer (diffusers passes this as ``attention_head_dim``)
@@ -76,7 +78,7 @@ class GeneratorModelConfig:
     def __post_init__(self) -> None:
         # a params.yaml list arrives as a list; keep the frozen dataclass hashable and JSON-stable
         object.__setattr__(self, "block_out_channels", tuple(int(c) for c in self.block_out_channels))
-        positive = ("image_size", "in_channels", "layers_per_block", "attention_heads", "norm_num_groups", "id_dim",
+        positive = ("image_size", "in_channels", "patch_size", "layers_per_block", "attention_heads", "norm_num_groups", "id_dim",
                     "context_dim", "context_tokens")
         for key in positive:
             if getattr(self, key) < 1:
@@ -108,17 +110,23 @@ class GeneratorModelConfig:
                 f"generator.model.attention_heads = {self.attention_heads} does not divide the channels {bad_heads} "
                 "of the cross-attention levels; pick a divisor"
             )
-        if self.image_size % self.downsample_factor:
+        factor = self.downsample_factor * self.patch_size
+        if self.image_size % factor:
             raise ConfigError(
-                f"generator.model.image_size = {self.image_size} is not a multiple of {self.downsample_factor}, "
-                f"which a {levels}-level UNet needs (it halves the size {levels - 1} times); use e.g. "
-                f"{max(self.downsample_factor, self.image_size - self.image_size % self.downsample_factor)}"
+                f"generator.model.image_size = {self.image_size} is not a multiple of {factor}, which a "
+                f"{levels}-level UNet (it halves the size {levels - 1} times) on {self.patch_size}×{self.patch_size} "
+                f"patches needs; use e.g. {max(factor, self.image_size - self.image_size % factor)}"
             )
 
     @property
     def downsample_factor(self) -> int:
         """Total downsampling of the UNet: 2^(levels − 1); image_size must be a multiple of it."""
         return 2 ** (len(self.block_out_channels) - 1)
+
+    @property
+    def unet_shape(self) -> tuple[int, int]:
+        """(channels, side) of the tensors the UNet and the sampler work on: (C·p², image_size / p)."""
+        return self.in_channels * self.patch_size ** 2, self.image_size // self.patch_size
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -131,10 +139,11 @@ def _build_unet(cfg: GeneratorModelConfig) -> UNet2DConditionModel:
     cross = [i >= cfg.cross_attention_from for i in range(levels)]
     down = tuple("CrossAttnDownBlock2D" if c else "DownBlock2D" for c in cross)
     up = tuple("CrossAttnUpBlock2D" if c else "UpBlock2D" for c in reversed(cross))
+    channels, side = cfg.unet_shape
     return UNet2DConditionModel(
-        sample_size=cfg.image_size,
-        in_channels=cfg.in_channels,
-        out_channels=cfg.in_channels,  # ε has the input's shape
+        sample_size=side,
+        in_channels=channels,
+        out_channels=channels,  # ε has the input's shape
         down_block_types=down,
         up_block_types=up,
         mid_block_type="UNetMidBlock2DCrossAttn",
@@ -196,10 +205,26 @@ class IDConditionedUNet(nn.Module):
         """``c_e`` expanded to (batch_size, tokens, context_dim) (a view; gradients reach the parameter)."""
         return self.empty_context.expand(batch_size, -1, -1)
 
+    def to_unet(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C, S, S) images or latents → (B, C·p², S/p, S/p), the UNet's own layout (identity for p = 1)."""
+        p = self.config.patch_size
+        return x if p == 1 else F.pixel_unshuffle(x, p)
+
+    def from_unet(self, x: torch.Tensor) -> torch.Tensor:
+        """Inverse of ``to_unet``: a sample in the UNet's layout → (B, C, S, S)."""
+        p = self.config.patch_size
+        return x if p == 1 else F.pixel_shuffle(x, p)
+
+    def sample_shape(self, batch: int) -> tuple[int, int, int, int]:
+        """The shape a sampler draws x_T in for ``batch`` samples: the UNet's layout."""
+        channels, side = self.config.unet_shape
+        return batch, channels, side, side
+
     def forward(self, x_t: torch.Tensor, timesteps: torch.Tensor | int, context: torch.Tensor) -> torch.Tensor:
-        """ε prediction (B, C, H, W) for noisy inputs ``x_t`` (B, C, H, W) at ``timesteps`` (B,) or a scalar; the
-        context (B, tokens, context_dim) is read by cross-attention and, with ``time_context``, flattened into the
-        time embedding too."""
+        """ε prediction for noisy inputs ``x_t`` in the UNet's layout (``to_unet``: (B, C·p², S/p, S/p)) at
+        ``timesteps`` (B,) or a scalar; the context (B, tokens, context_dim) is read by cross-attention and, with
+        ``time_context``, flattened into the time embedding too. DDPM acts element-wise, so diffusing patches is
+        diffusing pixels."""
         labels = context.flatten(1) if self.config.time_context else None
         return self.unet(x_t, timesteps, encoder_hidden_states=context, class_labels=labels).sample
 

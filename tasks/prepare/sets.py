@@ -141,7 +141,7 @@ def ingest_real(out: Path, cfg: DataConfig, progress: bool = True) -> dict[str, 
     from ml.data.ingest import IngestSpec, ingest_split
 
     spec = IngestSpec(folder=cfg.ingest_folder, recordio=cfg.ingest_recordio, image_size=cfg.image_size,
-                      resize=cfg.ingest_resize, max_images=cfg.ingest_max_images,
+                      resize=cfg.ingest_resize, max_images=cfg.ingest_max_images, seed=cfg.seed,
                       max_corrupt_fraction=cfg.ingest_max_corrupt_fraction)
     meta = {"ingested_from": str(Path(spec.source).resolve()), "seed": cfg.seed,
             "heldout_fraction": cfg.real_heldout_fraction, "discovery_fraction": cfg.real_discovery_fraction}

@@ -12,7 +12,7 @@ import pytest
 
 from ml.data.dataset import read_dataset_info, read_manifest
 from ml.data.formats import ingest_image_folder, read_verification_bin, write_recordio
-from ml.data.ingest import IngestSpec, ingest_split, list_items, split_identities
+from ml.data.ingest import MIN_CAPPED_IMAGES, IngestSpec, cap_items, ingest_split, list_items, split_identities
 from ml.data.procedural import ProceduralFaces
 from ml.errors import ConfigError, DataError
 from tasks.common import Paths
@@ -271,6 +271,38 @@ def test_ingest_config_errors_name_the_key():
 
 
 def test_folder_listing_matches_the_image_folder_reader(glint24):
-    spec = IngestSpec(folder=str(glint24), max_images=100)
-    items = list_items(spec)
-    assert [(it.ref, it.identity) for it in items] == ingest_image_folder(glint24)[:100]
+    listed = ingest_image_folder(glint24)
+    assert [(it.ref, it.identity) for it in list_items(IngestSpec(folder=str(glint24)))] == listed
+    capped = [(it.ref, it.identity) for it in list_items(IngestSpec(folder=str(glint24), max_images=100))]
+    assert len(capped) <= 100 and set(capped) <= set(listed)
+    assert len({identity for _, identity in capped}) == len({identity for _, identity in listed})  # all 24 kept
+
+
+def test_a_cap_spreads_over_the_identities_by_hand():
+    codes = np.repeat([0, 1, 2], [10, 3, 8])
+    kept = cap_items(codes, 12, seed=0)  # the largest c with Σ min(n_i, c) ≤ 12 is 4: 4 + 3 + 4
+    assert np.bincount(codes[kept]).tolist() == [4, 3, 4] and np.all(np.diff(kept) > 0)
+    assert not np.array_equal(kept, cap_items(codes, 12, seed=1))  # which images: a seeded draw
+    np.testing.assert_array_equal(kept, cap_items(codes, 12, seed=0))
+    # too many identities for MIN_CAPPED_IMAGES each: a seeded subset of identities keeps that many
+    many = np.repeat(np.arange(50), 20)
+    few = cap_items(many, 40, seed=0)
+    assert len(few) == 40 and set(np.bincount(many[few])[np.unique(many[few])].tolist()) == {MIN_CAPPED_IMAGES}
+    assert len(cap_items(codes, 100, seed=0)) == len(codes)
+
+
+def test_a_capped_identity_ordered_recordio_trains_on_many_identities(tmp_path):
+    """A RecordIO is ordered by identity (every insightface .rec is): the smoke preset's 1,000-face cap must not keep
+    the first identities only."""
+    images, labels = _faces(60, 40, size=32)  # 2,400 faces of 60 identities, identity by identity
+    rec = tmp_path / "in" / "train.rec"
+    rec.parent.mkdir()
+    write_recordio(rec, images, labels)
+    items = list_items(IngestSpec(recordio=str(rec), max_images=1000, seed=0))
+    counts = np.bincount(items.codes)
+    assert len(items) <= 1000 and len(items.identities) == 60 and counts.min() == counts.max() == 16
+    cfg = dataclasses.replace(TINY, image_size=32, ingest_recordio=str(rec), ingest_max_images=1000)
+    paths = Paths(tmp_path / "ws")
+    run(cfg, paths, workers=1)
+    train = _manifests(paths)["train"]
+    assert train["identity"].nunique() >= 30 and len(train) >= 30 * 16

@@ -282,3 +282,21 @@ def test_sampler_feeds_the_time_context_route() -> None:
     assert torch.isfinite(out.x0).all()
     assert not torch.allclose(out.x0[1], same.x0[1], atol=1e-5)  # only the context of sample 1 changed
     assert torch.allclose(out.x0[0], same.x0[0], atol=1e-5)
+
+
+def test_patch_layout_is_a_lossless_round_trip_and_sets_the_unet_shape() -> None:
+    model = _tiny(patch_size=2)
+    assert model.config.unet_shape == (12, 8)  # 3 × 2² channels at 16 / 2
+    assert (model.unet.config.in_channels, model.unet.config.sample_size) == (12, 8)
+    assert model.sample_shape(5) == (5, 12, 8, 8)
+    x = torch.randn(2, 3, 16, 16)
+    packed = model.to_unet(x)
+    # the 2×2 patch whose top-left pixel is (2, 4) sits at (1, 2); channel c·4 + dy·2 + dx holds pixel (2 + dy, 4 + dx)
+    assert packed[0, 1 * 4 + 1 * 2 + 0, 1, 2] == x[0, 1, 3, 4]
+    torch.testing.assert_close(model.from_unet(packed), x, rtol=0, atol=0)
+    eps = model(packed, torch.tensor([10, 900]), model.encode_context(_ids(2)))
+    assert eps.shape == packed.shape
+    plain = _tiny()
+    assert plain.to_unet(x) is x and plain.sample_shape(1) == (1, 3, 16, 16)
+    with pytest.raises(ConfigError, match="not a multiple of 4"):  # a 2-level UNet on 2×2 patches needs 16 | 4·k
+        GeneratorModelConfig(**{**TINY.to_dict(), "image_size": 18, "patch_size": 2})

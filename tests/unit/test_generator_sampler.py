@@ -93,6 +93,40 @@ def test_ddim_matches_a_hand_run_loop_and_diffusers_stepping(unet, contexts) -> 
     assert got.unet_evals.tolist() == [STEPS] * B and got.t0.tolist() == [0] * B and got.d_history is None
 
 
+def test_a_v_prediction_unet_samples_as_diffusers_v_prediction_ddim(unet, contexts) -> None:
+    """The sampler turns v into ε (ε = √ᾱ·v + √(1 − ᾱ)·x_t) before its guidance and DDIM step: the same UNet read as
+    a v-model must follow diffusers' own v-prediction DDIM, and differ from reading it as an ε-model."""
+    _, ce = contexts
+    got = sample(unet, contexts[0], ce, SHAPE, cfg(mode="two_stage_fixed", t0=0, prediction_type="v_prediction"))
+    scheduler = DDIMScheduler(beta_schedule="linear", beta_start=1e-4, beta_end=0.02, clip_sample=False,
+                              prediction_type="v_prediction")
+    scheduler.set_timesteps(STEPS)
+    x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            x = scheduler.step(unet(x, t, encoder_hidden_states=ce.expand(B, -1, -1)).sample, t, x).prev_sample
+    assert close(got.x0, x)
+    assert not close(got.x0, sample(unet, contexts[0], ce, SHAPE, cfg(mode="two_stage_fixed", t0=0)).x0)
+
+
+@pytest.mark.parametrize("kind", ["epsilon", "v_prediction", "edm"])
+def test_each_parametrisation_s_exact_output_gives_back_the_noise(kind) -> None:
+    """x_t from known x_0 and ε; the output a perfect UNet of each kind gives (ε; v; EDM's F) turns back into ε."""
+    from ml.generator.sampler import edm_coefficients, epsilon_from
+
+    g = torch.Generator().manual_seed(0)
+    x0, eps = torch.rand(4, 3, 4, 4, generator=g).double() * 2 - 1, torch.randn(4, 3, 4, 4, generator=g).double()
+    abar = torch.tensor([0.9999, 0.8, 0.3, 4e-5], dtype=torch.float64).view(4, 1, 1, 1)
+    x_t = abar.sqrt() * x0 + (1 - abar).sqrt() * eps
+    c_skip, c_out = edm_coefficients(abar)
+    out = {"epsilon": eps, "v_prediction": abar.sqrt() * eps - (1 - abar).sqrt() * x0,
+           "edm": (x0 - c_skip * x_t / abar.sqrt()) / c_out}[kind]
+    torch.testing.assert_close(epsilon_from(out, x_t, abar, kind), eps)
+    # EDM's coefficients by hand at ᾱ = 0.8: σ² = 0.25 = σ_d², so c_skip = 1/2 and c_out = 0.25/√0.5
+    assert float(c_skip[1]) == pytest.approx(0.5) and float(c_out[1]) == pytest.approx(0.25 / math.sqrt(0.5))
+    assert float(c_skip[0]) > 0.99 and float(c_skip[3]) < 1e-3  # the identity at low noise, ~0 at high noise
+
+
 def test_baseline_without_guidance_is_plain_conditional_ddim(unet, contexts) -> None:
     c, ce = contexts
     got = sample(unet, c, ce, SHAPE, cfg(mode="baseline", guidance_scale=0.0))

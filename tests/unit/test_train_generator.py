@@ -217,6 +217,65 @@ def test_config_section_noise_schedule_and_ema_warmup() -> None:
     assert ema_decay_at(0, 0.999) == pytest.approx(0.1) and ema_decay_at(10**6, 0.999) == 0.999
 
 
+def test_min_snr_weights_are_min_snr_gamma_over_snr_against_hand_values() -> None:
+    from ml.generator.train import GeneratorModule
+
+    cfg = dataclasses.replace(CFG, loss_weighting="min_snr", min_snr_gamma=5.0)
+    module = GeneratorModule(IDConditionedUNet(dataclasses.replace(TINY, id_dim=512)), cfg, 4, pixel=True)
+    abar = make_noise_scheduler(cfg.noise_schedule()).alphas_cumprod
+    t = torch.tensor([0, 100, 999])
+    snr = abar[t] / (1 - abar[t])
+    assert snr[0] > 5 > snr[2]  # t = 0 is nearly clean (SNR ≈ 1e4), t = 999 nearly pure noise
+    want = torch.tensor([5.0 / float(snr[0]), min(5.0, float(snr[1])) / float(snr[1]), 1.0])
+    torch.testing.assert_close(module.loss_weights(t), want)
+    uniform = GeneratorModule(IDConditionedUNet(dataclasses.replace(TINY, id_dim=512)), CFG, 4, pixel=True)
+    assert torch.equal(uniform.loss_weights(t), torch.ones(3))
+    with pytest.raises(ConfigError, match="loss_weighting"):
+        GeneratorConfig(loss_weighting="snr")
+    with pytest.raises(ConfigError, match="already weights"):
+        GeneratorConfig(prediction_type="edm", loss_weighting="min_snr")
+
+
+@pytest.mark.parametrize("prediction", ["epsilon", "v_prediction", "edm"])
+def test_the_loss_target_is_the_noise_or_the_velocity_by_hand(prediction) -> None:
+    """With a UNet that answers 0 the loss is the target's mean square: ε, or v = √ᾱ_t·ε − √(1 − ᾱ_t)·x_0 drawn from
+    the same seeded generator (noise first, then t)."""
+    from ml.generator.train import GeneratorModule
+
+    cfg = dataclasses.replace(CFG, prediction_type=prediction)
+    module = GeneratorModule(IDConditionedUNet(dataclasses.replace(TINY, id_dim=512)), cfg, 4, pixel=True)
+    module.model.forward = lambda x_t, t, context: torch.zeros_like(x_t)
+    x0 = torch.rand(4, 3, 16, 16) * 2 - 1
+    ids = torch.randn(4, 512)
+    loss = module.diffusion_loss(x0, ids, torch.Generator().manual_seed(3))
+    g = torch.Generator().manual_seed(3)
+    noise = torch.randn(x0.shape, generator=g)
+    t = torch.randint(0, 1000, (4,), generator=g)
+    abar = make_noise_scheduler(cfg.noise_schedule()).alphas_cumprod[t].view(4, 1, 1, 1)
+    x_t = abar.sqrt() * x0 + (1 - abar).sqrt() * noise
+    sigma2 = (1 - abar) / abar  # EDM at σ_d = 0.5: F's target (x_0 − c_skip·x_t/√ᾱ)/c_out
+    c_skip, c_out = 0.25 / (sigma2 + 0.25), sigma2.sqrt() * 0.5 / (sigma2 + 0.25).sqrt()
+    target = {"epsilon": noise, "v_prediction": abar.sqrt() * noise - (1 - abar).sqrt() * x0,
+              "edm": (x0 - c_skip * x_t / abar.sqrt()) / c_out}[prediction]
+    torch.testing.assert_close(loss, target.pow(2).mean(), rtol=1e-4, atol=1e-5)
+    assert cfg.noise_schedule()["prediction_type"] == prediction
+
+
+def test_a_patch_generator_trains_and_samples_faces_of_its_own_size(tmp_path) -> None:
+    from ml.generator.sampler import SamplerConfig, sample
+
+    images, ids = faces()
+    cfg = dataclasses.replace(CFG, model=dataclasses.replace(TINY, patch_size=2), epochs=1, **TRAIN_DEVICE)
+    result = train_generator(cfg, images, ids, progress=False)
+    result.save(tmp_path / "g")
+    model, _ = load_generator(tmp_path / "g")
+    assert model.config.patch_size == 2
+    with torch.no_grad():
+        res = sample(model.unet, model.encode_context(torch.from_numpy(ids[:2])), model.empty(1),
+                     model.sample_shape(2), SamplerConfig(mode="two_stage_fixed", steps=5))
+    assert model.from_unet(res.x0).shape == (2, 3, 16, 16)
+
+
 # ---------------------------------------------------------------------------------------------- latent autoencoder
 @pytest.mark.parametrize("seed", [0, 1])
 def test_autoencoder_reconstructs_held_out_faces_better_than_the_mean_face(seed) -> None:

@@ -1,0 +1,232 @@
+"""Which denoiser makes faces at the embedded budget: ``python -m experiments.generator_designs [NAME ...]``.
+
+Each design is a delta to params ``generator`` (``DESIGNS``). For each, the generator is trained on the run's
+training faces with the run's FR contexts (``tasks.train_generator.fit``, on one thread, as the stage runs beside
+another), then the first val face (split ``val``: never trained on) of 32 training identities gives 32 contexts,
+4 faces each, sampled as ``synthesize`` samples (params ``synthesize.sampler``). Scored:
+
+- the aligner's face score (share ≥ 0.5) and YuNet's detection rate (``tasks.synthesize.detector_judge``) of the
+  faces, each beside the same judge on 128 real training faces made at the generator's size;
+- the FR cosine of each face to its context, and the identity consistency of each context's 4 faces;
+- training seconds (what ``make run`` pays) and milliseconds per sampled face, both on one thread.
+
+Needs a finished ``train_fr@real`` and ``train_aligner`` (``dvc repro train_fr@real train_aligner``). Appends one row
+per design to ``metrics/generator_designs.jsonl`` (a design measured again replaces its row) and writes
+``reports/generator_designs.md`` with each design's faces (``reports/generator_designs/<name>.png``). Test splits are
+never read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ml.config import from_mapping
+from tasks.common import Paths, load_params, pyplot, save_figure, section, write_text
+
+log = logging.getLogger("experiments.generator_designs")
+
+# name → (what it is, params `generator` delta). Each denoises the 32-px faces themselves, the UNet seeing p × p
+# patches as channels (lossless, so no decoder bounds the faces); `--judge-default` adds make run's own generator.
+PIXEL = {"space": "pixel", "train.model.image_size": 32, "train.model.in_channels": 3, "train.precision": "32-true"}
+P2 = {**PIXEL, "train.model.patch_size": 2, "train.model.block_out_channels": [32, 64, 128], "train.batch_size": 32}
+P4 = {**PIXEL, "train.model.patch_size": 4, "train.model.block_out_channels": [64, 128], "train.batch_size": 64}
+V_MIN_SNR = {"train.prediction_type": "v_prediction", "train.loss_weighting": "min_snr"}
+DESIGNS: dict[str, tuple[str, dict[str, Any]]] = {
+    "eps_p2": ("ε, uniform; 2×2 patches (12×16×16), UNet [32, 64, 128]; 1,356 steps of 32",
+               {**P2, "train.epochs": 12}),
+    "eps_minsnr_p2": ("as eps_p2, min-SNR-5 weighting", {**P2, "train.epochs": 12, "train.loss_weighting": "min_snr"}),
+    "v_minsnr_p2": ("v, min-SNR-5; 2×2 patches, UNet [32, 64, 128]; 678 steps of 32",
+                    {**P2, **V_MIN_SNR, "train.epochs": 6}),
+    "v_minsnr_p4": ("v, min-SNR-5; 4×4 patches (48×8×8), UNet [64, 128]; 684 steps of 64",
+                    {**P4, **V_MIN_SNR, "train.epochs": 12}),
+    "v_minsnr_p4_small": ("as v_minsnr_p4 with UNet [32, 64]; 2,034 steps of 32",
+                          {**P4, **V_MIN_SNR, "train.model.block_out_channels": [32, 64], "train.batch_size": 32,
+                           "train.epochs": 18}),
+    "v_minsnr_p4_cosine": ("as v_minsnr_p4 at lr 0.002, cosine decay",
+                           {**P4, **V_MIN_SNR, "train.epochs": 12, "train.lr": 0.002, "train.lr_schedule": "cosine"}),
+    "v_p2": ("v, uniform; as v_minsnr_p2", {**P2, "train.prediction_type": "v_prediction", "train.epochs": 6}),
+    "v_p4": ("v, uniform; as v_minsnr_p4", {**P4, "train.prediction_type": "v_prediction", "train.epochs": 12}),
+    "edm_p2": ("EDM preconditioning; 2×2 patches, UNet [32, 64, 128]; 678 steps of 32",
+               {**P2, "train.prediction_type": "edm", "train.epochs": 6}),
+    "edm_p4": ("EDM preconditioning; 4×4 patches, UNet [64, 128]; 684 steps of 64",
+               {**P4, "train.prediction_type": "edm", "train.epochs": 12}),
+    "edm_p2_long": ("as edm_p2, 3× the steps (2,034)", {**P2, "train.prediction_type": "edm", "train.epochs": 18}),
+    "edm_p4_long": ("as edm_p4, 3× the steps (2,052)", {**P4, "train.prediction_type": "edm", "train.epochs": 36}),
+}
+CONTEXTS, PER_CONTEXT = 32, 4  # val contexts, faces sampled per context
+REAL_FACES = 128  # training faces made at the generator's size: what each judge gives real faces there
+
+
+def with_delta(generator: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any]:
+    """params ``generator`` with dotted keys of ``delta`` set (``train.model.patch_size``: nested keys)."""
+    out = copy.deepcopy(generator)
+    for key, value in delta.items():
+        node = out
+        *parents, last = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return out
+
+
+def measure(name: str, paths: Paths, work: Path) -> dict[str, Any]:
+    """Train design ``name`` into ``work/name`` on one thread and judge it (``judge``); one result row."""
+    import torch
+
+    from tasks.train_generator import GeneratorStageConfig, fit
+
+    _, delta = DESIGNS[name]
+    params = load_params(paths.params)
+    cfg = from_mapping(GeneratorStageConfig, with_delta(section(params, "generator"), delta), "generator")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the stage's share of a 2-core run (pipeline.jobs 2)
+    try:
+        start = time.perf_counter()
+        fitted = fit(cfg, paths, work / name, report=False)
+        seconds = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(threads)
+    return judge(name, paths, work / name, seconds, float(fitted.result.history[-1]["train/loss"]))
+
+
+def judge(name: str, paths: Paths, model_dir: Path, train_seconds: float, train_loss: float) -> dict[str, Any]:
+    """Sample the generator in ``model_dir`` (design ``name``) on one thread and score its faces on val; also how
+    ``make run``'s own generator is put beside the designs (``--judge-default``)."""
+    import torch
+
+    from ml.aligner.dfa import load_aligner
+    from ml.data.dataset import load_images, read_manifest
+    from ml.generator.diversity import per_class_consistency
+    from ml.generator.sampler import SamplerConfig
+    from tasks.synthesize import detector_judge, generate, load_generator_for, sampler_for
+    from tasks.train_generator import GeneratorStageConfig, identity_embeddings, load_fr, resize_faces
+
+    params = load_params(paths.params)
+    model, extra, autoencoder = load_generator_for(paths, from_mapping(
+        GeneratorStageConfig, section(params, "generator"), "generator"), model_dir)
+    side = int(extra["context_size"])  # the side of the faces the generator makes
+    fr, _, _ = load_fr(paths, "real", "generator.fr_source")
+    rows = read_manifest(paths.train_set / "manifest.parquet")
+    val = rows[rows["split"] == "val"].groupby("identity").head(1).head(CONTEXTS).reset_index(drop=True)
+    contexts = identity_embeddings(fr, resize_faces(load_images(paths.train_set, val), side), None)
+    train = rows[rows["split"] == "train"].sample(REAL_FACES, random_state=0)
+    real = resize_faces(load_images(paths.train_set, train), side)  # real faces made at the generator's size
+    sampler = sampler_for(from_mapping(SamplerConfig, section(params, "synthesize")["sampler"],
+                                       "synthesize.sampler"), extra)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        start = time.perf_counter()
+        faces, _, _ = generate(model, contexts, PER_CONTEXT, sampler, batch_size=64, seed=0, autoencoder=autoencoder)
+        ms = 1000 * (time.perf_counter() - start) / len(faces)
+    finally:
+        torch.set_num_threads(threads)
+    size = int(section(params, "data")["image_size"])
+    aligner, _ = load_aligner(paths.aligner_model)
+    _, scores = aligner.predict(resize_faces(faces, size))
+    _, real_scores = aligner.predict(resize_faces(real, size))
+    emb = identity_embeddings(fr, resize_faces(faces, size), None)
+    labels = np.repeat(np.arange(len(contexts)), PER_CONTEXT)
+    detector = detector_judge(faces, real, side)
+    grid(faces, real, paths.root / "reports" / "generator_designs" / f"{name}.png", name)
+    what = DESIGNS[name][0] if name in DESIGNS else "make run's generator (params.yaml as committed)"
+    return {"design": name, "what": what,
+            "delta": DESIGNS[name][1] if name in DESIGNS else {}, "train/seconds": float(train_seconds),
+            "train/loss": float(train_loss), "sample/ms_per_face": ms,
+            "judge/face_share": float((scores >= 0.5).mean()),
+            "judge/real_at_size_face_share": float((real_scores >= 0.5).mean()),
+            **{k.replace("synthetic/judge/", "judge/"): v for k, v in detector.items()},
+            "context_cosine": float(np.mean(np.sum(emb * np.repeat(contexts, PER_CONTEXT, axis=0), axis=1))),
+            "identity_consistency": float(np.mean(list(per_class_consistency(emb, labels).values())))}
+
+
+def grid(faces: np.ndarray, real: np.ndarray, path: Path, title: str, columns: int = 16) -> None:
+    """The first ``columns`` contexts' faces, one row per sample, over a row of real faces at the same size."""
+    plt = pyplot()
+    fig, axes = plt.subplots(PER_CONTEXT + 1, columns, figsize=(0.9 * columns, 0.95 * (PER_CONTEXT + 1) + 0.3))
+    for c in range(columns):
+        for r in range(PER_CONTEXT + 1):
+            axes[r, c].imshow(faces[c * PER_CONTEXT + r] if r < PER_CONTEXT else real[c])
+            axes[r, c].axis("off")
+    fig.suptitle(f"{title}: {PER_CONTEXT} faces per context (one column per context); last row: real training "
+                 "faces at the same size", fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def report(rows: list[dict[str, Any]]) -> str:
+    def pct(row: dict[str, Any], key: str) -> str:
+        return f"{100 * row[key]:.1f} %" if key in row else "—"
+
+    lines = ["# Generator designs at the embedded budget", "",
+             "`python -m experiments.generator_designs`: each design trained on the run's training faces on one "
+             "thread, float32; sampled with params `synthesize.sampler` from 32 contexts of val faces of training "
+             "identities (4 faces each). Chosen on and scored on: val contexts (no test split is read). A judge's share "
+             "is beside the same judge on 128 real training faces made at the generator's size; `default` is "
+             "`make run`'s own generator, judged the same way.", "",
+             "| design | train s | ms / face | aligner: faces (real) | YuNet: faces (real) | context cos | "
+             "consistency | what |", "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| `{row['design']}` | {row['train/seconds']:.0f} | {row['sample/ms_per_face']:.0f} | "
+                     f"{pct(row, 'judge/face_share')} ({pct(row, 'judge/real_at_size_face_share')}) | "
+                     f"{pct(row, 'judge/detector_face_share')} ({pct(row, 'judge/detector_real_at_size_face_share')})"
+                     f" | {row['context_cosine']:.3f} | {row['identity_consistency']:.3f} | {row['what']} |")
+    lines += [""] + [f"![{row['design']}](generator_designs/{row['design']}.png)" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m experiments.generator_designs", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("designs", nargs="*", metavar="NAME", help=f"designs to train and judge: {', '.join(DESIGNS)} "
+                        "(default: all)")
+    parser.add_argument("--judge", metavar="DIR", type=Path, help="judge the trained generator in DIR as design NAME "
+                        "(one name; its training seconds and last loss from --seconds / --loss) instead of training")
+    parser.add_argument("--seconds", type=float, default=float("nan"), help="with --judge: its training seconds")
+    parser.add_argument("--loss", type=float, default=float("nan"), help="with --judge: its last training loss")
+    parser.add_argument("--judge-default", action="store_true", help="judge make run's models/generator as the row "
+                        "`default` (seconds and loss from metrics/train_generator.json)")
+    parser.add_argument("--report-only", action="store_true", help="rewrite the report from the metrics file")
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.designs if name not in DESIGNS]
+    if unknown:
+        parser.error(f"no design named {', '.join(unknown)}; the designs are {', '.join(DESIGNS)}")
+    if args.judge is not None and len(args.designs) != 1:
+        parser.error("--judge DIR needs exactly one design NAME")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    paths = Paths()
+    store = paths.metrics / "generator_designs.jsonl"
+    rows = {r["design"]: r for r in map(json.loads, store.read_text().splitlines())} if store.is_file() else {}
+
+    def keep(row: dict[str, Any]) -> None:
+        rows[row["design"]] = row
+        log.info("%s: %s", row["design"], {k: v for k, v in row.items() if k not in ("what", "delta")})
+        order = [*DESIGNS, "default"]
+        store.write_text("".join(json.dumps(rows[n], sort_keys=True) + "\n" for n in order if n in rows))
+
+    if args.judge is not None:
+        keep(judge(args.designs[0], paths, args.judge, args.seconds, args.loss))
+    elif args.judge_default:
+        trained = json.loads((paths.metrics / "train_generator.json").read_text())
+        keep(judge("default", paths, paths.generator_model, trained["train/seconds"]
+                   + trained.get("autoencoder/seconds", 0.0), trained["train/loss"]))
+    elif not args.report_only:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="generator_designs_") as work:
+            for name in args.designs or list(DESIGNS):
+                keep(measure(name, paths, Path(work)))
+    write_text(paths.root / "reports" / "generator_designs.md",
+               report([rows[n] for n in [*DESIGNS, "default"] if n in rows]))
+
+
+if __name__ == "__main__":
+    main()
