@@ -186,6 +186,11 @@ def synthetic_section(synth: dict[str, Any], metrics: dict[str, float], models: 
             if f"synthetic/judge/{key}" in synth]
         if ceilings:
             lines[-1] += " Ceilings: " + "; ".join(ceilings) + "."
+        if "synthetic/judge/detector_face_share" in synth:
+            lines[-1] += (f" A second judge nobody here trained, OpenCV Zoo's YuNet face detector (faces upscaled to "
+                          f"128 px), finds {100 * k('judge/detector_face_share'):.1f} % of the synthetic faces and "
+                          f"{100 * k('judge/detector_real_at_size_face_share'):.1f} % of real faces made at the "
+                          "generator's size.")
     if "synthetic/judge/frechet" in synth:
         lines += ["", f"Fréchet distance to {k('judge/frechet_faces'):.0f} real training faces in the aligner's "
                   f"backbone features (FID's formula; lower is closer; equal sample sizes): synthetic faces "

@@ -186,3 +186,16 @@ def test_synthetic_gate_rejects_an_inconsistent_identity_and_names_its_rows(tmp_
     manifest["min_identity_consistency"] = 0.05
     results = validate_manifests({"synthetic": ("synthetic", manifest)}, data, ValidateConfig(), tmp_path / "ok")
     assert results["synthetic"]["success"]
+
+
+def test_the_report_puts_yunet_beside_the_aligner_only_when_it_ran():
+    from tasks.evaluate.synthetic import synthetic_section
+
+    synth = {"synthetic/identities": 2.0, "synthetic/images": 4.0, "synthetic/judge/face_share": 0.4,
+             "synthetic/judge/face_score_mean": 0.4, "synthetic/judge/real_face_share": 0.99,
+             "synthetic/judge/nonface_share": 0.03}
+    text = "\n".join(synthetic_section(synth, {}, {}))
+    assert "aligner's face score" in text and "YuNet" not in text
+    yunet = {"synthetic/judge/detector_face_share": 0.125, "synthetic/judge/detector_real_at_size_face_share": 0.75}
+    text = "\n".join(synthetic_section({**synth, **yunet}, {}, {}))
+    assert "YuNet face detector (faces upscaled to 128 px), finds 12.5 % of the synthetic faces and 75.0 %" in text
