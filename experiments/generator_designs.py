@@ -112,10 +112,10 @@ def judge(name: str, paths: Paths, model_dir: Path, train_seconds: float, train_
     from tasks.train_generator import GeneratorStageConfig, identity_embeddings, load_fr, resize_faces
 
     params = load_params(paths.params)
-    model, extra, autoencoder = load_generator_for(paths, from_mapping(
-        GeneratorStageConfig, section(params, "generator"), "generator"), model_dir)
+    generator = from_mapping(GeneratorStageConfig, section(params, "generator"), "generator")
+    model, extra, autoencoder = load_generator_for(paths, generator, model_dir)
     side = int(extra["context_size"])  # the side of the faces the generator makes
-    fr, _, _ = load_fr(paths, "real", "generator.fr_source")
+    fr, _, _ = load_fr(paths, generator.fr_source, "generator.fr_source")
     rows = read_manifest(paths.train_set / "manifest.parquet")
     val = rows[rows["split"] == "val"].groupby("identity").head(1).head(CONTEXTS).reset_index(drop=True)
     contexts = identity_embeddings(fr, resize_faces(load_images(paths.train_set, val), side), None)
