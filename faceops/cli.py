@@ -36,7 +36,8 @@ app = typer.Typer(
         "* `faceops stage train_fr@real` — run one stage's code directly (what `dvc repro` calls)\n\n"
         "* `faceops ls` — stages and their status, datasets, models and registry versions\n\n"
         "* `faceops doctor` — this machine's facts, what `precision: auto` and the thread counts resolve to here\n\n"
-        "* `faceops export models/fr/real fr.onnx` — ONNX export with a parity check"
+        "* `faceops export models/fr/real fr.onnx` — ONNX export with a parity check\n\n"
+        "* `faceops import sface.onnx --name sface --contract sface` — a pretrained recogniser as FR source `sface`"
     ),
 )
 
@@ -345,6 +346,10 @@ app.command("promote")(promote_cmd)
 from faceops.doctor import doctor_cmd  # noqa: E402
 
 app.command("doctor")(doctor_cmd)
+
+from faceops.imports import import_command  # noqa: E402
+
+app.command("import")(import_command)
 
 from faceops.plots import plots_cmd  # noqa: E402
 

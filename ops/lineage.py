@@ -146,9 +146,11 @@ def unique_summary(root: Path, stages: Sequence[str] | None = None, only: str | 
     stage ``only``'s keys when given. A key several stages write (``train/loss``, the FR arms' ``val/accuracy``)
     stays on the stage runs: on the parent it would be ambiguous. Metrics files not written yet add nothing."""
     from dvc.repo import Repo
+    from dvc.stage import PipelineStage
 
     with Repo(str(root)) as repo:
-        by_name = {s.name: s for s in repo.index.stages}  # train_fr@real: foreach stages come expanded
+        # train_fr@real: foreach stages come expanded; a `.dvc` file (an imported model) is a stage without a name
+        by_name = {s.name: s for s in repo.index.stages if isinstance(s, PipelineStage)}
         names = list(stages) if stages is not None else list(by_name)
         files = {s: [str(o.def_path) for o in by_name[s].outs if o.is_metric] for s in names}
     owners: dict[str, list[str]] = {}

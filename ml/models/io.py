@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
+ONNX_BACKBONE, ONNX_FILE = "onnx", "model.onnx"  # an imported ONNX recogniser's directory (``ml.models.onnx_embedder``)
 FORMAT = 1
 
 M = TypeVar("M", bound=nn.Module)
@@ -83,15 +84,17 @@ def read_model_config(model_dir: str | os.PathLike, *, what: str) -> dict[str, A
     the JSON is unreadable, or it is not an object. ``what`` names the kind of model directory expected."""
     model_dir = Path(model_dir)
     config_path = model_dir / CONFIG
-    for path in (config_path, model_dir / WEIGHTS):
-        if not path.is_file():
-            raise DataError(f"model file {path} is missing; a {what} directory needs {CONFIG} and {WEIGHTS}")
+    if not config_path.is_file():
+        raise DataError(f"model file {config_path} is missing; a {what} directory needs {CONFIG} and {WEIGHTS}")
     try:
         config = json.loads(config_path.read_text())
     except (OSError, ValueError) as exc:
         raise DataError(f"{config_path} is not valid JSON: {exc}; re-save the {what}") from exc
     if not isinstance(config, dict):
         raise DataError(f"{config_path} holds {type(config).__name__}, not a JSON object; re-save the {what}")
+    weights = ONNX_FILE if config.get("backbone") == ONNX_BACKBONE else WEIGHTS  # an imported ONNX recogniser
+    if not (model_dir / weights).is_file():
+        raise DataError(f"model file {model_dir / weights} is missing; a {what} directory needs {CONFIG} and {weights}")
     return config
 
 
@@ -150,6 +153,15 @@ def load_model(model_dir: str | os.PathLike) -> tuple[nn.Module, dict[str, Any]]
     if not isinstance(config.get("backbone"), str):
         raise DataError(f"{config_path} has no 'backbone' name; re-save the model with save_model")
     name = config["backbone"]
+    from ml.models.onnx_embedder import OnnxEmbedder
+
+    if name == ONNX_BACKBONE:  # an imported ONNX recogniser (``ml.models.onnx_embedder``): the graph, not safetensors
+        pixels = config.get("kwargs") or {}
+        try:
+            return OnnxEmbedder(Path(model_dir) / ONNX_FILE, **pixels).eval(), config
+        except TypeError as exc:
+            raise DataError(f"{config_path}: 'kwargs' {pixels!r} is not an ONNX pixel contract (colour, mean, "
+                            f"std); import the model again with `faceops import`") from exc
     if name not in BACKBONES:
         raise DataError(f"{config_path} names backbone {name!r}, which is not registered ({', '.join(BACKBONES)})")
     kwargs = config.get("kwargs") or {}

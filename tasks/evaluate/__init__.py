@@ -241,9 +241,18 @@ def evaluate_model(model: Any, tag: str, cfg: EvaluateConfig, paths: Paths, sets
     )
     from ml.fr.train import embed, needs_keypoints
 
+    from tasks.train_generator import resize_faces
+
+    size = int(model.input_contract["size"])
+
     def emb(images: np.ndarray, keypoints: np.ndarray | None = None) -> np.ndarray:
-        return embed(model, images, batch_size=cfg.batch_size, flip=cfg.flip, progress=True,
-                     keypoints=keypoints if needs_keypoints(model) else None)
+        """Embeddings of the benchmark's faces at the model's own input size (a pretrained 112-px recogniser on the
+        64-px procedural faces: upsampled, landmarks with them)."""
+        kp = keypoints if needs_keypoints(model) else None
+        if kp is not None and images.shape[1] != size:
+            kp = kp * (size / images.shape[1])
+        return embed(model, resize_faces(images, size), batch_size=cfg.batch_size, flip=cfg.flip, progress=True,
+                     keypoints=kp)
 
     metrics: dict[str, float] = {}
     curves: dict[str, tuple] = {}

@@ -157,6 +157,10 @@ def render_report(metrics: dict[str, float], models: dict[str, dict], train_metr
     for tag, config in models.items():
         extra = config.get("extra", {})
         tm = train_metrics.get(tag, {})
+        if extra.get("training_source") == "pretrained":  # `faceops import`: trained elsewhere, on data we never saw
+            lines.append(f"| `{tag}` | `{config.get('backbone')}` | pretrained ({extra.get('format')}: "
+                         f"`{Path(str(extra.get('file', ''))).name}`) | — | `{str(extra.get('sha256', ''))[:12]}` | — | — |")
+            continue
         lines.append(
             f"| `{tag}` | `{config.get('backbone')}` | {extra.get('training_data_source', '?')} | "
             f"{extra.get('training_identities', '?')} / {extra.get('training_images', '?')} | "
