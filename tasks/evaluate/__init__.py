@@ -54,6 +54,7 @@ class EvaluateConfig:
     probe_epochs: int = 20
     # generalized face discovery (tasks/evaluate/discovery.py): semi-supervised k-means and clustering baselines
     discovery: bool = True
+    discovery_fr_source: str = "real"  # models/fr/<source> behind the FR + SSK row and the clustering baselines
     ssk_n_init: int = 10
     ssk_max_iter: int = 500
     nnc_k: int = 5
@@ -388,7 +389,12 @@ def run(cfg: EvaluateConfig, data: DataConfig, paths: Paths, *, tracker: Any = N
     if cfg.discovery and paths.gfd_split.is_file():
         from tasks.evaluate.discovery import evaluate_discovery
 
-        metrics.update(evaluate_discovery(cfg, data, paths, loaded.get("real", next(iter(loaded.values())))))
+        if cfg.discovery_fr_source not in loaded:
+            from ml.errors import DataError
+
+            raise DataError(f"evaluate.discovery_fr_source is {cfg.discovery_fr_source!r} but models/fr/ holds "
+                            f"{', '.join(loaded)}: import it (`faceops import`) or train it first")
+        metrics.update(evaluate_discovery(cfg, data, paths, loaded[cfg.discovery_fr_source]))
     if cfg.sets and paths.video_set.is_dir():
         from tasks.evaluate.fusion import evaluate_sets
 

