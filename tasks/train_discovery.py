@@ -42,7 +42,7 @@ from tasks.prepare import DataConfig
 log = logging.getLogger(__name__)
 
 REGISTERED_MODEL = registered_model("train_discovery")
-FR_SOURCE = "real"  # the FR model whose weights initialise FaceGCD's ViTs
+ANCHOR_SOURCE = "real"  # the training source whose rows the anchor replays (the run's own FR training set)
 LOSS_KEYS = ("loss", "loss/unsup", "loss/sup", "loss/anchor")
 
 
@@ -92,7 +92,7 @@ def anchor_set(cfg: DiscoveryConfig, data: DataConfig, paths: Paths) -> tuple[np
         return None
     from tasks.train_fr import load_rows, training_rows
 
-    parts, _, _ = training_rows(paths, FR_SOURCE)
+    parts, _, _ = training_rows(paths, ANCHOR_SOURCE)
     total = sum(len(rows) for _, rows in parts)
     rng = np.random.default_rng(cfg.seed)
     keep = np.sort(rng.choice(total, cfg.anchor_images, replace=False)) if 0 < cfg.anchor_images < total else None
@@ -117,10 +117,11 @@ def run(cfg: DiscoveryConfig, data: DataConfig, paths: Paths, *, tracker: Any = 
     dataset, train, images, labels, labelled = training_data(paths, data)
     init = None
     if cfg.backbone_init == "fr":
-        init = paths.fr_model(FR_SOURCE)
+        init = paths.fr_model(cfg.fr_source)  # discovery.fr_source: the run's own, or one `faceops import` brought
         if not (init / "config.json").is_file():
-            raise DataError(f"discovery.backbone_init is 'fr' but {init} holds no model: run `dvc repro train_fr@real` "
-                            "first, or set discovery.backbone_init: random.")
+            raise DataError(f"discovery.backbone_init is 'fr' but {init} (discovery.fr_source) holds no model: run "
+                            f"`dvc repro train_fr@real`, import one with `faceops import`, or set "
+                            f"discovery.backbone_init: random.")
     anchor = anchor_set(cfg, data, paths)
     res = train_discovery(cfg, images, labels, labelled, init_model_dir=init, progress=True,
                           anchor=anchor)

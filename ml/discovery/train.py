@@ -92,6 +92,7 @@ class DiscoveryConfig:
 
     backbone: str = "vit_tiny"  # a plain ViT from ml.fr.backbones; must match the FR model with backbone_init fr
     backbone_init: str = "fr"  # "fr": both ViTs from the FR model dir | "random"
+    fr_source: str = "real"  # which models/fr/<source> the stage passes as that directory (a ViT of `backbone`)
     prefix_length: int = 10  # P key/value prefix tokens per layer; 0 = no prefixes (plain GCD on the last block)
     bottleneck: int = 0  # r of the prefix generator; 0 = head_dim // 4 (paper 16 at head_dim 64)
     hyper_hidden: int = 0  # hypernetwork MLP width; 0 = 4·dim // 3 (paper 1024 at dim 768)

@@ -213,7 +213,7 @@ def _discovery_trainer(paths: Paths, params: Mapping[str, Any], metric: str) -> 
     trial on them."""
     from ml.discovery.train import DiscoveryConfig, train_discovery
     from tasks.prepare import DataConfig
-    from tasks.train_discovery import FR_SOURCE, anchor_set, training_data
+    from tasks.train_discovery import anchor_set, training_data
 
     data = from_mapping(DataConfig, section(params, "data"), "data")
     base = from_mapping(DiscoveryConfig, section(params, "discovery"), "discovery")
@@ -226,7 +226,7 @@ def _discovery_trainer(paths: Paths, params: Mapping[str, Any], metric: str) -> 
         if cfg.anchor_weight > 0 and anchor is None:
             raise ConfigError("a trial sets discovery.anchor_weight > 0 but the base params have the anchor off: "
                               "set discovery.anchor_weight > 0 in params.yaml (or in sweep.train_discovery.fixed)")
-        init = paths.fr_model(FR_SOURCE) if cfg.backbone_init == "fr" else None
+        init = paths.fr_model(cfg.fr_source) if cfg.backbone_init == "fr" else None
         if init is not None and not (init / "config.json").is_file():
             raise DataError(f"discovery.backbone_init is 'fr' but {init} holds no model: run `dvc repro "
                             "train_fr@real` first")
