@@ -122,13 +122,13 @@ def register_import(root: Path, name: str, model_dir: Path, config: dict[str, An
 
     from mlflow import MlflowClient
 
-    from ops.tracking import stage_run
+    from ops.tracking import ENV_JOURNAL, stage_run
 
     extra = config["extra"]
     tags = {"source": "pretrained", "backbone": config["backbone"], "import.format": extra["format"],
             "import.file": extra["file"], "import.sha256": extra["sha256"], "import.probe_auc": f"{extra['probe_auc']:.4f}",
             "import.contract": str(extra.get("pixel_contract") or config["input_contract"])}
-    os.environ.pop("FACEOPS_JOURNAL", None)  # an import is never relayed: it is its own run
+    os.environ.pop(ENV_JOURNAL, None)  # an import is never relayed through a stage's journal: it is its own run
     with stage_run("import_fr", {"import": {"name": name, "format": extra["format"], "file": extra["file"]}},
                    root) as tracker:
         tracker.set_tags(tags)
