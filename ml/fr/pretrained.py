@@ -14,12 +14,8 @@ like a trained one, so every stage that reads ``models/fr/<fr_source>`` can stan
 - **faceops model directories** (a copy, re-checked).
 
 Every import is checked on probe faces before anything is written (:func:`check_embedder`): finite, not constant,
-and separating the probes' identities better than chance and at least as well as under the other colour order and
-pixel scales, else one :class:`DataError` naming the file and what to do. Nothing downloads: the path is the user's.
-
-Differences from the references: the ONNX graph's batch dimension is made symbolic in memory (SFace's is fixed at
-1) and initialisers listed as graph inputs are dropped, so onnxruntime can fold them; the file on disk is the
-user's, byte for byte (its sha256 is the provenance).
+separating the probes' identities above raw pixels and no worse than under another colour order or pixel scale,
+else one :class:`DataError` naming the file and what to do. Nothing downloads: the path is the user's.
 """
 
 from __future__ import annotations
@@ -34,7 +30,6 @@ import torch
 from torch import nn
 
 from ml.errors import ConfigError, DataError
-
 from ml.models.io import ONNX_BACKBONE, ONNX_FILE  # config.json "backbone" of an imported ONNX recogniser, its graph
 from ml.models.onnx_embedder import OnnxEmbedder, onnx_graph
 
@@ -128,34 +123,32 @@ def arcface_torch_backbone(state: dict[str, torch.Tensor], name: str | None, pat
     raise DataError(f"{path}: keys {sorted(state)[:4]}… are neither an arcface_torch IResNet nor a ViT")
 
 
-def probe_auc(model: nn.Module, faces: np.ndarray, labels: np.ndarray) -> float:
-    """ROC AUC of same- vs different-identity cosines over every pair of ``faces`` (uint8 RGB at the model's size),
-    embedded without flip: 0.5 is chance, 1 perfect separation."""
+def pair_auc(features: np.ndarray, labels: np.ndarray) -> float:
+    """ROC AUC of same- vs different-identity cosines over every pair of rows of ``features``: 0.5 is chance, 1
+    perfect separation; 0.5 when every cosine is the same."""
     from sklearn.metrics import roc_auc_score
 
+    x = features / np.linalg.norm(features, axis=1, keepdims=True).clip(1e-12)
+    upper = np.triu_indices(len(labels), 1)
+    cos = (x @ x.T)[upper]
+    if np.ptp(cos) < 1e-6:
+        return 0.5
+    return float(roc_auc_score((labels[:, None] == labels[None, :])[upper], cos))
+
+
+def probe_auc(model: nn.Module, faces: np.ndarray, labels: np.ndarray) -> float:
+    """``pair_auc`` of ``model``'s embeddings of ``faces`` (uint8 RGB at its input size, no flip); NaN when the
+    embeddings are not finite."""
     from ml.fr.train import embed
 
     emb = embed(model, faces, flip=False)
-    if not np.isfinite(emb).all():
-        return float("nan")
-    emb = emb / np.linalg.norm(emb, axis=1, keepdims=True).clip(1e-12)
-    upper = np.triu_indices(len(labels), 1)
-    same = (labels[:, None] == labels[None, :])[upper]
-    cos = (emb @ emb.T)[upper]
-    if np.ptp(cos) < 1e-6:
-        return 0.5
-    return float(roc_auc_score(same, cos))
+    return pair_auc(emb, labels) if np.isfinite(emb).all() else float("nan")
 
 
 def pixel_auc(faces: np.ndarray, labels: np.ndarray) -> float:
-    """``probe_auc`` of the raw pixels (centred, cosine): what an embedder must beat to be one."""
-    from sklearn.metrics import roc_auc_score
-
+    """``pair_auc`` of the raw pixels, centred: what an embedder must beat to be one."""
     x = faces.reshape(len(faces), -1).astype(np.float32)
-    x -= x.mean(0)
-    x /= np.linalg.norm(x, axis=1, keepdims=True).clip(1e-12)
-    upper = np.triu_indices(len(labels), 1)
-    return float(roc_auc_score((labels[:, None] == labels[None, :])[upper], (x @ x.T)[upper]))
+    return pair_auc(x - x.mean(0), labels)
 
 
 def check_embedder(model: nn.Module, faces: np.ndarray, labels: np.ndarray, what: str,
@@ -166,14 +159,14 @@ def check_embedder(model: nn.Module, faces: np.ndarray, labels: np.ndarray, what
     other scales) by more than ``CONTRACT_MARGIN``. Returns ``{"probe_auc": …, "probe_auc/<alternative>": …}``."""
     from ml.fr.train import embed
 
-    emb = embed(model, faces[:8], flip=False)
+    emb = embed(model, faces, flip=False)
     if not np.isfinite(emb).all():
         raise DataError(f"{what} returns NaN or infinite embeddings on probe faces: not a working face embedder; "
                         f"check the file and its input contract")
     if float(np.abs(emb - emb[:1]).max()) < 1e-6 * (1.0 + float(np.abs(emb).max())):
         raise DataError(f"{what} returns the same embedding for different faces: not a face embedder, or its input "
                         f"contract (colour order, pixel scale) is wrong")
-    auc = probe_auc(model, faces, labels)
+    auc = pair_auc(emb, labels)
     scores = {"probe_auc": auc, "probe_auc/pixels": pixel_auc(faces, labels)}
     for name, alt in (alternatives or {}).items():
         scores[f"probe_auc/{name}"] = probe_auc(alt, faces, labels)
@@ -222,7 +215,7 @@ def detect_format(path: Path) -> str:
         return "faceops"
     if path.suffix == ".onnx":
         return "onnx"
-    if path.suffix in (".pth", ".pt", ".ckpt", ".bin"):
+    if path.suffix in (".pth", ".pt", ".ckpt"):
         return "arcface_torch"
     raise ConfigError(f"{path}: cannot tell its format from the name; give `--format onnx|arcface_torch|faceops`")
 
@@ -305,6 +298,7 @@ __all__ = [
     "detect_format",
     "import_recogniser",
     "onnx_contract",
+    "pair_auc",
     "pixel_auc",
     "probe_auc",
     "procedural_probe",

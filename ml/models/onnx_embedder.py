@@ -2,6 +2,10 @@
 
 ``ml.fr.pretrained`` imports such graphs; ``ml.models.io.load_model`` loads them back from a model directory
 (``backbone: onnx``, ``model.onnx``).
+
+Differences from the references: the graph's batch dimension is made symbolic in memory (SFace's file fixes it at 1)
+and initialisers listed as graph inputs are dropped, so onnxruntime can fold them; the file on disk stays the
+user's, byte for byte (its sha256 is the provenance).
 """
 
 from __future__ import annotations
