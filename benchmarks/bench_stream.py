@@ -1,4 +1,4 @@
-"""Training faces streamed from shards (``ml.data.stream``) at 112×112, per core: read + decode, and read + decode +
+"""Training faces streamed from shards (``ml.data.shard_stream``) at 112×112, per core: read + decode, and read + decode +
 the KP-RPE augmentation of each batch, from a local shard set and from an S3 store on loopback.
 
 A child process with one thread packs ``n`` procedural 112-px JPEG faces (quality 90) into shards as ``prepare``
@@ -26,7 +26,7 @@ torch.set_num_threads(1)
 from ml.data.formats import encode_image
 from ml.data.procedural import ProceduralConfig, ProceduralFaces
 from ml.data.shards import write_shards
-from ml.data.stream import ShardStream, StreamLoader
+from ml.data.shard_stream import ShardStream, StreamLoader
 from ml.train.augment import AugmentConfig, augment_kprpe
 
 n, root, endpoint = int(sys.argv[1]), sys.argv[2], sys.argv[3]

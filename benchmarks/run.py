@@ -101,7 +101,7 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     ),
     "stream_read_112": (
         "benchmarks.bench_stream:bench_stream_read_112",
-        "20k 112-px JPEG faces streamed from shards (ml.data.stream, batches of 128, one thread): read + decode, and "
+        "20k 112-px JPEG faces streamed from shards (ml.data.shard_stream, batches of 128, one thread): read + decode, and "
         "with the kprpe augmentation, per CPU-second, from local shards and from moto's S3 server on loopback "
         "(wall images/s beside: moto-bound); `by_index_*`: the same faces read by byte range as `fr.stream` does",
         "≥ 1,000 images/s per core with augmentation; stream ≥ by index",

@@ -308,14 +308,14 @@ def ls() -> None:
 def _registry_rows(root: Path) -> list[tuple[str, ...]]:
     """(name, version, @aliases, facts, run) per registered model version; none when the repository's own
     SQLite store does not exist yet (listing does not create it)."""
-    from ops.store import tracking_uri
+    from ops.run_store import tracking_uri
 
     uri = tracking_uri(root)
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
         return []
     from mlflow import MlflowClient
 
-    from ops.store import configure
+    from ops.run_store import configure
 
     configure(root)
     client = MlflowClient()
@@ -359,7 +359,7 @@ from faceops.stack.cli import stack_app  # noqa: E402
 
 app.add_typer(stack_app, name="stack")
 
-from faceops.storage import app as data_app  # noqa: E402
+from faceops.remote import app as data_app  # noqa: E402
 
 app.add_typer(data_app, name="data")
 

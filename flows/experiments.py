@@ -138,7 +138,7 @@ def _log_run(name: str, metrics: dict[str, float], report: Path, params: dict[st
     that exist as artifacts."""
     import mlflow
 
-    from ops.store import configure
+    from ops.run_store import configure
     from ops.tracking import log_summary
 
     configure(Path.cwd())

@@ -26,7 +26,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from flows import routing
 from flows.stages import DVC_LOCK, limit_jobs, stage_graph
 from ml.errors import DataError
-from ops import lineage, store, tracking
+from ops import lineage, run_store, tracking
 from ops.run_config import config_label, run_config
 
 
@@ -96,7 +96,7 @@ def pipeline(root: str = ".", stages: list[str] | None = None, force: bool = Fal
         order = [s for s in order if s in keep]
     logger.info("stages in dependency order: %s", " → ".join(order))
     limit_jobs(schedule.jobs, {s: [u for u in graph[s] if u in order] for s in order}, schedule.exclusive)
-    store.configure(root_path)
+    run_store.configure(root_path)
     config = run_config(root_path)  # in the run's name and tags: a smoke or custom run stands apart
     with mlflow.start_run(run_name=f"pipeline {config_label(config)}".strip(), tags={
         "prefect.flow_run_id": str(flow_run.id), "faceops.kind": "pipeline", "git.commit": tracking.git_commit(root_path),

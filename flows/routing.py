@@ -29,7 +29,7 @@ from prefect.runtime import flow_run
 from flows.stages import DVC_LOCK, StageFailed, flat_items, read_lock, reproduce_here, stage_slot, stage_status
 from ml.errors import ConfigError
 from tasks import STAGES
-from ops import store, tracking
+from ops import run_store, tracking
 
 ENV_GPU_DEPLOYMENT = "FACEOPS_GPU_DEPLOYMENT"
 ENV_GIT_URL = "FACEOPS_GIT_URL"  # the repository the deployments' pull step clones (prefect.yaml)
@@ -416,7 +416,7 @@ def _reachable_parent(root: Path, parent_run_id: str | None, logger: Any) -> str
     from mlflow import MlflowClient
 
     try:
-        MlflowClient(tracking_uri=store.tracking_uri(root)).get_run(parent_run_id)
+        MlflowClient(tracking_uri=run_store.tracking_uri(root)).get_run(parent_run_id)
         return parent_run_id
     except Exception as exc:  # another store: the stage's run stands alone rather than failing the stage
         logger.warning("the pipeline's MLflow run %s is not in this worker's tracking store (%s): give the workers "

@@ -35,7 +35,7 @@ from prefect import get_run_logger
 from prefect.runtime import flow_run
 
 from ml.errors import ConfigError, DataError
-from ops import lineage, store, tracking
+from ops import lineage, run_store, tracking
 from ops.lineage import flat_items, stage_metrics  # flat_items: also flows.routing's
 
 # one DVC operation at a time in this process: DVC's Repo is not thread-safe (the file lock guards other processes)
@@ -276,7 +276,7 @@ def stage_env(root: Path, invocation: str, parent_run_id: str | None) -> dict[st
     env[tracking.ENV_INVOCATION] = invocation
     env.setdefault("TQDM_MININTERVAL", "5")  # progress bars become log lines here: one every few seconds
     env["PYTHONUNBUFFERED"] = "1"  # Lightning's bar writes to stdout, block-buffered on a pipe otherwise
-    env.setdefault("MLFLOW_TRACKING_URI", store.tracking_uri(root))
+    env.setdefault("MLFLOW_TRACKING_URI", run_store.tracking_uri(root))
     if parent_run_id:
         env[tracking.ENV_PARENT_RUN] = parent_run_id
     if flow_run.id:
@@ -365,7 +365,7 @@ def _tag_stage_runs(root: Path, stage: str, run_ids: list[str]) -> None:
     with DVC_LOCK:
         deps, outs = dvc_lock_deps(root, stage), dvc_lock_deps(root, stage, "outs")
     with tracking.MLFLOW_LOCK:
-        lineage.tag_runs(MlflowClient(tracking_uri=store.tracking_uri(root)), run_ids, deps, outs)
+        lineage.tag_runs(MlflowClient(tracking_uri=run_store.tracking_uri(root)), run_ids, deps, outs)
 
 
 def restored_record(root: Path, stage: str, metrics_files: list[str]) -> tuple[dict[str, str], dict[str, float]]:
@@ -404,9 +404,9 @@ def log_restored_stage(root: Path, stage: str, parent_run_id: str | None, params
         tags["prefect.flow_run_id"] = str(flow_run.id)
     outs = dvc_lock_deps(root, stage, "outs")
     with tracking.MLFLOW_LOCK:
-        client = MlflowClient(tracking_uri=store.tracking_uri(root))
+        client = MlflowClient(tracking_uri=run_store.tracking_uri(root))
         experiment_id = (client.get_run(parent_run_id).info.experiment_id if parent_run_id else
-                         store.configure(root))
+                         run_store.configure(root))
         source = _producing_run(client, experiment_id, stage, outs)
         if source:
             tags["dvc.restored_from"] = source
@@ -470,4 +470,4 @@ def mlflow_run_link(tracking_uri: str, run_id: str) -> str:
 
 def mlflow_note(root: Path, run_ids: list[str]) -> str:
     """``"; MLflow: <link>"`` for the stage's last MLflow run, or nothing when it opened none."""
-    return f"; MLflow: {mlflow_run_link(store.tracking_uri(root), run_ids[-1])}" if run_ids else ""
+    return f"; MLflow: {mlflow_run_link(run_store.tracking_uri(root), run_ids[-1])}" if run_ids else ""

@@ -80,7 +80,7 @@ class RayWorkers:
 
 def _trials_on_ray(plan: sw.SweepPlan, shares: list[int], ray: RayWorkers, logger: Any) -> int:
     from ops.launch import LaunchError, fan_out
-    from ops.store import tracking_uri
+    from ops.run_store import tracking_uri
 
     if plan.trials == 0:
         return 0

@@ -89,7 +89,7 @@ def experiment_parent(experiment_id: str, tags: Mapping[str, str]) -> str | None
     """Inside ``dvc exp run`` (``DVC_EXP_NAME`` set): the id of the run its stages nest under, ``dvc exp <name>``
     (created by the first stage, with ``tags`` and the experiment's name and baseline commit; closed at once, as a
     folder for its stages). None outside a DVC experiment. Call it holding the store's lock
-    (``ops.store.store_creation_lock``), so that two stages never create two parents."""
+    (``ops.run_store.store_creation_lock``), so that two stages never create two parents."""
     name = os.environ.get("DVC_EXP_NAME")
     if not name:
         return None

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ops.run_config import ENV_MOVE_ALIASES, alias_policy, promotable, run_config  # the registry rule
-from ops.store import configure, store_creation_lock, tracking_uri  # where the project's store is
+from ops.run_store import configure, store_creation_lock, tracking_uri  # where the project's store is
 
 ENV_PARENT_RUN = "FACEOPS_PARENT_RUN_ID"
 ENV_FLOW_RUN = "FACEOPS_PREFECT_FLOW_RUN_ID"

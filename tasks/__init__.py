@@ -50,7 +50,7 @@ OTHER_SECTIONS: dict[str, str] = {
     "pipeline": "tasks.pipeline:PipelineConfig",
     "sweep": "ops.sweep:SweepConfig",
     "promote": "ops.promote:PromoteConfig",
-    "storage": "ops.storage:StorageConfig",
+    "storage": "ops.remote:StorageConfig",
 }
 
 # every params.yaml section → the frozen dataclass that reads it ("module:Class"), so a delta is checked up front

@@ -16,7 +16,7 @@ whenever ``prepare`` recorded the records; ``png`` reads the prepared PNGs from 
 DataLoader workers. With ``fr.stream`` no face is held decoded: ``fr.num_workers`` DataLoader workers decode each
 batch's faces from the shards (or the RecordIO) every epoch, for sets larger than memory; same batches, same model.
 With ``fr.stream_from`` (a copy of the training dataset's directory, e.g. ``s3://bucket/datasets/train``) the faces
-stream from there a window of shards at a time (``ml.data.stream``), in that module's order.
+stream from there a window of shards at a time (``ml.data.shard_stream``), in that module's order.
 A KP-RPE backbone reads each face's landmarks from the manifest, or for real faces (ingested without landmarks)
 the ones the ``align`` stage predicted with the DFA aligner; ``config.json`` records which (``keypoints_source``)
 and ``train/keypoints_from_aligner`` the share of training images whose keypoints were predicted.
@@ -142,7 +142,7 @@ def face_dataset(dataset_dir: Path, rows: Any, data: DataConfig) -> Any:
 
 
 def streamed_faces(url: str, parts: list[tuple[Path, Any]], data: DataConfig, source: str) -> Any:
-    """``fr.stream_from``: the training faces of the stage's one dataset as an ``ml.data.stream.ShardStream`` over
+    """``fr.stream_from``: the training faces of the stage's one dataset as an ``ml.data.shard_stream.ShardStream`` over
     the copy of its directory at ``url`` (its manifest and labels are the local checkout's); a copy that holds
     another dataset (another content digest) is refused."""
     import json
@@ -150,7 +150,7 @@ def streamed_faces(url: str, parts: list[tuple[Path, Any]], data: DataConfig, so
     import fsspec
 
     from ml.data.dataset import INFO_FILE, SHARDS_DIR, read_dataset_info
-    from ml.data.stream import ShardStream
+    from ml.data.shard_stream import ShardStream
 
     if len(parts) != 1:
         raise ConfigError(f"fr.stream_from streams one dataset, but train_fr@{source} trains on {len(parts)}; "

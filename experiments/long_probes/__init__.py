@@ -32,7 +32,7 @@ from experiments.long_probes.setup import (
     DESIGNS, METHODS, ROOT, LongProbesConfig, first_free_identity, load_models, probe_specs, procedural_config,
     surveillance_config,
 )
-from experiments.long_probes.stream import galleries, run_probes
+from experiments.long_probes.probe_stream import galleries, run_probes
 
 log = logging.getLogger("experiments.long_probes")
 

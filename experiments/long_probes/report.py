@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from experiments.long_probes.setup import LABELS, LOW_QUALITY, REFERENCES, ROOT, LongProbesConfig, ProbeSpec
-from experiments.long_probes.stream import ProbeResult
+from experiments.long_probes.probe_stream import ProbeResult
 
 REPORT = Path("reports") / "long_probes.md"
 PLOT = Path("plots") / "long_probes_gain.png"

@@ -89,7 +89,7 @@ def mlflow_artifacts_on(root: Path, bucket: str) -> str:
     """MLflow's artifact destination in ``bucket``: the layout ``faceops data`` uses, ``s3://<bucket>/<prefix>/mlflow``
     with ``storage.prefix`` from the project's params.yaml, so the stack's bucket and a team bucket look the same."""
     from tasks.common import load_params, section
-    from ops.storage import StorageConfig, mlflow_artifacts
+    from ops.remote import StorageConfig, mlflow_artifacts
 
     params = load_params(root / "params.yaml") if (root / "params.yaml").is_file() else {}
     prefix = section(params, "storage").get("prefix", StorageConfig().prefix)
@@ -100,7 +100,7 @@ def plans(root: Path, *, s3: bool, prefect_port: int, mlflow_port: int, s3_port:
           workers: bool = False, git_url: str | None = None) -> list[Plan]:
     """What ``up`` starts, in order: S3 first (MLflow writes to it), then Prefect and MLflow, then (``workers``)
     one worker per work pool, which need both servers."""
-    from ops.store import default_artifact_root, default_store
+    from ops.run_store import default_artifact_root, default_store
 
     home = stack_dir(root)
     out = []
@@ -313,11 +313,11 @@ def _running_or_clean(root: Path, todo: Sequence[Plan]) -> list[Service] | None:
 
 @contextlib.contextmanager
 def _store_lock(root: Path, todo: Sequence[Plan]) -> Iterator[None]:
-    """Hold ``<store>.lock`` (``ops.store.store_creation_lock``, the lock ``faceops run`` takes to create an
+    """Hold ``<store>.lock`` (``ops.run_store.store_creation_lock``, the lock ``faceops run`` takes to create an
     SQLite store) while the MLflow server creates or migrates its SQLite store, so a ``faceops run`` starting
     meanwhile waits for it. The repository's own store, if copied from another folder, is first made to point at
-    this folder's ``mlruns/`` (``ops.store.adopt_store``)."""
-    from ops.store import adopt_store, default_store, store_creation_lock
+    this folder's ``mlruns/`` (``ops.run_store.adopt_store``)."""
+    from ops.run_store import adopt_store, default_store, store_creation_lock
 
     store = next((p.info.get("store") for p in todo if p.name == "mlflow"), None)
     if not store:

@@ -64,12 +64,12 @@ def _echo_env(services: Sequence[Service]) -> None:
 
 
 def _runs_link(mlflow_url: str) -> str | None:
-    """The faceops experiment's runs table on the MLflow server at ``mlflow_url`` (``ops.store.runs_page``), or
+    """The faceops experiment's runs table on the MLflow server at ``mlflow_url`` (``ops.run_store.runs_page``), or
     None while no run has made the experiment."""
     import json
     import urllib.request
 
-    from ops.store import EXPERIMENT, runs_page
+    from ops.run_store import EXPERIMENT, runs_page
 
     query = f"{mlflow_url}/api/2.0/mlflow/experiments/get-by-name?experiment_name={EXPERIMENT}"
     try:

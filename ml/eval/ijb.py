@@ -1,6 +1,6 @@
 """IJB-B / IJB-C 1:1 template verification on the real release folders, for any FR backbone.
 
-A set is ``meta/<prefix>_{face_tid_mid,template_pair_label,name_5pts_score}.txt`` (``ml.data.ijb``) plus
+A set is ``meta/<prefix>_{face_tid_mid,template_pair_label,name_5pts_score}.txt`` (``ml.data.ijb_meta``) plus
 ``loose_crop/``, as InsightFace's ``ijb_11.py`` reads it; :func:`read_ijb_set` cross-checks it before anything is
 embedded. Crops stream in batches, are aligned on their 5 landmarks at the model's input size (``ml.aligner.align``)
 and embedded with flip TTA (``ml.fr.train.embed``); only the (N, D) float32 features are kept. Template ``t`` pools
@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ml.data.ijb import read_landmark_scores, read_template_pairs, read_tid_mid
+from ml.data.ijb_meta import read_landmark_scores, read_template_pairs, read_tid_mid
 from ml.errors import DataError
 from ml.eval.metrics import template_features
 from ml.fusion.sets import index_pairs, template_verification

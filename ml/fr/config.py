@@ -60,7 +60,7 @@ class FRConfig:
     compile: bool = False  # torch.compile the training forward and (on an accelerator) the kprpe augmentation
     stream: bool = False  # decode the training faces from the dataset's shards in DataLoader workers every epoch
     # a copy of the training dataset directory (a folder or fsspec URL, e.g. s3://bucket/datasets/train) to stream the
-    # faces from, a window of its shards at a time, in ml.data.stream's order (not the in-memory path's batches)
+    # faces from, a window of its shards at a time, in ml.data.shard_stream's order (not the in-memory path's batches)
     stream_from: str = ""
 
     def __post_init__(self) -> None:

@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from tqdm.auto import tqdm
 
 from ml.data.records import worker_kwargs
-from ml.data.stream import ShardStream, StreamLoader
+from ml.data.shard_stream import ShardStream, StreamLoader
 from ml.errors import ConfigError, DataError
 from ml.fr.backbones import BACKBONES, build_backbone, input_contract
 from ml.train.augment import FLIP_LANDMARK_ORDER, flip_keypoints
@@ -192,7 +192,7 @@ def train_fr(
     ``images`` may instead be a dataset of N faces decoded on access (``faces[i][0]``: uint8 (H, W, 3) tensor, e.g.
     ``ml.data.records.ShardDataset``; ``fr.stream``): the DataLoader's ``fr.num_workers`` workers decode each
     epoch's faces, nothing is held decoded, and the batches (hence the model) are those of the decoded array. Or an
-    ``ml.data.stream.ShardStream`` (``fr.stream_from``): the faces are streamed a window at a time from shards that
+    ``ml.data.shard_stream.ShardStream`` (``fr.stream_from``): the faces are streamed a window at a time from shards that
     may lie in an object store, in the stream's own order (its docstring), by non-persistent workers.
 
     KP-RPE backbones also need ``keypoints`` (N, 5, 2): pixel landmarks in ArcFace order.

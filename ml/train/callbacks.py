@@ -182,7 +182,7 @@ class _ResumedEpoch(Callback):
 
 
 class _LoaderEpoch(Callback):
-    """Tells a loader that orders its data itself (``ml.data.stream.StreamLoader``: it has no sampler for
+    """Tells a loader that orders its data itself (``ml.data.shard_stream.StreamLoader``: it has no sampler for
     Lightning to give the epoch) which epoch starts, before Lightning creates that epoch's iterator, and after each
     step how many of the epoch's batches are trained (Lightning fetches one ahead: a checkpoint saved mid-epoch must
     resume after the last batch trained, not the last one fetched)."""
@@ -265,7 +265,7 @@ def fit(
     )
     with warnings.catch_warnings(), attention_kernels(accelerator, precision):
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-        # ml.data.stream gives each worker its own part and knows its length: Lightning's caution does not apply
+        # ml.data.shard_stream gives each worker its own part and knows its length: Lightning's caution does not apply
         warnings.filterwarnings("ignore", message=".*IterableDataset. has .__len__. defined.*")
         warnings.filterwarnings("ignore", message=".*treespec, LeafSpec.*")  # lightning 2.6 vs torch 2.13, harmless
         warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")  # frozen parts (FaceGCD) by design

@@ -33,7 +33,7 @@ from ops.promote.registry import (CANDIDATE, CHAMPION, MODELS, PREVIOUS, Promoti
                                   RegistryUnreachable, check_tracking, client_for, connect, download_version,
                                   find_model_dir, is_transient, model_key, registry_state, require_candidate)
 from ops.tracking import git_commit, mlflow_metric_name
-from ops.store import configure
+from ops.run_store import configure
 from tasks.common import Paths, load_params, section
 
 # the promotion API in one place: flows/promote.py and the tests use ``p.<name>``

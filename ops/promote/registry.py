@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ml.errors import ConfigError, DataError, FaceopsError
-from ops.store import configure, tracking_uri
+from ops.run_store import configure, tracking_uri
 from tasks import STAGES as STAGES_REGISTRY
 from tasks.common import redact
 

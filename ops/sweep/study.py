@@ -28,7 +28,7 @@ from ops.sweep.config import (ENV_STORAGE, ParamRange, StageSweep, StorageSpec, 
                               check_space, open_storage, resolve_storage)
 from ops.sweep.targets import OBJECTIVES
 from ops.tracking import git_commit, mlflow_metric_name
-from ops.store import configure, tracking_uri
+from ops.run_store import configure, tracking_uri
 from tasks.common import Paths, load_params, redact, section, write_json
 
 log = logging.getLogger(__name__)

@@ -222,7 +222,7 @@ def template_fusion(fr_model: Any, caface: Any, paths: Paths, data: Any, batch_s
     ``caface`` is the CAFace model (or None when ``methods`` leaves it out), ``aligner`` the source of the
     ``landmark_score`` landmarks and scores (None: the manifest's, see :func:`face_inputs`)."""
     from ml.data.dataset import read_manifest
-    from ml.data.ijb import read_template_pairs
+    from ml.data.ijb_meta import read_template_pairs
     from ml.fusion.sets import index_pairs, template_verification
 
     rows = read_manifest(paths.template_set / "manifest.parquet")

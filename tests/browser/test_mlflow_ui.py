@@ -123,9 +123,9 @@ def test_after_one_click_on_model_training_the_experiment_opens_on_its_runs(page
 
 
 def test_the_address_faceops_prints_opens_the_runs_table(page, logged_run):
-    """`faceops stack up` prints the experiment's address as ``ops.store.runs_page`` gives it: a browser that never
+    """`faceops stack up` prints the experiment's address as ``ops.run_store.runs_page`` gives it: a browser that never
     chose a mode opens it on the runs table, the stage run in it, not on the GenAI traces overview."""
-    from ops.store import runs_page
+    from ops.run_store import runs_page
 
     base, experiment_id, _ = logged_run
     page.goto(f"{base}{runs_page(experiment_id)}")
@@ -196,7 +196,7 @@ def _pipeline_store(tmp_path_factory, parent_holds_summary: bool):
 
 def _chart_sections(page, base: str, experiment_id: str) -> dict[str, int]:
     """The chart view's sections as the page shows them: name → the chart count beside it."""
-    from ops.store import runs_page
+    from ops.run_store import runs_page
 
     page.goto(f"{base}{runs_page(experiment_id)}&compareRunsMode=CHART")
     page.get_by_text("pipeline", exact=True).first.wait_for()

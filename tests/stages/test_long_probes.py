@@ -26,7 +26,7 @@ from experiments.long_probes.setup import (
     procedural_config,
     surveillance_config,
 )
-from experiments.long_probes.stream import stream_sequence
+from experiments.long_probes.probe_stream import stream_sequence
 from ml.data.procedural import ProceduralConfig, ProceduralFaces
 from ml.data.surveillance import (
     SurveillanceConfig,

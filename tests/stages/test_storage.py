@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from ml.errors import ConfigError
-from ops.storage import StorageConfig, dvc_remote_commands, mlflow_artifacts, remote_settings, storage_config
+from ops.remote import StorageConfig, dvc_remote_commands, mlflow_artifacts, remote_settings, storage_config
 
 from tests.servers import closed_port_url, moto_s3
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ops import tracking
-from ops.store import EXPERIMENT, configure
+from ops.run_store import EXPERIMENT, configure
 
 from tests.conftest import curve_problems
 

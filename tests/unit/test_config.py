@@ -50,7 +50,7 @@ def test_a_credential_key_is_refused_saying_where_credentials_go(key):
 
 
 def test_storage_credential_key_names_the_aws_variables():
-    from ops.storage import StorageConfig
+    from ops.remote import StorageConfig
 
     with pytest.raises(ConfigError, match=r"'storage.secret_key' looks like a credential.*AWS_SECRET_ACCESS_KEY"):
         from_mapping(StorageConfig, {"secret_key": "x"}, "storage")

@@ -563,7 +563,7 @@ def test_procedural_video_probes_end_to_end():
 
 
 def test_caface_batches_bound_items_and_attention():
-    from ml.fusion.sets.fusion import MAX_ATTENTION, MAX_SETS, _caface_batches
+    from ml.fusion.sets.fusers import MAX_ATTENTION, MAX_SETS, _caface_batches
 
     counts = np.array([300] * 10 + [5] * 400 + [70_000])
     batches = _caface_batches(counts, lambda c: c, max_items=1 << 16)

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from ml.data.ijb import (
+from ml.data.ijb_meta import (
     read_landmark_scores,
     read_template_pairs,
     read_tid_mid,
@@ -196,7 +196,7 @@ def test_writers_refuse_what_they_could_not_read_back(tmp_path):
 
 def test_failed_write_keeps_the_old_file(tmp_path, monkeypatch):
     path = write_template_pairs(tmp_path / "pairs.txt", np.array([[1, 2]]), np.array([1]))
-    import ml.data.ijb as ijb
+    import ml.data.ijb_meta as ijb
 
     def boom(*_args, **_kwargs):
         raise OSError("disk full")

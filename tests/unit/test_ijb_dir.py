@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from ml.data.ijb import write_landmark_scores, write_template_pairs, write_tid_mid
+from ml.data.ijb_meta import write_landmark_scores, write_template_pairs, write_tid_mid
 from ml.errors import DataError
 from ml.eval.ijb import (
     IJB_FARS, align_crop, ijb_image_features, ijb_template_features, ijb_verification, load_ijb_sets,

@@ -68,7 +68,7 @@ def test_outside_a_project_the_config_is_unknown(tmp_path):
 def test_the_experiment_opens_as_model_training_not_genai(tmp_path, monkeypatch):
     import mlflow
 
-    from ops.store import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, configure
+    from ops.run_store import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, configure
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment_id = configure(tmp_path)

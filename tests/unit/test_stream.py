@@ -1,4 +1,4 @@
-"""Training faces streamed from shards (``ml.data.stream``): every rank an equal, disjoint part of an order fixed by
+"""Training faces streamed from shards (``ml.data.shard_stream``): every rank an equal, disjoint part of an order fixed by
 (seed, epoch); workers read their own windows, each once; the loader hands out the workers' batches in turn and
 resumes mid-epoch to the uninterrupted order; the same faces from an S3 store (moto on loopback); clear errors."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from ml.data.formats import encode_image
 from ml.data.shards import write_shards
-from ml.data.stream import ShardStream, StreamLoader, handed_out
+from ml.data.shard_stream import ShardStream, StreamLoader, handed_out
 from ml.errors import DataError
 
 SIZE = 8

@@ -14,7 +14,7 @@ def test_a_logged_dataset_keeps_its_digest_and_warns_nothing(tmp_path, monkeypat
     import mlflow
 
     from ops.tracking import StageTracker
-    from ops.store import configure
+    from ops.run_store import configure
 
     with DatasetWriter(tmp_path / "faces", name="faces", source="procedural", aligned=True) as w:
         for i in range(4):

@@ -133,7 +133,7 @@ def test_a_run_streamed_from_a_shard_copy_resumes_exactly_at_and_within_an_epoch
 
     from ml.data.formats import encode_image
     from ml.data.shards import write_shards
-    from ml.data.stream import ShardStream
+    from ml.data.shard_stream import ShardStream
 
     images, labels, *_ = resumed
     keys = [f"id{label:02d}/{i}" for i, label in enumerate(labels)]
@@ -326,7 +326,7 @@ def test_two_ddp_ranks_train_in_step_on_their_own_parts_of_a_stream(tmp_path):
     ``test_stream.py``'s), so both take the same number of steps and the run ends instead of waiting on a rank."""
     from ml.data.formats import encode_image
     from ml.data.shards import write_shards
-    from ml.data.stream import ShardStream
+    from ml.data.shard_stream import ShardStream
     from ml.fr.train import embed
 
     images, labels = separable(8, 9)  # 72 faces: 36 per rank, 4 batches of 8 each (4 faces a rank left over)

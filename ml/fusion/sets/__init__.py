@@ -16,7 +16,7 @@ Differences from the reference:
 """
 
 from ml.fusion.sets.features import features_and_styles
-from ml.fusion.sets.fusion import FUSERS, FUSION_METHODS, STREAM_METHODS, fuse_templates
+from ml.fusion.sets.fusers import FUSERS, FUSION_METHODS, STREAM_METHODS, fuse_templates
 from ml.fusion.sets.protocols import (
     gain_vs_probe_size,
     index_pairs,
@@ -25,7 +25,7 @@ from ml.fusion.sets.protocols import (
     template_verification,
     video_identification,
 )
-from ml.fusion.sets.stream import FusionStream
+from ml.fusion.sets.fusion_stream import FusionStream
 
 __all__ = [
     "FUSERS",

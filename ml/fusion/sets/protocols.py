@@ -12,7 +12,7 @@ import numpy as np
 from ml.errors import ConfigError, DataError
 from ml.eval.metrics.identification import identification_rank, open_set_identification
 from ml.eval.metrics.verification import pair_scores, tar_at_far
-from ml.fusion.sets.fusion import (
+from ml.fusion.sets.fusers import (
     FUSERS, MAX_ITEMS, _check_features, _check_groups, _Groups, _positive_int, _to_numpy, fuse_templates,
 )
 from ml.fusion.caface import CAFace
@@ -35,7 +35,7 @@ def _fmt_rate(rate: float) -> str:
 
 
 def index_pairs(pairs: np.ndarray, template_ids: np.ndarray) -> np.ndarray:
-    """Template-id pairs (P, 2) (e.g. from ``ml.data.ijb.read_template_pairs``) → row indices (P, 2) int64 into
+    """Template-id pairs (P, 2) (e.g. from ``ml.data.ijb_meta.read_template_pairs``) → row indices (P, 2) int64 into
     templates whose ids are ``template_ids`` (G,) (e.g. the ``np.unique`` ids used to build the groups)."""
     pairs = np.asarray(pairs)
     ids = np.asarray(template_ids)

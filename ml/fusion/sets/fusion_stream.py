@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ml.errors import ConfigError, DataError
-from ml.fusion.sets.fusion import (
+from ml.fusion.sets.fusers import (
     STREAM_METHODS, _caface_styles, _check_caface, _check_features, _landmark_score_weights, _positive_int,
     _quality_weights,
 )

@@ -1,4 +1,4 @@
-"""``faceops data``: the ``storage`` bucket as DVC remote and MLflow artifact store (the work is in ``ops/storage.py``).
+"""``faceops data``: the ``storage`` bucket as DVC remote and MLflow artifact store (the work is in ``ops/remote.py``).
 
 Datasets, models and reports are DVC outputs, so they travel with ``dvc push`` / ``dvc pull`` / ``dvc get``; these
 commands configure the remote from ``params.yaml``, give DVC the AWS SDK's retry settings, and turn a failure into
@@ -16,7 +16,7 @@ import typer
 from faceops.console import fail as _fail
 
 if TYPE_CHECKING:
-    from ops.storage import StorageConfig
+    from ops.remote import StorageConfig
 
 app = typer.Typer(
     name="data",
@@ -54,7 +54,7 @@ Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="DVC's debug log:
 def _errors() -> Iterator[None]:
     """One clear line for a faceops error: exit 1 for a transfer that failed, 2 for bad input."""
     from ml.errors import FaceopsError
-    from ops.storage import StorageError
+    from ops.remote import StorageError
 
     try:
         yield
@@ -69,7 +69,7 @@ def _config(*, remote: bool = True) -> tuple[Path, StorageConfig]:
     root = Path.cwd()
     if not (root / "params.yaml").is_file():
         _fail(f"no params.yaml in {root}: run faceops data from the repository root.")
-    from ops.storage import configure_dvc_remote, storage_config
+    from ops.remote import configure_dvc_remote, storage_config
     from tasks.common import load_params
 
     with _errors():
@@ -82,7 +82,7 @@ def _config(*, remote: bool = True) -> tuple[Path, StorageConfig]:
 
 
 def _dvc(cfg: StorageConfig, root: Path, args: list[str], verbose: bool) -> None:
-    from ops.storage import REMOTE, run_dvc
+    from ops.remote import REMOTE, run_dvc
 
     with _errors():
         out = run_dvc(cfg, root, [args[0], "-r", REMOTE, *args[1:]], verbose=verbose)
@@ -116,7 +116,7 @@ def pull(
         return
     import tempfile
 
-    from ops.storage import remote_settings, run_dvc
+    from ops.remote import remote_settings, run_dvc
 
     with tempfile.TemporaryDirectory() as tmp, _errors():  # the remote for `dvc get`'s copy of the repository
         config = Path(tmp) / "config"
@@ -140,7 +140,7 @@ def _size(n: float) -> str:
 def ls(local: Annotated[bool, typer.Option("--local", help="do not ask the remote what it holds")] = False) -> None:
     """List what DVC versions here: path, content hash, files, size, and whether the remote holds it."""
     root, cfg = _config(remote=not local)
-    from ops.storage import catalog
+    from ops.remote import catalog
 
     with _errors():
         entries = catalog(cfg, root, remote=not local)
@@ -165,7 +165,7 @@ def remote(
     server flags.
     """
     root, cfg = _config(remote=False)
-    from ops.storage import configure_dvc_remote, dvc_remote_commands, mlflow_artifacts
+    from ops.remote import configure_dvc_remote, dvc_remote_commands, mlflow_artifacts
 
     with _errors():
         commands = dvc_remote_commands(cfg, name) if dry_run else configure_dvc_remote(cfg, root, name)
