@@ -60,6 +60,10 @@ def import_command(
              "be named)")] = None,
     fmt: Annotated[Optional[str], typer.Option("--format", help="`onnx`, `arcface_torch` or `faceops` (default: "
                                                                 "from the path)")] = None,
+    styles: Annotated[Optional[str], typer.Option(
+        help="an ONNX graph's intermediate (batch, C, H, W) tensors, comma-separated, whose per-channel mean and std "
+             "are CAFace's styles (`--contract sface` names SFace's own); without them fusion.fr_source cannot be "
+             "this model")] = None,
     probe: Annotated[Optional[Path], typer.Option(
         help="a folder of identity subfolders of aligned real faces to check the model on (default: the embedded "
              "procedural faces)")] = None,
@@ -80,9 +84,11 @@ def import_command(
 
     * `faceops import ~/arcface_torch/ms1mv3_r50/backbone.pth --name r50`
 
-    * `faceops import ~/w600k_r50.onnx --name buffalo --contract arcface --probe ~/faces/aligned`
+    * `faceops import ~/w600k_r50.onnx --name buffalo --contract arcface --probe ~/faces/aligned
+      --styles <a 28-px map>,<a 14-px map>` — CAFace's styles from two of its maps
 
-    * `faceops run --set generator.fr_source=sface --set synthesize.fr_source=sface` — build UIFace on it
+    * `faceops run --set generator.fr_source=sface --set synthesize.fr_source=sface --set fusion.fr_source=sface`
+      — build UIFace and CAFace on it
     """
     root = repo_root()
     quiet_env()
@@ -97,12 +103,15 @@ def import_command(
     try:
         probe_faces = probe_folder(probe) if probe is not None else None
         config = import_recogniser(source.expanduser().resolve(), model_dir, fmt=fmt, contract=contract,
-                                   backbone=backbone, probe=probe_faces)
+                                   backbone=backbone, probe=probe_faces,
+                                   styles=None if styles is None else [s for s in styles.split(",") if s])
     except FaceopsError as exc:
         fail(str(exc))
     extra = config["extra"]
+    styles_note = (f", CAFace styles {config['input_contract']['style_dim']}-d"
+                   if "style_dim" in config["input_contract"] else ", no CAFace styles")
     typer.echo(f"wrote {model_dir.relative_to(root)}: {config['backbone']} {config['input_contract']['size']} px, "
-               f"{config['input_contract']['embedding_dim']}-d; probe AUC {extra['probe_auc']:.3f} "
+               f"{config['input_contract']['embedding_dim']}-d{styles_note}; probe AUC {extra['probe_auc']:.3f} "
                f"(raw pixels {extra['probe_auc/pixels']:.3f})")
     if dvc:
         added = subprocess.run([sys.executable, "-m", "dvc", "add", "-q", str(model_dir.relative_to(root))],

@@ -90,8 +90,8 @@ def clean_centres(model: Any, images: np.ndarray, keypoints: np.ndarray | None, 
     from ml.fusion.sets import features_and_styles
     from ml.fusion.train import identity_centres
 
-    feats, _ = features_and_styles(model, images, keypoints=keypoints, batch_size=batch_size, flip=True,
-                                   progress=True)
+    feats, _ = features_and_styles(model, images, keypoints=keypoints, batch_size=batch_size, resize=True,
+                                   flip=True, progress=True)
     return identity_centres(torch.from_numpy(feats), torch.from_numpy(labels.astype(np.int64)), num_classes).numpy()
 
 
@@ -125,7 +125,7 @@ def degraded_features(model: Any, images: np.ndarray, keypoints: np.ndarray | No
     for lo in tqdm(range(0, len(images), per), desc="degraded copies", unit="chunk", leave=False):
         part = degraded_copies(images[lo:lo + per], copies, surveillance, rng)
         kps = None if keypoints is None else np.repeat(keypoints[lo:lo + per], copies, axis=0)
-        f, s = features_and_styles(model, part, keypoints=kps, batch_size=batch_size)
+        f, s = features_and_styles(model, part, keypoints=kps, batch_size=batch_size, resize=True)
         feats.append(f)
         styles.append(s)
     return np.concatenate(feats), np.concatenate(styles)
@@ -161,7 +161,7 @@ def procedural_material(model: Any, paths: Paths, data: DataConfig) -> FusionMat
                             np.searchsorted(names, clean["identity"].to_numpy(str)), len(names))
     images = load_images(paths.fusion_set, degraded, expected_size=size, progress=True)
     feats, styles = features_and_styles(model, images, keypoints=landmarks_array(degraded) if keypoints else None,
-                                        batch_size=FEATURE_BATCH, progress=True)
+                                        batch_size=FEATURE_BATCH, progress=True, resize=True)
     return FusionMaterial(feats, styles, labels.astype(np.int64), degraded["template"].to_numpy(np.int64), centres,
                           paths.fusion_set, "procedural-fusion")
 

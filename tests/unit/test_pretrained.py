@@ -85,7 +85,10 @@ def test_unreadable_files_are_refused_naming_them(tmp_path):
 
 
 def test_sface_imports_with_its_bgr_contract_and_embeds_as_onnxruntime_does(tmp_path):
+    import onnx
     import onnxruntime as ort
+
+    from ml.models.onnx_embedder import OnnxEmbedder
 
     path = _sface()
     with pytest.raises(ConfigError, match="--contract sface"):  # a graph without faceops metadata: say its pixels
@@ -93,7 +96,9 @@ def test_sface_imports_with_its_bgr_contract_and_embeds_as_onnxruntime_does(tmp_
     config = import_recogniser(path, tmp_path / "sface", contract="sface")
     extra = config["extra"]
     assert config["backbone"] == "onnx" and config["input_contract"]["embedding_dim"] == 128
-    assert extra["pixel_contract"] == {"colour": "BGR", "mean": 0.0, "std": 1.0}
+    assert extra["pixel_contract"] == {"colour": "BGR", "mean": 0.0, "std": 1.0,
+                                       "styles": ["conv_6_relu", "conv_12_relu"]}
+    assert config["input_contract"]["style_dim"] == 256 + 512
     assert extra["probe_auc"] > extra["probe_auc/pixels"] + 0.1, extra
     model, _ = load_model(tmp_path / "sface")
     faces, _ = procedural_probe(112)
@@ -104,8 +109,27 @@ def test_sface_imports_with_its_bgr_contract_and_embeds_as_onnxruntime_does(tmp_
     reference = np.concatenate([session.run(None, {"data": f[None, ..., ::-1].transpose(0, 3, 1, 2)
                                                    .astype(np.float32)})[0] for f in faces[:3]])
     np.testing.assert_allclose(ours, reference, rtol=1e-4, atol=1e-4)
-    with pytest.raises(ConfigError, match="no intermediate styles.*arcface_torch"):
-        model(torch.zeros(1, 3, 112, 112), return_styles=True)
+    # CAFace's styles: per-channel spatial mean and population std of the two maps, as a tapped raw graph gives them
+    tapped = onnx.load(str(path))
+    tapped.graph.output.extend(onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None)
+                               for n in ("conv_6_relu", "conv_12_relu"))
+    raw = ort.InferenceSession(tapped.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    bgr = faces[:1, ..., ::-1].transpose(0, 3, 1, 2).astype(np.float32)
+    _, map6, map12 = raw.run(None, {"data": bgr})
+    expected = np.concatenate([np.stack([m.mean(axis=(2, 3)), m.std(axis=(2, 3))], axis=-1) for m in (map6, map12)],
+                              axis=1)
+    x = torch.from_numpy(faces[:1].transpose(0, 3, 1, 2).astype(np.float32) / 127.5 - 1.0)
+    emb, styles = model(x, return_styles=True)
+    assert styles.shape == (1, 768, 2)
+    np.testing.assert_allclose(styles.numpy(), expected, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(emb.numpy(), reference[:1], rtol=1e-4, atol=1e-4)
+    bare = OnnxEmbedder(path, "BGR", 0.0, 1.0)  # imported without taps: CAFace is told what to do
+    with pytest.raises(ConfigError, match="without style tensors.*--styles"):
+        bare(torch.zeros(1, 3, 112, 112), return_styles=True)
+    with pytest.raises(ConfigError, match=r"no tensor named \['conv_99'\]"):
+        OnnxEmbedder(path, "BGR", 0.0, 1.0, styles=["conv_6_relu", "conv_99"])
+    with pytest.raises(ConfigError, match="style tensor 'pre_fc1' has shape"):  # a vector, not a map
+        OnnxEmbedder(path, "BGR", 0.0, 1.0, styles=["pre_fc1"])
     with pytest.raises(DataError, match="model expects 112×112 images, got 56×56"):
         embed(model, faces[:2, ::2, ::2])
 

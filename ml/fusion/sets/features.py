@@ -27,6 +27,7 @@ def features_and_styles(
     batch_size: int = 256,
     flip: bool = False,
     progress: bool = False,
+    resize: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Unnormalised features (N, D) and CAFace styles (N, style_dim, 2), float32, of uint8 RGB ``images``
     (N, S, S, 3), in eval mode.
@@ -35,7 +36,10 @@ def features_and_styles(
     ``return_styles=True`` (ViT, KP-RPE ViT, IResNet). KP-RPE models also need ``keypoints`` (N, 5, 2) pixel
     landmarks (ignored for the others). With ``flip``: features ``f(x) + f(flip x)`` and styles
     ``(Γ(x) + Γ(flip x))/2`` (the flipped pass gets mirrored, left/right-swapped landmarks). A non-finite
-    output raises ``DataError`` naming the first such image. The model's train/eval mode is restored.
+    output raises ``DataError`` naming the first such image. The model's train/eval mode is restored. Images of
+    another side than the model's are an error unless ``resize``: then each batch is resized (antialiased bilinear,
+    as ``tasks.train_generator.resize_faces``) and its landmarks scaled, e.g. 64-px faces for a 112-px pretrained
+    recogniser.
     """
     # ml.fr.train imports Lightning (seconds); only this function needs it.
     from ml.fr.train import check_keypoints, images_to_tensor, needs_keypoints
@@ -51,7 +55,9 @@ def features_and_styles(
         desc = f"{type(images).__name__} {getattr(images, 'dtype', '')} {getattr(images, 'shape', '')}"
         raise DataError(f"images must be a uint8 numpy array (N, H, W, 3) RGB, got {desc}")
     size = int(contract["size"])
-    if images.shape[1:3] != (size, size):
+    if images.shape[1] != images.shape[2]:
+        raise DataError(f"images must be square, got {images.shape[1]}×{images.shape[2]}")
+    if images.shape[1:3] != (size, size) and not resize:
         raise DataError(
             f"{name} expects {size}×{size} images (its input contract), got {images.shape[1]}×{images.shape[2]}; "
             "align/resize them first"
@@ -71,8 +77,12 @@ def features_and_styles(
     styles: list[np.ndarray] = []
     try:
         for lo in tqdm(range(0, n, batch_size), desc="features+styles", disable=not progress, leave=False):
-            x = images_to_tensor(images[lo : lo + batch_size], contract).to(device)  # (b, 3, S, S)
+            x = images_to_tensor(images[lo : lo + batch_size], contract).to(device)  # (b, 3, H, H)
             k = None if kp is None else torch.from_numpy(kp[lo : lo + batch_size]).to(device)  # (b, 5, 2)
+            if x.shape[-1] != size:  # (b, 3, S, S) at the model's side
+                k = None if k is None else k * (size / x.shape[-1])
+                x = torch.nn.functional.interpolate(x, size=(size, size), mode="bilinear", antialias=True,
+                                                    align_corners=False)
             f, s = _forward(model, x, k)  # (b, D), (b, style_dim, 2)
             if flip:
                 f2, s2 = _forward(model, x.flip(3), None if k is None else flip_keypoints(k, size))
