@@ -3,14 +3,18 @@
 In a page: ``{{ metric("evaluate", "real/verification/procedural/accuracy", ".1%") }}`` (``metrics/evaluate.json``),
 ``{{ bench("make_run", "minutes") }}`` (``benchmarks/results.json``), ``{{ bench_when("make_run") }}``,
 ``{{ param("fr.epochs") }}`` (``params.yaml``), ``{{ report("claims.md", "## Verdicts") }}`` (a generated report,
-whole or one section) and ``{{ include("CHANGELOG.md") }}``. A key that is not there fails the build (``mkdocs build --strict``), so a page cannot cite a
+whole or one section), ``{{ include("CHANGELOG.md") }}`` and ``{{ figure("plots/roc.png", "ROC") }}`` (a figure the
+run drew and git tracks, shown on the page; ``docs/hooks.py`` puts it on the site; with ``FACEOPS_DOCS_DRAFT=1`` a
+figure not drawn yet is a placeholder, for drafting a page). A key that is not there fails the build (``mkdocs build --strict``), so a page cannot cite a
 number its outputs no longer hold.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -75,10 +79,10 @@ def param(key: str) -> str:
     return json.dumps(node) if isinstance(node, (list, dict)) else str(node)
 
 
-def report(path: str, heading: str | None = None) -> str:
+def report(path: str, heading: str | None = None, page: Any = None) -> str:
     """``reports/<path>`` (a generated report), whole or the section under ``heading`` (e.g. ``"## Verdicts"``) up to
     the next heading of its level or above; the report's own title line is dropped."""
-    text = _local_links((ROOT / "reports" / path).read_text())
+    text = _local_links((ROOT / "reports" / path).read_text(), page)
     if heading is None:
         return re.sub(r"\A# [^\n]*\n", "", text)
     level = len(heading) - len(heading.lstrip("#"))
@@ -95,18 +99,51 @@ def include(path: str) -> str:
     return re.sub(r"\A# [^\n]*\n", "", (ROOT / path).read_text())
 
 
-def _local_links(text: str) -> str:
-    """A report's links to repository files (``![roc](../plots/roc.png)``: DVC outputs outside the site) as paths
-    in code, ``roc (`plots/roc.png`)``; web links are kept."""
+def site_figures() -> list[str]:
+    """The figures the site shows: every committed ``plots/*.png`` (git-tracked, ``cache: false`` in ``dvc.yaml``),
+    repository-relative."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "plots/*.png"], cwd=ROOT, capture_output=True, text=True,
+                                check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout (an unpacked release): what is on disk
+        listed = [p.relative_to(ROOT).as_posix() for p in (ROOT / "plots").glob("*.png")]
+    return sorted(listed)
+
+
+def _to_root(page: Any) -> str:
+    """The relative path from ``page``'s source file to the docs root (``"../"`` for ``methods/fusion.md``)."""
+    depth = page.file.src_uri.count("/") if page is not None else 0
+    return "../" * depth
+
+
+def figure(path: str, caption: str, page: Any = None) -> str:
+    """``path`` (``plots/roc.png``) as an image captioned ``caption``; a figure the repository does not hold fails the
+    build, naming the stage that draws it."""
+    if path not in site_figures():
+        if os.environ.get("FACEOPS_DOCS_DRAFT"):  # drafting a page before the run has drawn its figures
+            return f"*[figure {path}: not drawn yet]*"
+        raise KeyError(f"{path} is not a committed figure: `make run` draws it; commit it (its `dvc.yaml` out has "
+                       f"`cache: false`)")
+    return f"![{caption}]({_to_root(page)}{path})"
+
+
+def _local_links(text: str, page: Any = None) -> str:
+    """A report's links to repository files: a committed figure (``![roc](../plots/roc.png)``) stays an image, with
+    a path from the page; any other file (a DVC output outside the site) becomes its path in code,
+    ``roc (`plots/roc.png`)``; web links are kept."""
     def repl(m: re.Match) -> str:
         label, target = m.group(1), m.group(2)
         if re.match(r"[a-z]+://", target):
             return m.group(0)
         path = re.sub(r"^(\.\./)+", "", target)
+        if m.group(0).startswith("!") and path in site_figures():
+            return f"![{label}]({_to_root(page)}{path})"
         return f"{label} (`{path}`)" if label else f"`{path}`"
     return re.sub(r"!?\[([^\]]*)\]\(([^)\s]+)\)", repl, text)
 
 
 def define_env(env: Any) -> None:
-    for fn in (metric, bench, bench_when, param, report, include):
+    for fn in (metric, bench, bench_when, param, include):
         env.macro(fn)
+    env.macro(lambda path, heading=None: report(path, heading, env.page), "report")
+    env.macro(lambda path, caption: figure(path, caption, env.page), "figure")

@@ -1,5 +1,9 @@
 """Face alignment: differentiable 5-point similarity alignment (``align``) and the DFA landmark
-detector (``dfa``) that predicts the 5 points for it."""
+detector (``dfa``) that predicts the 5 points for it.
+
+Paper: KP-RPE supplementary §3, Kim et al., CVPR 2024, https://arxiv.org/abs/2403.14852. Authors' code:
+https://github.com/mk-minchul/CVLface (``…/recognition/code/run_v1/aligners/differentiable_face_aligner``).
+"""
 
 from ml.aligner.align import (
     ARCFACE_TEMPLATE,

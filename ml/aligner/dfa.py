@@ -7,10 +7,11 @@ pass ``mixer_depth`` MLP-Mixer blocks → one logit per anchor, ``w = softmax`` 
 ``L = Σ_a w_a l_a`` (5, 2), score ``Σ_a w_a·softmax(s_a)₁``; :meth:`DFA.top_anchor` is the RetinaFace read-out (the
 best-scoring anchor). Landmarks are normalised to the crop, ``u = (x + ½)/W`` with pixel centres at integers, unclamped.
 
-Differences from the reference: RGB input ``(x/255 − 0.5)/0.5``, not BGR mean subtraction; a 16-channel token (2 score
-logits, as RetinaFace's heads; the paper writes 4 + 1 + 10); a zero-initialised read-out (training starts from the
-uniform average of all anchors); the score is trained on non-face crops (``ml.aligner.train``; the paper leaves it
-unsupervised); ``min_sizes`` are given at 160 px and scaled with ``input_size`` (the reference runs at 160 only); the
+Differences from the reference (CVLface ``aligners/differentiable_face_aligner``): RGB input ``(x/255 − 0.5)/0.5``
+(the reference flips the same tensor to BGR); a 16-channel token (2 score logits, as RetinaFace's heads; the paper
+writes 4 + 1 + 10); a zero-initialised read-out (training starts from the uniform average of all anchors); the score
+is trained on non-face crops (``ml.aligner.train``; the reference's loss trains the pooled class on its labelled
+crops); ``min_sizes`` are given at 160 px and scaled with ``input_size`` (the reference runs at 160 only); the
 mixer widths are ours, sized to the paper's parameter count (its token-mixing MLPs depend on the anchor count, hence on
 ``input_size``); MixerBlock lives here while DFA is its only user (STYLE §8).
 """

@@ -10,9 +10,11 @@ Lightning runs it on ``aligner.accelerator`` / ``devices`` / ``precision``; batc
 
 Differences from the reference: the paper trains 750 epochs at batch 320 on WiderFace crops at 160 px; the embedded
 default trains a few epochs on procedural faces at 96 px (``input_size: 160`` restores the size). Smooth L1 (Fast
-R-CNN, the paper's reference [56]) for the paper's "smooth L2", ``β`` in crop units. The per-anchor landmark term
-(``anchor_loss_weight``; 0 = the paper's loss) and the whole score training (non-face crops, RetinaFace's anchor
-cross-entropy with 3:1 hard negatives, a BCE on the pooled score; ``nonface_fraction: 0`` = the paper) are ours.
+R-CNN, the paper's reference [56]) for the paper's "smooth L2", ``β`` in crop units (the reference's
+``multibox_loss.py`` uses β = 1 on its own coordinates and also trains the pooled box). The reference keeps
+RetinaFace's per-anchor losses (landmarks, boxes, anchor cross-entropy with 3:1 hard negatives) beside the pooled
+terms, as we do with ``anchor_loss_weight`` (0 = the paper's pooled loss alone) and the score weights; the non-face
+crops that train the score (``nonface_fraction: 0`` = none) are ours.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 ``caface`` holds the learned Cluster-and-Aggregate model (batch and streaming inference, save/load);
 ``baselines`` the training-free average, norm-weighted and KP-RPE landmark-score fusions.
+CAFace: Kim et al., NeurIPS 2022, https://arxiv.org/abs/2210.10864; code https://github.com/mk-minchul/caface.
+KP-RPE (landmark-score fusion, supplementary Eq. 17–18): https://arxiv.org/abs/2403.14852.
 """
 
 from ml.fusion.baselines import (

@@ -1,9 +1,11 @@
 """The docs stay true: the site builds offline with ``--strict`` (every macro finds its figure in the committed
-outputs, every link resolves), and no measured figure is typed by hand in the README or a docs page unless the
-output it cites holds it."""
+outputs, every link resolves), no measured figure is typed by hand in the README or a docs page unless the output
+it cites holds it, and each method page keeps one shape (at most about 250 lines, the paper and the authors' code
+linked, no recipe history, one Python snippet that runs)."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -69,3 +71,42 @@ def test_docs_build_offline_and_strict(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert (tmp_path / "site" / "methods" / "discovery" / "index.html").is_file()
+
+
+METHOD_PAGES = sorted((ROOT / "docs" / "methods").glob("*.md"))
+MAX_METHOD_PAGE_LINES = 260  # "about 250": what a reader takes in at one sitting
+HISTORY = re.compile(r"\b(?:since then|the previous default|we tried|was tried|used to be)\b", re.I)
+
+
+def python_blocks(text: str) -> list[str]:
+    """The ```python blocks of a markdown page."""
+    return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+
+
+@pytest.mark.parametrize("page", METHOD_PAGES, ids=lambda p: p.stem)
+def test_method_page_keeps_its_shape(page):
+    text = page.read_text()
+    lines = text.count("\n")
+    assert lines <= MAX_METHOD_PAGE_LINES, f"{page.name}: {lines} lines (at most {MAX_METHOD_PAGE_LINES})"
+    assert len(python_blocks(text)) == 1, f"{page.name}: one runnable ```python block, not {len(python_blocks(text))}"
+    assert "https://arxiv.org/" in text or "openreview.net" in text, f"{page.name}: no link to the paper"
+    assert "https://github.com/" in text, f"{page.name}: no link to the authors' code"
+    history = [m.group(0) for m in HISTORY.finditer(text)]
+    assert not history, f"{page.name}: recipe history belongs in CHANGELOG.md, found {history}"
+
+
+def test_the_shape_check_finds_a_second_block_and_history():
+    assert len(python_blocks("```python\na = 1\n```\n\n```python\nb = 2\n```\n")) == 2
+    assert HISTORY.search("Since then the default changed.")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", METHOD_PAGES, ids=lambda p: p.stem)
+def test_method_page_snippet_runs(page, tmp_path):
+    """Each method page's snippet runs as a reader would paste it: from the repository root of a checkout that has
+    not run the pipeline, on one thread."""
+    (block,) = python_blocks(page.read_text())
+    out = subprocess.run([sys.executable, "-c", block], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, f"{page.name}'s snippet failed:\n{out.stdout[-2000:]}{out.stderr[-3000:]}"
+    assert out.stdout.strip(), f"{page.name}'s snippet prints nothing"

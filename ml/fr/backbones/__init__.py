@@ -1,7 +1,9 @@
 """Registry of face backbones: name → builder taking constructor overrides as keyword arguments.
 
 Every backbone maps ``(B, 3, S, S)`` float images to ``(B, embedding_dim)`` unnormalised embeddings
-and exposes ``input_contract`` (size, colour, mean/std, layout, embedding dim).
+and exposes ``input_contract`` (size, colour, mean/std, layout, embedding dim). The ViTs follow insightface
+(https://github.com/deepinsight/insightface, ``recognition/arcface_torch``) as LVFace does; the ``*_kprpe`` variants add
+KP-RPE (https://arxiv.org/abs/2403.14852, reference code https://github.com/mk-minchul/CVLface).
 """
 
 from __future__ import annotations

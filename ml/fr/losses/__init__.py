@@ -1,4 +1,5 @@
-"""Training losses."""
+"""Training losses: ArcFace/CosFace margins, AdaFace, PartialFC, and the LVFace schedule around them
+(https://arxiv.org/abs/2501.13420; authors' repository https://github.com/bytedance/LVFace)."""
 
 from ml.fr.losses.adaface import AdaFaceLoss
 from ml.fr.losses.lvface import LVFaceSchedule

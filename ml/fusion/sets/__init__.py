@@ -6,6 +6,7 @@
 each normalised; all-zero weights fall back to ``average``): ``average`` ``Σ f̄_i`` (``media``: IJB media pooling),
 ``norm_weighted`` ``Σ f_i``, ``landmark_score`` ``Σ d_i·s_i·f̄_i`` (KP-RPE supp. Eq. 17–18), ``caface`` (eval mode,
 streamed in ``chunk_size``), ``quality_oracle`` ``Σ q_i·f̄_i`` (renderer's true quality: a reference, not a method).
+CAFace's protocols: https://arxiv.org/abs/2210.10864; its code: https://github.com/mk-minchul/caface.
 
 Differences from the reference:
 - ``media`` is InsightFace's ``image2template_feature`` without faceness weights; ``flip=True`` features are
