@@ -1,5 +1,5 @@
 """Pure PyTorch / numpy / Lightning code: data, models, losses, training loops, metrics.
 
 Nothing in this package imports prefect, mlflow, dvc, great_expectations or boto3
-(see DESIGN.md §1); ``tests/unit/test_layers.py`` keeps it so.
+(docs/concepts.md, "Layers"); ``tests/unit/test_layers.py`` keeps it so.
 """

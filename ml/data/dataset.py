@@ -1,4 +1,4 @@
-"""The faceops dataset directory (DESIGN.md §3); its manifest's schema, checks and writers are ``ml.data.manifest``.
+"""The faceops dataset directory (docs/data.md); its manifest's schema, checks and writers are ``ml.data.manifest``.
 
 A dataset directory holds::
 

@@ -1,4 +1,4 @@
-"""The manifest of a faceops dataset directory (``manifest.parquet``, DESIGN.md §3): its Arrow schema, the checks a
+"""The manifest of a faceops dataset directory (``manifest.parquet``, docs/data.md): its Arrow schema, the checks a
 file must pass before anything reads it, and the atomic writers (``ml.data.dataset`` re-exports the public names).
 
 Columns and their parquet types: ``path`` (string, relative to the dataset directory), ``identity`` (string),

@@ -1,4 +1,4 @@
-"""Faces as WebDataset shards: a few tar files of encoded images instead of one file per face (DESIGN.md §3).
+"""Faces as WebDataset shards: a few tar files of encoded images instead of one file per face (docs/scale-out.md).
 
 A shard set is a folder of ``faces-<writer>-<n>.tar`` (the faces' encoded bytes as given, never re-encoded, packed
 back to back into members ``pack-<n>.faces`` of about ``pack_bytes``; each tar at most ``max_bytes``) and an

@@ -1,4 +1,4 @@
-"""FaceGCD: generalized face discovery with hypernetwork-generated attention prefixes (Oh & Choi, ``facegcd.txt``).
+"""FaceGCD (https://arxiv.org/abs/2507.22353): generalized face discovery with attention prefixes from a hypernetwork.
 
 Two copies of one ViT. The frozen **static** ViT's token means after every block, z̄⁽ˡ⁾ (L, B, dim), drive a
 hypernetwork ℋ that writes, per image and layer, a bottleneck generator ``P_K = U_K·ReLU(D_K·P_τ + b_D) + b_U``

@@ -1,6 +1,6 @@
 """Identity contexts for synthetic faces: keep candidates far enough apart to be different people.
 
-UIFace (``shared/papers/uiface.txt``, Sec. 4.1 "Dataset generation") makes its synthetic
+UIFace (https://arxiv.org/abs/2502.19803, Sec. 3.5 "Synthetic-based face recognition") makes its synthetic
 identities from unconditional samples (the empty context ``c_e``) embedded by a pre-trained FR
 model, then "adopts the strategy from Kim et al. (2023) to filter out similar identity contexts
 using cosine distances to ensure inter-class discrepancy". ``select_identity_contexts`` is that

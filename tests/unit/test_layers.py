@@ -1,4 +1,4 @@
-"""DESIGN.md §1: ml/ never imports orchestration or tracking code; importing a module does nothing."""
+"""The layers of docs/concepts.md: ml/ never imports orchestration or tracking code; importing it does nothing."""
 
 from __future__ import annotations
 
