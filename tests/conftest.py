@@ -108,6 +108,20 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="session")
+def docs_site(tmp_path_factory) -> Path:
+    """The documentation site, built once for the run as CI builds it (``mkdocs build --strict``, offline): the
+    contract test that it builds and the browser tests that read it share this one build."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("site")
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
+
+
 @pytest.fixture
 def glint24() -> Path:
     if not GLINT24.is_dir():

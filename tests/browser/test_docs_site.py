@@ -1,19 +1,16 @@
 """The documentation site as a reader opens it, from disk with every network request refused: the formulas are drawn
 (MathML from the build, no TeX source left on the page) and every figure loads.
 
-The site is built once (``mkdocs build --strict``) from the repository's committed figures. What counts as a
-failure is checked on planted pages first: a raw ``\\(…\\)`` span and a broken image are found, so the checks can
-fail."""
+The site is the run's one strict build (``docs_site`` in ``tests/conftest.py``), with the repository's committed
+figures. What counts as a failure is checked on planted pages first: a raw ``\\(…\\)`` span and a broken image are
+found, so the checks can fail."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 PAGES = ["index", "methods/recognition", "methods/aligner", "methods/generator", "methods/fusion",
          "methods/discovery", "results", "real-data"]
 
@@ -41,13 +38,9 @@ DRAWN_MATH = """Array.from(document.querySelectorAll('math'))
   .filter(m => m.getBoundingClientRect().width > 0).length"""
 
 
-@pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("site")
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return out
+@pytest.fixture
+def site(docs_site) -> Path:
+    return docs_site
 
 
 def _problems(page, url: str) -> tuple[list[str], list[str], int]:
