@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-PAGES = ["index", "methods/recognition", "methods/aligner", "methods/generator", "methods/fusion",
+PAGES = ["", "methods/recognition", "methods/aligner", "methods/generator", "methods/fusion",
          "methods/discovery", "results", "real-data"]
 
 # what TeX looks like to a reader when no renderer ran: delimiters and the commands the pages use most
@@ -63,7 +63,7 @@ def test_the_checks_find_raw_tex_and_a_broken_image(offline, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", PAGES)
+@pytest.mark.parametrize("name", PAGES, ids=lambda p: p or "home")
 def test_page_shows_formulas_and_figures(offline, site, name):
     page, refused = offline
     raw, broken, _ = _problems(page, (site / name / "index.html").as_uri())
