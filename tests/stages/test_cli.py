@@ -196,3 +196,35 @@ def test_import_refuses_the_name_of_a_trained_source_before_reading_anything(wor
     missing = _run(["import", str(workspace / "no-such.onnx"), "--name", "mine"], workspace)
     assert missing.returncode == 2 and "no-such.onnx does not exist" in missing.stderr
     assert not (workspace / "models").exists() and not (workspace / "mlflow.db").exists()
+
+
+def test_an_arcface_torch_import_is_registered_with_its_provenance(workspace, monkeypatch):
+    """An insightface-layout IResNet checkpoint through the import's own path (probe check relaxed: random weights
+    separate identities about as well as pixels; the check is tested in tests/unit/test_pretrained.py): the model
+    directory, the registry version with its sha256 and format, and its `faceops ls` row."""
+    import json
+
+    import torch
+    from mlflow import MlflowClient
+
+    from faceops.imports import register_import
+    from ml.fr import pretrained
+    from ml.fr.backbones import build_backbone
+
+    monkeypatch.setattr(pretrained, "MIN_PROBE_AUC", 0.0)
+    monkeypatch.setattr(pretrained, "PIXEL_MARGIN", -1.0)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    torch.manual_seed(0)
+    torch.save(build_backbone("iresnet18", width=0.25).state_dict(), workspace / "backbone.pth")
+    model_dir = workspace / "models" / "fr" / "r18"
+    config = pretrained.import_recogniser(workspace / "backbone.pth", model_dir)
+    version = register_import(workspace, "r18", model_dir, config)
+    client = MlflowClient(tracking_uri=f"sqlite:///{workspace / 'mlflow.db'}")
+    registered = client.get_model_version_by_alias("faceops-fr-r18", "pretrained")
+    assert str(registered.version) == version
+    sha = json.loads((model_dir / "config.json").read_text())["extra"]["sha256"]
+    assert registered.tags["import.sha256"] == sha and registered.tags["import.format"] == "arcface_torch"
+    assert registered.tags["backbone"] == "iresnet18" and registered.tags["source"] == "pretrained"
+    listed = _run(["ls"], workspace)
+    row = next(line for line in listed.stdout.splitlines() if "models/fr/r18" in line)
+    assert row.split()[1] == "iresnet18" and "source=pretrained" in row, listed.stdout
