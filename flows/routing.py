@@ -313,31 +313,44 @@ def read_stage_result(flow_run_id: Any) -> dict[str, Any]:
     return json.loads(text[text.index("```json\n") + 8: text.rindex("\n```")])
 
 
-def _uncached_files(root: Path, paths: list[str]) -> dict[str, str]:
+def _uncached_files(root: Path, paths: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """(text files, binary files as base64) under the uncached outputs ``paths``: metrics and plot data are text,
+    a figure (``plots/*.png``, ``cache: false`` so that git holds it) is not."""
+    import base64
+
     files: dict[str, str] = {}
+    binary: dict[str, str] = {}
     for rel in paths:
         target = root / rel
         for path in sorted(target.rglob("*")) if target.is_dir() else [target]:
             if path.is_file():
-                files[str(path.relative_to(root))] = path.read_text(encoding="utf-8")
-    size = sum(len(text) for text in files.values())
+                data = path.read_bytes()
+                try:
+                    files[str(path.relative_to(root))] = data.decode("utf-8")
+                except UnicodeDecodeError:
+                    binary[str(path.relative_to(root))] = base64.b64encode(data).decode("ascii")
+    size = sum(len(text) for text in files.values()) + sum(len(text) for text in binary.values())
     if size > MAX_RESULT_BYTES:
         raise ConfigError(f"uncached outputs {', '.join(paths)} hold {size} bytes, too many to hand back through "
                           f"Prefect (max {MAX_RESULT_BYTES}): declare the large ones as cached outs in dvc.yaml.")
-    return files
+    return files, binary
 
 
 def adopt_result(root: Path, stage: str, result: Mapping[str, Any]) -> None:
     """Make ``root`` as if ``stage`` had run there: its lock entry, its uncached files, its pulled outputs."""
     from ml.atomic import atomic_path
 
+    import base64
+
     root = root.resolve()
-    for rel, text in result["files"].items():
+    contents = {**{rel: text.encode("utf-8") for rel, text in result["files"].items()},
+                **{rel: base64.b64decode(text) for rel, text in result.get("binary_files", {}).items()}}
+    for rel, data in contents.items():
         target = (root / rel).resolve()
         if not target.is_relative_to(root):
             raise ConfigError(f"stage result for '{stage}' names a file outside the working copy: {rel}")
         with atomic_path(target) as tmp:
-            tmp.write_text(text, encoding="utf-8")
+            tmp.write_bytes(data)
     write_lock_entries(root, {stage: result["lock"]})
     cached, _ = stage_outputs(root, stage)
     if cached:
@@ -459,6 +472,7 @@ def run_stage_remote(stage: str, root: str = ".", params_delta: dict[str, str] |
     cached, uncached = stage_outputs(path, stage)
     if cached:
         dvc_push(str(path), cached)
-    result = {"ran": outcome["ran"], "lock": read_lock(path)[stage], "files": _uncached_files(path, uncached)}
+    files, binary = _uncached_files(path, uncached)
+    result = {"ran": outcome["ran"], "lock": read_lock(path)[stage], "files": files, "binary_files": binary}
     publish_stage_result(stage, result)
     return {**outcome, "lock": result["lock"]}

@@ -10,6 +10,7 @@ the `gpu` worker, in a clone of its own, exchanging data with the other only thr
 from __future__ import annotations
 
 import ast
+import base64
 import json
 import logging
 import os
@@ -234,11 +235,11 @@ def test_a_smoke_run_registers_its_models_without_candidate_unless_asked(tmp_pat
     from mlflow import MlflowClient
 
     from flows.areas import TOY_PRESETS
-    from ops import store, tracking
+    from ops import run_store, tracking
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.chdir(tmp_path)
-    store.configure(tmp_path)
+    run_store.configure(tmp_path)
     with mlflow.start_run() as run:
         (tmp_path / "model").mkdir()
         (tmp_path / "model" / "config.json").write_text("{}")
@@ -341,6 +342,8 @@ def test_area_flow_runs_on_the_cpu_worker_and_its_gpu_stage_on_the_gpu_worker(cl
     assert (cluster.remote / "files" / "md5" / model["md5"][:2] / model["md5"][2:]).is_file()
     assert "train/loss" in result["files"]["plots/train_fr_real_history.csv"]
     assert json.loads(result["files"]["metrics/train_fr_real.json"])
+    png = base64.b64decode(result["binary_files"]["plots/train_fr_real_loss.png"])  # a figure: bytes, not text
+    assert png.startswith(b"\x89PNG")
     # the pipeline run published its benchmark artifact (no report yet: evaluate did not run)
     assert "No benchmark yet" in artifacts[("benchmark", pipeline_run.id)].data
     # its clone is gone, but every output of its stages is in the remote under the dvc.lock it published

@@ -322,10 +322,10 @@ LOG_LIKE_MAKE_RUN = """
 from pathlib import Path
 import mlflow
 from mlflow import MlflowClient
-from ops import store, tracking
+from ops import run_store, tracking
 
 root = Path.cwd()
-store.configure(root)  # what `faceops run` does: no MLFLOW_TRACKING_URI, the repository's mlflow.db
+run_store.configure(root)  # what `faceops run` does: no MLFLOW_TRACKING_URI, the repository's mlflow.db
 with mlflow.start_run(run_name="pipeline") as parent:
     mlflow.log_metric("pipeline/wall_seconds", 470.0)
     with mlflow.start_run(run_name="train_fr@real", nested=True) as stage:

@@ -141,7 +141,7 @@ def test_unknown_stage_and_a_password_in_params_are_refused():
 
 
 def test_messages_mask_url_passwords_and_aws_credentials_everywhere(monkeypatch):
-    from ops import storage
+    from ops import remote
     from tasks.common import redact
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wJalrXUtnFEMIK7MDENG")
@@ -153,7 +153,7 @@ def test_messages_mask_url_passwords_and_aws_credentials_everywhere(monkeypatch)
     expected = ("tracking http://alice:***@mlflow:5000/ storage postgresql+psycopg://optuna:***@db:5432/optuna "
                 "empty user https://:***@host/x, no password postgresql://bob@db/x sqlite:////tmp/a.db "
                 "S3 said key=*** abc")
-    for mask in (redact, storage.redact):  # the storage module masks its messages with the same function
+    for mask in (redact, remote.redact):  # the remote module masks its messages with the same function
         assert mask(text) == expected
 
 
