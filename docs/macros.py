@@ -11,6 +11,7 @@ number its outputs no longer hold.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -99,15 +100,16 @@ def include(path: str) -> str:
     return re.sub(r"\A# [^\n]*\n", "", (ROOT / path).read_text())
 
 
-def site_figures() -> list[str]:
+@functools.lru_cache(maxsize=1)
+def site_figures() -> tuple[str, ...]:
     """The figures the site shows: every committed ``plots/*.png`` (git-tracked, ``cache: false`` in ``dvc.yaml``),
-    repository-relative."""
+    repository-relative; listed once per build."""
     try:
         listed = subprocess.run(["git", "ls-files", "plots/*.png"], cwd=ROOT, capture_output=True, text=True,
                                 check=True).stdout.split()
     except (OSError, subprocess.CalledProcessError):  # not a git checkout (an unpacked release): what is on disk
         listed = [p.relative_to(ROOT).as_posix() for p in (ROOT / "plots").glob("*.png")]
-    return sorted(listed)
+    return tuple(sorted(listed))
 
 
 def _to_root(page: Any) -> str:

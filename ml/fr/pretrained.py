@@ -249,10 +249,9 @@ def import_recogniser(source: str | Path, model_dir: str | Path, *, fmt: str | N
         pixels = onnx_contract(source, contract)
         if styles is not None:
             pixels["styles"] = list(styles)
-        elif pixels.get("styles"):  # the contract's taps, where this file has them (another export may not)
+        elif pixels.get("styles"):  # the contract's taps, where this file has them all (another export may not)
             produced = {o for node in onnx_graph(source).graph.node for o in node.output}
-            pixels["styles"] = [s for s in pixels["styles"] if s in produced]
-            if len(pixels["styles"]) != len(CONTRACTS[contract or ""].get("styles", ())):
+            if not set(pixels["styles"]) <= produced:
                 pixels.pop("styles")
         model: nn.Module = OnnxEmbedder(source, **pixels)
         alternatives: dict[str, nn.Module] = contract_alternatives(source, pixels)

@@ -7,8 +7,6 @@ found, so the checks can fail."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 PAGES = ["", "methods/recognition", "methods/aligner", "methods/generator", "methods/fusion",
@@ -38,11 +36,6 @@ DRAWN_MATH = """Array.from(document.querySelectorAll('math'))
   .filter(m => m.getBoundingClientRect().width > 0).length"""
 
 
-@pytest.fixture
-def site(docs_site) -> Path:
-    return docs_site
-
-
 def _problems(page, url: str) -> tuple[list[str], list[str], int]:
     page.goto(url)
     page.wait_for_load_state("load")
@@ -63,14 +56,14 @@ def test_the_checks_find_raw_tex_and_a_broken_image(offline, tmp_path):
 
 
 @pytest.mark.slow
-def test_every_page_shows_formulas_and_figures_offline(offline, site):
+def test_every_page_shows_formulas_and_figures_offline(offline, docs_site):
     """Every page the build wrote (the API reference and the changelog included), not only the method pages."""
     page, refused = offline
-    built = sorted(p.parent.relative_to(site).as_posix() for p in site.rglob("index.html"))
+    built = sorted(p.parent.relative_to(docs_site).as_posix() for p in docs_site.rglob("index.html"))
     assert set(PAGES) <= {"" if b == "." else b for b in built}, built
     problems = {}
     for name in built:
-        raw, broken, _ = _problems(page, (site / name / "index.html").as_uri())
+        raw, broken, _ = _problems(page, (docs_site / name / "index.html").as_uri())
         if raw or broken:
             problems[name] = {"raw TeX": raw[:3], "broken images": broken}
     assert not problems, f"pages that show TeX source or broken images: {problems}"
@@ -78,10 +71,10 @@ def test_every_page_shows_formulas_and_figures_offline(offline, site):
 
 
 @pytest.mark.slow
-def test_method_pages_hold_drawn_formulas_and_figures(offline, site):
+def test_method_pages_hold_drawn_formulas_and_figures(offline, docs_site):
     page, _ = offline
     for name in [p for p in PAGES if p.startswith("methods/")]:
-        _, _, drawn = _problems(page, (site / name / "index.html").as_uri())
+        _, _, drawn = _problems(page, (docs_site / name / "index.html").as_uri())
         assert drawn > 0, f"{name}: no formula drawn"
         assert page.locator("article img").count() > 0, f"{name}: no figure on the page"
 
