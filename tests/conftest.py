@@ -95,6 +95,23 @@ def _restore_sys_path():
     sys.path[:] = before
 
 
+
+
+@pytest.fixture(autouse=True)
+def _restore_tracking_uri():
+    """Put MLflow's tracking URI back after each test. ``mlflow.set_tracking_uri`` (what a stage run in-process calls)
+    also sets ``MLFLOW_TRACKING_URI`` in ``os.environ`` for its subprocesses, so a later test that starts ``faceops``
+    with a copy of the environment would log to the earlier test's store instead of its own workspace's."""
+    import sys
+
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    yield
+    if "mlflow" in sys.modules:
+        sys.modules["mlflow"].set_tracking_uri(before)  # None unsets the variable as well
+    if before is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = before
 @pytest.fixture(scope="module")
 def one_thread():
     """One torch intra-op thread for a whole test module, restored after it; opt in with
