@@ -83,6 +83,14 @@ def inject_label_noise(labels: np.ndarray, fraction: float, rng: np.random.Gener
     return out
 
 
+def scored_identities(condition: str, scale: Scale, data_seed: int) -> dict[str, tuple[int, range]]:
+    """The held-out identities ``make_split(condition, scale, data_seed)`` scores on, as {condition: (procedural
+    seed, identities)}: the block after the training identities, drawn with the data seed as the procedural seed (the
+    ``noisy`` condition trains on ``noisy_identities``)."""
+    first = scale.noisy_identities if condition == "noisy" else scale.train_identities
+    return {condition: (data_seed, range(first, first + scale.test_identities))}
+
+
 def make_split(condition: str, scale: Scale, seed: int = 0) -> dict[str, np.ndarray]:
     """Training and held-out faces of ``condition``; ``noisy``: the aligned faces of ``scale.noisy_identities`` ×
     ``scale.noisy_images_per_identity`` with ``scale.label_noise`` of the labels wrong (the held-out set is clean)."""
@@ -99,8 +107,7 @@ def make_split(condition: str, scale: Scale, seed: int = 0) -> dict[str, np.ndar
                 np.stack([s.landmarks for _, s in samples]).astype(np.float32))
 
     x, y, kp = render(range(scale.train_identities), scale.images_per_identity)
-    tx, ty, tkp = render(range(scale.train_identities, scale.train_identities + scale.test_identities),
-                         scale.test_images_per_identity)
+    tx, ty, tkp = render(scored_identities(condition, scale, seed)[condition][1], scale.test_images_per_identity)
     pairs, same = held_out_pairs(ty, scale.pairs, np.random.default_rng(seed))
     return {"x": x, "y": y, "kp": kp, "tx": tx, "tkp": tkp, "pairs": pairs, "issame": same}
 

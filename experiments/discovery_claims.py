@@ -32,10 +32,10 @@ import numpy as np
 import pandas as pd
 
 from experiments.claims import mean_std, paired
-from experiments.test_sets import DATA_SEEDS, LOOKED_AT, across_test_sets, now_utc
+from experiments.test_sets import DATA_SEEDS, LOOKED_AT, across_test_sets, holm, now_utc
 from ml.config import from_mapping
 from ml.data.procedural import ProceduralConfig, ProceduralFaces
-from ml.discovery.protocol import GFDOutcome, gfd_chance, gfd_ssk
+from ml.discovery.protocol import GFDOutcome, gfd_baselines, gfd_chance, gfd_ssk
 from ml.discovery.split import gfd_split
 from ml.eval.metrics import cluster_correct
 from ml.models.io import save_model
@@ -70,8 +70,11 @@ ARMS = {
     "static_prefix": "static prefix (ablation) + SSK",
     "oracle": "oracle (FaceGCD, every training image labelled: the headroom) + SSK",
     "embedding": "loss on the embedding (FaceGCD without its head: a diagnostic) + SSK",
+    "kmeans": "k-means (FR features, K = all identities, no labels)",
+    "agglomerative": "agglomerative (FR features, no labels; the linkage chosen on the labelled images)",
     "chance": "chance (random partitions with the true cluster sizes)",
 }
+UNSUPERVISED = ("kmeans", "agglomerative")  # the default run's clustering baselines, on the FR features
 TRAINED = {"facegcd": {}, "gcd": {"prefix_length": 0}, "static_prefix": {"static_prefix": True}, "oracle": {},
            "embedding": {"loss_on": "embedding"}}
 ORACLES = frozenset({"oracle"})  # trained with the labels of every training image, the novel identities' too
@@ -79,7 +82,7 @@ REFERENCES = ORACLES | {"embedding"}  # rows that explain the claims rather than
 CLAIMED = tuple(arm for arm in TRAINED if arm not in REFERENCES)  # the arms run unless others are asked for
 # (arm, reference): the claims, each a paired difference per run; the last is the headroom, not a claim
 CLAIMS = (("facegcd", "gcd"), ("gcd", "fr_ssk"), ("facegcd", "fr_ssk"), ("facegcd", "static_prefix"),
-          ("oracle", "fr_ssk"), ("embedding", "fr_ssk"))
+          ("facegcd", "kmeans"), ("facegcd", "agglomerative"), ("oracle", "fr_ssk"), ("embedding", "fr_ssk"))
 
 
 def _render_set(gen: ProceduralFaces, ids: range, per: int) -> tuple[np.ndarray, np.ndarray]:
@@ -98,12 +101,20 @@ def make_data(scale: Scale, data_seed: int = 0) -> dict[str, np.ndarray]:
     return {"x": x, "y": y, **discovery_data(scale, data_seed)}
 
 
-def discovery_data(scale: Scale, data_seed: int) -> dict[str, np.ndarray]:
-    """A discovery set of the ``data_seed``-th block of identities after the FR model's, with its GFD split drawn with
-    that seed."""
-    gen = _generator(scale)
+def scored_identities(scale: Scale, data_seed: int) -> dict[str, tuple[int, range]]:
+    """The identities ``data_seed``'s discovery set renders, as {name: (procedural seed, identities)}: the
+    ``data_seed``-th block after the FR model's, drawn with procedural seed ``data_seed``, so a data seed other than
+    the default run's ``data.seed`` shares no face with it (``experiments.test_sets.shared_faces``). Data seed 0 is
+    the FR model's own seed: its block follows the FR identities, as the recipe experiments saw it."""
     first = scale.fr_identities + data_seed * scale.discovery_identities
-    dx, dy = _render_set(gen, range(first, first + scale.discovery_identities), scale.discovery_images_per_identity)
+    return {"discovery": (data_seed, range(first, first + scale.discovery_identities))}
+
+
+def discovery_data(scale: Scale, data_seed: int) -> dict[str, np.ndarray]:
+    """The discovery set of ``scored_identities``, with its GFD split drawn with ``data_seed``."""
+    seed, ids = scored_identities(scale, data_seed)["discovery"]
+    gen = ProceduralFaces(ProceduralConfig(image_size=scale.image_size), seed=seed)
+    dx, dy = _render_set(gen, ids, scale.discovery_images_per_identity)
     manifest = pd.DataFrame({"path": [f"{i:06d}.png" for i in range(len(dy))], "identity": [f"id{k:04d}" for k in dy],
                              "label": dy})
     split = gfd_split(manifest, seed=data_seed)
@@ -160,6 +171,9 @@ def run_claims(seeds: list[int], scale: Scale, data_seeds: list[int] = list(DATA
                                  for k in KEYS}, **extra, "_correct": point_outcomes(out, data)})
                     log.info("data %d seed %d %-13s test all %.3f novel %.3f", data_seed, seed, arm,
                              out.metrics["test/all"], out.metrics["test/novel"])
+                for arm, out in unsupervised_baselines(fr_feats, data, seed).items():
+                    runs.append({"arm": arm, "data_seed": data_seed, "seed": seed, **{k: float(out.metrics[k])
+                                 for k in KEYS}, "setting": out.setting, "_correct": point_outcomes(out, data)})
                 chance = gfd_chance(data["dy"], data["labelled"], data["known"], data["test"], seed=seed)
                 runs.append({"arm": "chance", "data_seed": data_seed, "seed": seed,
                              **{k: float(chance.metrics[k]) for k in KEYS}})
@@ -170,6 +184,18 @@ def run_claims(seeds: list[int], scale: Scale, data_seeds: list[int] = list(DATA
 
 
 CURVE_KEYS = ("loss/unsup", "loss/sup", "val/accuracy")
+
+
+def unsupervised_baselines(features: np.ndarray, data: dict[str, np.ndarray], seed: int) -> dict[str, GFDOutcome]:
+    """``UNSUPERVISED``: k-means and agglomerative clustering of the FR features with the default run's settings
+    (``ml.discovery.protocol.gfd_baselines``: K = all identities, the linkage chosen on the labelled images, no label
+    used to cluster), scored on the same subsets as the SSK arms."""
+    from tasks.common import load_params, section
+
+    grid = section(load_params(ROOT / "params.yaml"), "evaluate")
+    out = gfd_baselines(features, data["dy"], data["labelled"], data["known"], data["test"],
+                        eps_grid=grid["dbscan_eps"], min_samples_grid=grid["dbscan_min_samples"], seed=seed)
+    return {arm: out[arm] for arm in UNSUPERVISED}
 
 
 def point_outcomes(out: GFDOutcome, data: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -268,7 +294,16 @@ def summarise(runs: list[dict]) -> dict:
                 claims[f"{arm}-{ref}"][k]["test_sets"] = across_test_sets(
                     [by_arm[arm][s]["_correct"][k] for s in shared], [by_arm[ref][s]["_correct"][k] for s in shared],
                     [ds for ds, _ in shared])
+    family = [(c, k) for c in claims if c.split("-")[0] not in REFERENCES for k in CLAIM_KEYS
+              if "test_sets" in claims[c][k]]
+    for (c, k), rejected in zip(family, holm([claims[c][k]["test_sets"]["p"] for c, k in family])):
+        claims[c][k]["test_sets"]["holm"] = rejected
     return {"arms": arms, "claims": claims}
+
+
+def _family_size(summary: dict) -> int:
+    """How many comparisons Holm's correction ran over (0 for results from before it)."""
+    return sum("holm" in d.get("test_sets", {}) for c in summary["claims"].values() for d in c.values())
 
 
 def _pct(ms: dict[str, float], signed: bool = False) -> str:
@@ -285,18 +320,19 @@ def _difference(d: dict) -> str:
     t = d.get("test_sets")
     if t is None:
         return f"{_pct(d, True)} ({d['higher']}/{d['seeds']} runs)"
+    p = f"; p {t['p']:.3f}" if t.get("p") is not None else ""
     return (f"{_pct(t, True)} ({t['higher']}/{t['units']} test sets); "
-            f"{100 * t['ci_low']:+.1f} to {100 * t['ci_high']:+.1f}")
+            f"{100 * t['ci_low']:+.1f} to {100 * t['ci_high']:+.1f}{p}")
 
 
 def _verdict(*diffs: dict) -> str:
-    """Whether a claim holds beyond noise on each of ``CLAIM_KEYS`` (over test sets where measured, else over runs),
-    and whether the reverse does."""
+    """Whether a claim holds beyond noise on each of ``CLAIM_KEYS`` (over test sets where measured, else over runs)
+    and survives Holm's correction over the table where it was applied, and whether the reverse does."""
     diffs = tuple(d.get("test_sets", d) for d in diffs)
-    holds = [d["beyond_noise"] and d["mean"] > 0 for d in diffs]
+    holds = [d["beyond_noise"] and d["mean"] > 0 and d.get("holm", True) for d in diffs]
     text = "yes" if all(holds) else "no: within noise" if not any(holds) else ", ".join(
         f"{n}: {'yes' if h else 'no'}" for n, h in zip(CLAIM_KEYS.values(), holds))
-    if any(d["beyond_noise"] and d["mean"] < 0 for d in diffs):
+    if any(d["beyond_noise"] and d["mean"] < 0 and d.get("holm", True) for d in diffs):
         text += " (the reverse beyond noise)"
     return text
 
@@ -316,8 +352,9 @@ def render(results: dict, seeds: list[int], data_seeds: list[int], scale: Scale,
         "and its test images, whose labels no choice reads. FR model: `vit_tiny` "
         f"ArcFace on {scale.fr_identities} × {scale.fr_images_per_identity} procedural faces, {scale.fr_epochs} epochs. "
         f"Discovery set: {scale.discovery_identities} unseen identities × {scale.discovery_images_per_identity} "
-        f"images ({scale.image_size}×{scale.image_size}) per data seed, GFD split (half the identities known, half of "
-        "their training images labelled, 10 % test). Every arm trained with the default run's recipe (`params.yaml` "
+        f"images ({scale.image_size}×{scale.image_size}) per data seed, drawn with the data seed as the procedural "
+        "seed, so none shares a face with the default run's sets (`tests/stages/test_test_sets.py` renders both and "
+        "compares); GFD split (half the identities known, half of their training images labelled, 10 % test). Every arm trained with the default run's recipe (`params.yaml` "
         f"`discovery`): {recipe['epochs']} epochs, lr {recipe['lr']:g}, InfoNCE τ {recipe['temperature']:g}, SupCon "
         f"τ {recipe['sup_temperature']:g}, λ {recipe['sup_weight']:g}, P × K = {recipe['labelled_identities_per_batch']} "
         f"× {recipe['images_per_identity']}, last block at {recipe['block_lr_scale']:g} × lr, the best epoch on "
@@ -340,7 +377,9 @@ def render(results: dict, seeds: list[int], data_seeds: list[int], scale: Scale,
         "Paired differences (pp) per test set, one per data seed (its training seeds averaged): mean ± sample std "
         "over the test sets, how many were higher, and a 95 % bootstrap interval over the scored images (each run's "
         "matching held fixed). Beyond noise: at least two test sets, the mean beyond 2 standard errors, every test "
-        "set on its side and the interval excluding 0." if by_sets else
+        "set on its side and the interval excluding 0; p: a one-sample t-test over the test sets, and a claim holds "
+        f"only where Holm's procedure over the table's {_family_size(summary)} comparisons (every claim but the "
+        "headroom and the diagnostic, on each column) rejects at α = 0.05." if by_sets else
         "Paired per-run differences (pp; beyond noise: |mean| > 2 · std / √runs):"), "",
         "| claim | " + " | ".join(("transductive novel" if k == "transductive/novel" else n) for k, n in
                                   CLAIM_KEYS.items()) + " | holds beyond noise |", "|---|---|---|---|---|"]

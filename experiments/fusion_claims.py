@@ -39,7 +39,7 @@ from experiments.test_sets import DATA_SEEDS, across_test_sets, now_utc
 from ml.config import from_mapping
 from ml.errors import ConfigError, DataError
 from tasks.common import Paths, load_params, section, write_json, write_text
-from tasks.prepare import DataConfig
+from tasks.prepare import DataConfig, procedural_identities
 from tasks.train_fusion import FusionMaterial, FusionStageConfig
 
 log = logging.getLogger("experiments.fusion_claims")
@@ -115,6 +115,12 @@ def _summary(rows: list[dict], hits: list[tuple], units: list[int], stage: Fusio
 
 def _recipe(cfg: Any) -> dict[str, Any]:
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()}
+
+
+def scored_identities(data: DataConfig, data_seed: int) -> dict[str, tuple[int, range]]:
+    """The identities ``_data_seed_run`` renders for ``data_seed``, as {name: (procedural seed, identities)}: the
+    default run's fusion layout (``tasks.prepare.procedural_identities``) drawn with the data seed as the seed."""
+    return {"fusion": (data_seed, procedural_identities(dataclasses.replace(data, seed=data_seed))["fusion"])}
 
 
 def _data_seed_run(root: str, data: DataConfig, stage: FusionStageConfig, data_seed: int,

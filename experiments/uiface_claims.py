@@ -44,16 +44,27 @@ FR_OVERHEAD_SECONDS = 3.0
 
 
 # ------------------------------------------------------------------------------------------------ the run
+def _split_scale(scale: Scale):
+    from experiments.claims import Scale as SplitScale
+
+    return SplitScale(train_identities=scale.train_identities, images_per_identity=scale.images_per_identity,
+                      test_identities=scale.test_identities, test_images_per_identity=scale.test_images_per_identity,
+                      pairs=scale.pairs, image_size=scale.image_size)
+
+
+def scored_identities(scale: Scale, data_seed: int) -> dict[str, tuple[int, range]]:
+    """The identities ``make_data(scale, data_seed)`` verifies, as {name: (procedural seed, identities)}."""
+    from experiments.claims import scored_identities as split_identities
+
+    return split_identities("aligned", _split_scale(scale), data_seed)
+
+
 def make_data(scale: Scale, data_seed: int = 0) -> dict[str, np.ndarray]:
     """(a) x, y and (b) tx with the verification pairs, from ``experiments.claims.make_split`` (aligned faces) with
     ``data_seed``: another seed draws other identities and other pairs."""
-    from experiments.claims import Scale as SplitScale
     from experiments.claims import make_split
 
-    split = make_split("aligned", SplitScale(
-        train_identities=scale.train_identities, images_per_identity=scale.images_per_identity,
-        test_identities=scale.test_identities, test_images_per_identity=scale.test_images_per_identity,
-        pairs=scale.pairs, image_size=scale.image_size), seed=data_seed)
+    split = make_split("aligned", _split_scale(scale), seed=data_seed)
     return {k: split[k] for k in ("x", "y", "tx", "pairs", "issame")}
 
 

@@ -242,28 +242,42 @@ def ingested_grid(dataset: Path, path: Path, rows: int = 6, cols: int = 8) -> No
 PARTS = ("real", "fusion", "videos", "train", "unaligned", "discovery", "heldout", "templates")
 
 
+def procedural_identities(cfg: DataConfig) -> dict[str, range]:
+    """The identities each procedural part of ``data/prepared/`` renders, all with procedural seed ``cfg.seed``
+    (``templates`` are drawn from the held-out identities). The one layout ``_prepare_part`` renders, and what the
+    claims experiments' test sets are checked disjoint from (``experiments.test_sets.shared_faces``)."""
+    from ml.data.surveillance import FUSION_FIRST_IDENTITY
+
+    heldout = cfg.train_identities
+    discovery = heldout + cfg.heldout_identities
+    videos = discovery + cfg.discovery_identities
+    unaligned = videos + cfg.video_identities + cfg.video_distractors
+    return {"train": range(cfg.train_identities), "heldout": range(heldout, discovery),
+            "templates": range(heldout, heldout + cfg.template_identities), "discovery": range(discovery, videos),
+            "videos": range(videos, unaligned), "unaligned": range(unaligned, unaligned + cfg.unaligned_identities),
+            "fusion": range(FUSION_FIRST_IDENTITY, FUSION_FIRST_IDENTITY + cfg.fusion_identities)}
+
+
 def _prepare_part(name: str, cfg: DataConfig, out: Path, progress: bool = True) -> dict[str, float]:
     """Write one part of the prepared directory under ``out``; returns its metrics. Faces are rendered from
     (seed, identity, index) alone, so the parts can run in any order or in parallel and give the same bytes."""
     gen = ProceduralFaces(cfg.procedural_config(aligned=True), seed=cfg.seed)
     n_train_imgs = cfg.images_per_identity - int(round(cfg.images_per_identity * cfg.val_fraction))
-    heldout_first = cfg.train_identities
-    discovery_first = heldout_first + cfg.heldout_identities
-    video_first = discovery_first + cfg.discovery_identities
+    ids = procedural_identities(cfg)
     if name == "heldout" and cfg.ingested:  # the held-out set is real; the procedural pairs stay as a reference
         per = cfg.heldout_images_per_identity
-        samples = [gen.sample(ident, i) for ident in range(heldout_first, discovery_first) for i in range(per)]
+        samples = [gen.sample(ident, i) for ident in ids["heldout"] for i in range(per)]
         pairs = write_pairs_bin(out / "verification" / "procedural.bin", np.stack([s.image for s in samples]),
                                 np.repeat(np.arange(cfg.heldout_identities), per), cfg.verification_pairs, cfg.seed,
                                 landmarks=np.stack([s.landmarks for s in samples]))
         return {"data/verification_pairs": pairs}
     if name == "train":
-        procedural_split(out / "train", gen, range(cfg.train_identities), cfg.images_per_identity,
+        procedural_split(out / "train", gen, ids["train"], cfg.images_per_identity,
                          lambda i: "train" if i < n_train_imgs else "val", name="procedural-train", progress=progress)
         return {"data/train_images": cfg.train_identities * cfg.images_per_identity}
     if name == "heldout":
         images, labels, landmarks = procedural_split(
-            out / "heldout", gen, range(heldout_first, discovery_first), cfg.heldout_images_per_identity,
+            out / "heldout", gen, ids["heldout"], cfg.heldout_images_per_identity,
             lambda i: "gallery" if i < cfg.gallery_images_per_identity else "probe", name="procedural-heldout",
             progress=progress,
         )
@@ -271,21 +285,20 @@ def _prepare_part(name: str, cfg: DataConfig, out: Path, progress: bool = True) 
                                 cfg.seed, landmarks=landmarks)
         return {"data/heldout_images": len(labels), "data/verification_pairs": pairs}
     if name == "templates":
-        return {"data/template_pairs": template_set(out / "templates", gen, cfg, heldout_first, progress)}
+        return {"data/template_pairs": template_set(out / "templates", gen, cfg, ids["templates"].start, progress)}
     if name == "discovery":
-        procedural_split(out / "discovery", gen, range(discovery_first, video_first),
+        procedural_split(out / "discovery", gen, ids["discovery"],
                          cfg.discovery_images_per_identity, lambda i: "train", name="procedural-discovery",
                          progress=progress)
         return {}
     if name == "real":
         return ingest_real(out, cfg, progress)
     if name == "videos":
-        return video_set(out / "videos", gen, cfg, video_first, progress)
+        return video_set(out / "videos", gen, cfg, ids["videos"].start, progress)
     if name == "fusion":
         return fusion_set(out / "fusion", gen, cfg, progress)
     if name == "unaligned":
-        first = video_first + cfg.video_identities + cfg.video_distractors
-        return {"data/unaligned_images": unaligned_set(out / "unaligned", cfg, first, progress)}
+        return {"data/unaligned_images": unaligned_set(out / "unaligned", cfg, ids["unaligned"].start, progress)}
     raise ValueError(f"unknown prepare part {name!r}")
 
 

@@ -81,7 +81,7 @@ def test_the_oracle_arm_alone_trains_with_every_training_label(monkeypatch):
     assert "| oracle − FR features (headroom) |" in report
     # each row's image outcomes average to its accuracy; chance is scored on the same images without outcomes
     scored = [r for r in results["runs"] if r["arm"] != "chance"]
-    assert {r["arm"] for r in scored} == {"fr_ssk", "facegcd", "oracle"}
+    assert {r["arm"] for r in scored} == {"fr_ssk", "facegcd", "oracle", "kmeans", "agglomerative"}
     for r in scored:
         for key in dc.CLAIM_KEYS:
             assert r["_correct"][key].mean() == pytest.approx(r[key])
@@ -159,18 +159,24 @@ def test_discovery_claims_flow_writes_runs_claims_report_and_an_mlflow_run(tmp_p
     results = json.loads((tmp_path / "metrics" / "discovery_claims.json").read_text())
     assert results["recipe"]["temperature"] == 1.0 and results["recipe"]["val_per_identity"] == 2  # params.yaml's
     assert sorted((r["arm"], r["data_seed"]) for r in results["runs"]) == sorted(
-        (a, d) for a in ("fr_ssk", "facegcd", "gcd", "chance") for d in (2, 3))
+        (a, d) for a in ("fr_ssk", "facegcd", "gcd", "kmeans", "agglomerative", "chance") for d in (2, 3))
     assert not any("_correct" in r for r in results["runs"])
-    trained = [r for r in results["runs"] if r["arm"] not in ("fr_ssk", "chance")]
+    trained = [r for r in results["runs"] if r["arm"] in ("facegcd", "gcd")]
     assert all(r["epochs"] == 2 and 0 <= r["best_epoch"] < 2 and r["loss/unsup/first"] > 0 for r in trained)
     claim = results["summary"]["claims"]["facegcd-gcd"]["test/novel"]
     by = {(r["arm"], r["data_seed"]): r["test/novel"] for r in results["runs"]}
     assert claim["mean"] == pytest.approx(sum(by[("facegcd", d)] - by[("gcd", d)] for d in (2, 3)) / 2)
     assert claim["test_sets"]["units"] == 2 and claim["test_sets"]["mean"] == pytest.approx(claim["mean"])
-    assert set(results["summary"]["claims"]) == {"facegcd-gcd", "gcd-fr_ssk", "facegcd-fr_ssk"}
+    assert set(results["summary"]["claims"]) == {"facegcd-gcd", "gcd-fr_ssk", "facegcd-fr_ssk", "facegcd-kmeans",
+                                                 "facegcd-agglomerative"}
+    # Holm over the 5 claims × 3 columns: each verdict carries whether its p survived, which needs p ≤ .05 / 15
+    corrected = [d["test_sets"] for c in results["summary"]["claims"].values() for d in c.values()]
+    assert len(corrected) == 15 and all(isinstance(t["holm"], bool) for t in corrected)
+    assert any(t["holm"] for t in corrected) == (min(t["p"] for t in corrected) <= 0.05 / 15)
     report = (tmp_path / "reports" / "discovery_claims.md").read_text()
     assert "GCD (no prefixes) + SSK" in report and "| data seed | seed |" in report and "holds beyond noise" in report
-    assert "test sets);" in report
+    assert "test sets);" in report and "Holm's procedure over the table's 15 comparisons" in report
+    assert "| k-means (FR features, K = all identities, no labels) |" in report
     assert "| FaceGCD: score |" in report and (tmp_path / "reports" / "discovery_claims_curves.png").stat().st_size
     assert all(len(r["curve"]) == 2 and 0 <= r["val/accuracy/fr"] <= 1 for r in trained)
     run = mlflow.get_run(out["mlflow_run"])

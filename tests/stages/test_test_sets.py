@@ -1,5 +1,6 @@
-"""experiments/test_sets.py: the rule that calls a difference beyond noise over independent test sets, against
-hand-computed values, and that the reports' pure parts load without torch."""
+"""experiments/test_sets.py: the rule that calls a difference beyond noise over independent test sets and Holm's
+correction, against hand-computed values; every claims experiment's test sets rendered beside the default run's and
+found disjoint; and that the reports' pure parts load without torch."""
 
 from __future__ import annotations
 
@@ -10,11 +11,55 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from experiments.test_sets import DATA_SEEDS, LOOKED_AT, across_test_sets, over_test_sets
+from experiments.test_sets import DATA_SEEDS, LOOKED_AT, across_test_sets, holm, over_test_sets, shared_faces
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_scored_data_seeds_are_not_the_ones_looked_at():
+def _default_run_faces():
+    """What `make run` renders, as {part: (procedural seed, identities)}, and its data config: params.yaml's data
+    section through prepare's own identity layout."""
+    from ml.config import from_mapping
+    from tasks.common import load_params, section
+    from tasks.prepare import DataConfig, procedural_identities
+
+    data = from_mapping(DataConfig, section(load_params(ROOT / "params.yaml"), "data"), "data")
+    return {part: (data.seed, ids) for part, ids in procedural_identities(data).items()}, data
+
+
+def test_every_claims_test_set_shares_no_face_with_the_default_run():
+    """Each claims experiment's scored identities for every default data seed, rendered beside every set the default
+    run renders: no identity's parameters and no image in common (the seeds looked at are not among them)."""
+    from experiments import claims, discovery_claims, fusion_claims, uiface_claims
+
+    rendered, data = _default_run_faces()
     assert not set(DATA_SEEDS) & set(LOOKED_AT) and len(DATA_SEEDS) >= 5
+    for d in DATA_SEEDS:
+        scored = {f"{name} ({source.__name__.split('.')[-1]})": ids for source, sets in (
+            (claims, {**claims.scored_identities("misaligned", claims.Scale(), d),
+                      **claims.scored_identities("noisy", claims.Scale(), d)}),
+            (uiface_claims, uiface_claims.scored_identities(uiface_claims.Scale(), d)),
+            (discovery_claims, discovery_claims.scored_identities(discovery_claims.Scale(), d)),
+            (fusion_claims, fusion_claims.scored_identities(data, d))) for name, ids in sets.items()}
+        assert shared_faces(scored, rendered) == [], d
+
+
+def test_a_test_set_drawn_from_the_default_runs_faces_is_caught_naming_both():
+    """The discovery claims' earlier layout (data seed 2 = identities 310–389 of procedural seed 0) shares 80
+    identities with the default run's discovery set and 0 with its training set."""
+    rendered, _ = _default_run_faces()
+    found = shared_faces({"discovery claims, data seed 2": (0, range(310, 390))}, rendered)
+    assert found == ["discovery claims, data seed 2 (seed 0, identities 310–389) shares 80 identities and 80 images "
+                     "with discovery"]
+    one = shared_faces({"one": (0, range(5, 6))}, {"train": (0, range(200))})  # one face is enough
+    assert one and "shares 1 identities and 1 images with train" in one[0]
+
+
+def test_holm_rejects_in_step_down_order_and_never_a_missing_p():
+    # m = 4: 0.005 ≤ .05/4 and 0.01 ≤ .05/3 rejected; 0.03 > .05/2 stops, so 0.04 is kept though ≤ .05
+    assert holm([0.01, 0.04, 0.03, 0.005]) == [True, False, False, True]
+    assert holm([None, 0.001]) == [False, True]  # m counts the missing p: 0.001 ≤ .05/2
+    assert holm([0.03, 0.04]) == [False, False] and holm([0.03]) == [True]
 
 
 def test_over_test_sets_needs_two_units_the_mean_beyond_two_se_and_one_sign():
@@ -22,12 +67,14 @@ def test_over_test_sets_needs_two_units_the_mean_beyond_two_se_and_one_sign():
     d = over_test_sets([1.0, 2.0, 3.0])
     assert d["mean"] == pytest.approx(2.0) and d["std"] == pytest.approx(1.0)
     assert d["se"] == pytest.approx(1 / np.sqrt(3)) and (d["units"], d["higher"], d["beyond_noise"]) == (3, 3, True)
+    # t = 2 / 0.577 = 3.464 on 2 degrees of freedom: sf = (1 − t / √(t² + 2)) / 2 = 0.0371, two-sided p 0.0742
+    assert d["p"] == pytest.approx(1 - np.sqrt(12) / np.sqrt(14), abs=1e-9)
     d = over_test_sets([-0.1, 2.0, 3.0])  # mean 1.63, SE 0.91: beyond 2 SE fails first, and one unit disagrees
     assert not d["beyond_noise"] and d["higher"] == 2
     d = over_test_sets([-1.0, 3.0, 3.1, 2.9, 3.0, 3.0])  # mean beyond 2 SE (2.33 > 1.33) but one unit disagrees
     assert d["mean"] > 2 * d["se"] and not d["beyond_noise"]
     d = over_test_sets([5.0])  # one test set: no SE, no verdict beyond noise
-    assert d["se"] is None and d["std"] == 0.0 and not d["beyond_noise"]
+    assert d["se"] is None and d["std"] == 0.0 and not d["beyond_noise"] and d["p"] is None
 
 
 def test_differences_take_the_data_seed_as_the_unit_with_an_interval_over_pairs():
@@ -56,5 +103,4 @@ def test_differences_take_the_data_seed_as_the_unit_with_an_interval_over_pairs(
 def test_the_report_modules_pure_parts_load_without_torch():
     code = ("import sys; import experiments.test_sets, experiments.uiface_summary; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
-    root = Path(__file__).resolve().parents[2]
-    assert subprocess.run([sys.executable, "-c", code], cwd=root, check=False).returncode == 0
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=False).returncode == 0
