@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.test_sets import DATA_SEEDS, LOOKED_AT, across_test_sets, now_utc
+from experiments.test_sets import DATA_SEEDS, LOOKED_AT, across_test_sets, corrected, now_utc
 from ml.data.procedural import ProceduralConfig, ProceduralFaces
 from ml.eval.metrics import pair_correct, verification_accuracy
 from ml.fr.train import FRConfig, embed, train_fr
@@ -304,12 +304,21 @@ def render(results: dict, seeds: list[int], scale: Scale) -> str:
             return "—"
         return f"{100 * d['mean']:+.2f} ± {100 * d['std']:.2f} ({d['higher']}/{d['seeds']} higher)"
 
+    # Holm over every difference the table judges: a verdict holds only where the correction rejects
+    judged = [r["test_sets"] for conds in results.values() for arms in conds.values() for r in arms.values()
+              if r.get("test_sets")]
+    survives = {id(d): ok for d, ok in zip(judged, corrected(judged))}
+
     def test_sets(d: dict | None) -> tuple[str, str]:
         if d is None:
             return "—", "—"
         text = (f"{100 * d['mean']:+.2f} ± {100 * d['std']:.2f} ({d['higher']}/{d['units']} higher; pairs "
                 f"{100 * d['ci_low']:+.2f} to {100 * d['ci_high']:+.2f})")
-        return text, f"{'beyond noise' if d['beyond_noise'] else 'not beyond noise'} ({d['units']} test sets)"
+        if not d["beyond_noise"]:
+            return text, f"not beyond noise ({d['units']} test sets)"
+        if survives[id(d)]:
+            return text, f"beyond noise ({d['units']} test sets), after Holm over {len(judged)}"
+        return text, f"not after Holm over {len(judged)} (beyond noise uncorrected, {d['units']} test sets)"
 
     for claim, conds in results.items():
         for cond, arms in conds.items():
@@ -322,7 +331,9 @@ def render(results: dict, seeds: list[int], scale: Scale) -> str:
     lines += ["", "A difference holds beyond noise when, over independent test sets (data seeds), its mean exceeds "
               "twice its standard error (std / √test sets), every test set agrees in sign and the bootstrap "
               "interval over test pairs excludes 0; the verdict says how many test sets it rests on. Rows without "
-              "one come from runs before this rule.", ""]
+              "one come from runs before this rule. The table's verdicts are corrected for their number: each "
+              "difference's two-sided p (a one-sample t-test over its test sets) passes Holm's step-down procedure "
+              "over every difference in the table at α = 0.05, or its verdict says it does not.", ""]
     return "\n".join(lines)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DATA_SEEDS", "LOOKED_AT", "across_test_sets", "holm", "now_utc", "over_test_sets", "shared_faces"]
+__all__ = ["DATA_SEEDS", "LOOKED_AT", "across_test_sets", "corrected", "holm", "now_utc", "over_test_sets", "shared_faces"]
 
 LOOKED_AT = (0, 1)  # the data seeds in view while the recipes and the scales were set: never a verdict's test set
 DATA_SEEDS = (2, 3, 4, 5, 6)  # independent test sets none of the recipes was chosen on
@@ -68,6 +68,14 @@ def holm(p_values: list[float | None], alpha: float = 0.05) -> list[bool]:
             break
         rejected[i] = True
     return rejected
+
+
+def corrected(diffs: list[dict[str, Any] | None], alpha: float = 0.05) -> list[bool]:
+    """``holm`` over one table's differences (``over_test_sets`` / ``across_test_sets`` results; None for a row
+    without one, which counts in m as a difference never rejected). A result stored before p was recorded gets it
+    from its mean, se and units. → per row, whether its null is rejected."""
+    return holm([None if d is None else d.get("p", _t_test_p(d["mean"], d.get("se"), d["units"])) for d in diffs],
+                alpha)
 
 
 def shared_faces(test_sets: dict[str, tuple[int, range]], rendered: dict[str, tuple[int, range]],

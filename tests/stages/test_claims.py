@@ -70,6 +70,22 @@ def test_a_run_of_one_condition_keeps_the_other_rows_and_only_new_rows_carry_a_v
     assert "80.00" in lines["aligned", "`vit_tiny`"] and lines["aligned", "`vit_tiny`"].count("| — |") >= 2
 
 
+def test_a_verdict_beyond_noise_alone_does_not_survive_holm_over_the_table(tmp_path):
+    """Two differences beyond 2 SE on 5 test sets: t = 10 (p 0.0006 ≤ .05/2) holds; t = 2.1 (p 0.10) is reported
+    as not surviving the correction, though it passes the uncorrected rule."""
+    def row(acc: float, se: float) -> dict:
+        verdict = {"mean": 0.02, "std": se * 5 ** 0.5, "se": se, "units": 5, "higher": 5, "ci_low": 0.001,
+                   "ci_high": 0.04, "beyond_noise": True}
+        return {"accuracy": [acc], "mean": acc, "std": 0.0, "seeds": [0], "pairs": 100, "train_seconds": 1.0,
+                "test_sets": verdict}
+
+    results = {"kprpe": {"misaligned": {"kprpe": row(0.77, 0.002)}}, "lvface": {"noisy": {"lvface": row(0.7, 0.0095)}}}
+    _, report = write_results(results, [0], Scale(), tmp_path, keep_others=False)
+    lines = [line for line in report.read_text().splitlines() if line.startswith(("| kprpe", "| lvface"))]
+    assert "| beyond noise (5 test sets), after Holm over 2 |" in lines[0]
+    assert "| not after Holm over 2 (beyond noise uncorrected, 5 test sets) |" in lines[1]
+
+
 def test_the_claims_report_says_what_chose_and_what_scored_and_keeps_its_time(tmp_path):
     row = {"accuracy": [0.8, 0.7], "mean": 0.75, "std": 0.07, "seeds": [0], "pairs": 100, "train_seconds": 1.0,
            "runs": [[3, 0], [5, 0]], "measured_at": "2026-01-02 03:04 UTC"}
