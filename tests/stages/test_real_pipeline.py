@@ -79,7 +79,9 @@ def test_smoke_run_trains_on_real_faces_and_scores_heldout_identities(real_rec, 
     for key in ("real/verification/real/accuracy", "real/verification/real/tar@far=1e-1",
                 "real/identification/rank1", "real/identification/rank5", "synthetic/verification/real/accuracy",
                 "real/verification/procedural/accuracy"):
-        assert 0.0 <= metrics[key] <= 1.0, key
+        assert key in metrics, key  # every model is scored on the real held-out identities (one epoch: near chance)
+    assert metrics["chance/verification/real/accuracy"] == 0.5
+    assert metrics["sface/identification/rank1"] > metrics["chance/identification/rank1"] + 0.5
     # the pretrained recogniser: UIFace's teacher here, and a row of its own that verifies real faces far above the
     # one-epoch model and the pixels
     for model in ("generator", "fusion"):
