@@ -31,7 +31,9 @@ from ml.config import from_mapping
 from tasks.common import (
     Paths, StageResult, load_params, section, write_json, write_text, pyplot, save_figure,
 )
-from tasks.evaluate.report import aligner_section, data_section, preset_note, render_report
+from tasks.evaluate.report import (
+    FEW_FALSE_ACCEPTS_NOTE, aligner_section, data_section, few_false_accepts, preset_note, render_report,
+)
 from tasks.prepare import DataConfig
 
 log = logging.getLogger(__name__)
@@ -190,7 +192,10 @@ def ijb_section(metrics: dict[str, float], models: dict[str, dict], sets: list) 
                   "| model | " + " | ".join(f.replace("tar@far", "TAR@FAR") for f in fars) + " |",
                   "|---|" + "---|" * len(fars)]
         for tag in models:
-            lines.append(f"| `{tag}` | " + " | ".join(pct(metrics.get(f"{tag}{prefix}{f}")) for f in fars) + " |")
+            lines.append(f"| `{tag}` | " + " | ".join(few_false_accepts(pct(metrics.get(f"{tag}{prefix}{f}")), f,
+                                                                          c("impostor_pairs")) for f in fars) + " |")
+        if any(few_false_accepts("x", f, c("impostor_pairs")) != "x" for f in fars):
+            lines += ["", FEW_FALSE_ACCEPTS_NOTE]
     return lines
 
 

@@ -12,6 +12,24 @@ from typing import Any
 from tasks.common import Paths
 
 
+MIN_FALSE_ACCEPTS = 10  # a TAR@FAR threshold set by fewer impostor scores than this is noise, not a finding
+
+
+def few_false_accepts(cell: str, far: str | float, impostors: float | None) -> str:
+    """A TAR@FAR table cell as shown: where ``far`` × ``impostors`` (the false accepts the threshold is set by) is
+    under ``MIN_FALSE_ACCEPTS``, the value in italics with that count, ``*13.33 %* (1.6 FA)``; ``far`` as a float or
+    a metric suffix such as ``tar@far=1e-4``."""
+    rate = float(str(far).rsplit("=", 1)[-1])
+    if not impostors or cell == "—" or rate * impostors >= MIN_FALSE_ACCEPTS:
+        return cell
+    return f"*{cell}* ({rate * impostors:.1f} FA)"
+
+
+FEW_FALSE_ACCEPTS_NOTE = (f"Cells in italics rest on fewer than {MIN_FALSE_ACCEPTS} false accepts (FAR × impostor "
+                          "pairs, the count beside them): the threshold is set by that few impostor scores, so read "
+                          "them as noise, not as a difference between rows.")
+
+
 def aligner_section(aligner: dict[str, Any], align: dict[str, Any]) -> list[str]:
     """Markdown for the DFA aligner: NME on held-out unaligned faces, the alignment residual, the YuNet reference."""
     if not aligner:
@@ -136,6 +154,28 @@ def preset_note(params: Mapping[str, Any], root: Path) -> list[str]:
                "methods." if "smoke" in found else "."), ""]
 
 
+def templates_section(metrics: dict[str, float], models: list[str]) -> list[str]:
+    """The IJB-style template table of ``reports/benchmark.md``: TAR at each FAR per model, its pair counts, chance,
+    and cells on too few false accepts marked (``few_false_accepts``)."""
+    pct = lambda v: "—" if v is None else f"{100 * v:.2f} %"  # noqa: E731
+    fars = sorted({k.split("/")[-1] for k in metrics if "/templates/tar@" in k}, key=lambda f: float(f.split("=")[1]))
+    lines = ["", "## Templates (IJB-style: media mean → template mean)", "",
+             "| model | " + " | ".join(f.replace("tar@", "TAR@") for f in fars) + " | pairs (impostor) |",
+             "|---|" + "---|" * (len(fars) + 1)]
+    for tag in models:
+        impostors = metrics.get(f"{tag}/templates/impostor_pairs")
+        lines.append(f"| `{tag}` | " + " | ".join(few_false_accepts(pct(metrics.get(f"{tag}/templates/{f}")), f,
+                                                                      impostors) for f in fars) +
+                     f" | {int(metrics.get(f'{tag}/templates/pairs', 0))} ({int(impostors or 0)}) |")
+    if any(f"chance/templates/{f}" in metrics for f in fars):
+        lines.append("| chance (random scores) | " + " | ".join(pct(metrics.get(f"chance/templates/{f}")) for f in fars)
+                     + " | |")
+    if any(few_false_accepts("x", f, metrics.get(f"{tag}/templates/impostor_pairs")) != "x" for tag in models
+           for f in fars):
+        lines += ["", FEW_FALSE_ACCEPTS_NOTE]
+    return lines
+
+
 def render_report(metrics: dict[str, float], models: dict[str, dict], train_metrics: dict[str, dict],
                   extra_sections: list[str] = (), note: list[str] = ()) -> str:
     """``reports/benchmark.md``: the run's numbers, one row per trained model plus the pixel baselines; ``note``
@@ -183,16 +223,7 @@ def render_report(metrics: dict[str, float], models: dict[str, dict], train_metr
             cells.append("no landmarks" if skipped else ("—" if acc is None else f"{100 * acc:.2f} ± {100 * std:.2f} %"))
         if any(c != "—" for c in cells):
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    fars = sorted({k.split("/")[-1] for k in metrics if "/templates/tar@" in k}, key=lambda f: float(f.split("=")[1]))
-    lines += ["", "## Templates (IJB-style: media mean → template mean)", "",
-              "| model | " + " | ".join(f.replace("tar@", "TAR@") for f in fars) + " | pairs (impostor) |",
-              "|---|" + "---|" * (len(fars) + 1)]
-    for tag in models:
-        lines.append(f"| `{tag}` | " + " | ".join(pct(metrics.get(f"{tag}/templates/{f}")) for f in fars) +
-                     f" | {int(metrics.get(f'{tag}/templates/pairs', 0))} ({int(metrics.get(f'{tag}/templates/impostor_pairs', 0))}) |")
-    if any(f"chance/templates/{f}" in metrics for f in fars):
-        lines.append("| chance (random scores) | " + " | ".join(pct(metrics.get(f"chance/templates/{f}")) for f in fars)
-                     + " | |")
+    lines += templates_section(metrics, list(models))
     ranks, trivial = informative_ranks(metrics)
     lines += ["", "## Identification (closed set, held-out identities, cosine)", "", *trivial,
               "| model | " + " | ".join(f"rank-{r}" for r in ranks) + " |", "|---|" + "---|" * len(ranks)]

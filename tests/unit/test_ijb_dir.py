@@ -159,7 +159,9 @@ def test_every_far_key_and_count_in_range_and_the_report_shows_them(ijbb):
     lines = "\n".join(ijb_section(metrics, {"real": {}, "synthetic": {}}, sets))
     assert f"## IJB 1:1 verification: `ijbb` from `{ijbb}`" in lines
     assert "| model | TAR@FAR=1e-5 | TAR@FAR=1e-4 | TAR@FAR=1e-3 | TAR@FAR=1e-2 | TAR@FAR=1e-1 |" in lines
-    assert f"| `real` | {100 * metrics['real/ijb/ijbb/tar@far=1e-5']:.2f} %" in lines
+    # 60 impostor pairs: every FAR below 1e-1 rests on under 10 false accepts (1e-1: 6.0), so every cell is marked
+    assert f"| `real` | *{100 * metrics['real/ijb/ijbb/tar@far=1e-5']:.2f} %* (0.0 FA) |" in lines
+    assert f"*{100 * metrics['real/ijb/ijbb/tar@far=1e-1']:.2f} %* (6.0 FA) |" in lines
     assert "| `synthetic` | — | — | — | — | — |" in lines and "66 pairs (60 impostor)" in lines
 
 
