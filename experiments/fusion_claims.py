@@ -191,9 +191,11 @@ def run_data_seeds(paths: Paths, data: DataConfig, stage: FusionStageConfig, dat
             "val_identities": stage.val_identities, "recipe": _recipe(stage.train)}
 
 
-def _section(title: str, protocol: str, part: dict[str, Any], unit: str, label: Any) -> list[str]:
+def _section(title: str, protocol: str, part: dict[str, Any], unit: str, label: Any,
+             independent: bool = True) -> list[str]:
     """A part's section: its protocol, one table row per unit (``label(row)``: the unit's first cells), the
-    verdict with that unit."""
+    verdict with that unit; units that are not ``independent`` (folds whose training sets overlap) get their
+    spread, never a verdict."""
     d, head = part["summary"]["caface_minus_average"], label(None)
     cols = "CAFace | plain average | CAFace − average | Lt / Lt of averaging | s |"
     lines = [f"## {title}", "", protocol, "", f"| {head} {cols}", "|---" * (head.count("|") + 5) + "|"]
@@ -201,6 +203,11 @@ def _section(title: str, protocol: str, part: dict[str, Any], unit: str, label: 
         lines.append(f"| {label(r)} | {100 * r['caface']:.1f} | {100 * r['average']:.1f} | "
                      f"{100 * (r['caface'] - r['average']):+.1f} | {r['lt'] / r['lt_average']:.3f} | "
                      f"{r['seconds']:.0f} |")
+    if not independent:
+        return lines + ["", f"CAFace − averaging over the {d['units']} {unit}s: {100 * d['mean']:+.1f} ± "
+                        f"{100 * d['std']:.1f} pp (higher in {d['higher']} of {d['units']}). No verdict: the {unit}s "
+                        "train on overlapping identities, so they are not independent units; read this as the "
+                        "spread over test identities, and the fresh data seeds for the claim.", ""]
     verdict = "**beyond noise**" if d["beyond_noise"] else "**not beyond noise**"
     return lines + ["", f"CAFace − averaging over the {d['units']} {unit}s: {100 * d['mean']:+.1f} ± "
                     f"{100 * d['std']:.1f} pp (higher in {d['higher']} of {d['units']}; 95 % bootstrap over sets "
@@ -225,7 +232,8 @@ def render_data_seeds(part: dict[str, Any]) -> list[str]:
 
 
 def render_folds(part: dict[str, Any]) -> list[str]:
-    """The folds section: one row per fold of the finished run's identities, the verdict with the fold as the unit."""
+    """The folds section: one row per fold of the finished run's identities and their spread (no verdict: the folds'
+    training sets overlap)."""
     rows, held = part["folds"], part["val_identities"]
     protocol = (
         f"Measured on {part['measured_at']} in {part['seconds'] / 60:.0f} minutes, on a finished run's fusion "
@@ -237,7 +245,7 @@ def render_folds(part: dict[str, Any]) -> list[str]:
         f"{100 * part['summary']['chance']:.1f}.")
     return _section("Folds of the default run's identities", protocol, part, "fold",
                     lambda r: "fold | identities |" if r is None
-                    else f"{r['fold']} | {r['identities'][0]}-{r['identities'][1]}")
+                    else f"{r['fold']} | {r['identities'][0]}-{r['identities'][1]}", independent=False)
 
 
 def stored(results: dict[str, Any]) -> dict[str, Any]:
