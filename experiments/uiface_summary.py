@@ -104,8 +104,33 @@ def effective_threshold(scale: Scale, train_timesteps: int = 1000) -> float:
 
 
 def _mean_std(values: list[float]) -> dict[str, Any]:
+    """Mean ± sample std (ddof 1; 0 for one value) of per-seed values, the values kept."""
     v = np.asarray(values, dtype=float)
-    return {"values": [float(x) for x in v], "mean": float(v.mean()), "std": float(v.std())}
+    return {"values": [float(x) for x in v], "mean": float(v.mean()), "std": _sample_std(v)}
+
+
+def _sample_std(v: np.ndarray) -> float:
+    return float(v.std(ddof=1)) if len(v) > 1 else 0.0
+
+
+def with_sample_std(summary: dict[str, Any]) -> dict[str, Any]:
+    """A stored summary with every per-seed std recomputed from its values as the sample std: results written
+    before the summary used it (population std) re-render with the same rule as new ones. The verdicts over test
+    sets already used the sample std (``experiments.test_sets``); a one-std verdict keeps its stored value."""
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            out = {k: walk(v) for k, v in node.items()}
+            if "values" in out and "std" in out:
+                out["std"] = _sample_std(np.asarray(out["values"], dtype=float))
+            return out
+        return node
+
+    out = walk(summary)
+    for mode, metrics in out.get("versus_baseline", {}).items():
+        for m, c in metrics.items():
+            a, b = out["modes"][mode][m]["values"], out["modes"]["baseline"][m]["values"]
+            c["paired_std"] = _sample_std(np.asarray(a, dtype=float) - np.asarray(b, dtype=float))
+    return out
 
 
 def compare(a: list[float], b: list[float], test_sets: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -113,7 +138,7 @@ def compare(a: list[float], b: list[float], test_sets: dict[str, Any] | None = N
     contexts and noise within a seed). With ``test_sets`` (each seed's own held-out identities as the unit,
     ``experiments.test_sets``) the verdict is "higher" / "lower" when the difference is beyond noise there, else
     "within noise"; without (results from before the rule), "higher" / "lower" beyond a one-std margin (the larger
-    of the two population stds), else "within one std"."""
+    of the two sample stds), else "within one std"."""
     sa, sb = _mean_std(a), _mean_std(b)
     diff = sa["mean"] - sb["mean"]
     paired = _mean_std([x - y for x, y in zip(a, b)])
@@ -284,8 +309,9 @@ def autoencoder_note(scale: Scale, setup: dict[str, Any]) -> str:
 
 
 def render(results: dict, scale: Scale) -> str:
-    """The markdown report of ``results`` (``seeds``, ``setup``, ``per_seed``, ``summary``)."""
-    s, setup, seeds = results["summary"], results["setup"], results["seeds"]
+    """The markdown report of ``results`` (``seeds``, ``setup``, ``per_seed``, ``summary``), every std a sample std
+    (``with_sample_std``, for results stored before)."""
+    s, setup, seeds = with_sample_std(results["summary"]), results["setup"], results["seeds"]
     k = setup.get("recall_k", scale.recall_k)
     found = s["identities_found"]
     when = results.get("measured_at") or now_utc()
@@ -330,7 +356,7 @@ def render(results: dict, scale: Scale) -> str:
         f"cross-attention maps, th = {effective_threshold(scale):g} at Δt = {1000 // scale.steps}"
         + (f" (the paper's {scale.threshold:g} for Δt = 20, scaled by Δt/20, since d_t is a change per step)"
            if scale.threshold_per_paper_step else " (the paper's value, not rescaled to the step)")
-        + ". Mean ± std (population) over seeds.",
+        + ". Mean ± sample std (ddof 1) over seeds.",
         "",
         "| mode | " + " | ".join(h.replace("@k", f"@{k}") for _, h, _ in COLUMNS) + " |",
         "|---|" + "---|" * len(COLUMNS),

@@ -4,12 +4,15 @@ and the time estimate of experiments/uiface_claims.py (no training)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
 
 from experiments.uiface_claims import estimate_seconds, sampler_configs
-from experiments.uiface_summary import CLAIM_MODE, MODES, QUICK, Scale, compare, effective_threshold, render, summarize
+from experiments.uiface_summary import (
+    CLAIM_MODE, MODES, QUICK, Scale, compare, effective_threshold, render, summarize, with_sample_std,
+)
 
 SEEDS = ["0", "1", "2"]
 
@@ -48,20 +51,30 @@ def test_mean_std_and_gap_are_computed_over_seeds():
     acc, div = [0.70, 0.72, 0.74], [0.40, 0.42, 0.44]
     summary, text = report(fabricate(acc, div))
     r = summary["modes"][CLAIM_MODE]
-    assert r["accuracy"]["mean"] == pytest.approx(np.mean(acc))
-    assert r["accuracy"]["std"] == pytest.approx(np.std(acc))  # population std (ddof 0)
+    # mean 0.72; deviations ±0.02, 0: sample variance (0.0004 + 0 + 0.0004) / 2, so the sample std is 0.02
+    assert r["accuracy"]["mean"] == pytest.approx(0.72) and r["accuracy"]["std"] == pytest.approx(0.02)
     assert r["accuracy"]["values"] == pytest.approx(acc)
     assert r["diversity"]["mean"] == pytest.approx(0.42)
-    gaps = [(0.70 - a) / a for a in acc]
-    assert r["gap_real_32px"]["mean"] == pytest.approx(np.mean(gaps))
-    assert r["gap_real_32px"]["std"] == pytest.approx(np.std(gaps))
+    # gaps (0.70 − a)/a: 0, −0.02/0.72 = −0.027778, −0.04/0.74 = −0.054054; mean −0.027277, sample std 0.027031
+    assert r["gap_real_32px"]["mean"] == pytest.approx(-0.027277, abs=1e-6)
+    assert r["gap_real_32px"]["std"] == pytest.approx(0.027031, abs=1e-6)
     assert summary["identities_found"]["mean"] == pytest.approx(39.0)
-    std = 100 * np.std(acc)
-    assert f"{100 * np.mean(acc):.2f} ± {std:.2f} %" in text  # 72.00 ± 1.63 %
-    assert "0.420 ± 0.016" in text  # diversity of the claim row
-    assert f"{100 * np.mean(gaps):+.1f} ± {100 * np.std(gaps):.1f} %" in text
+    assert "72.00 ± 2.00 %" in text and "0.420 ± 0.020" in text  # accuracy and diversity of the claim row
+    assert "-2.7 ± 2.7 %" in text and "Mean ± sample std (ddof 1) over seeds." in text
     for mode in MODES:
         assert f"`{mode}`" in text
+
+
+def test_a_summary_stored_with_population_stds_renders_with_sample_stds():
+    summary = summarize(fabricate([0.70, 0.72, 0.74], [0.40, 0.42, 0.44]))
+    old = json.loads(json.dumps(summary))
+    old["modes"][CLAIM_MODE]["accuracy"]["std"] = 0.01633  # what the population std (ddof 0) stored
+    old["versus_baseline"][CLAIM_MODE]["accuracy"]["paired_std"] = 0.0
+    fixed = with_sample_std(old)
+    assert fixed["modes"][CLAIM_MODE]["accuracy"]["std"] == pytest.approx(0.02)
+    # paired differences 0.70 − 0.60, 0.72 − 0.62, 0.74 − 0.64: all 0.10, so their std is 0
+    assert fixed["versus_baseline"][CLAIM_MODE]["accuracy"]["paired_std"] == pytest.approx(0.0, abs=1e-12)
+    assert old["modes"][CLAIM_MODE]["accuracy"]["std"] == 0.01633  # the stored results are not changed in place
 
 
 def test_verdict_holds_when_adaptive_injection_wins_beyond_one_std():
@@ -81,7 +94,7 @@ def test_verdict_flips_when_the_numbers_flip():
 
 
 def test_a_win_within_one_std_is_not_enough():
-    # accuracy higher by 0.5 pp on average but the baseline's std is 1.63 pp; diversity clearly higher
+    # accuracy higher by 0.5 pp on average but the baseline's sample std is 2.00 pp; diversity clearly higher
     summary, text = report(fabricate([0.605, 0.625, 0.645], [0.40, 0.42, 0.44]))
     assert summary["claim_diversity"] == "higher"
     assert summary["claim_accuracy"] == "within one std"
@@ -92,7 +105,8 @@ def test_a_win_within_one_std_is_not_enough():
 def test_compare_pairs_seeds():
     c = compare([1.0, 2.0, 3.0], [0.0, 2.5, 2.0])
     assert c["diff"] == pytest.approx(0.5)
-    assert c["margin"] == pytest.approx(max(np.std([1.0, 2.0, 3.0]), np.std([0.0, 2.5, 2.0])))
+    # sample stds: [1, 2, 3] → 1.0; [0, 2.5, 2] (mean 1.5, deviations −1.5, 1, 0.5) → √(3.5 / 2) = 1.3229
+    assert c["margin"] == pytest.approx(1.3229, abs=1e-4)
     assert c["verdict"] == "within one std"
     assert c["paired_positive"] == 2
     assert c["paired_mean"] == pytest.approx(0.5)
