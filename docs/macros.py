@@ -1,6 +1,7 @@
 """The docs' figures, read from the committed outputs when the site is built (mkdocs-macros), never typed by hand.
 
 In a page: ``{{ metric("evaluate", "real/verification/procedural/accuracy", ".1%") }}`` (``metrics/evaluate.json``),
+``{{ tar("sets", "sets/templates/caface", "1e-4") }}`` (a TAR cell, marked when few false accepts set it),
 ``{{ bench("make_run", "minutes") }}`` (``benchmarks/results.json``), ``{{ bench_when("make_run") }}``,
 ``{{ param("fr.epochs") }}`` (``params.yaml``), ``{{ report("claims.md", "## Verdicts") }}`` (a generated report,
 whole or one section), ``{{ include("CHANGELOG.md") }}`` and ``{{ figure("plots/roc.png", "ROC") }}`` (a figure the
@@ -47,6 +48,16 @@ def metric(file: str, key: str, fmt: str | None = None) -> str:
     if key not in flat:
         raise KeyError(f"metrics/{file}.json has no {key!r}")
     return _fmt(flat[key], fmt)
+
+
+def tar(file: str, prefix: str, far: str, impostors: str = "n_impostor") -> str:
+    """TAR at ``far`` (``<prefix>/tar@far=<far>`` of ``metrics/<file>.json``, as a percentage) marked as the
+    benchmark report marks it (``tasks.evaluate.report.few_false_accepts``) when fewer than ten false accepts
+    (``far`` × ``<prefix>/<impostors>``) set its threshold."""
+    from tasks.evaluate.report import few_false_accepts
+
+    cell = metric(file, f"{prefix}/tar@far={far}", ".1%")
+    return few_false_accepts(cell, far, float(metric(file, f"{prefix}/{impostors}")))
 
 
 def _bench(name: str) -> dict[str, Any]:
@@ -145,7 +156,7 @@ def _local_links(text: str, page: Any = None) -> str:
 
 
 def define_env(env: Any) -> None:
-    for fn in (metric, bench, bench_when, param, include):
+    for fn in (metric, tar, bench, bench_when, param, include):
         env.macro(fn)
     env.macro(lambda path, heading=None: report(path, heading, env.page), "report")
     env.macro(lambda path, caption: figure(path, caption, env.page), "figure")
