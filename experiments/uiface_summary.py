@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.test_sets import LOOKED_AT, across_test_sets, now_utc, over_test_sets
+from experiments.test_sets import LOOKED_AT, across_test_sets, corrected, now_utc, over_test_sets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +130,26 @@ def with_sample_std(summary: dict[str, Any]) -> dict[str, Any]:
         for m, c in metrics.items():
             a, b = out["modes"][mode][m]["values"], out["modes"]["baseline"][m]["values"]
             c["paired_std"] = _sample_std(np.asarray(a, dtype=float) - np.asarray(b, dtype=float))
-    return out
+    return with_holm(out)
+
+
+def with_holm(summary: dict[str, Any]) -> dict[str, Any]:
+    """Holm's correction over the table of each mode against the baseline (every comparison judged over test
+    sets): a "higher" / "lower" whose p does not survive it becomes "within noise after Holm", and the claim holds
+    only on verdicts that survive. Each judged comparison records ``holm`` (True: survives). Unchanged for results
+    without test sets."""
+    judged = [c for metrics in summary.get("versus_baseline", {}).values() for c in metrics.values()
+              if "test_sets" in c]
+    for c, survives in zip(judged, corrected([c["test_sets"] for c in judged])):
+        c["holm"] = survives
+        c["holm_family"] = len(judged)
+        if c["verdict"] in ("higher", "lower") and not survives:
+            c["verdict"] = "within noise after Holm"
+    if judged:
+        claim = summary["versus_baseline"][CLAIM_MODE]
+        summary["claim_diversity"], summary["claim_accuracy"] = claim["diversity"]["verdict"], claim["accuracy"]["verdict"]
+        summary["claim_holds"] = summary["claim_diversity"] == summary["claim_accuracy"] == "higher"
+    return summary
 
 
 def compare(a: list[float], b: list[float], test_sets: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -195,10 +214,14 @@ def summarize(per_seed: dict[str, dict]) -> dict[str, Any]:
     claim = versus[CLAIM_MODE]
     extra = {"real_vs_claim": {r: across_test_sets(outcomes(r), outcomes(CLAIM_MODE), data_of) for r in REALS}} \
         if per_set else {}
-    return {"modes": modes, "real": real, "real_stats": real_stats, "identities_found": found,
-            "versus_baseline": versus, **extra,
-            "claim_holds": claim["diversity"]["verdict"] == "higher" and claim["accuracy"]["verdict"] == "higher",
-            "claim_diversity": claim["diversity"]["verdict"], "claim_accuracy": claim["accuracy"]["verdict"]}
+    return with_holm({"modes": modes, "real": real, "real_stats": real_stats, "identities_found": found,
+                      "versus_baseline": versus, **extra,
+                      "claim_holds": claim["diversity"]["verdict"] == "higher" and claim["accuracy"]["verdict"] == "higher",
+                      "claim_diversity": claim["diversity"]["verdict"], "claim_accuracy": claim["accuracy"]["verdict"]})
+
+
+def _family(summary: dict) -> int:
+    return max((c.get("holm_family", 0) for v in summary["versus_baseline"].values() for c in v.values()), default=0)
 
 
 def _fmt(r: dict, kind: str) -> str:
@@ -218,6 +241,7 @@ def _claim_paragraph(summary: dict, setup: dict, scale: Scale) -> str:
     words = {"higher": "higher than", "lower": "lower than", "within one std": "not distinguishable from"}
 
     words["within noise"] = words["within one std"]
+    words["within noise after Holm"] = "not distinguishable, after Holm's correction over the table, from"
     by_sets = "test_sets" in acc
 
     def part(c: dict, kind: str) -> str:
@@ -235,7 +259,8 @@ def _claim_paragraph(summary: dict, setup: dict, scale: Scale) -> str:
 
     verdict = "**Yes, in direction at this scale**" if summary["claim_holds"] else "**No, not at this scale**"
     rule = ("beyond noise over the independent test sets (at least two, the mean beyond 2 standard errors, every set "
-            "on its side; for accuracy also the pair interval excluding 0)" if by_sets else "beyond one std")
+            "on its side; for accuracy also the pair interval excluding 0), surviving Holm's correction over the "
+            "table" if by_sets else "beyond one std")
     text = (f"{verdict}: with adaptive t0 and attention injection, the embedding diversity {part(div, '3f')}; the "
             f"accuracy on held-out real faces of the FR model trained on the set {part(acc, 'pct')}. The claim needs "
             f"both to be higher {rule}.")
@@ -259,7 +284,10 @@ def _claim_paragraph(summary: dict, setup: dict, scale: Scale) -> str:
             + f" The contexts come from a teacher trained on {scale.train_identities} procedural identities; each FR "
             f"model sees only ~{summary['identities_found']['mean']:.0f} × {scale.images_per_synthetic_identity} "
             f"faces for {scale.fr_epochs} epochs")
-        if acc["verdict"] == "within noise":
+        if acc["verdict"] == "within noise after Holm":
+            text += (f", and the accuracy difference ({100 * acc['diff']:+.2f} pp) is beyond noise on its own but "
+                     f"not after Holm's correction over the table's {acc['holm_family']} comparisons.")
+        elif acc["verdict"] == "within noise":
             text += (f", and the accuracy difference ({100 * acc['diff']:+.2f} pp) is within two standard errors "
                      f"over test sets ({100 * acc['margin']:.2f} pp) or changes sign between them: more test sets "
                      "or a larger scale would be needed to resolve it.")
@@ -415,7 +443,9 @@ def render(results: dict, scale: Scale) -> str:
         "",
         "Δ = difference of the means over seeds; \"higher\"/\"lower\" = beyond noise over the seeds' independent test "
         "sets (at least two, the mean beyond 2 standard errors, every set on its side; accuracy also needs its "
-        "bootstrap interval over pairs to exclude 0), else \"within noise\"." if "real_vs_claim" in s else
+        "bootstrap interval over pairs to exclude 0) and surviving Holm's correction over the table's "
+        f"{_family(s)} comparisons (p of a one-sample t-test over the test sets, α = 0.05), else \"within noise\"."
+        if "real_vs_claim" in s else
         "Δ = difference of the means over seeds; \"higher\"/\"lower\" = beyond one std (the larger of the two modes' "
         "stds), else \"within one std\".",
         "",
