@@ -93,7 +93,7 @@ def run_folds(paths: Paths, data: DataConfig, stage: FusionStageConfig, folds: i
         sets = val_sets(test.features, test.styles, test.labels, test.centres, sources=test.sources,
                         set_size=stage.val_set_size, sets_per_identity=stage.val_sets_per_identity)
         scores = val_scores(res.model, sets)
-        hits.append((scores["caface/hit"], scores["average/hit"]))
+        hits.append((scores["caface/hit"], scores["average/hit"], np.asarray(sets.labels)))
         rows.append({"fold": f, "identities": [block.start, block.stop - 1], "sets": int(len(sets.labels)),
                      "caface": float(scores["caface/hit"].mean()), "average": float(scores["average/hit"].mean()),
                      "lt": float(scores["caface/lt"].mean()), "lt_average": float(scores["average/lt"].mean()),
@@ -109,7 +109,8 @@ def _summary(rows: list[dict], hits: list[tuple], units: list[int], stage: Fusio
     summary = {arm: {"mean": float(np.mean([r[arm] for r in rows])), "std": float(np.std([r[arm] for r in rows],
                                                                                        ddof=1))}
                for arm in ("caface", "average")}
-    diff = across_test_sets([h[0] for h in hits], [h[1] for h in hits], units)
+    diff = across_test_sets([h[0] for h in hits], [h[1] for h in hits], units,
+                            identities=[h[2] for h in hits] if all(len(h) > 2 for h in hits) else None)
     return {**summary, "caface_minus_average": diff, "chance": 1.0 / stage.val_identities}
 
 
@@ -162,7 +163,7 @@ def _data_seed_run(root: str, data: DataConfig, stage: FusionStageConfig, data_s
            "seconds": time.perf_counter() - start}
     log.info("data seed %d: rank-1 CAFace %.3f, average %.3f (%.0f s)", data_seed, row["caface"], row["average"],
              row["seconds"])
-    return {**row, "_hits": (scores["caface/hit"], scores["average/hit"])}
+    return {**row, "_hits": (scores["caface/hit"], scores["average/hit"], np.asarray(held.labels))}
 
 
 def run_data_seeds(paths: Paths, data: DataConfig, stage: FusionStageConfig, data_seeds: list[int],
@@ -210,7 +211,8 @@ def _section(title: str, protocol: str, part: dict[str, Any], unit: str, label: 
                         "spread over test identities, and the fresh data seeds for the claim.", ""]
     verdict = "**beyond noise**" if d["beyond_noise"] else "**not beyond noise**"
     return lines + ["", f"CAFace − averaging over the {d['units']} {unit}s: {100 * d['mean']:+.1f} ± "
-                    f"{100 * d['std']:.1f} pp (higher in {d['higher']} of {d['units']}; 95 % bootstrap over sets "
+                    f"{100 * d['std']:.1f} pp (higher in {d['higher']} of {d['units']}; 95 % bootstrap over "
+                    f"{'identities' if d.get('resampled') == 'identities' else 'sets'} "
                     f"{100 * d['ci_low']:+.1f} to {100 * d['ci_high']:+.1f}): {verdict} (at least two {unit}s, the "
                     f"mean beyond 2 standard errors, every {unit} on its side and the interval excluding 0).", ""]
 

@@ -108,7 +108,8 @@ def shared_faces(test_sets: dict[str, tuple[int, range]], rendered: dict[str, tu
 
 
 def across_test_sets(arm: list[np.ndarray], reference: list[np.ndarray], data_of: list[int], *,
-                     resamples: int = 2000, seed: int = 0, confidence: float = 0.95) -> dict[str, Any]:
+                     identities: list[np.ndarray] | None = None, resamples: int = 2000, seed: int = 0,
+                     confidence: float = 0.95) -> dict[str, Any]:
     """``arm − reference`` with the data seed, an independent test set, as the unit.
 
     ``arm`` / ``reference``: each run's per-item outcomes (e.g. ``pair_correct``; the same items for both arms
@@ -116,17 +117,27 @@ def across_test_sets(arm: list[np.ndarray], reference: list[np.ndarray], data_of
     training seeds, so a data seed's difference is its mean accuracy difference. → ``over_test_sets`` of those
     differences, plus ``ci_low`` / ``ci_high``: a percentile bootstrap interval over the items (resampled within
     each data seed, one draw for both arms; the statistic is the mean over data seeds); ``beyond_noise`` also needs
-    the interval to exclude 0."""
-    diffs = []
+    the interval to exclude 0. With ``identities`` (each run's identity per item, the same within a data seed) the
+    bootstrap draws identities instead, with every item of a drawn identity: items of one identity are not
+    independent, so this interval is the honest one (``resampled`` says which it was)."""
+    diffs, groups = [], []
     for d in sorted(set(data_of)):
         rows = [i for i, dd in enumerate(data_of) if dd == d]
         diffs.append(np.mean([arm[i].astype(np.float64) - reference[i].astype(np.float64) for i in rows], axis=0))
+        groups.append(None if identities is None else np.unique(identities[rows[0]], return_inverse=True)[1])
     units = over_test_sets([x.mean() for x in diffs])
     rng = np.random.default_rng(seed)
     boot = np.zeros(resamples)
-    for x in diffs:
-        boot += x[rng.integers(0, x.size, size=(resamples, x.size))].mean(axis=1) / len(diffs)
+    for x, g in zip(diffs, groups):
+        if g is None:
+            boot += x[rng.integers(0, x.size, size=(resamples, x.size))].mean(axis=1) / len(diffs)
+            continue
+        # per identity: its items' sum and count; a draw of identities sums both, then divides
+        sums, counts = np.bincount(g, weights=x), np.bincount(g).astype(np.float64)
+        drawn = rng.integers(0, len(sums), size=(resamples, len(sums)))
+        boot += sums[drawn].sum(axis=1) / counts[drawn].sum(axis=1) / len(diffs)
     tail = 100 * (1 - confidence) / 2
     low, high = float(np.percentile(boot, tail)), float(np.percentile(boot, 100 - tail))
     beyond = units["beyond_noise"] and (low > 0 or high < 0)
-    return {**units, "ci_low": low, "ci_high": high, "beyond_noise": beyond}
+    return {**units, "ci_low": low, "ci_high": high, "beyond_noise": beyond,
+            "resampled": "items" if identities is None else "identities"}

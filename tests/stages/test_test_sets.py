@@ -55,6 +55,17 @@ def test_a_test_set_drawn_from_the_default_runs_faces_is_caught_naming_both():
     assert one and "shares 1 identities and 1 images with train" in one[0]
 
 
+def test_the_bootstrap_over_identities_draws_whole_identities():
+    """Identity A: four items, each +1; identity B: one item, 0. Drawing identities gives AA (mean 1), AB (4/5) or
+    BB (0) with probabilities 1/4, 1/2, 1/4, so the 95 % interval is [0, 1]; drawing the five items as if independent
+    almost never gives 0 (0.2⁵) and narrows the interval."""
+    arm, ref = [np.array([1, 1, 1, 1, 0], dtype=float)], [np.zeros(5)]
+    by_identity = across_test_sets(arm, ref, [0], identities=[np.array([7, 7, 7, 7, 3])])
+    assert (by_identity["ci_low"], by_identity["ci_high"], by_identity["resampled"]) == (0.0, 1.0, "identities")
+    by_item = across_test_sets(arm, ref, [0])
+    assert by_item["resampled"] == "items" and by_item["ci_low"] >= 0.4 and by_item["mean"] == by_identity["mean"]
+
+
 def test_holm_rejects_in_step_down_order_and_never_a_missing_p():
     # m = 4: 0.005 ≤ .05/4 and 0.01 ≤ .05/3 rejected; 0.03 > .05/2 stops, so 0.04 is kept though ≤ .05
     assert holm([0.01, 0.04, 0.03, 0.005]) == [True, False, False, True]
