@@ -332,6 +332,10 @@ def _verdict(*diffs: dict) -> str:
     holds = [d["beyond_noise"] and d["mean"] > 0 and d.get("holm", True) for d in diffs]
     text = "yes" if all(holds) else "no: within noise" if not any(holds) else ", ".join(
         f"{n}: {'yes' if h else 'no'}" for n, h in zip(CLAIM_KEYS.values(), holds))
+    uncorrected = [n for n, d, h in zip(CLAIM_KEYS.values(), diffs, holds)
+                   if d["beyond_noise"] and d["mean"] > 0 and not h]
+    if uncorrected:
+        text += f" ({', '.join(uncorrected)}: beyond noise alone, not after Holm)"
     if any(d["beyond_noise"] and d["mean"] < 0 and d.get("holm", True) for d in diffs):
         text += " (the reverse beyond noise)"
     return text

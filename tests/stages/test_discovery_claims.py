@@ -187,3 +187,14 @@ def test_discovery_claims_flow_writes_runs_claims_report_and_an_mlflow_run(tmp_p
     assert details["facegcd-gcd/test/novel/test_sets_ci_low"] == pytest.approx(claim["test_sets"]["ci_low"])
     assert "facegcd-gcd/test/novel/test_sets_ci_low" not in run.data.metrics  # a bound: in the details only
     assert run.data.metrics["gcd/test/all/mean"] == pytest.approx(results["summary"]["arms"]["gcd"]["test/all"]["mean"])
+
+
+def test_a_verdict_beyond_noise_alone_says_it_did_not_survive_holm():
+    import experiments.discovery_claims as dc
+
+    def cell(beyond: bool, holm: bool) -> dict:
+        return {"test_sets": {"mean": 0.04, "beyond_noise": beyond, "holm": holm}}
+
+    assert dc._verdict(cell(True, True), cell(True, True), cell(True, True)) == "yes"
+    text = dc._verdict(cell(False, False), cell(False, False), cell(True, False))
+    assert text == "no: within noise (transd. novel: beyond noise alone, not after Holm)"
