@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -186,13 +187,19 @@ def run_claims(seeds: list[int], scale: Scale, data_seeds: list[int] = list(DATA
 CURVE_KEYS = ("loss/unsup", "loss/sup", "val/accuracy")
 
 
+@functools.cache
+def _evaluate_params() -> dict:
+    """``params.yaml`` ``evaluate`` (the default run's clustering grid), read once per process."""
+    from tasks.common import load_params, section
+
+    return section(load_params(ROOT / "params.yaml"), "evaluate")
+
+
 def unsupervised_baselines(features: np.ndarray, data: dict[str, np.ndarray], seed: int) -> dict[str, GFDOutcome]:
     """``UNSUPERVISED``: k-means and agglomerative clustering of the FR features with the default run's settings
     (``ml.discovery.protocol.gfd_baselines``: K = all identities, the linkage chosen on the labelled images, no label
     used to cluster), scored on the same subsets as the SSK arms."""
-    from tasks.common import load_params, section
-
-    grid = section(load_params(ROOT / "params.yaml"), "evaluate")
+    grid = _evaluate_params()
     out = gfd_baselines(features, data["dy"], data["labelled"], data["known"], data["test"],
                         eps_grid=grid["dbscan_eps"], min_samples_grid=grid["dbscan_min_samples"], seed=seed)
     return {arm: out[arm] for arm in UNSUPERVISED}

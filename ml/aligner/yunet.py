@@ -74,6 +74,11 @@ def _eye_frame(points: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return origin, to_frame, np.linalg.inv(to_frame)
 
 
+def _in_frame(points: np.ndarray, origin: np.ndarray, to_frame: np.ndarray) -> np.ndarray:
+    """(N, 5, 2) pixel points → (N, 10) coordinates in each face's frame (``_eye_frame``)."""
+    return np.einsum("nij,nkj->nki", to_frame, points - origin[:, None]).reshape(len(points), 10)
+
+
 class ConventionMap:
     """An affine map from a detector's 5 points to another annotation's, in the detector's own eye frame:
     ``g = [y, 1] W`` with y, g the 10 coordinates of both point sets in the frame of the detector's eyes (so it holds
@@ -85,13 +90,12 @@ class ConventionMap:
             raise ValueError(f"ConventionMap needs ≥ 11 faces of (5, 2) points on both sides, got {detected.shape} "
                              f"and {target.shape}")
         origin, to_frame, _ = _eye_frame(detected)
-        y = np.einsum("nij,nkj->nki", to_frame, detected - origin[:, None]).reshape(len(detected), 10)
-        g = np.einsum("nij,nkj->nki", to_frame, target - origin[:, None]).reshape(len(detected), 10)
+        y, g = (_in_frame(p, origin, to_frame) for p in (detected, target))
         self.weights = np.linalg.lstsq(np.hstack([y, np.ones((len(y), 1))]), g, rcond=None)[0]
 
     def __call__(self, detected: np.ndarray) -> np.ndarray:
         """(N, 5, 2) detector points → (N, 5, 2) in the target convention, in pixels."""
         origin, to_frame, back = _eye_frame(detected)
-        y = np.einsum("nij,nkj->nki", to_frame, detected - origin[:, None]).reshape(len(detected), 10)
+        y = _in_frame(detected, origin, to_frame)
         g = (np.hstack([y, np.ones((len(y), 1))]) @ self.weights).reshape(-1, 5, 2)
         return (np.einsum("nij,nkj->nki", back, g) + origin[:, None]).astype(np.float32)

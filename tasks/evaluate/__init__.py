@@ -32,7 +32,7 @@ from tasks.common import (
     Paths, StageResult, load_params, section, write_json, write_text, pyplot, save_figure,
 )
 from tasks.evaluate.report import (
-    FEW_FALSE_ACCEPTS_NOTE, aligner_section, data_section, few_false_accepts, preset_note, render_report,
+    FEW_FALSE_ACCEPTS_NOTE, aligner_section, data_section, few_false_accepts, preset_note, render_report, thin,
 )
 from tasks.prepare import DataConfig
 
@@ -194,7 +194,7 @@ def ijb_section(metrics: dict[str, float], models: dict[str, dict], sets: list) 
         for tag in models:
             lines.append(f"| `{tag}` | " + " | ".join(few_false_accepts(pct(metrics.get(f"{tag}{prefix}{f}")), f,
                                                                           c("impostor_pairs")) for f in fars) + " |")
-        if any(few_false_accepts("x", f, c("impostor_pairs")) != "x" for f in fars):
+        if any(thin(f, c("impostor_pairs")) for f in fars):
             lines += ["", FEW_FALSE_ACCEPTS_NOTE]
     return lines
 

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from tasks.common import Paths, coinciding, pyplot, save_figure, write_json
-from tasks.evaluate.report import FEW_FALSE_ACCEPTS_NOTE, few_false_accepts
+from tasks.evaluate.report import FEW_FALSE_ACCEPTS_NOTE, few_false_accepts, thin
 
 log = logging.getLogger(__name__)
 
@@ -517,8 +517,7 @@ def render_section(metrics: dict[str, float]) -> list[str]:
         impostors = metrics.get(f"sets/templates/{m}/n_impostor")
         lines.append(f"| {labels[m]} | " + " | ".join(few_false_accepts(pct(metrics.get(f"sets/templates/{m}/{f}")), f,
                                                                          impostors) for f in fars) + " |")
-    if any(few_false_accepts("x", f, metrics.get(f"sets/templates/{m}/n_impostor")) != "x" for m in methods
-           for f in fars):
+    if any(thin(f, metrics.get(f"sets/templates/{m}/n_impostor")) for m in methods for f in fars):
         lines += ["", FEW_FALSE_ACCEPTS_NOTE]
     if "landmark_score" in methods:
         lines += ["", face_inputs_note(metrics)]

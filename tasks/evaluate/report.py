@@ -15,14 +15,23 @@ from tasks.common import Paths
 MIN_FALSE_ACCEPTS = 10  # a TAR@FAR threshold set by fewer impostor scores than this is noise, not a finding
 
 
+def _false_accepts(far: str | float, impostors: float | None) -> float | None:
+    """``far`` × ``impostors``, the false accepts a TAR@FAR threshold is set by, when under ``MIN_FALSE_ACCEPTS``
+    (None otherwise or without a count); ``far`` as a float or a metric suffix such as ``tar@far=1e-4``."""
+    expected = float(str(far).rsplit("=", 1)[-1]) * (impostors or 0)
+    return expected if impostors and expected < MIN_FALSE_ACCEPTS else None
+
+
+def thin(far: str | float, impostors: float | None) -> bool:
+    """Whether a TAR at ``far`` on ``impostors`` impostor pairs rests on too few false accepts to read."""
+    return _false_accepts(far, impostors) is not None
+
+
 def few_false_accepts(cell: str, far: str | float, impostors: float | None) -> str:
-    """A TAR@FAR table cell as shown: where ``far`` × ``impostors`` (the false accepts the threshold is set by) is
-    under ``MIN_FALSE_ACCEPTS``, the value in italics with that count, ``*13.33 %* (1.6 FA)``; ``far`` as a float or
-    a metric suffix such as ``tar@far=1e-4``."""
-    rate = float(str(far).rsplit("=", 1)[-1])
-    if not impostors or cell == "—" or rate * impostors >= MIN_FALSE_ACCEPTS:
-        return cell
-    return f"*{cell}* ({rate * impostors:.1f} FA)"
+    """A TAR@FAR table cell as shown: where the threshold rests on fewer than ``MIN_FALSE_ACCEPTS`` false accepts
+    (``thin``), the value in italics with their count, ``*13.33 %* (1.6 FA)``."""
+    expected = _false_accepts(far, impostors)
+    return cell if expected is None or cell == "—" else f"*{cell}* ({expected:.1f} FA)"
 
 
 FEW_FALSE_ACCEPTS_NOTE = (f"Cells in italics rest on fewer than {MIN_FALSE_ACCEPTS} false accepts (FAR × impostor "
@@ -183,8 +192,7 @@ def templates_section(metrics: dict[str, float], models: list[str]) -> list[str]
     if any(f"chance/templates/{f}" in metrics for f in fars):
         lines.append("| chance (random scores) | " + " | ".join(pct(metrics.get(f"chance/templates/{f}")) for f in fars)
                      + " | |")
-    if any(few_false_accepts("x", f, metrics.get(f"{tag}/templates/impostor_pairs")) != "x" for tag in models
-           for f in fars):
+    if any(thin(f, metrics.get(f"{tag}/templates/impostor_pairs")) for tag in models for f in fars):
         lines += ["", FEW_FALSE_ACCEPTS_NOTE]
     return lines
 
