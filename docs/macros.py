@@ -52,9 +52,9 @@ def metric(file: str, key: str, fmt: str | None = None) -> str:
 
 def tar(file: str, prefix: str, far: str, impostors: str = "n_impostor") -> str:
     """TAR at ``far`` (``<prefix>/tar@far=<far>`` of ``metrics/<file>.json``, as a percentage) marked as the
-    benchmark report marks it (``tasks.evaluate.report.few_false_accepts``) when fewer than ten false accepts
+    benchmark report marks it (``tasks.evaluate.cells.few_false_accepts``) when fewer than ten false accepts
     (``far`` × ``<prefix>/<impostors>``) set its threshold."""
-    from tasks.evaluate.report import few_false_accepts
+    from tasks.evaluate.cells import few_false_accepts
 
     cell = metric(file, f"{prefix}/tar@far={far}", ".1%")
     return few_false_accepts(cell, far, float(metric(file, f"{prefix}/{impostors}")))

@@ -31,9 +31,8 @@ from ml.config import from_mapping
 from tasks.common import (
     Paths, StageResult, load_params, section, write_json, write_text, pyplot, save_figure,
 )
-from tasks.evaluate.report import (
-    FEW_FALSE_ACCEPTS_NOTE, aligner_section, data_section, few_false_accepts, preset_note, render_report, thin,
-)
+from tasks.evaluate.cells import FEW_FALSE_ACCEPTS_NOTE, few_false_accepts, thin
+from tasks.evaluate.report import aligner_section, data_section, preset_note, render_report
 from tasks.prepare import DataConfig
 
 log = logging.getLogger(__name__)

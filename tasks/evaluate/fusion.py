@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from tasks.common import Paths, coinciding, pyplot, save_figure, write_json
-from tasks.evaluate.report import FEW_FALSE_ACCEPTS_NOTE, few_false_accepts, thin
+from tasks.evaluate.cells import FEW_FALSE_ACCEPTS_NOTE, few_false_accepts, thin
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,8 @@ in the template table and the set-fusion table alike."""
 from __future__ import annotations
 
 from tasks.evaluate.fusion import render_section
-from tasks.evaluate.report import FEW_FALSE_ACCEPTS_NOTE, few_false_accepts, templates_section
+from tasks.evaluate.cells import FEW_FALSE_ACCEPTS_NOTE, few_false_accepts
+from tasks.evaluate.report import templates_section
 
 
 def test_a_cell_under_ten_false_accepts_is_italic_with_its_count():
