@@ -64,6 +64,8 @@ class SynthesizeConfig:
     max_face_cosine: float | None = None  # memorisation: a face this near a real one is a copy (None: percentile)
     memorisation_percentile: float = 99.0  # … of never-trained real faces' nearest face of their own identity
     max_memorised_fraction: float = 0.01   # more copies than this share of the faces: the stage fails
+    max_copy_distance: float | None = None  # copy: a face this near (RMS pixels) a decoded training face (None:
+    copy_percentile: float = 0.1        # … this percentile of training faces' distance to the nearest other)
     min_identities: int = 2             # fewer left after the drops: the stage fails
     batch_size: int = 64
     sampler: SamplerConfig = field(default_factory=lambda: SamplerConfig(steps=25))
@@ -81,7 +83,7 @@ class SynthesizeConfig:
                               f"({self.identities}): there must be at least one candidate per identity")
         if not -1.0 < self.max_cosine <= 1.0:
             raise ConfigError(f"synthesize.max_cosine = {self.max_cosine!r}: need a cosine in (−1, 1]")
-        for key in ("consistency_percentile", "privacy_percentile", "memorisation_percentile"):
+        for key in ("consistency_percentile", "privacy_percentile", "memorisation_percentile", "copy_percentile"):
             if not 0.0 <= getattr(self, key) <= 100.0:
                 raise ConfigError(f"synthesize.{key} = {getattr(self, key)!r}: need a percentile in [0, 100]")
         if not 0.0 <= self.max_memorised_fraction <= 1.0:
@@ -317,6 +319,38 @@ def check_memorisation(cfg: SynthesizeConfig, memorised: np.ndarray, total: int,
         "plots/synthetic_privacy.png; train it on more data or for fewer steps")
 
 
+def pixel_copies(cfg: SynthesizeConfig, faces: np.ndarray, labels: np.ndarray, paths: Paths,
+                 reconstruct: Callable[[np.ndarray], np.ndarray] | None) -> tuple[np.ndarray, Any, np.ndarray]:
+    """(faces that copy a training face, the copy ``Threshold``, each face's distance to its nearest one) by pixels:
+    ``faces`` (N, s, s, 3) as the generator made them against every training face made at that size and passed
+    through ``reconstruct`` (the generator's autoencoder: a copy comes back through its decoder, where its FR cosine
+    drops into the range of a second photo of the person); calibrated on the training faces' distance to the
+    nearest other one (``ml.generator.gates.pixel_copy_reference``). More copies than ``max_memorised_fraction`` of
+    the faces fail the stage, naming them and what they copy."""
+    from ml.data.dataset import load_images, read_manifest
+    from ml.generator.gates import calibrate, nearest_image, pixel_copy_reference
+    from tasks.train_generator import resize_faces
+
+    rows = read_manifest(paths.train_set / "manifest.parquet")
+    rows = rows[rows["split"] == "train"].reset_index(drop=True)
+    reference = resize_faces(load_images(paths.train_set, rows, progress=True), faces.shape[1])
+    reference = reference if reconstruct is None else reconstruct(reference)
+    gate = calibrate(cfg.max_copy_distance, pixel_copy_reference(reference), cfg.copy_percentile,
+                     "synthesize.max_copy_distance")
+    dist, nearest = nearest_image(faces, reference)
+    copies = np.flatnonzero(dist < gate.value)
+    if len(copies) > cfg.max_memorised_fraction * len(faces):
+        pairs = "; ".join(f"synthetic identity {int(labels[i])} face {int(i)} ~ {rows['path'].iloc[nearest[i]]} "
+                          f"(RMS {dist[i]:.4f})" for i in copies[np.argsort(dist[copies])][:5])
+        raise DataError(
+            f"memorisation: {len(copies)} of {len(faces)} synthetic faces are pixel copies of a training face as the "
+            f"decoder returns it, nearer than synthesize.max_copy_distance = {gate.value:.4f} ({gate.source}; two "
+            f"distinct training faces sit at median {gate.reference_median:.4f}), above "
+            f"synthesize.max_memorised_fraction = {cfg.max_memorised_fraction}: {pairs}. The generator reproduces "
+            "training faces: train it on more data or for fewer steps")
+    return copies, gate, dist
+
+
 def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Paths, *, tracker: Any = None
         ) -> StageResult:
     from ml.data.dataset import DatasetWriter, landmarks_array, load_images, read_manifest
@@ -348,7 +382,7 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
                                 seed=cfg.seed * 1_000_003 + 7919, autoencoder=autoencoder, desc="synthesize")
     labels = np.repeat(np.arange(len(keep)), cfg.images_per_identity)
     emb, landmarks, face_scores = embed_faces(faces)
-    generated_size = faces.shape[1]
+    generated, generated_size = faces, faces.shape[1]
     reconstruct_faces = None if autoencoder is None else (lambda x: reconstruct(autoencoder, x)[0])
     faces = resize_faces(faces, data.image_size)
     # 3. calibrated gates: memorisation fails the stage; privacy and consistency drop identities
@@ -364,6 +398,7 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
     if gates["memorisation"].value >= 1.0:  # by hand, off: a cosine of 1 + rounding is not a copy
         memorised = memorised[:0]
     check_memorisation(cfg, memorised, len(faces), labels, privacy, real_rows, gates["memorisation"])
+    copies, gates["copy"], copy_dist = pixel_copies(cfg, generated, labels, paths, reconstruct_faces)
     consistency = per_identity_consistency(emb, labels)
     too_close = np.flatnonzero(privacy["identity_max_cos"] > gates["privacy"].value)
     if gates["privacy"].value >= 1.0:
@@ -404,6 +439,8 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
                       "synthetic/dropped_too_close_to_real": float(len(too_close)),
                       "synthetic/dropped_inconsistent": float(len(inconsistent)),
                       "synthetic/memorised_faces": float(len(memorised)),
+                      "synthetic/pixel_copies": float(len(copies)),
+                      "synthetic/nearest_train_pixel_distance_min": float(copy_dist.min()),
                       **gate_metrics(gates),
                       "synthetic/identity_consistency_min": float(min(consistency.values())),
                       "synthetic/t0_mean": float(t0.mean()), "synthetic/t0_std": float(t0.std()),

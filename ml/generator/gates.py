@@ -8,6 +8,13 @@ intra-class cosine) are the references of the privacy, memorisation and consiste
 param or a reference percentile into a ``Threshold`` that says which it was (≥ 1 on a cosine, ≤ −1 for
 consistency: report only). What each gate does with its threshold: ``docs/methods/generator.md``.
 
+A copy that comes back through a latent generator's decoder loses detail: its FR cosine to the face it copies falls
+to about the autoencoder's own reconstruction cosine, within the spread of two faces of one identity, so the cosine
+gate cannot tell it from a lookalike. ``nearest_image`` compares pixels instead, against the training faces passed
+through the same decoder (what a copy of them looks like when the generator emits it): ``pixel_copy_reference``
+(per training face: the distance to the nearest *other* one) calibrates it, a face nearer a training face than
+distinct training faces are to one another being a copy.
+
 Differences from the reference: UIFace (and DCFace) filter identities with a fixed cosine to the training set chosen
 by hand; neither measures memorisation face by face nor calibrates on never-trained identities.
 """
@@ -21,7 +28,8 @@ import numpy as np
 from ml.errors import DataError
 from ml.generator.diversity import nearest_real, per_class_consistency
 
-__all__ = ["Threshold", "calibrate", "nearest_same_identity", "reference_consistency", "reference_privacy"]
+__all__ = ["Threshold", "calibrate", "nearest_image", "nearest_same_identity", "pixel_copy_reference",
+           "reference_consistency", "reference_privacy"]
 
 
 @dataclass(frozen=True)
@@ -83,3 +91,35 @@ def reference_consistency(emb: np.ndarray, labels: np.ndarray) -> np.ndarray:
     if not keep.any():
         return np.empty(0)
     return np.fromiter(per_class_consistency(np.asarray(emb)[keep], labels[keep]).values(), dtype=np.float64)
+
+
+def nearest_image(faces: np.ndarray, reference: np.ndarray, *, exclude_self: bool = False,
+                  chunk: int = 512) -> tuple[np.ndarray, np.ndarray]:
+    """(distance (N,), index (N,)) of each of ``faces`` (N, H, W, 3) to its nearest image of ``reference``
+    (M, H, W, 3), both uint8 at one size: the root-mean-square pixel difference in [0, 1] units (0: the same image,
+    ≈ 0.3 between unrelated faces). ``exclude_self``: ``faces`` is ``reference`` and each row's own image is skipped."""
+    a = np.asarray(faces)
+    b = np.asarray(reference)
+    if a.shape[1:] != b.shape[1:]:
+        raise DataError(f"nearest_image compares images of one size, got {a.shape[1:]} and {b.shape[1:]}")
+    if len(b) < (2 if exclude_self else 1):
+        raise DataError("nearest_image needs a reference image to compare with (two when a face is its own row)")
+    x = a.reshape(len(a), -1).astype(np.float64) / 255.0
+    y = b.reshape(len(b), -1).astype(np.float64) / 255.0
+    y2 = (y * y).sum(axis=1)
+    dist, index = np.empty(len(x)), np.empty(len(x), dtype=np.int64)
+    for start in range(0, len(x), chunk):
+        part = x[start:start + chunk]
+        sq = (part * part).sum(axis=1)[:, None] + y2[None] - 2.0 * part @ y.T  # (n, M) squared distances
+        if exclude_self:
+            sq[np.arange(len(part)), np.arange(start, start + len(part))] = np.inf
+        index[start:start + len(part)] = sq.argmin(axis=1)
+        dist[start:start + len(part)] = np.sqrt(sq[np.arange(len(part)), index[start:start + len(part)]].clip(0.0)
+                                                / x.shape[1])
+    return dist, index
+
+
+def pixel_copy_reference(reference: np.ndarray) -> np.ndarray:
+    """(M,) each reference image's ``nearest_image`` distance to the nearest *other* one: how near distinct training
+    faces come to one another, the scale a copy has to undercut."""
+    return nearest_image(reference, reference, exclude_self=True)[0]

