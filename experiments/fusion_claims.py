@@ -1,4 +1,4 @@
-"""CAFace against plain averaging on independent test sets: ``python -m experiments.fusion_claims``.
+"""CAFace against its baselines on independent test sets: ``python -m experiments.fusion_claims``.
 
 The claim (CAFace, Table 2): a set fused by CAFace identifies its person better than the average of its features. The
 benchmark (``evaluate``) scores it on one test set; this experiment asks whether the gain holds on several
@@ -15,11 +15,14 @@ independent ones, with a finished run's frozen FR model (``fusion.fr_source``) a
   identities are disjoint; their training sets overlap (k-fold), which the report says.
 
 Both score CAFace's template and plain averaging's by rank-1 against the held-out targets (chance: 1 / identities
-scored). Statistics: the data seed or fold is the unit (``experiments.test_sets.across_test_sets``): the paired
-difference in rank-1 per unit, mean ± sample std, how many were higher, a percentile bootstrap interval over sets;
-beyond noise when at least two units, the mean beyond 2 standard errors, every unit on its side and the interval
-excluding 0. Writes ``metrics/fusion_claims.json`` (one part per way, a run replacing its own) and
-``reports/fusion_claims.md`` under ``--root``.
+scored); the data seeds also score the baselines that weigh a set's items as ``evaluate`` does (``BASELINES``:
+norm-weighted, the KP-RPE landmark × face score from the run's DFA aligner) and the renderer's true quality as a
+reference. Statistics: the data seed or fold is the unit (``experiments.test_sets.across_test_sets``): the paired
+difference in rank-1 per unit, mean ± sample std, how many were higher, a percentile bootstrap interval over
+identities (every set of a drawn identity); beyond noise when at least two units, the mean beyond 2 standard errors,
+every unit on its side and the interval excluding 0, and Holm's correction over CAFace − each baseline. The folds
+train on overlapping identities, so they get spreads and no verdict. Writes ``metrics/fusion_claims.json`` (one
+part per way, a run replacing its own) and ``reports/fusion_claims.md`` under ``--root``.
 """
 
 
@@ -35,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.test_sets import DATA_SEEDS, across_test_sets, now_utc
+from experiments.test_sets import DATA_SEEDS, across_test_sets, corrected, now_utc
 from ml.config import from_mapping
 from ml.errors import ConfigError, DataError
 from tasks.common import Paths, load_params, section, write_json, write_text
@@ -93,7 +96,8 @@ def run_folds(paths: Paths, data: DataConfig, stage: FusionStageConfig, folds: i
         sets = val_sets(test.features, test.styles, test.labels, test.centres, sources=test.sources,
                         set_size=stage.val_set_size, sets_per_identity=stage.val_sets_per_identity)
         scores = val_scores(res.model, sets)
-        hits.append((scores["caface/hit"], scores["average/hit"], np.asarray(sets.labels)))
+        hits.append({"caface": scores["caface/hit"], "average": scores["average/hit"],
+                     "labels": np.asarray(sets.labels)})
         rows.append({"fold": f, "identities": [block.start, block.stop - 1], "sets": int(len(sets.labels)),
                      "caface": float(scores["caface/hit"].mean()), "average": float(scores["average/hit"].mean()),
                      "lt": float(scores["caface/lt"].mean()), "lt_average": float(scores["average/lt"].mean()),
@@ -104,14 +108,51 @@ def run_folds(paths: Paths, data: DataConfig, stage: FusionStageConfig, folds: i
             "identities": len(material.centres), "val_identities": stage.val_identities, "recipe": _recipe(cfg)}
 
 
-def _summary(rows: list[dict], hits: list[tuple], units: list[int], stage: FusionStageConfig) -> dict[str, Any]:
-    """Each arm's mean ± sample std over the units, CAFace − averaging with the unit as the unit, chance."""
+BASELINES = ("average", "norm_weighted", "landmark_score")  # CAFace's claims: one paired difference each
+REFERENCE = "quality_oracle"  # weighted by the renderer's true quality: headroom, neither a method nor a claim
+ARM_LABELS = {"caface": "CAFace", "average": "plain average", "norm_weighted": "norm-weighted",
+              "landmark_score": "landmark × face score", REFERENCE: "true-quality weights"}
+
+
+def _summary(rows: list[dict], hits: list[dict[str, np.ndarray]], units: list[int],
+             stage: FusionStageConfig) -> dict[str, Any]:
+    """Each arm's mean ± sample std over the units, CAFace − each baseline measured (``BASELINES``) with the unit as
+    the unit and an interval over identities, Holm's verdicts over those differences (``holm``), chance."""
+    arms = [a for a in ("caface", *BASELINES, REFERENCE) if all(a in r for r in rows)]
     summary = {arm: {"mean": float(np.mean([r[arm] for r in rows])), "std": float(np.std([r[arm] for r in rows],
                                                                                        ddof=1))}
-               for arm in ("caface", "average")}
-    diff = across_test_sets([h[0] for h in hits], [h[1] for h in hits], units,
-                            identities=[h[2] for h in hits] if all(len(h) > 2 for h in hits) else None)
-    return {**summary, "caface_minus_average": diff, "chance": 1.0 / stage.val_identities}
+               for arm in arms}
+    labels = [h["labels"] for h in hits] if all("labels" in h for h in hits) else None
+    diffs = {f"caface_minus_{b}": across_test_sets([h["caface"] for h in hits], [h[b] for h in hits], units,
+                                                   identities=labels)
+             for b in BASELINES if b in arms}
+    for d, rejected in zip(diffs.values(), corrected(list(diffs.values()))):
+        d["holm"] = rejected
+    return {**summary, **diffs, "chance": 1.0 / stage.val_identities}
+
+
+def _baseline_hits(val: Any, landmarks: np.ndarray, scores: np.ndarray, quality: np.ndarray,
+                   image_size: float) -> dict[str, np.ndarray]:
+    """Per val set, whether the template of each baseline that needs more than features (norm-weighted: the raw
+    features; landmark × face score: the aligner's landmarks and face score of each item; the true-quality reference)
+    has its own identity's target nearest. ``landmarks`` (S, n, 5, 2), ``scores`` / ``quality`` (S, n): per set item,
+    as ``val.features`` (S, n, D)."""
+    import torch
+    import torch.nn.functional as F
+
+    from ml.fusion.sets import fuse_templates
+
+    s, n, dim = val.features.shape
+    feats, groups = val.features.reshape(s * n, dim).numpy(), np.repeat(np.arange(s), n)
+    extra = {"norm_weighted": {},
+             "landmark_score": {"landmarks": landmarks.reshape(s * n, 5, 2), "face_scores": scores.reshape(-1),
+                                "image_size": image_size},
+             REFERENCE: {"quality": quality.reshape(-1)}}
+    out = {}
+    for method, kwargs in extra.items():
+        templates = F.normalize(torch.from_numpy(fuse_templates(method, feats, groups, **kwargs)), dim=-1)
+        out[method] = ((templates @ val.centres.T).argmax(dim=1) == val.labels).numpy()
+    return out
 
 
 def _recipe(cfg: Any) -> dict[str, Any]:
@@ -127,9 +168,9 @@ def scored_identities(data: DataConfig, data_seed: int) -> dict[str, tuple[int, 
 def _data_seed_run(root: str, data: DataConfig, stage: FusionStageConfig, data_seed: int,
                    threads: int = 0) -> dict[str, Any]:
     """One data seed: ``fusion_identities`` identities rendered afresh (procedural seed ``data_seed``), the frozen FR
-    model's features of them, CAFace trained as the stage trains it on all but the last ``val_identities`` and both
-    templates scored on sets of those, on ``threads`` torch threads (0: as they are). → the row, with the per-set
-    hits under ``_hits``."""
+    model's features of them, CAFace trained as the stage trains it on all but the last ``val_identities``, and
+    CAFace's template, each baseline's (``BASELINES``) and the true-quality reference's scored on sets of those, on
+    ``threads`` torch threads (0: as they are). → the row, with the per-set hits under ``_hits``."""
     import tempfile
 
     import torch
@@ -153,17 +194,43 @@ def _data_seed_run(root: str, data: DataConfig, stage: FusionStageConfig, data_s
         fusion_set(paths.fusion_set, ProceduralFaces(fresh.procedural_config(aligned=True), seed=data_seed), fresh,
                    progress=False)
         material = procedural_material(model, paths, fresh)
-    train, held = split_val(material, stage)  # the held-out block: never read until it is scored
+        train, held = split_val(material, stage)  # the held-out block: never read until it is scored
+        landmarks, face_scores, quality = _item_faces(Paths(Path(root)), paths, material, held, fresh)
     res = train_fusion(cfg, train.features, train.styles, train.labels, sources=train.sources,
                        centres=train.centres, progress=False)
     scores = val_scores(res.model, held)
+    hits = {"caface": scores["caface/hit"], "average": scores["average/hit"],
+            **_baseline_hits(held, landmarks, face_scores, quality, float(fresh.image_size)),
+            "labels": np.asarray(held.labels)}
     row = {"data_seed": data_seed, "identities": int(len(material.centres)), "sets": int(len(held.labels)),
-           "caface": float(scores["caface/hit"].mean()), "average": float(scores["average/hit"].mean()),
+           **{arm: float(h.mean()) for arm, h in hits.items() if arm != "labels"},
            "lt": float(scores["caface/lt"].mean()), "lt_average": float(scores["average/lt"].mean()),
            "seconds": time.perf_counter() - start}
-    log.info("data seed %d: rank-1 CAFace %.3f, average %.3f (%.0f s)", data_seed, row["caface"], row["average"],
-             row["seconds"])
-    return {**row, "_hits": (scores["caface/hit"], scores["average/hit"], np.asarray(held.labels))}
+    log.info("data seed %d: rank-1 %s (%.0f s)", data_seed,
+             ", ".join(f"{arm} {row[arm]:.3f}" for arm in ("caface", *BASELINES, REFERENCE)), row["seconds"])
+    return {**row, "_hits": hits}
+
+
+def _item_faces(run: Paths, rendered: Paths, material: FusionMaterial, held: Any,
+                data: DataConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(landmarks (S, n, 5, 2) px, face scores (S, n), true quality (S, n)) of the items of ``held``'s sets: the
+    finished run's DFA aligner (``models/aligner``) on those degraded images, exactly as ``evaluate`` weighs video
+    frames (``tasks.evaluate.fusion.face_inputs``: without an aligner, or its face score, the manifest's)."""
+    from ml.data.dataset import load_images, read_manifest
+    from tasks.evaluate.fusion import face_inputs, load_frame_aligner
+
+    manifest = read_manifest(rendered.fusion_set / "manifest.parquet")
+    degraded = manifest[manifest["split"] == "degraded"].reset_index(drop=True)  # the material's rows, in order
+    first = len(material.centres) - len(held.centres)
+    rows = np.flatnonzero(material.labels >= first)[held.rows.numpy()]  # (S, n) rows of the material
+    used, inverse = np.unique(rows, return_inverse=True)
+    items = degraded.iloc[used].reset_index(drop=True)
+    images = load_images(rendered.fusion_set, items, expected_size=(data.image_size, data.image_size), progress=False)
+    landmarks, scores = face_inputs(load_frame_aligner(run), images, items, batch_size=256)
+    quality = items["quality"].fillna(1.0).to_numpy(np.float32)
+    shape = rows.shape
+    return (landmarks[inverse].reshape(*shape, 5, 2), scores[inverse].reshape(shape),
+            quality[inverse].reshape(shape))
 
 
 def run_data_seeds(paths: Paths, data: DataConfig, stage: FusionStageConfig, data_seeds: list[int],
@@ -192,29 +259,56 @@ def run_data_seeds(paths: Paths, data: DataConfig, stage: FusionStageConfig, dat
             "val_identities": stage.val_identities, "recipe": _recipe(stage.train)}
 
 
+def _verdict(d: dict[str, Any], unit: str, baseline: str) -> str:
+    """One difference's sentence: mean ± sample std over the units, the sign count, the bootstrap interval and the
+    verdict, Holm-corrected over the table's differences where they were (``d["holm"]``)."""
+    over = "identities" if d.get("resampled") == "identities" else "sets"
+    text = (f"CAFace − {ARM_LABELS[baseline]} over the {d['units']} {unit}s: {100 * d['mean']:+.1f} ± "
+            f"{100 * d['std']:.1f} pp (higher in {d['higher']} of {d['units']}; 95 % bootstrap over {over} "
+            f"{100 * d['ci_low']:+.1f} to {100 * d['ci_high']:+.1f}")
+    if "holm" not in d:
+        return text + "): " + ("**beyond noise**" if d["beyond_noise"] else "**not beyond noise**")
+    if d["beyond_noise"] and d["holm"]:
+        return text + f"; p {d['p']:.3f}): **beyond noise, and after Holm**"
+    if d["beyond_noise"]:
+        return text + f"; p {d['p']:.3f}): **beyond noise alone, not after Holm**"
+    return text + (f"; p {d['p']:.3f}" if d.get("p") is not None else "") + "): **not beyond noise**"
+
+
 def _section(title: str, protocol: str, part: dict[str, Any], unit: str, label: Any,
              independent: bool = True) -> list[str]:
-    """A part's section: its protocol, one table row per unit (``label(row)``: the unit's first cells), the
-    verdict with that unit; units that are not ``independent`` (folds whose training sets overlap) get their
-    spread, never a verdict."""
-    d, head = part["summary"]["caface_minus_average"], label(None)
-    cols = "CAFace | plain average | CAFace − average | Lt / Lt of averaging | s |"
-    lines = [f"## {title}", "", protocol, "", f"| {head} {cols}", "|---" * (head.count("|") + 5) + "|"]
-    for r in part[unit.replace(" ", "_") + "s"]:
-        lines.append(f"| {label(r)} | {100 * r['caface']:.1f} | {100 * r['average']:.1f} | "
-                     f"{100 * (r['caface'] - r['average']):+.1f} | {r['lt'] / r['lt_average']:.3f} | "
-                     f"{r['seconds']:.0f} |")
+    """A part's section: its protocol, one table row per unit (``label(row)``: the unit's first cells; one column
+    per arm measured), the verdict on CAFace − each baseline with that unit; units that are not ``independent``
+    (folds whose training sets overlap) get their spread, never a verdict."""
+    summary, head = part["summary"], label(None)
+    rows = part[unit.replace(" ", "_") + "s"]
+    arms = [a for a in ("caface", *BASELINES, REFERENCE) if all(a in r for r in rows)]
+    baselines = [b for b in BASELINES if f"caface_minus_{b}" in summary]
+    cols = " | ".join(ARM_LABELS[a] for a in arms) + " | " + " | ".join(f"CAFace − {ARM_LABELS[b]}" for b in baselines)
+    lines = [f"## {title}", "", protocol, "", f"| {head} {cols} | Lt / Lt of averaging | s |",
+             "|---" * (head.count("|") + len(arms) + len(baselines) + 2) + "|"]
+    for r in rows:
+        lines.append(f"| {label(r)} | " + " | ".join(f"{100 * r[a]:.1f}" for a in arms) + " | "
+                     + " | ".join(f"{100 * (r['caface'] - r[b]):+.1f}" for b in baselines)
+                     + f" | {r['lt'] / r['lt_average']:.3f} | {r['seconds']:.0f} |")
     if not independent:
+        d = summary["caface_minus_average"]
         return lines + ["", f"CAFace − averaging over the {d['units']} {unit}s: {100 * d['mean']:+.1f} ± "
                         f"{100 * d['std']:.1f} pp (higher in {d['higher']} of {d['units']}). No verdict: the {unit}s "
                         "train on overlapping identities, so they are not independent units; read this as the "
                         "spread over test identities, and the fresh data seeds for the claim.", ""]
-    verdict = "**beyond noise**" if d["beyond_noise"] else "**not beyond noise**"
-    return lines + ["", f"CAFace − averaging over the {d['units']} {unit}s: {100 * d['mean']:+.1f} ± "
-                    f"{100 * d['std']:.1f} pp (higher in {d['higher']} of {d['units']}; 95 % bootstrap over "
-                    f"{'identities' if d.get('resampled') == 'identities' else 'sets'} "
-                    f"{100 * d['ci_low']:+.1f} to {100 * d['ci_high']:+.1f}): {verdict} (at least two {unit}s, the "
-                    f"mean beyond 2 standard errors, every {unit} on its side and the interval excluding 0).", ""]
+    lines.append("")
+    lines += [f"- {_verdict(summary[f'caface_minus_{b}'], unit, b)}." for b in baselines]
+    rule = (f"Beyond noise: at least two {unit}s, the mean beyond 2 standard errors, every {unit} on its side and the "
+            "interval excluding 0")
+    if len(baselines) > 1 and all("holm" in summary[f"caface_minus_{b}"] for b in baselines):
+        rule += (f"; after Holm: also the one-sample t-test's p over the {unit}s survives Holm's correction for the "
+                 f"{len(baselines)} differences of this table")
+    lines += ["", rule + "."]
+    if REFERENCE in arms:
+        lines += ["", f"{ARM_LABELS[REFERENCE].capitalize()}: the items weighted by the quality the renderer gave them, "
+                  "a reference for how much knowing each item's quality is worth here, neither a method nor a bound."]
+    return lines + [""]
 
 
 def render_data_seeds(part: dict[str, Any]) -> list[str]:
@@ -259,8 +353,9 @@ def stored(results: dict[str, Any]) -> dict[str, Any]:
 def render(results: dict[str, Any]) -> str:
     """Markdown: the protocol and verdict of each part measured (fresh data seeds first, then folds)."""
     results = stored(results)
-    lines = ["# CAFace against averaging on independent test sets", "",
-             "Does CAFace's gain over averaging hold on identities no choice read? Two ways to get independent test "
+    lines = ["# CAFace against its baselines on independent test sets", "",
+             "Does CAFace's gain over averaging, and over the baselines that weigh a set's items (norm-weighted, "
+             "landmark × face score), hold on identities no choice read? Two ways to get independent test "
              "sets: fresh identities per data seed (`--data-seeds`, the claim's unit), and folds of the default "
              "run's own identities (`--folds`).", ""]
     if "data_seeds" in results:

@@ -148,6 +148,7 @@ class FusionVal:
     styles: torch.Tensor  # (S, n, style_dim, 2)
     labels: torch.Tensor  # (S,) the identity 0..Kv-1 of each set
     centres: torch.Tensor  # (Kv, D) unit targets f_GT of the held-out identities: the val gallery
+    rows: torch.Tensor | None = None  # (S, n) each set's items as rows of the features ``val_sets`` drew from
 
 
 @dataclass
@@ -288,7 +289,8 @@ def val_sets(features: Any, styles: Any, labels: Any, centres: Any, *, sources: 
         per_source.append([rows[source_of[rows] == u] for u in np.unique(source_of[rows])])
     ids = np.repeat(np.arange(num_classes), sets_per_identity)
     rows = torch.from_numpy(np.stack([_draw_rows(rng, per_source, [i], set_size, max_sources)[0] for i in ids]))
-    return FusionVal(features[rows].float(), styles[rows].float(), torch.from_numpy(ids), F.normalize(c, dim=-1))
+    return FusionVal(features[rows].float(), styles[rows].float(), torch.from_numpy(ids), F.normalize(c, dim=-1),
+                     rows)
 
 
 @torch.no_grad()

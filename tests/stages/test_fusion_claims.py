@@ -51,6 +51,25 @@ def test_a_fold_splits_the_material_by_identity_with_contiguous_labels():
     assert test.sources.tolist() == [2, 3, 4, 5]
 
 
+def test_the_baselines_weigh_a_sets_items_as_evaluate_does():
+    """One set of identity 0: a strong item on its target (norm 10, landmarks on the template, quality 1) and two
+    unit items on identity 1's (landmarks 30 px off, quality 0). Averaging the unit features picks identity 1; each
+    weighting baseline picks identity 0."""
+    from experiments.fusion_claims import _baseline_hits
+    from ml.fusion.baselines import ARCFACE_TEMPLATE_112
+    from ml.fusion.train import FusionVal
+
+    feats = torch.tensor([[[10.0, 0.0], [0.0, 1.0], [0.0, 1.0]]])  # (S=1, n=3, D=2)
+    val = FusionVal(feats, torch.zeros(1, 3, 1, 2), torch.tensor([0]), torch.eye(2))
+    template = np.asarray(ARCFACE_TEMPLATE_112, np.float32)
+    landmarks = np.stack([template, template + 30, template + 30])[None]  # (1, 3, 5, 2)
+    hits = _baseline_hits(val, landmarks, np.ones((1, 3), np.float32), np.array([[1.0, 0.0, 0.0]], np.float32), 112.0)
+    assert {k: bool(v[0]) for k, v in hits.items()} == {"norm_weighted": True, "landmark_score": True,
+                                                        "quality_oracle": True}
+    units = torch.nn.functional.normalize(feats[0], dim=-1).sum(0)
+    assert int((units @ val.centres.T).argmax()) == 1  # while the plain average misses
+
+
 def test_fusion_claims_end_to_end_train_without_the_fold_and_judge_over_folds(tmp_path, monkeypatch):
     import ml.fusion.train as fusion_train
 
@@ -105,8 +124,14 @@ def test_fusion_claims_on_fresh_data_seeds_renders_new_identities_and_scores_onl
     assert len(scored) == 2 and not torch.allclose(scored[0], scored[1])  # each data seed: other identities
     rows = results["data_seeds"]
     assert [r["data_seed"] for r in rows] == [2, 3] and all(r["sets"] == 2 * 4 and r["identities"] == 8 for r in rows)
-    d = results["summary"]["caface_minus_average"]
-    assert d["units"] == 2 and d["mean"] == pytest.approx(np.mean([r["caface"] - r["average"] for r in rows]))
+    for baseline in ("average", "norm_weighted", "landmark_score"):  # every baseline, its own paired difference
+        d = results["summary"][f"caface_minus_{baseline}"]
+        assert d["units"] == 2 and d["mean"] == pytest.approx(np.mean([r["caface"] - r[baseline] for r in rows]))
+        assert d["resampled"] == "identities" and isinstance(d["holm"], bool)
+    assert all(0.0 <= r["quality_oracle"] <= 1.0 for r in rows)  # the reference row, never a claim
+    assert "caface_minus_quality_oracle" not in results["summary"]
+    text = render({"data_seeds": {**results, "seconds": 1.0, "measured_at": "2026-01-01 00:00 UTC"}})
+    assert "CAFace − norm-weighted over the 2 data seeds" in text and "Holm's correction for the 3" in text
     assert not list(paths.root.glob("data"))  # rendered in a temporary folder, nothing left in the project
 
 
