@@ -9,9 +9,9 @@ estimated from the ground truth by ``ml.aligner.metrics.face_box_size``: ``test/
 instead of the pooled landmarks (the paper's pooling-vs-one-detection claim); ``plots/aligner_ced.png`` the CEDs.
 Face score: ROC AUC and accuracy at 0.5 of the test faces against held-out non-face crops (indices from
 ``HELDOUT_NONFACE_START``; ``test/face_auc``, ``test/face_accuracy@0.5``), and Spearman's ρ with the procedural quality
-on freshly rendered faces of reserved identities (``quality/score_spearman``). With ``aligner.reference_faces`` set,
-the predictions on real aligned faces are compared with OpenCV Zoo's YuNet when installed (``faceops[reference]``),
-else the reason is recorded; on the procedural test faces YuNet's own landmarks stand beside DFA's (``test/yunet/*``,
+on freshly rendered faces of reserved identities (``quality/score_spearman``). On real aligned faces
+(``aligner.reference_faces``, else the held-out real identities of a run that ingests real faces) the predictions
+are compared with OpenCV Zoo's YuNet when installed (``faceops[reference]``), else the reason is recorded; on the procedural test faces YuNet's own landmarks stand beside DFA's (``test/yunet/*``,
 ``detector_comparison``). Writes ``models/aligner/``, ``metrics/train_aligner.json``,
 ``plots/train_aligner_history.csv``; registers ``faceops-aligner`` @candidate.
 """
@@ -71,32 +71,50 @@ def render_quality_faces(count: int, size: int, seed: int) -> tuple[np.ndarray, 
     return images[:count], landmarks[:count], quality[:count]
 
 
-def reference_comparison(model: Any, folder: str, max_images: int) -> dict[str, Any]:
-    """NME between DFA and YuNet landmarks on real faces (normalised by YuNet's inter-pupil distance)."""
+def reference_images(cfg: AlignerStageConfig, paths: Paths) -> tuple[np.ndarray | None, str]:
+    """(real aligned faces to set DFA beside YuNet on, where they come from): ``aligner.reference_faces`` when set;
+    else, in a run that ingests real faces, its held-out real identities (``data/prepared/heldout``: never trained
+    on); else (None, why there are none). At most ``reference_max_images``, of one size."""
+    from ml.data.dataset import load_images, read_manifest
     from ml.data.formats import decode_image, ingest_image_folder
+
+    if cfg.reference_faces:
+        path = Path(cfg.reference_faces)
+        if not path.is_dir():
+            return None, (f"reference faces not found at {path} (a development-only set; point "
+                          "aligner.reference_faces at a folder of aligned faces)")
+        items = list(ingest_image_folder(path))[:cfg.reference_max_images]
+        images = [decode_image(p.read_bytes(), source=str(p)) for p, _ in items]
+        size = images[0].shape[0]
+        return np.stack([im for im in images if im.shape[:2] == (size, size)]), str(path)
+    manifest = paths.heldout_set / "manifest.parquet"
+    rows = read_manifest(manifest) if manifest.is_file() else None
+    if rows is None or rows.empty or not (rows["source"] == "real").all():
+        return None, "aligner.reference_faces is empty and the run's faces are procedural"
+    rows = rows.iloc[:cfg.reference_max_images]
+    return load_images(paths.heldout_set, rows, progress=False), "data/prepared/heldout (held-out real identities)"
+
+
+def reference_comparison(model: Any, images: np.ndarray | None, source: str) -> dict[str, Any]:
+    """NME between DFA and YuNet landmarks on real aligned ``images`` (normalised by YuNet's inter-pupil distance);
+    {"skipped": why} without images (``source`` says why) or without YuNet."""
     from ml.aligner.metrics import failure_rate, nme
     from ml.aligner.yunet import yunet_available, yunet_landmarks
 
-    if not folder:
-        return {"skipped": "aligner.reference_faces is empty"}
-    path = Path(folder)
-    if not path.is_dir():
-        return {"skipped": f"reference faces not found at {path} (a development-only set; point "
-                           "aligner.reference_faces at a folder of aligned faces)"}
+    if images is None:
+        return {"skipped": source}
     reason = yunet_available()
     if reason:
         return {"skipped": reason}
-    items = list(ingest_image_folder(path))[:max_images]
-    images = [decode_image(p.read_bytes(), source=str(p)) for p, _ in items]
-    size = images[0].shape[0]
-    images = np.stack([im for im in images if im.shape[:2] == (size, size)])
-    ref, ref_scores = yunet_landmarks(images)
+    ref, _ = yunet_landmarks(images)
     found = ~np.isnan(ref).any(axis=(1, 2))
+    if not found.any():
+        return {"skipped": f"YuNet found no face among the {len(images)} real faces of {source}"}
     pred, _ = model.predict(images[found])
     errors = nme(pred, ref[found])
     return {"images": int(len(images)), "yunet_found": int(found.sum()), "nme_vs_yunet": float(errors.mean()),
             "median_nme_vs_yunet": float(np.median(errors)), "failure@0.1_vs_yunet": failure_rate(errors, 0.1),
-            "size": int(size)}
+            "size": int(images.shape[1]), "source": source}
 
 
 def detector_comparison(fit: tuple[np.ndarray, np.ndarray] | None, test: tuple[np.ndarray, np.ndarray],
@@ -195,8 +213,8 @@ def run(cfg: AlignerStageConfig, paths: Paths, *, tracker: Any = None) -> StageR
                                "quality/nme": q["nme"], "quality/nme_box": q["nme_box"]})
     detector = detector_comparison(val, (tx, tlm), test["nmes"], test["nmes_box"])
     result.metrics.update({f"test/yunet/{k}": float(v) for k, v in detector.items() if k != "skipped"})
-    reference = reference_comparison(res.model, cfg.reference_faces, cfg.reference_max_images)
-    result.metrics.update({f"reference/{k}": float(v) for k, v in reference.items() if k != "skipped"})
+    reference = reference_comparison(res.model, *reference_images(cfg, paths))
+    result.metrics.update({f"reference/{k}": float(v) for k, v in reference.items() if k not in ("skipped", "source")})
     write_json(paths.metrics / "train_aligner.json", {**result.metrics, "reference": reference, "yunet": detector})
     write_history_csv(paths.plots / "train_aligner_history.csv", res.history)
     result.summary = (f"DFA: test NME (face box) {test['nme_box']:.4f} (top anchor {test['nme_box_top_anchor']:.4f}, "

@@ -63,7 +63,8 @@ def aligner_section(aligner: dict[str, Any], align: dict[str, Any]) -> list[str]
     if "skipped" in ref:
         lines += ["", f"YuNet comparison on real faces skipped: {ref['skipped']}."]
     elif ref:
-        lines += ["", f"On {ref['yunet_found']} real aligned faces ({ref['size']}×{ref['size']}) where OpenCV Zoo's YuNet "
+        lines += ["", f"On {ref['yunet_found']} real aligned faces ({ref['size']}×{ref['size']}"
+                  + (f", {ref['source']}" if "source" in ref else "") + ") where OpenCV Zoo's YuNet "
                   f"found a face, DFA vs YuNet landmarks: NME {ref['nme_vs_yunet']:.4f} (median "
                   f"{ref['median_nme_vs_yunet']:.4f}), {100 * ref['failure@0.1_vs_yunet']:.1f} % above 0.1. DFA was "
                   "trained on procedural faces only."]

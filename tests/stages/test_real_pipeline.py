@@ -97,6 +97,12 @@ def test_smoke_run_trains_on_real_faces_and_scores_heldout_identities(real_rec, 
     assert discovered["discovery/fr_ssk/transductive/all"] >= 0.8  # SFace's features cluster the real identities
     report = (root / "reports/benchmark.md").read_text()
     assert "| `sface` | `onnx` | pretrained (onnx: `face_recognition_sface_2021dec.onnx`) |" in report
+    # DFA beside YuNet on the run's held-out real faces, with nothing set by hand: a run on real faces compares them
+    aligner = json.loads((root / "metrics/train_aligner.json").read_text())
+    assert aligner["reference"]["source"].startswith("data/prepared/heldout"), aligner["reference"]
+    assert aligner["reference/yunet_found"] > 0.5 * aligner["reference/images"]  # YuNet finds real faces
+    assert 0.0 < aligner["reference/nme_vs_yunet"] < 10.0
+    assert f"On {int(aligner['reference/yunet_found'])} real aligned faces" in report
     from mlflow import MlflowClient
 
     version = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}").get_model_version_by_alias(

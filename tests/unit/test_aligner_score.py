@@ -371,3 +371,37 @@ def test_train_aligner_stage_writes_the_face_score_metrics(tmp_path):
     assert "| ROC AUC |" in "\n".join(aligner_section(saved, {}))
     with pytest.raises(ConfigError, match="aligner.score_nonfaces"):
         AlignerStageConfig(score_nonfaces=-1)
+
+
+def test_real_faces_for_the_yunet_comparison_come_from_the_param_or_a_real_runs_held_out_identities(tmp_path):
+    """``aligner.reference_faces`` wins; unset, a run that ingests real faces compares on its held-out identities
+    and a procedural run says why it has none."""
+    from ml.data.dataset import DatasetWriter
+    from tasks.common import Paths
+    from tasks.train_aligner import AlignerStageConfig, reference_images
+
+    paths = Paths(root=tmp_path)
+    faces, _, identities = unaligned_faces(3, 2, size=32, seed=2)
+
+    def heldout(source: str) -> None:
+        with DatasetWriter(paths.heldout_set, name="heldout", source=source, aligned=True) as w:
+            for image, ident in zip(faces, identities):
+                w.add(image, identity=f"id{ident:06d}", split="test")
+
+    cfg = AlignerStageConfig(reference_max_images=4)
+    assert reference_images(cfg, paths) == (None, "aligner.reference_faces is empty and the run's faces are procedural")
+    heldout("procedural")
+    assert reference_images(cfg, paths)[0] is None
+    heldout("real")
+    images, source = reference_images(cfg, paths)
+    assert images.shape == (4, 32, 32, 3) and source.startswith("data/prepared/heldout")  # at most 4
+    np.testing.assert_array_equal(images[0], faces[0])
+    folder = tmp_path / "faces" / "person"
+    folder.mkdir(parents=True)
+    from PIL import Image
+
+    Image.fromarray(faces[1]).save(folder / "a.png")
+    images, source = reference_images(AlignerStageConfig(reference_faces=str(tmp_path / "faces")), paths)
+    assert len(images) == 1 and source == str(tmp_path / "faces")  # the param wins over the held-out faces
+    missing = reference_images(AlignerStageConfig(reference_faces=str(tmp_path / "nowhere")), paths)
+    assert missing[0] is None and "not found" in missing[1]
