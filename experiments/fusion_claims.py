@@ -266,13 +266,14 @@ def _verdict(d: dict[str, Any], unit: str, baseline: str) -> str:
     text = (f"CAFace − {ARM_LABELS[baseline]} over the {d['units']} {unit}s: {100 * d['mean']:+.1f} ± "
             f"{100 * d['std']:.1f} pp (higher in {d['higher']} of {d['units']}; 95 % bootstrap over {over} "
             f"{100 * d['ci_low']:+.1f} to {100 * d['ci_high']:+.1f}")
+    p = "" if d.get("p") is None else ("; p < 0.001" if d["p"] < 0.001 else f"; p {d['p']:.3f}")
     if "holm" not in d:
         return text + "): " + ("**beyond noise**" if d["beyond_noise"] else "**not beyond noise**")
     if d["beyond_noise"] and d["holm"]:
-        return text + f"; p {d['p']:.3f}): **beyond noise, and after Holm**"
+        return text + f"{p}): **beyond noise, and after Holm**"
     if d["beyond_noise"]:
-        return text + f"; p {d['p']:.3f}): **beyond noise alone, not after Holm**"
-    return text + (f"; p {d['p']:.3f}" if d.get("p") is not None else "") + "): **not beyond noise**"
+        return text + f"{p}): **beyond noise alone, not after Holm**"
+    return text + f"{p}): **not beyond noise**"
 
 
 def _section(title: str, protocol: str, part: dict[str, Any], unit: str, label: Any,
