@@ -506,9 +506,11 @@ def render_section(metrics: dict[str, float]) -> list[str]:
     fars = [f"tar@far={f:.0e}".replace("e-0", "e-") for f in FARS]
     lines = ["", "## Set fusion: IJB-B/C-style templates (1:1 verification, TAR %)", "",
              "Chosen on: CAFace keeps its last step; its recipe (lr, `lambda_u`, prefix, steps) was first picked on "
-             "the video probes below, before a val split existed, so its video numbers may be optimistic; a val "
-             "sweep (`faceops sweep train_fusion`) kept it, and `reports/fusion_claims.md` scores it on material "
-             "rendered afresh per data seed and on folds of this material's identities, none of which a choice read "
+             "the video probes below, before a val split existed, so its video numbers may be optimistic. Re-derived "
+             "on val since (`faceops sweep train_fusion` over lr, `lambda_u`, `lambda_p`, the prefix scheme and the "
+             "step count from params.yaml's recipe, then its best trial against it over three training seeds, "
+             "`reports/fusion_recipes.md`), it stands; `reports/fusion_claims.md` scores it against every baseline on "
+             "material rendered afresh per data seed, which no choice read "
              f"(docs/methods/fusion.md).{val_note(metrics)} Scored on: the templates and "
              "video probes of held-out identities.", "",
              "| fusion | " + " | ".join(f.replace("tar@far=", "TAR@FAR ") for f in fars) + " |",
