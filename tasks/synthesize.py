@@ -400,6 +400,7 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
     check_memorisation(cfg, memorised, len(faces), labels, privacy, real_rows, gates["memorisation"])
     copies, gates["copy"], copy_dist = pixel_copies(cfg, generated, labels, paths, reconstruct_faces)
     consistency = per_identity_consistency(emb, labels)
+    gated = np.fromiter(consistency.values(), dtype=np.float64)  # before any gate drops: not filtered on itself
     too_close = np.flatnonzero(privacy["identity_max_cos"] > gates["privacy"].value)
     if gates["privacy"].value >= 1.0:
         too_close = too_close[:0]
@@ -443,6 +444,8 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
                       "synthetic/nearest_train_pixel_distance_min": float(copy_dist.min()),
                       **gate_metrics(gates),
                       "synthetic/identity_consistency_min": float(min(consistency.values())),
+                      "synthetic/identity_consistency_before_gates": float(gated.mean()),
+                      "synthetic/identity_consistency_min_before_gates": float(gated.min()),
                       "synthetic/t0_mean": float(t0.mean()), "synthetic/t0_std": float(t0.std()),
                       "synthetic/unet_evals_per_image": float(evals.mean()),
                       "synthetic/candidates_kept_fraction": float(len(keep) / cfg.candidates),

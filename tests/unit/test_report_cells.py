@@ -31,7 +31,7 @@ def test_both_tables_mark_their_thin_cells_and_say_why_once():
     assert text.count(FEW_FALSE_ACCEPTS_NOTE) == 1
 
 
-def test_the_gates_table_shows_the_copy_gate_below_its_threshold_and_skips_gates_a_run_lacks():
+def test_the_gates_table_shows_consistency_before_its_own_filter_and_the_copy_gate_below_its_threshold():
     from tasks.evaluate.synthetic import gates_table
 
     gate = lambda name, value, pct, median, size: {  # noqa: E731
@@ -39,9 +39,13 @@ def test_the_gates_table_shows_the_copy_gate_below_its_threshold_and_skips_gates
         f"synthetic/gate/{name}/reference_median": median, f"synthetic/gate/{name}/reference_size": size}
     synth = {**gate("privacy", 0.821, 50, 0.821, 50), **gate("memorisation", 0.918, 99, 0.742, 350),
              **gate("consistency", 0.368, 5, 0.564, 50), **gate("copy", 0.0386, 0.1, 0.0901, 3600),
-             "synthetic/nearest_train_pixel_distance_min": 0.0446, "synthetic/pixel_copies": 2}
+             "synthetic/nearest_train_pixel_distance_min": 0.0446, "synthetic/pixel_copies": 2,
+             "synthetic/identity_consistency_min": 0.390, "synthetic/identity_consistency_min_before_gates": 0.301,
+             "synthetic/dropped_inconsistent": 1}
     row = next(line for line in gates_table(synth) if line.startswith("| copy |"))
     assert "| 0.039 | p0.1 of 3600 real values | 0.090 | 0.045 (min) | 2 faces below" in row
+    row = next(line for line in gates_table(synth) if line.startswith("| consistency |"))
+    assert "| 0.301 (min before the gates) | 1 identities below: dropped |" in row  # not the kept ones' 0.390
     before = {k: v for k, v in synth.items() if "/copy/" not in k}  # a run from before the copy gate
     assert not [line for line in gates_table(before) if line.startswith("| copy |")]
     assert len([line for line in gates_table(before) if line.startswith("| ")]) == 1 + 3  # the header, 3 gates
