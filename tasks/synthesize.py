@@ -66,13 +66,15 @@ class SynthesizeConfig:
     max_memorised_fraction: float = 0.01   # more copies than this share of the faces: the stage fails
     max_copy_distance: float | None = None  # copy: a face this near (RMS pixels) a decoded training face (None:
     copy_percentile: float = 0.1        # … this percentile of training faces' distance to the nearest other)
+    copy_reference_max: int = 10_000    # training faces the copy gate compares with (more: a seeded sample)
     min_identities: int = 2             # fewer left after the drops: the stage fails
     batch_size: int = 64
     sampler: SamplerConfig = field(default_factory=lambda: SamplerConfig(steps=25))
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for key in ("identities", "images_per_identity", "candidates", "batch_size", "min_identities"):
+        for key in ("identities", "images_per_identity", "candidates", "batch_size", "min_identities",
+                    "copy_reference_max"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"synthesize.{key} = {value!r}: need a positive integer")
@@ -322,8 +324,8 @@ def check_memorisation(cfg: SynthesizeConfig, memorised: np.ndarray, total: int,
 def pixel_copies(cfg: SynthesizeConfig, faces: np.ndarray, labels: np.ndarray, paths: Paths,
                  reconstruct: Callable[[np.ndarray], np.ndarray] | None) -> tuple[np.ndarray, Any, np.ndarray]:
     """(faces that copy a training face, the copy ``Threshold``, each face's distance to its nearest one) by pixels:
-    ``faces`` (N, s, s, 3) as the generator made them against every training face made at that size and passed
-    through ``reconstruct`` (the generator's autoencoder: a copy comes back through its decoder, where its FR cosine
+    ``faces`` (N, s, s, 3) as the generator made them against the training faces (up to ``copy_reference_max``, a
+    seeded sample beyond) made at that size and passed through ``reconstruct`` (the generator's autoencoder: a copy comes back through its decoder, where its FR cosine
     drops into the range of a second photo of the person); calibrated on the training faces' distance to the
     nearest other one (``ml.generator.gates.pixel_copy_reference``). More copies than ``max_memorised_fraction`` of
     the faces fail the stage, naming them and what they copy."""
@@ -333,8 +335,13 @@ def pixel_copies(cfg: SynthesizeConfig, faces: np.ndarray, labels: np.ndarray, p
 
     rows = read_manifest(paths.train_set / "manifest.parquet")
     rows = rows[rows["split"] == "train"].reset_index(drop=True)
-    reference = resize_faces(load_images(paths.train_set, rows, progress=True), faces.shape[1])
-    reference = reference if reconstruct is None else reconstruct(reference)
+    if len(rows) > cfg.copy_reference_max:  # a copy of a face outside the sample goes unseen (reference_size)
+        rows = rows.sample(n=cfg.copy_reference_max, random_state=cfg.seed).reset_index(drop=True)
+    chunks = []
+    for i in range(0, len(rows), 2048):  # a chunk at a time: only the generator-sized faces are held
+        small = resize_faces(load_images(paths.train_set, rows.iloc[i:i + 2048]), faces.shape[1])
+        chunks.append(small if reconstruct is None else reconstruct(small))
+    reference = np.concatenate(chunks)
     gate = calibrate(cfg.max_copy_distance, pixel_copy_reference(reference), cfg.copy_percentile,
                      "synthesize.max_copy_distance")
     dist, nearest = nearest_image(faces, reference)
@@ -400,7 +407,7 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
     check_memorisation(cfg, memorised, len(faces), labels, privacy, real_rows, gates["memorisation"])
     copies, gates["copy"], copy_dist = pixel_copies(cfg, generated, labels, paths, reconstruct_faces)
     consistency = per_identity_consistency(emb, labels)
-    gated = np.fromiter(consistency.values(), dtype=np.float64)  # before any gate drops: not filtered on itself
+    before_gates = np.fromiter(consistency.values(), dtype=np.float64)  # not filtered on itself
     too_close = np.flatnonzero(privacy["identity_max_cos"] > gates["privacy"].value)
     if gates["privacy"].value >= 1.0:
         too_close = too_close[:0]
@@ -444,8 +451,8 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
                       "synthetic/nearest_train_pixel_distance_min": float(copy_dist.min()),
                       **gate_metrics(gates),
                       "synthetic/identity_consistency_min": float(min(consistency.values())),
-                      "synthetic/identity_consistency_before_gates": float(gated.mean()),
-                      "synthetic/identity_consistency_min_before_gates": float(gated.min()),
+                      "synthetic/identity_consistency_before_gates": float(before_gates.mean()),
+                      "synthetic/identity_consistency_min_before_gates": float(before_gates.min()),
                       "synthetic/t0_mean": float(t0.mean()), "synthetic/t0_std": float(t0.std()),
                       "synthetic/unet_evals_per_image": float(evals.mean()),
                       "synthetic/candidates_kept_fraction": float(len(keep) / cfg.candidates),

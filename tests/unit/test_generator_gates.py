@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -192,3 +193,25 @@ def test_the_detector_judge_finds_real_faces_and_not_noise():
     assert out["synthetic/judge/detector_face_share"] <= 0.1
     faces = detector_judge(real[:, ::2, ::2], real, 32)  # real faces as the "synthetic" ones: the same rate
     assert faces["synthetic/judge/detector_face_share"] >= 0.5
+
+
+def test_the_copy_gate_compares_with_at_most_copy_reference_max_training_faces(tmp_path):
+    """A cluster's training set does not fit beside the generator: the copy gate samples it (seeded), and a face
+    copied from the sample is still caught."""
+    from ml.data.dataset import DatasetWriter, load_images, read_manifest
+    from tasks.common import Paths
+    from tasks.synthesize import SynthesizeConfig, pixel_copies
+
+    paths = Paths(root=tmp_path)
+    faces = np.random.default_rng(0).integers(0, 256, (12, 8, 8, 3), dtype=np.uint8)
+    with DatasetWriter(paths.train_set, name="train", source="procedural", aligned=True) as w:
+        for i, face in enumerate(faces):
+            w.add(face, identity=f"id{i // 2:06d}", split="train")
+    faces = load_images(paths.train_set, read_manifest(paths.train_set / "manifest.parquet"))  # as stored
+    cfg = SynthesizeConfig(copy_reference_max=5, max_memorised_fraction=1.0)
+    copies, gate, dist = pixel_copies(cfg, faces, np.repeat(np.arange(6), 2), paths, None)
+    assert gate.reference_size == 5 and gate.percentile == 0.1
+    sampled = np.flatnonzero(dist < 1e-6)  # the five sampled faces, each a copy of itself
+    assert len(sampled) == 5 and set(sampled) <= set(copies.tolist())
+    with pytest.raises(DataError, match=r"memorisation: \d+ of 12 synthetic faces are pixel copies"):
+        pixel_copies(dataclasses.replace(cfg, max_memorised_fraction=0.1), faces, np.zeros(12, int), paths, None)
