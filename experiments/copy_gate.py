@@ -58,9 +58,11 @@ def measure(paths: Paths) -> dict[str, Any]:
     from ml.data.dataset import landmarks_array, load_images, read_manifest
     from ml.generator.autoencoder import reconstruct
     from ml.generator.diversity import nearest_real
-    from ml.generator.gates import calibrate, nearest_image, pixel_copy_reference
+    from ml.generator.gates import nearest_image
     from tasks.prepare import DataConfig
-    from tasks.synthesize import SynthesizeConfig, calibrated_gates, embed_generated, load_generator_for
+    from tasks.synthesize import (
+        SynthesizeConfig, calibrated_gates, copy_reference, embed_generated, load_generator_for,
+    )
     from tasks.train_generator import GeneratorStageConfig, identity_embeddings, load_fr, resize_faces
 
     params = load_params(paths.params)
@@ -81,9 +83,7 @@ def measure(paths: Paths) -> dict[str, Any]:
     sampled_faces = load_images(paths.train_set, sampled, progress=True)
     real_emb = identity_embeddings(fr, sampled_faces, landmarks_array(sampled))
     cosine = calibrated_gates(cfg, fr, paths, real_emb, sampled["label"].to_numpy())["memorisation"]
-    reference = reconstruct(autoencoder, resize_faces(load_images(paths.train_set, train, progress=True), size))[0]
-    copy = calibrate(cfg.max_copy_distance, pixel_copy_reference(reference), cfg.copy_percentile,
-                     "synthesize.max_copy_distance")
+    reference, _, copy = copy_reference(cfg, paths, size, lambda x: reconstruct(autoencoder, x)[0])
 
     def flagged(faces: np.ndarray) -> dict[str, float]:
         emb, _, _ = embed_generated(fr, aligner, faces, data.image_size)

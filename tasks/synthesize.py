@@ -321,16 +321,13 @@ def check_memorisation(cfg: SynthesizeConfig, memorised: np.ndarray, total: int,
         "plots/synthetic_privacy.png; train it on more data or for fewer steps")
 
 
-def pixel_copies(cfg: SynthesizeConfig, faces: np.ndarray, labels: np.ndarray, paths: Paths,
-                 reconstruct: Callable[[np.ndarray], np.ndarray] | None) -> tuple[np.ndarray, Any, np.ndarray]:
-    """(faces that copy a training face, the copy ``Threshold``, each face's distance to its nearest one) by pixels:
-    ``faces`` (N, s, s, 3) as the generator made them against the training faces (up to ``copy_reference_max``, a
-    seeded sample beyond) made at that size and passed through ``reconstruct`` (the generator's autoencoder: a copy comes back through its decoder, where its FR cosine
-    drops into the range of a second photo of the person); calibrated on the training faces' distance to the
-    nearest other one (``ml.generator.gates.pixel_copy_reference``). More copies than ``max_memorised_fraction`` of
-    the faces fail the stage, naming them and what they copy."""
+def copy_reference(cfg: SynthesizeConfig, paths: Paths, size: int,
+                   reconstruct: Callable[[np.ndarray], np.ndarray] | None) -> tuple[np.ndarray, Any, Any]:
+    """(the training faces (up to ``copy_reference_max``, a seeded sample beyond) made at ``size`` and passed through
+    ``reconstruct``, their manifest rows, the copy ``Threshold``): what the copy gate compares with, calibrated on the
+    faces' distance to the nearest other one (``ml.generator.gates.pixel_copy_reference``)."""
     from ml.data.dataset import load_images, read_manifest
-    from ml.generator.gates import calibrate, nearest_image, pixel_copy_reference
+    from ml.generator.gates import calibrate, pixel_copy_reference
     from tasks.train_generator import resize_faces
 
     rows = read_manifest(paths.train_set / "manifest.parquet")
@@ -339,11 +336,22 @@ def pixel_copies(cfg: SynthesizeConfig, faces: np.ndarray, labels: np.ndarray, p
         rows = rows.sample(n=cfg.copy_reference_max, random_state=cfg.seed).reset_index(drop=True)
     chunks = []
     for i in range(0, len(rows), 2048):  # a chunk at a time: only the generator-sized faces are held
-        small = resize_faces(load_images(paths.train_set, rows.iloc[i:i + 2048]), faces.shape[1])
+        small = resize_faces(load_images(paths.train_set, rows.iloc[i:i + 2048]), size)
         chunks.append(small if reconstruct is None else reconstruct(small))
     reference = np.concatenate(chunks)
     gate = calibrate(cfg.max_copy_distance, pixel_copy_reference(reference), cfg.copy_percentile,
                      "synthesize.max_copy_distance")
+    return reference, rows, gate
+
+
+def pixel_copies(cfg: SynthesizeConfig, faces: np.ndarray, labels: np.ndarray, paths: Paths,
+                 reconstruct: Callable[[np.ndarray], np.ndarray] | None) -> tuple[np.ndarray, Any, np.ndarray]:
+    """(copies, the copy ``Threshold``, each face's nearest distance): ``faces`` (N, s, s, 3) as the generator made
+    them against ``copy_reference`` (a copy returns through the decoder, its FR cosine down among a second photo's);
+    more copies than ``max_memorised_fraction`` fail the stage, naming them and what they copy."""
+    from ml.generator.gates import nearest_image
+
+    reference, rows, gate = copy_reference(cfg, paths, faces.shape[1], reconstruct)
     dist, nearest = nearest_image(faces, reference)
     copies = np.flatnonzero(dist < gate.value)
     if len(copies) > cfg.max_memorised_fraction * len(faces):

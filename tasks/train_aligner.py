@@ -11,8 +11,8 @@ Face score: ROC AUC and accuracy at 0.5 of the test faces against held-out non-f
 ``HELDOUT_NONFACE_START``; ``test/face_auc``, ``test/face_accuracy@0.5``), and Spearman's ρ with the procedural quality
 on freshly rendered faces of reserved identities (``quality/score_spearman``). On real aligned faces
 (``aligner.reference_faces``, else the held-out real identities of a run that ingests real faces) the predictions
-are compared with OpenCV Zoo's YuNet when installed (``faceops[reference]``), else the reason is recorded; on the procedural test faces YuNet's own landmarks stand beside DFA's (``test/yunet/*``,
-``detector_comparison``). Writes ``models/aligner/``, ``metrics/train_aligner.json``,
+are compared with OpenCV Zoo's YuNet when installed (``faceops[reference]``), else the reason is recorded; on the
+procedural test faces YuNet's own landmarks stand beside DFA's (``test/yunet/*``, ``detector_comparison``). Writes ``models/aligner/``, ``metrics/train_aligner.json``,
 ``plots/train_aligner_history.csv``; registers ``faceops-aligner`` @candidate.
 """
 
@@ -84,6 +84,8 @@ def reference_images(cfg: AlignerStageConfig, paths: Paths) -> tuple[np.ndarray 
             return None, (f"reference faces not found at {path} (a development-only set; point "
                           "aligner.reference_faces at a folder of aligned faces)")
         items = list(ingest_image_folder(path))[:cfg.reference_max_images]
+        if not items:
+            return None, f"no images under {path} (aligner.reference_faces wants <identity>/<image> files)"
         images = [decode_image(p.read_bytes(), source=str(p)) for p, _ in items]
         size = images[0].shape[0]
         return np.stack([im for im in images if im.shape[:2] == (size, size)]), str(path)
