@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from ml.errors import ConfigError
 from ml.fr.losses.margin import MARGINS
 from ml.fr.backbones import BACKBONES
+from ml.fr.backbones.kprpe import KEYPOINT_MAPS
 from ml.train.augment import AugmentConfig
 from ml.train.device import PRECISIONS
 
@@ -55,6 +56,7 @@ class FRConfig:
     lr_steps: tuple[float, ...] = (0.6, 0.9)  # fractions of the training steps
     grad_clip: float = 0.0  # max gradient norm; 0 = off
     keypoint_lr_scale: float = 1.0  # KP-RPE: the keypoint map (``kprpe.*``) learns at this multiple of lr (its own group)
+    keypoint_map: str = "linear"  # KP-RPE: "linear" (the paper's) | "mlp" (per-query keypoint terms), ml/fr/backbones/kprpe.py
     num_nodes: int = 1
     strategy: str = "auto"  # | "ddp" | "ddp_spawn"; several devices or nodes always run DDP
     compile: bool = False  # torch.compile the training forward and (on an accelerator) the kprpe augmentation
@@ -88,6 +90,7 @@ class FRConfig:
             )
         choices = {
             "augment_recipe": AUGMENT_RECIPES, "schedule": SCHEDULES, "strategy": STRATEGIES, "precision": PRECISIONS,
+            "keypoint_map": KEYPOINT_MAPS,
         }
         for key, valid in choices.items():
             if getattr(self, key) not in valid:
@@ -114,6 +117,11 @@ class FRConfig:
                 "fr.margin 'adaface' works with the full softmax only: PartialFC (fr.sample_rate < 1) and fr.lvface "
                 "take the unified margins; use fr.margin arcface or cosface with them, or sample_rate 1.0 and "
                 "lvface false"
+            )
+        if self.keypoint_map != "linear" and not self.backbone.endswith("_kprpe"):
+            raise ConfigError(
+                f"fr.keypoint_map {self.keypoint_map!r} shapes a KP-RPE backbone's keypoint bias, but fr.backbone "
+                f"{self.backbone!r} has none; pick a *_kprpe backbone or leave fr.keypoint_map linear"
             )
         if self.lvface and self.lvface_switch_epoch >= self.epochs:
             raise ConfigError(

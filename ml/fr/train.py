@@ -106,6 +106,8 @@ def _backbone_kwargs(cfg: FRConfig, size: int, overrides: dict[str, Any] | None)
     if flexible:
         kwargs["img_size"] = size
     kwargs["embed_dim"] = cfg.embedding_dim
+    if cfg.keypoint_map != "linear":  # the linear map is the backbone's default: its saved kwargs stay as they were
+        kwargs["keypoint_map"] = cfg.keypoint_map
     expected = input_contract(cfg.backbone, **kwargs)["size"]
     if expected != size:
         raise ConfigError(

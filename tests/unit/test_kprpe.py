@@ -281,3 +281,60 @@ def test_keypoint_path_exports_without_graph_breaks():
     assert "aten.gather.default" in ops and not any("nonzero" in op or "index_put" in op for op in ops)
     with torch.no_grad():
         torch.testing.assert_close(exported.module()(x, kp), model(x, kp))
+
+
+# ---- the MLP keypoint map (fr.keypoint_map: mlp)
+
+
+def test_linear_keypoint_term_is_shared_by_every_query_token_and_the_mlp_term_is_not():
+    """Moving the landmarks changes a Linear map's tables by one offset table per face, the same at every query
+    token (it cannot say "attend where the eye now is"); the MLP's change differs from token to token."""
+    kp1, kp2 = torch.rand(1, 5, 2), torch.rand(1, 5, 2)
+    for name in ("linear", "mlp"):
+        torch.manual_seed(0)
+        m = KPRPE(32, 8, depth=2, heads=2, keypoint_map=name)
+        torch.nn.init.normal_(m.linear.weight, std=0.5)
+        with torch.no_grad():
+            change = m.tables(kp2) - m.tables(kp1)  # (L, 1, H, T, NB)
+        spread_over_tokens = float(change.std(dim=3).max())
+        if name == "linear":
+            assert spread_over_tokens < 1e-5
+        else:
+            assert spread_over_tokens > 1e-2
+        # the bias built layer by layer is the one gathered from the full tables
+        bias, tables = m(kp1), m.tables(kp1)
+        for layer in range(2):
+            torch.testing.assert_close(bias[layer], m.layer_bias(tables[layer]))
+
+
+def test_mlp_keypoint_map_starts_as_the_plain_vit_learns_and_round_trips(tmp_path):
+    torch.manual_seed(0)
+    plain = vit_module.vit_tiny(**TINY).eval()
+    model = vit_tiny_kprpe(keypoint_map="mlp", **TINY).eval()
+    result = model.load_state_dict(plain.state_dict(), strict=False)
+    assert sorted(k for k in result.missing_keys) == [
+        "kprpe.hidden.0.bias", "kprpe.hidden.0.weight", "kprpe.hidden.2.bias", "kprpe.hidden.2.weight",
+        "kprpe.linear.bias", "kprpe.linear.weight"]
+    x, kp = _inputs(model.img_size)
+    with torch.no_grad():
+        assert torch.equal(model(x, kp), plain(x))  # zero-initialised output layer: exactly the plain ViT
+    model.train()
+    model(x, kp).square().sum().backward()
+    assert model.kprpe.linear.weight.grad.abs().sum() > 0  # the keypoint path gets a gradient from the start
+    torch.nn.init.normal_(model.kprpe.linear.weight, std=0.5)
+    model.eval()
+    save_model(tmp_path / "m", model, backbone="vit_tiny_kprpe", kwargs={"keypoint_map": "mlp", **TINY})
+    loaded, _ = load_model(tmp_path / "m")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x, kp), model(x, kp))
+        assert not torch.allclose(model(x, kp), plain(x))
+
+
+def test_unknown_keypoint_map_and_a_map_without_kprpe_are_refused():
+    from ml.fr.config import FRConfig
+
+    with pytest.raises(ConfigError, match="keypoint_map 'conv'"):
+        vit_tiny_kprpe(keypoint_map="conv")
+    with pytest.raises(ConfigError, match="fr.keypoint_map"):
+        FRConfig(backbone="vit_tiny", keypoint_map="mlp")
+    assert FRConfig(backbone="vit_tiny_kprpe", keypoint_map="mlp").keypoint_map == "mlp"

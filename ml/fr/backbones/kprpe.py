@@ -1,7 +1,13 @@
 """ViT with KeyPoint Relative Position Embedding (KP-RPE, Kim et al., CVPR 2024): a landmark-dependent attention bias::
 
-    logit[l, b, h, i, j] = q_i·k_j/√d + E[l, b, h, i, bucket(i, j)],   E = Linear(D) as (L, B, H, T, 49)
+    logit[l, b, h, i, j] = q_i·k_j/√d + E[l, b, h, i, bucket(i, j)],   E = f(D) as (L, B, H, T, 49)
     D_i = concat_j (p_i − k_j) ∈ R^10   (patch centre p_i, landmark k_j, both divided by the image side)
+
+``f`` is one Linear (``keypoint_map="linear"``, the paper's ``rel_keypoint_splithead_unshared``) or
+Linear → ReLU → LayerNorm → Linear (``"mlp"``, the reference's ``rel_keypoint_unshared_v2`` with split heads).
+A Linear is affine in ``D_i``, so its keypoint term ``−W·k`` is one offset-bucket table per face shared by
+every query token: it can reweight offsets (a face seen larger or turned) but not make a token attend where a
+shifted feature now lies. The MLP's term depends on where each query token sits relative to the landmarks.
 
 ``bucket`` quantises the grid offset of tokens i, j with iRPE's "product" method (:func:`relative_position_buckets`).
 The Linear is zero-initialised, so a fresh model computes exactly what the plain ViT computes. Keypoints enter as
@@ -14,6 +20,7 @@ Differences from the reference (CVLface ``vit_kprpe``, ``rel_keypoint_splithead_
 - The bias is added to ``q·k/√d`` (no context product); bad keypoints raise ``DataError``, with no fallback.
 - Only the product method with one shared Linear (the paper's best); ``return_styles`` gives CAFace styles.
 - ``fr.keypoint_lr_scale`` can give the keypoint map its own learning rate (default 1, as in the reference).
+- ``fr.keypoint_map: mlp`` keeps one table per layer and head (the reference's MLP variant shares one over heads).
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from ml.fr.backbones.vit import INPUT_CONTRACT as VIT_INPUT_CONTRACT
 from ml.fr.backbones.vit import SIZES, ViT
 
 NUM_KEYPOINTS = 5
+KEYPOINT_MAPS = ("linear", "mlp")
+KEYPOINT_HIDDEN = 256  # the MLP map's width, as the reference's ``rel_keypoint_unshared_v2``
 # iRPE "product" defaults used by KP-RPE (ratio 1.9): buckets per axis 2·⌊β⌋ + 1 = 7, 49 in all.
 ALPHA, BETA, GAMMA = 1.9, 3.8, 15.2
 
@@ -118,8 +127,13 @@ class KPRPE(nn.Module):
         alpha: float = ALPHA,
         beta: float = BETA,
         gamma: float = GAMMA,
+        keypoint_map: str = "linear",
+        hidden: int = KEYPOINT_HIDDEN,
     ) -> None:
         super().__init__()
+        if keypoint_map not in KEYPOINT_MAPS:
+            raise ConfigError(f"fr.keypoint_map {keypoint_map!r} is not one of {list(KEYPOINT_MAPS)}")
+        self.keypoint_map = keypoint_map
         self.depth = depth
         self.heads = heads
         self.num_keypoints = num_keypoints
@@ -131,7 +145,11 @@ class KPRPE(nn.Module):
         self.register_buffer("centres", patch_centres(img_size, patch_size), persistent=False)  # (T, 2)
         buckets = relative_position_buckets(grid, alpha, beta, gamma)  # (T, T)
         self.register_buffer("buckets", buckets, persistent=False)
-        self.linear = nn.Linear(2 * num_keypoints, self.num_buckets * heads * depth)
+        width = 2 * num_keypoints
+        if keypoint_map == "mlp":  # PyTorch's default init for the hidden layer, as in the reference
+            self.hidden = nn.Sequential(nn.Linear(width, hidden), nn.ReLU(), nn.LayerNorm(hidden))
+            width = hidden
+        self.linear = nn.Linear(width, self.num_buckets * heads * depth)
         nn.init.zeros_(self.linear.weight)
         nn.init.zeros_(self.linear.bias)
 
@@ -161,10 +179,30 @@ class KPRPE(nn.Module):
         """Layer ``layer``'s bucket table ``(B, H, T, NB)`` from :meth:`parts`."""
         return static[layer] - per_face[layer][:, :, None]
 
+    def prepare(self, keypoints: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What :meth:`table` builds every layer's table from: :meth:`parts` for the Linear map; for the MLP, its
+        hidden features of ``D`` ``(B, T, hidden)``."""
+        if self.keypoint_map == "linear":
+            return self.parts(keypoints)
+        return (self.hidden(self.relative_keypoints(keypoints.to(self.linear.weight.dtype))),)
+
+    def table(self, state: tuple[torch.Tensor, ...], layer: int) -> torch.Tensor:
+        """Layer ``layer``'s bucket table ``(B, H, T, NB)`` from :meth:`prepare`'s ``state``."""
+        if self.keypoint_map == "linear":
+            return self.layer_table(*state, layer)
+        rows = self.heads * self.num_buckets  # the output is layer-major, as in :meth:`parts`
+        w = self.linear.weight[layer * rows : (layer + 1) * rows]
+        out = torch.nn.functional.linear(state[0], w, self.linear.bias[layer * rows : (layer + 1) * rows])
+        b, t, _ = out.shape
+        return out.view(b, t, self.heads, self.num_buckets).transpose(1, 2)
+
     def tables(self, keypoints: torch.Tensor) -> torch.Tensor:
-        """Normalised keypoints ``(B, K, 2)`` → bucket tables ``(L, B, H, T, NB)``, ``E = Linear(D)``."""
-        static, per_face = self.parts(keypoints)
-        return static[:, None] - per_face[..., None, :]
+        """Normalised keypoints ``(B, K, 2)`` → bucket tables ``(L, B, H, T, NB)``, ``E = f(D)``."""
+        if self.keypoint_map == "linear":
+            static, per_face = self.parts(keypoints)
+            return static[:, None] - per_face[..., None, :]
+        state = self.prepare(keypoints)
+        return torch.stack([self.table(state, layer) for layer in range(self.depth)])
 
     def layer_bias(self, table: torch.Tensor) -> torch.Tensor:
         """One layer's table ``(B, H, T, NB)`` → bias ``(B, H, T, T)``: ``gather`` along the buckets.
@@ -185,8 +223,8 @@ class KPRPE(nn.Module):
 
     def forward(self, keypoints: torch.Tensor) -> torch.Tensor:
         """Normalised keypoints ``(B, K, 2)`` → biases ``(L, B, H, T, T)``; layer ``l`` adds ``[l]``."""
-        static, per_face = self.parts(keypoints)
-        return torch.stack([self.layer_bias(self.layer_table(static, per_face, l)) for l in range(self.depth)])
+        state = self.prepare(keypoints)
+        return torch.stack([self.layer_bias(self.table(state, layer)) for layer in range(self.depth)])
 
 
 class KPRPEViT(ViT):
@@ -201,11 +239,12 @@ class KPRPEViT(ViT):
 
     needs_keypoints = True
 
-    def __init__(self, **vit_kwargs: Any) -> None:
+    def __init__(self, keypoint_map: str = "linear", **vit_kwargs: Any) -> None:
         super().__init__(**vit_kwargs)
         self.patch_size = self.patch_embed.patch_size
         self.num_keypoints = NUM_KEYPOINTS
-        self.kprpe = KPRPE(self.img_size, self.patch_size, self.depth, self.heads, NUM_KEYPOINTS)
+        self.kprpe = KPRPE(self.img_size, self.patch_size, self.depth, self.heads, NUM_KEYPOINTS,
+                           keypoint_map=keypoint_map)
 
     @property
     def input_contract(self) -> dict[str, Any]:
@@ -242,7 +281,7 @@ class KPRPEViT(ViT):
         block (one ``(B, H, T, T)`` tensor alive at a time instead of ``L``).
         """
         kp = self.normalised_keypoints(keypoints, x.shape[0])
-        static, per_face = self.kprpe.parts(kp)  # (L, H, T, NB), (L, B, H, NB)
+        state = self.kprpe.prepare(kp)  # Linear: (L, H, T, NB), (L, B, H, NB); MLP: (B, T, hidden)
         x = self.patch_embed(x) + self.pos_embed  # (B, T, dim)
         b, t, d = x.shape
         keep = None
@@ -251,7 +290,7 @@ class KPRPEViT(ViT):
             x = x.gather(1, keep[..., None].expand(-1, -1, d))  # (B, T', dim)
         styles: list[torch.Tensor] | None = [] if return_styles else None
         for layer, block in enumerate(self.blocks):
-            table = self.kprpe.layer_table(static, per_face, layer)  # (B, H, T, NB)
+            table = self.kprpe.table(state, layer)  # (B, H, T, NB)
             if keep is None:
                 bias = self.kprpe.layer_bias(table)  # (B, H, T, T)
             else:
