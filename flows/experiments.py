@@ -35,7 +35,8 @@ def uiface_ablation(seeds: list[int] = [2, 3, 4, 5, 6], quick: bool = False, out
 def paper_claims(seeds: list[int] = [0], only: str | None = "kprpe",
                  conditions: list[str] = ["misaligned"], data_seeds: list[int] = [2, 3, 4, 5, 6], epochs: int = 10,
                  kprpe_epochs: int = 25, pairs: int = 6000, out_dir: str = ".") -> dict[str, Any]:
-    """KP-RPE against the plain ViT (with the keypoint-swap diagnostic) and LVFace against ArcFace, mean ± sample
+    """KP-RPE against the plain ViT (on the condition and on its low-quality probes, with the keypoint diagnostics
+    and the template-keypoint ablation) and LVFace against ArcFace, mean ± sample
     std over every (data seed, seed) run with paired per-run differences; the numbers go to reports/claims.md,
     metrics/claims.json and one MLflow run ``claims`` (each arm's mean, std and paired difference as metrics, the
     report as an artifact).
@@ -112,9 +113,9 @@ def discovery_claims(seeds: list[int] = [0], data_seeds: list[int] = [2, 3, 4, 5
 
 
 def _log_claims(results: dict, report: Path, params: dict[str, Any]) -> str:
-    """One MLflow run ``claims``: ``<claim>/<condition>/<arm>/mean``, ``…/paired_mean``, ``…/swap_mean`` and
-    ``…/test_sets_mean``; ``…/std``, ``…/test_sets_ci_low`` and ``…/test_sets_ci_high`` in its
-    ``metrics/details.json``."""
+    """One MLflow run ``claims``: ``<claim>/<condition>/<arm>/mean``, ``…/paired_mean``, ``…/test_sets_mean``, the
+    keypoint diagnostics ``…/swap_mean``, ``…/noise_mean``, ``…/shuffled_mean`` and ``…/keypoints_part_mean``;
+    ``…/std``, ``…/test_sets_ci_low`` and ``…/test_sets_ci_high`` in its ``metrics/details.json``."""
     from ops.tracking import mlflow_metric_name
 
     metrics: dict[str, float] = {}
@@ -123,7 +124,7 @@ def _log_claims(results: dict, report: Path, params: dict[str, Any]) -> str:
             for arm, r in arms.items():
                 key = mlflow_metric_name(f"{claim}/{cond}/{arm.replace(' ', '')}")
                 metrics[f"{key}/mean"], metrics[f"{key}/std"] = r["mean"], r["std"]
-                for part in ("paired", "swap", "test_sets"):
+                for part in ("paired", "swap", "noise", "shuffled", "test_sets", "keypoints_part"):
                     if part in r:
                         metrics[f"{key}/{part}_mean"] = r[part]["mean"]
                 if "test_sets" in r:

@@ -98,9 +98,10 @@ def test_the_claims_report_says_what_chose_and_what_scored_and_keeps_its_time(tm
 
 @pytest.mark.slow
 def test_claims_flow_writes_report_numbers_and_an_mlflow_run(tmp_path, monkeypatch):
-    """One seed on two data seeds, one epoch, the misaligned condition: the ViT and KP-RPE arms, each with its per-run
-    accuracy and per-data-seed means; the KP-RPE arm carries the keypoint-swap numbers; the report and the MLflow run
-    hold the same means."""
+    """One seed on two data seeds, one epoch, the misaligned condition: the ViT and the KP-RPE arms (Linear map, MLP
+    map, MLP map on one template), each with its per-run accuracy and per-data-seed means, on the condition and on its
+    low-quality probes; the KP-RPE arms carry the keypoint diagnostics; the report and the MLflow run hold the same
+    means."""
     import mlflow
 
     from flows.experiments import paper_claims
@@ -110,7 +111,20 @@ def test_claims_flow_writes_report_numbers_and_an_mlflow_run(tmp_path, monkeypat
                        pairs=400, out_dir=str(tmp_path))
     results = json.loads((tmp_path / "metrics" / "claims.json").read_text())
     arms = results["kprpe"]["misaligned"]
-    assert list(arms) == ["vit_tiny", "vit_tiny_kprpe"]
+    assert list(arms) == ["vit_tiny", "vit_tiny_kprpe", "vit_tiny_kprpe_mlp", "vit_tiny_kprpe_mlp_template"]
+    probes = results["kprpe"]["low_quality"]
+    assert list(probes) == list(arms)
+    for name in ("vit_tiny_kprpe", "vit_tiny_kprpe_mlp"):
+        p = probes[name]
+        for key in ("template_accuracy", "noise_accuracy", "shuffled_accuracy", "gradient_share"):
+            assert len(p[key]) == 2, key
+        assert p["noise"]["mean"] == pytest.approx(np.mean(np.subtract(p["accuracy"], p["noise_accuracy"])))
+        assert all(0 <= g <= 1 for g in p["gradient_share"])
+    # the template arm sees one keypoint layout everywhere: swapping in the mean template changes nothing
+    template = arms["vit_tiny_kprpe_mlp_template"]
+    assert template["swap"]["mean"] == 0 and max(template["keypoint_bias_std"]) < 1e-6
+    assert arms["vit_tiny_kprpe_mlp"]["keypoints_part"]["units"] == 2
+    assert probes["vit_tiny_kprpe_mlp"]["keypoints_part"]["resampled"] == "identities"
     assert "swap" not in arms["vit_tiny"] and "paired" not in arms["vit_tiny"]
     vit, kp = arms["vit_tiny"], arms["vit_tiny_kprpe"]
     assert kp["runs"] == [[0, 0], [1, 0]] and len(kp["accuracy"]) == len(kp["template_accuracy"]) == 2
@@ -123,7 +137,32 @@ def test_claims_flow_writes_report_numbers_and_an_mlflow_run(tmp_path, monkeypat
     assert len(kp["keypoint_bias_std"]) == 2 and all(v >= 0 for v in kp["keypoint_bias_std"])
     report = (tmp_path / "reports" / "claims.md").read_text()
     assert "keypoint swap" in report and f"{100 * vit['mean']:.2f}" in report
+    assert "## Does KP-RPE use its keypoints?" in report and "| low_quality | `vit_tiny_kprpe_mlp` |" in report
     assert f"1: {100 * kp['by_data_seed']['1']['mean']:.2f}" in report
     run = mlflow.get_run(out["mlflow_run"])
     assert run.data.metrics["kprpe/misaligned/vit_tiny/mean"] == pytest.approx(vit["mean"])
     assert run.data.metrics["kprpe/misaligned/vit_tiny_kprpe/swap_mean"] == pytest.approx(kp["swap"]["mean"])
+    assert run.data.metrics["kprpe/low_quality/vit_tiny_kprpe_mlp/noise_mean"] == pytest.approx(
+        probes["vit_tiny_kprpe_mlp"]["noise"]["mean"])
+
+
+def test_low_quality_probes_are_the_held_out_people_seen_worse():
+    """The probes re-render the scored identities' faces with the LOW_QUALITY jitter and degradations: same shapes,
+    other pixels, landmarks further from the template than the condition's own test faces (exact, from the
+    renderer)."""
+    import dataclasses
+
+    from experiments.claims import make_split
+    from ml.data.procedural import arcface_template
+
+    scale = dataclasses.replace(Scale(), train_identities=4, images_per_identity=2, test_identities=30,
+                                test_images_per_identity=4, pairs=100)
+    data = make_split("misaligned", scale, seed=0)
+    assert data["lx"].shape == data["tx"].shape and data["lkp"].shape == data["tkp"].shape
+    assert not np.array_equal(data["lx"], data["tx"])
+    template = arcface_template(scale.image_size)
+    off = {k: float(np.linalg.norm(data[k] - template, axis=-1).mean()) for k in ("tkp", "lkp")}
+    assert off["lkp"] > 1.3 * off["tkp"], off
+    # degraded: less fine detail (mean absolute difference between neighbouring pixels)
+    detail = {k: float(np.abs(np.diff(data[k].astype(np.float32), axis=2)).mean()) for k in ("tx", "lx")}
+    assert detail["lx"] < detail["tx"], detail
