@@ -18,7 +18,7 @@ Differences from the reference (CVLface ``vit_kprpe``, ``rel_keypoint_splithead_
 - Patch centres sit where the patches are, ``(c·P + (P − 1)/2)/S``, not at ``(c + 0.5)/grid`` (differs at patch 9).
 - Token masking works (the bias is gathered to the kept tokens); the reference asserts ``mask_ratio == 0``.
 - The bias is added to ``q·k/√d`` (no context product); bad keypoints raise ``DataError``, with no fallback.
-- Only the product method with one shared Linear (the paper's best); ``return_styles`` gives CAFace styles.
+- Only the product method; ``return_styles`` gives CAFace styles.
 - ``fr.keypoint_lr_scale`` can give the keypoint map its own learning rate (default 1, as in the reference).
 - ``fr.keypoint_map: mlp`` keeps one table per layer and head (the reference's MLP variant shares one over heads).
 """
