@@ -168,9 +168,10 @@ class GradientShare(Callback):
         self.shares.append(float(keypoint / total.clamp(min=1e-12)))
 
 
-def score(cfg: FRConfig, data: dict[str, np.ndarray], template: bool = False) -> dict[str, float]:
+def score(cfg: FRConfig, data: dict[str, np.ndarray], template: bool = False, probes: bool = True) -> dict[str, Any]:
     """``accuracy`` on the held-out pairs, ``correct`` (each pair right or wrong, for intervals) and training
-    ``seconds``; ``probes``: the same for the pairs whose second face is a low-quality probe (``LOW_QUALITY``). A
+    ``seconds``; with ``probes``, ``probes``: the same for the pairs whose second face is a low-quality probe
+    (``LOW_QUALITY``). A
     KP-RPE model also gets the keypoint diagnostics: ``template_accuracy`` (every test face given the mean
     keypoints: the keypoint swap), on the probes also ``noise_accuracy`` (the probes' keypoints off by
     ``KEYPOINT_NOISE_PX``) and ``shuffled_accuracy`` (each probe given another probe's keypoints), the bias spread
@@ -199,19 +200,21 @@ def score(cfg: FRConfig, data: dict[str, np.ndarray], template: bool = False) ->
     feats = features(data["tx"], data["tkp"])
     acc, correct = outcome(feats, feats)
     out: dict[str, Any] = {"accuracy": acc, "correct": correct, "seconds": float(res.seconds)}
-    probe_acc, probe_correct = outcome(feats, features(data["lx"], data["lkp"]))
-    probes: dict[str, Any] = {"accuracy": probe_acc, "correct": probe_correct}
     if uses_keypoints:
         out["template_accuracy"] = outcome(feats, features(data["tx"], one_template(data["tkp"])))[0]
         out.update(bias_spread(res.model, data["tkp"]), gradient_share=float(np.mean(share.shares)))
+    if not probes:
+        return out
+    probe_acc, probe_correct = outcome(feats, features(data["lx"], data["lkp"]))
+    out["probes"] = {"accuracy": probe_acc, "correct": probe_correct}
+    if uses_keypoints:
         rng = np.random.default_rng(cfg.seed)
         noisy = (data["lkp"] + rng.normal(0.0, KEYPOINT_NOISE_PX, data["lkp"].shape)).astype(np.float32)
-        probes.update(
+        out["probes"].update(
             template_accuracy=outcome(feats, features(data["lx"], one_template(data["lkp"])))[0],
             noise_accuracy=outcome(feats, features(data["lx"], noisy))[0],
             shuffled_accuracy=outcome(feats, features(data["lx"], data["lkp"][rng.permutation(len(data["lkp"]))]))[0],
             **bias_spread(res.model, data["lkp"]), gradient_share=out["gradient_share"])
-    out["probes"] = probes
     return out
 
 
@@ -277,18 +280,18 @@ def run_claims(seeds: list[int], scale: Scale, only: str | None = None,
         if only and claim != only:
             continue
         for cond, models in conditions.items():
+            pair_ids = [splits[cond, d]["ty"][splits[cond, d]["pairs"][:, 0]] for d, _ in runs_of]
             reference: dict[str, list] = {}
             kept: dict[tuple[str, str], list] = {}
             for name, cfg in models.items():
                 runs = []
                 for d, seed in runs_of:
                     runs.append(score(dataclasses.replace(cfg, seed=seed), splits[cond, d],
-                                      template=name == TEMPLATE_ARM))
+                                      template=name == TEMPLATE_ARM, probes=claim == "kprpe"))
                     log.info("%s/%s/%s data %d seed %d: %s", claim, cond, name, d, seed,
                              {k: round(v, 4) for k, v in runs[-1].items() if isinstance(v, float)})
                 scored = {cond: runs} if claim != "kprpe" else {cond: runs, PROBES: [r["probes"] for r in runs]}
                 for where, outcomes in scored.items():
-                    pair_ids = [splits[cond, d]["ty"][splits[cond, d]["pairs"][:, 0]] for d, _ in runs_of]
                     entry = _entry(outcomes, reference.get(where), runs_of, pair_ids, scale)
                     entry["seconds"] = [r["seconds"] for r in runs]
                     entry["train_seconds"] = float(np.mean(entry["seconds"]))
@@ -384,16 +387,6 @@ def render(results: dict, seeds: list[int], scale: Scale) -> str:
             return ", ".join(f"{d}: {100 * v['mean']:.2f}" for d, v in per.items())
         return ", ".join(f"{d}: {100 * v['mean']:.2f} ± {100 * v['std']:.2f}" for d, v in per.items())
 
-    def spread(r: dict) -> str:
-        if "keypoint_bias_std" not in r:
-            return "—"
-        return f"{np.mean(r['keypoint_bias_std']):.3f} / {np.mean(r['position_bias_std']):.3f}"
-
-    def pp(d: dict | None) -> str:
-        if d is None:
-            return "—"
-        return f"{100 * d['mean']:+.2f} ± {100 * d['std']:.2f} ({d['higher']}/{d['seeds']} higher)"
-
     # Holm over every difference the table judges: a verdict holds only where the correction rejects
     judged = [r[key] for conds in results.values() for arms in conds.values() for r in arms.values()
               for key in ("test_sets", "keypoints_part") if r.get(key)]
@@ -414,6 +407,20 @@ def render(results: dict, seeds: list[int], scale: Scale) -> str:
               "difference's two-sided p (a one-sample t-test over its test sets) passes Holm's step-down procedure "
               "over every difference in the table at α = 0.05, or its verdict says it does not.", ""]
     return "\n".join(lines + diagnostics(results, survives, len(judged)))
+
+
+def spread(r: dict) -> str:
+    """A KP-RPE row's bias std, keypoints / position (mean over runs), or — for a row without one."""
+    if "keypoint_bias_std" not in r:
+        return "—"
+    return f"{np.mean(r['keypoint_bias_std']):.3f} / {np.mean(r['position_bias_std']):.3f}"
+
+
+def pp(d: dict | None) -> str:
+    """A paired per-run difference in pp with the runs where it was higher, or — for none."""
+    if d is None:
+        return "—"
+    return f"{100 * d['mean']:+.2f} ± {100 * d['std']:.2f} ({d['higher']}/{d['seeds']} higher)"
 
 
 def test_sets(d: dict | None, survives: dict[int, bool], family: int) -> tuple[str, str]:
@@ -437,13 +444,6 @@ def diagnostics(results: dict, survives: dict[int, bool], family: int) -> list[s
     if not rows:
         return []
 
-    def drop(r: dict, key: str) -> str:
-        d = r.get(key)
-        return "—" if d is None else f"{100 * d['mean']:+.2f} ± {100 * d['std']:.2f} ({d['higher']}/{d['seeds']})"
-
-    def mean(r: dict, key: str, fmt: str) -> str:
-        return format(float(np.mean(r[key])), fmt) if key in r else "—"
-
     lines = ["## Does KP-RPE use its keypoints?", "",
              "Accuracy with the true keypoints minus accuracy with: one mean template for every face (swap), "
              f"the probes' keypoints off by N(0, {KEYPOINT_NOISE_PX:g} px) per coordinate (noise), each probe given "
@@ -456,11 +456,10 @@ def diagnostics(results: dict, survives: dict[int, bool], family: int) -> list[s
              "| condition | arm | accuracy | swap (pp) | noise (pp) | shuffled (pp) | bias std: keypoints / position "
              "| gradient share | keypoints' part, per test set (pp) | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
     for cond, arm, r in rows:
-        bias = (f"{mean(r, 'keypoint_bias_std', '.3f')} / {mean(r, 'position_bias_std', '.3f')}"
-                if "keypoint_bias_std" in r else "—")
         part, verdict = test_sets(r.get("keypoints_part"), survives, family)
-        lines.append(f"| {cond} | `{arm}` | {100 * r['mean']:.2f} % | {drop(r, 'swap')} | {drop(r, 'noise')} | "
-                     f"{drop(r, 'shuffled')} | {bias} | {mean(r, 'gradient_share', '.4f')} | {part} | {verdict} |")
+        share = f"{np.mean(r['gradient_share']):.4f}" if "gradient_share" in r else "—"
+        lines.append(f"| {cond} | `{arm}` | {100 * r['mean']:.2f} % | {pp(r.get('swap'))} | {pp(r.get('noise'))} | "
+                     f"{pp(r.get('shuffled'))} | {spread(r)} | {share} | {part} | {verdict} |")
     return lines + [""]
 
 
