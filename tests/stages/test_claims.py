@@ -3,6 +3,7 @@ end at toy size (report, per-seed numbers, the keypoint-swap diagnostic and the 
 
 from __future__ import annotations
 
+import functools
 import json
 
 import numpy as np
@@ -104,9 +105,14 @@ def test_claims_flow_writes_report_numbers_and_an_mlflow_run(tmp_path, monkeypat
     means."""
     import mlflow
 
+    import experiments.claims
     from flows.experiments import paper_claims
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    # a quarter of the identities: the flow's wiring, not its numbers, is under test (8 trainings and their diagnostics)
+    monkeypatch.setattr(experiments.claims, "Scale", functools.partial(
+        experiments.claims.Scale, train_identities=40, images_per_identity=6, test_identities=40,
+        test_images_per_identity=4))
     out = paper_claims(seeds=[0], only="kprpe", conditions=["misaligned"], data_seeds=[0, 1], kprpe_epochs=1,
                        pairs=400, out_dir=str(tmp_path))
     results = json.loads((tmp_path / "metrics" / "claims.json").read_text())
