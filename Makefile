@@ -45,6 +45,7 @@ run: setup
 smoke: setup
 	$(BIN)/faceops run --preset smoke
 
+# the tests run on two pytest-xdist workers, a file per worker at a time (a module's fixtures are built once);
 # the browser tests (tests/browser) drive the system's Chromium: where it is missing and apt-get exists, Debian's
 # package is installed (as root, or through a password-less sudo); if that fails they are skipped, saying why
 test: setup
@@ -56,7 +57,7 @@ test: setup
 	    || { $$apt update >/dev/null && $$apt install -y chromium >/dev/null; } \
 	    || echo "chromium could not be installed: the browser tests will be skipped"; \
 	fi
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 bench: setup
 	$(BIN)/python -m benchmarks

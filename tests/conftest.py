@@ -19,6 +19,18 @@ for _k, _v in {
 }.items():
     os.environ.setdefault(_k, _v)
 
+# `make test` runs the files on two pytest-xdist workers (most tests wait on servers and subprocesses, not the CPU).
+# Each worker gets its own Prefect home (the temporary servers' SQLite database) and Ray session folder, and one
+# thread per torch / BLAS pool so that two workers' training does not oversubscribe the cores.
+if _worker := os.environ.get("PYTEST_XDIST_WORKER"):
+    import tempfile
+
+    _home = Path(tempfile.gettempdir()) / f"faceops-tests-{os.getpid()}-{_worker}"
+    os.environ.setdefault("PREFECT_HOME", str(_home / "prefect"))
+    os.environ.setdefault("RAY_TMPDIR", str(_home / "ray"))
+    for _k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_k, "1")
+
 # where the trainers' "it learns" tests train: the CPU in full precision unless FACEOPS_TEST_ACCELERATOR /
 # FACEOPS_TEST_PRECISION say otherwise, so that the same assertions check a GPU worker in mixed precision
 # (FACEOPS_TEST_ACCELERATOR=gpu FACEOPS_TEST_PRECISION=bf16-mixed pytest -k "learn or beats")
