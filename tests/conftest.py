@@ -31,6 +31,11 @@ if _worker := os.environ.get("PYTEST_XDIST_WORKER"):
     for _k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(_k, "1")
 
+# DVC binds its console handlers to whatever sys.stdout / sys.stderr are when it is first imported. Imported here, that
+# is pytest's session-long capture; imported first inside a test that uses capsys or capfd, it would be that test's
+# buffer, closed when the test ends, and every later in-process DVC call in the worker would fail to log and stop.
+import dvc  # noqa: E402, F401
+
 # where the trainers' "it learns" tests train: the CPU in full precision unless FACEOPS_TEST_ACCELERATOR /
 # FACEOPS_TEST_PRECISION say otherwise, so that the same assertions check a GPU worker in mixed precision
 # (FACEOPS_TEST_ACCELERATOR=gpu FACEOPS_TEST_PRECISION=bf16-mixed pytest -k "learn or beats")
