@@ -7,7 +7,9 @@
    with the paper's recipe (``KPRPE_RECIPE``): the plain ViT, KP-RPE with the paper's Linear keypoint map and with an
    MLP map (``fr.keypoint_map: mlp``); ``--keypoint-lr-scale s`` adds an arm whose keypoint map learns at s × lr.
 2. The LVFace schedule is at least as good as ArcFace for the same steps, on the clean set (``aligned``) and on
-   ``noisy`` (many identities, few images each, a share of wrong labels), where PartialFC alone is a third arm.
+   ``noisy`` (many identities, few images each, a share of wrong labels), where PartialFC alone is a third arm, and
+   on ``many``: clean labels on the most classes the claims' CPU budget trains (``Scale.many_identities``), where
+   the paper's staged PartialFC schedule is meant to matter.
 
 Every arm trains on the same procedural identities once per (data seed, seed) and is scored by 10-fold verification
 accuracy (flip TTA) on distinct pairs of held-out identities: mean ± sample std over the runs, per data seed, and
@@ -57,6 +59,8 @@ class Scale:
     noisy_identities: int = 1000  # LVFace's "noisy" condition: many identities, few images, wrong labels
     noisy_images_per_identity: int = 3
     label_noise: float = 0.15  # share of the noisy condition's training labels moved to another identity
+    many_identities: int = 2000  # LVFace's "many" condition: clean labels, thousands of classes, few images each
+    many_images_per_identity: int = 3
 
 
 # The KP-RPE paper's recipe (Table 6: AdaFace m 0.4, h 0.333, 3 warmup epochs). ArcFace (m 0.5) collapses on these
@@ -73,6 +77,7 @@ CONDITIONS = {
 # (blur, low resolution, noise, JPEG), each with its exact landmarks, matched against the condition's own test faces.
 LOW_QUALITY = {"aligned_rotation_deg": 20.0, "aligned_scale_jitter": 0.2, "aligned_shift": 0.1, "blur_prob": 0.8,
                "lowres_prob": 0.6, "noise_prob": 0.6, "jpeg_prob": 0.6}
+LVFACE_CONDITIONS = ("aligned", "noisy", "many")
 PROBES = "low_quality"  # the condition of the rows scored on them (the pairs' second faces are these probes)
 # the ablation of KP-RPE's input: the MLP map given one keypoint template for every face, in training and test
 TEMPLATE_ARM = "vit_tiny_kprpe_mlp_template"
@@ -99,14 +104,18 @@ def inject_label_noise(labels: np.ndarray, fraction: float, rng: np.random.Gener
 def scored_identities(condition: str, scale: Scale, data_seed: int) -> dict[str, tuple[int, range]]:
     """The held-out identities ``make_split(condition, scale, data_seed)`` scores on, as {condition: (procedural
     seed, identities)}: the block after the training identities, drawn with the data seed as the procedural seed (the
-    ``noisy`` condition trains on ``noisy_identities``)."""
-    first = scale.noisy_identities if condition == "noisy" else scale.train_identities
+    ``noisy`` and ``many`` conditions train on ``noisy_identities`` and ``many_identities``)."""
+    first = {"noisy": scale.noisy_identities, "many": scale.many_identities}.get(condition, scale.train_identities)
     return {condition: (data_seed, range(first, first + scale.test_identities))}
 
 
 def make_split(condition: str, scale: Scale, seed: int = 0) -> dict[str, np.ndarray]:
     """Training and held-out faces of ``condition``; ``noisy``: the aligned faces of ``scale.noisy_identities`` ×
-    ``scale.noisy_images_per_identity`` with ``scale.label_noise`` of the labels wrong (the held-out set is clean)."""
+    ``scale.noisy_images_per_identity`` with ``scale.label_noise`` of the labels wrong (the held-out set is clean);
+    ``many``: the aligned faces of ``scale.many_identities`` × ``scale.many_images_per_identity``, labels clean."""
+    if condition == "many":
+        return make_split("aligned", dataclasses.replace(scale, train_identities=scale.many_identities,
+                                                         images_per_identity=scale.many_images_per_identity), seed)
     if condition == "noisy":
         clean = make_split("aligned", dataclasses.replace(scale, train_identities=scale.noisy_identities,
                                                           images_per_identity=scale.noisy_images_per_identity), seed)
@@ -247,7 +256,7 @@ def paired(arm: list[float], reference: list[float]) -> dict[str, float]:
 
 def run_claims(seeds: list[int], scale: Scale, only: str | None = None,
                conditions: tuple[str, ...] = ("aligned", "misaligned"),
-               lvface_conditions: tuple[str, ...] = ("aligned", "noisy"),
+               lvface_conditions: tuple[str, ...] = LVFACE_CONDITIONS,
                data_seeds: tuple[int, ...] = DATA_SEEDS) -> dict:
     """Every arm of every claim and condition once per (data seed, seed). Per arm: ``accuracy`` (one per run, data
     seed major) and ``runs`` ([data seed, seed] of each), mean ± sample std over the runs, ``by_data_seed`` (mean ±
@@ -351,7 +360,8 @@ def render(results: dict, seeds: list[int], scale: Scale) -> str:
         f"{scale.train_identities} identities × {scale.images_per_identity} images at {scale.image_size}×"
         f"{scale.image_size} (condition noisy: {scale.noisy_identities} aligned identities × "
         f"{scale.noisy_images_per_identity} images, {100 * scale.label_noise:g} % of the labels moved to another "
-        "identity), `vit_tiny` dims for every arm. KP-RPE's arms: the paper's recipe (AdaFace m 0.4, h 0.333, 3 "
+        f"identity; condition many: {scale.many_identities:,} aligned identities × {scale.many_images_per_identity} "
+        "images, labels clean), `vit_tiny` dims for every arm. KP-RPE's arms: the paper's recipe (AdaFace m 0.4, h 0.333, 3 "
         f"warmup epochs), {scale.kprpe_epochs} epochs; LVFace's: ArcFace and its variants, {scale.epochs} epochs. "
         "Conditions: " + ", ".join(f"{k} = {v}" for k, v in CONDITIONS.items()) + ". Mean ± sample std (ddof 1) "
         "over the runs, one per (data seed, seed): the seed changes initialisation, data order and augmentation, "
@@ -479,14 +489,18 @@ def main() -> None:
     parser.add_argument("--only", choices=["kprpe", "lvface"], default=None)
     parser.add_argument("--conditions", nargs="+", choices=list(CONDITIONS), default=["aligned", "misaligned"],
                         help="KP-RPE's face conditions")
-    parser.add_argument("--lvface-conditions", nargs="+", choices=["aligned", "noisy"], default=["aligned", "noisy"],
-                        help="LVFace's: the clean set, and many identities with few images and noisy labels")
+    parser.add_argument("--lvface-conditions", nargs="+", choices=LVFACE_CONDITIONS, default=list(LVFACE_CONDITIONS),
+                        help="LVFace's: the clean set; many identities with few images and noisy labels; and "
+                        "thousands of identities with clean labels")
+    parser.add_argument("--many-identities", type=int, default=Scale.many_identities,
+                        help="classes of LVFace's condition many")
     parser.add_argument("--label-noise", type=float, default=Scale.label_noise,
                         help="share of wrong training labels in LVFace's noisy condition")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     scale = Scale(epochs=args.epochs, kprpe_epochs=args.kprpe_epochs, pairs=args.pairs,
-                  keypoint_lr_scale=args.keypoint_lr_scale, label_noise=args.label_noise)
+                  keypoint_lr_scale=args.keypoint_lr_scale, label_noise=args.label_noise,
+                  many_identities=args.many_identities)
     start = time.perf_counter()
     results = run_claims(args.seeds, scale, args.only, tuple(args.conditions), tuple(args.lvface_conditions),
                          tuple(args.data_seeds))

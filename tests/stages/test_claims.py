@@ -172,3 +172,21 @@ def test_low_quality_probes_are_the_held_out_people_seen_worse():
     # degraded: less fine detail (mean absolute difference between neighbouring pixels)
     detail = {k: float(np.abs(np.diff(data[k].astype(np.float32), axis=2)).mean()) for k in ("tx", "lx")}
     assert detail["lx"] < detail["tx"], detail
+
+
+def test_the_many_condition_trains_every_class_on_clean_labels_and_scores_the_identities_after_them():
+    """LVFace's ``many`` condition: ``many_identities`` classes × ``many_images_per_identity`` aligned faces with their
+    own labels, scored on the block of identities right after them (none of them trained on), the same people the
+    aligned condition would render there."""
+    import dataclasses
+
+    from experiments.claims import make_split, scored_identities
+
+    scale = dataclasses.replace(Scale(), many_identities=30, many_images_per_identity=3, test_identities=10,
+                                test_images_per_identity=4, pairs=40)
+    data = make_split("many", scale, seed=2)
+    assert len(data["x"]) == 90 and np.array_equal(data["y"], np.repeat(np.arange(30), 3))
+    assert scored_identities("many", scale, 2) == {"many": (2, range(30, 40))}
+    aligned = make_split("aligned", dataclasses.replace(scale, train_identities=30, images_per_identity=3), seed=2)
+    assert np.array_equal(data["x"], aligned["x"]) and np.array_equal(data["tx"], aligned["tx"])
+    assert len(data["tx"]) == 40 and data["pairs"].shape == (40, 2)

@@ -37,7 +37,8 @@ def test_every_claims_test_set_shares_no_face_with_the_default_run():
     for d in DATA_SEEDS:
         scored = {f"{name} ({source.__name__.split('.')[-1]})": ids for source, sets in (
             (claims, {**claims.scored_identities("misaligned", claims.Scale(), d),
-                      **claims.scored_identities("noisy", claims.Scale(), d)}),
+                      **claims.scored_identities("noisy", claims.Scale(), d),
+                      **claims.scored_identities("many", claims.Scale(), d)}),
             (uiface_claims, uiface_claims.scored_identities(uiface_claims.Scale(), d)),
             (discovery_claims, discovery_claims.scored_identities(discovery_claims.Scale(), d)),
             (fusion_claims, fusion_claims.scored_identities(data, d))) for name, ids in sets.items()}
