@@ -101,11 +101,22 @@ def inject_label_noise(labels: np.ndarray, fraction: float, rng: np.random.Gener
     return out
 
 
+def _trained_as_aligned(condition: str, scale: Scale) -> Scale:
+    """``scale`` with the identities and images per identity ``condition`` trains on: ``noisy`` and ``many`` render
+    aligned faces of their own counts; every other condition keeps ``train_identities`` × ``images_per_identity``."""
+    counts = {"noisy": (scale.noisy_identities, scale.noisy_images_per_identity),
+              "many": (scale.many_identities, scale.many_images_per_identity)}
+    if condition not in counts:
+        return scale
+    identities, images = counts[condition]
+    return dataclasses.replace(scale, train_identities=identities, images_per_identity=images)
+
+
 def scored_identities(condition: str, scale: Scale, data_seed: int) -> dict[str, tuple[int, range]]:
     """The held-out identities ``make_split(condition, scale, data_seed)`` scores on, as {condition: (procedural
     seed, identities)}: the block after the training identities, drawn with the data seed as the procedural seed (the
     ``noisy`` and ``many`` conditions train on ``noisy_identities`` and ``many_identities``)."""
-    first = {"noisy": scale.noisy_identities, "many": scale.many_identities}.get(condition, scale.train_identities)
+    first = _trained_as_aligned(condition, scale).train_identities
     return {condition: (data_seed, range(first, first + scale.test_identities))}
 
 
@@ -113,12 +124,10 @@ def make_split(condition: str, scale: Scale, seed: int = 0) -> dict[str, np.ndar
     """Training and held-out faces of ``condition``; ``noisy``: the aligned faces of ``scale.noisy_identities`` ×
     ``scale.noisy_images_per_identity`` with ``scale.label_noise`` of the labels wrong (the held-out set is clean);
     ``many``: the aligned faces of ``scale.many_identities`` × ``scale.many_images_per_identity``, labels clean."""
-    if condition == "many":
-        return make_split("aligned", dataclasses.replace(scale, train_identities=scale.many_identities,
-                                                         images_per_identity=scale.many_images_per_identity), seed)
-    if condition == "noisy":
-        clean = make_split("aligned", dataclasses.replace(scale, train_identities=scale.noisy_identities,
-                                                          images_per_identity=scale.noisy_images_per_identity), seed)
+    if condition in ("noisy", "many"):
+        clean = make_split("aligned", _trained_as_aligned(condition, scale), seed)
+        if condition == "many":
+            return clean
         return {**clean, "y": inject_label_noise(clean["y"], scale.label_noise, np.random.default_rng([seed, 7]))}
     config = ProceduralConfig(image_size=scale.image_size, **CONDITIONS[condition])
     gen = ProceduralFaces(config, seed=seed)
@@ -361,8 +370,9 @@ def render(results: dict, seeds: list[int], scale: Scale) -> str:
         f"{scale.image_size} (condition noisy: {scale.noisy_identities} aligned identities × "
         f"{scale.noisy_images_per_identity} images, {100 * scale.label_noise:g} % of the labels moved to another "
         f"identity; condition many: {scale.many_identities:,} aligned identities × {scale.many_images_per_identity} "
-        "images, labels clean), `vit_tiny` dims for every arm. KP-RPE's arms: the paper's recipe (AdaFace m 0.4, h 0.333, 3 "
-        f"warmup epochs), {scale.kprpe_epochs} epochs; LVFace's: ArcFace and its variants, {scale.epochs} epochs. "
+        "images, labels clean), `vit_tiny` dims for every arm. KP-RPE's arms: the paper's recipe (AdaFace m 0.4, "
+        f"h 0.333, 3 warmup epochs), {scale.kprpe_epochs} epochs; LVFace's: ArcFace and its variants, "
+        f"{scale.epochs} epochs. "
         "Conditions: " + ", ".join(f"{k} = {v}" for k, v in CONDITIONS.items()) + ". Mean ± sample std (ddof 1) "
         "over the runs, one per (data seed, seed): the seed changes initialisation, data order and augmentation, "
         "the data seed the identities rendered and the pairs drawn; \"per data seed\": the mean ± std over the seeds "
