@@ -28,6 +28,10 @@ if _worker := os.environ.get("PYTEST_XDIST_WORKER"):
     _home = Path(tempfile.gettempdir()) / f"faceops-tests-{os.getpid()}-{_worker}"
     os.environ.setdefault("PREFECT_HOME", str(_home / "prefect"))
     os.environ.setdefault("RAY_TMPDIR", str(_home / "ray"))
+    # made here: a temporary Prefect server opens its SQLite file in PREFECT_HOME without creating the folder, so a
+    # worker whose first Prefect use is a flow run (not the CLI, which creates it) would fail to start one
+    for _dir in (os.environ["PREFECT_HOME"], os.environ["RAY_TMPDIR"]):
+        Path(_dir).mkdir(parents=True, exist_ok=True)
     for _k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(_k, "1")
 
