@@ -81,6 +81,9 @@ LVFACE_CONDITIONS = ("aligned", "noisy", "many")
 PROBES = "low_quality"  # the condition of the rows scored on them (the pairs' second faces are these probes)
 # the ablation of KP-RPE's input: the MLP map given one keypoint template for every face, in training and test
 TEMPLATE_ARM = "vit_tiny_kprpe_mlp_template"
+# a judged difference's stored verdict (``judge``): beyond noise and after Holm; beyond noise but not after Holm;
+# not beyond noise
+VERDICTS = ("holds after Holm", "not after Holm", "not beyond noise")
 KEYPOINT_NOISE_PX = 2.0  # the keypoint-noise diagnostic: Gaussian std per coordinate, pixels of the 64-px face
 
 
@@ -120,12 +123,13 @@ def scored_identities(condition: str, scale: Scale, data_seed: int) -> dict[str,
     return {condition: (data_seed, range(first, first + scale.test_identities))}
 
 
-def make_split(condition: str, scale: Scale, seed: int = 0) -> dict[str, np.ndarray]:
+def make_split(condition: str, scale: Scale, seed: int = 0, probes: bool = True) -> dict[str, np.ndarray]:
     """Training and held-out faces of ``condition``; ``noisy``: the aligned faces of ``scale.noisy_identities`` ×
     ``scale.noisy_images_per_identity`` with ``scale.label_noise`` of the labels wrong (the held-out set is clean);
-    ``many``: the aligned faces of ``scale.many_identities`` × ``scale.many_images_per_identity``, labels clean."""
+    ``many``: the aligned faces of ``scale.many_identities`` × ``scale.many_images_per_identity``, labels clean. With
+    ``probes`` also the held-out faces re-rendered as low-quality probes (``lx``, ``lkp``), which only KP-RPE scores."""
     if condition in ("noisy", "many"):
-        clean = make_split("aligned", _trained_as_aligned(condition, scale), seed)
+        clean = make_split("aligned", _trained_as_aligned(condition, scale), seed, probes)
         if condition == "many":
             return clean
         return {**clean, "y": inject_label_noise(clean["y"], scale.label_noise, np.random.default_rng([seed, 7]))}
@@ -141,11 +145,13 @@ def make_split(condition: str, scale: Scale, seed: int = 0) -> dict[str, np.ndar
     scored = scored_identities(condition, scale, seed)[condition][1]
     tx, ty, tkp = render(scored, scale.test_images_per_identity)
     pairs, same = held_out_pairs(ty, scale.pairs, np.random.default_rng(seed))
+    split = {"x": x, "y": y, "kp": kp, "tx": tx, "ty": ty, "tkp": tkp, "pairs": pairs, "issame": same}
+    if not probes:
+        return split
     gen = ProceduralFaces(ProceduralConfig(image_size=scale.image_size, **{**CONDITIONS[condition], **LOW_QUALITY}),
                           seed=seed)  # the same people, seen worse: the second face of every pair is a probe
     lx, _, lkp = render(scored, scale.test_images_per_identity)
-    return {"x": x, "y": y, "kp": kp, "tx": tx, "ty": ty, "tkp": tkp, "lx": lx, "lkp": lkp, "pairs": pairs,
-            "issame": same}
+    return {**split, "lx": lx, "lkp": lkp}
 
 
 def held_out_pairs(labels: np.ndarray, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -198,7 +204,7 @@ def score(cfg: FRConfig, data: dict[str, np.ndarray], template: bool = False, pr
     ablation of KP-RPE's input)."""
     if template:
         mean = data["kp"].mean(0)
-        data = {**data, **{k: np.broadcast_to(mean, data[k].shape).copy() for k in ("kp", "tkp", "lkp")}}
+        data = {**data, **{k: np.broadcast_to(mean, data[k].shape).copy() for k in ("kp", "tkp", "lkp") if k in data}}
     share = GradientShare()
     res = train_fr(cfg, data["x"], data["y"], keypoints=data["kp"], progress=False,
                    callbacks=[share] if cfg.backbone.endswith("_kprpe") else ())
@@ -292,7 +298,8 @@ def run_claims(seeds: list[int], scale: Scale, only: str | None = None,
     }
     results: dict = {}
     wanted = {*(conditions if only != "lvface" else ()), *(lvface_conditions if only != "kprpe" else ())}
-    splits = {(cond, d): make_split(cond, scale, seed=d) for cond in wanted for d in data_seeds}
+    probed = set(conditions if only != "lvface" else ())  # KP-RPE's: the only claim scored on the probes
+    splits = {(cond, d): make_split(cond, scale, seed=d, probes=cond in probed) for cond in wanted for d in data_seeds}
     runs_of = [(d, seed) for d in data_seeds for seed in seeds]
     for claim, conditions in arms.items():
         if only and claim != only:
@@ -407,15 +414,10 @@ def render(results: dict, seeds: list[int], scale: Scale) -> str:
             return ", ".join(f"{d}: {100 * v['mean']:.2f}" for d, v in per.items())
         return ", ".join(f"{d}: {100 * v['mean']:.2f} ± {100 * v['std']:.2f}" for d, v in per.items())
 
-    # Holm over every difference the table judges: a verdict holds only where the correction rejects
-    judged = [r[key] for conds in results.values() for arms in conds.values() for r in arms.values()
-              for key in ("test_sets", "keypoints_part") if r.get(key)]
-    survives = {id(d): ok for d, ok in zip(judged, corrected(judged))}
-
     for claim, conds in results.items():
         for cond, arms in conds.items():
             for arm, r in arms.items():
-                diff, verdict = test_sets(r.get("test_sets"), survives, len(judged))
+                diff, verdict = test_sets(r.get("test_sets"))
                 lines.append(f"| {claim} | {cond} | `{arm}` | {100 * r['mean']:.2f} ± {100 * r['std']:.2f} % | "
                              f"{by_data(r)} | {', '.join(f'{100 * a:.1f}' for a in r['accuracy'])} | "
                              f"{pp(r.get('paired'))} | {diff} | {verdict} | {pp(r.get('swap'))} | {spread(r)} | "
@@ -426,7 +428,7 @@ def render(results: dict, seeds: list[int], scale: Scale) -> str:
               "one come from runs before this rule. The table's verdicts are corrected for their number: each "
               "difference's two-sided p (a one-sample t-test over its test sets) passes Holm's step-down procedure "
               "over every difference in the table at α = 0.05, or its verdict says it does not.", ""]
-    return "\n".join(lines + diagnostics(results, survives, len(judged)))
+    return "\n".join(lines + diagnostics(results))
 
 
 def spread(r: dict) -> str:
@@ -443,21 +445,33 @@ def pp(d: dict | None) -> str:
     return f"{100 * d['mean']:+.2f} ± {100 * d['std']:.2f} ({d['higher']}/{d['seeds']} higher)"
 
 
-def test_sets(d: dict | None, survives: dict[int, bool], family: int) -> tuple[str, str]:
-    """A difference over test sets as (text, verdict), the verdict corrected by Holm over ``family`` differences."""
+def judge(results: dict) -> None:
+    """Holm over every difference the tables judge (each row's ``test_sets`` and ``keypoints_part``): each gets
+    ``holm`` (its null rejected by the correction), ``family`` (how many were judged) and ``verdict``, one of
+    ``VERDICTS``, stored with the metrics so that a page quotes the verdict a rerun gives, never one typed beside it.
+    A verdict holds only where the uncorrected rule (``beyond_noise``) and the correction both reject."""
+    judged = [r[key] for conds in results.values() for arms in conds.values() for r in arms.values()
+              for key in ("test_sets", "keypoints_part") if r.get(key)]
+    for d, ok in zip(judged, corrected(judged)):
+        d.update(holm=bool(ok), family=len(judged),
+                 verdict=VERDICTS[2] if not d["beyond_noise"] else VERDICTS[0] if ok else VERDICTS[1])
+
+
+def test_sets(d: dict | None) -> tuple[str, str]:
+    """A judged difference over test sets (``judge``) as (text, verdict)."""
     if d is None:
         return "—", "—"
     over = "identities" if d.get("resampled") == "identities" else "pairs"
     text = (f"{100 * d['mean']:+.2f} ± {100 * d['std']:.2f} ({d['higher']}/{d['units']} higher; {over} "
             f"{100 * d['ci_low']:+.2f} to {100 * d['ci_high']:+.2f})")
-    if not d["beyond_noise"]:
+    if d["verdict"] == VERDICTS[2]:
         return text, f"not beyond noise ({d['units']} test sets)"
-    if survives[id(d)]:
-        return text, f"beyond noise ({d['units']} test sets), after Holm over {family}"
-    return text, f"not after Holm over {family} (beyond noise uncorrected, {d['units']} test sets)"
+    if d["verdict"] == VERDICTS[0]:
+        return text, f"beyond noise ({d['units']} test sets), after Holm over {d['family']}"
+    return text, f"not after Holm over {d['family']} (beyond noise uncorrected, {d['units']} test sets)"
 
 
-def diagnostics(results: dict, survives: dict[int, bool], family: int) -> list[str]:
+def diagnostics(results: dict) -> list[str]:
     """The keypoint diagnostics of every KP-RPE row that has them, one line per (condition, arm)."""
     rows = [(cond, arm, r) for cond, arms in results.get("kprpe", {}).items() for arm, r in arms.items()
             if "template_accuracy" in r]
@@ -476,7 +490,7 @@ def diagnostics(results: dict, survives: dict[int, bool], family: int) -> list[s
              "| condition | arm | accuracy | swap (pp) | noise (pp) | shuffled (pp) | bias std: keypoints / position "
              "| gradient share | keypoints' part, per test set (pp) | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
     for cond, arm, r in rows:
-        part, verdict = test_sets(r.get("keypoints_part"), survives, family)
+        part, verdict = test_sets(r.get("keypoints_part"))
         share = f"{np.mean(r['gradient_share']):.4f}" if "gradient_share" in r else "—"
         lines.append(f"| {cond} | `{arm}` | {100 * r['mean']:.2f} % | {pp(r.get('swap'))} | {pp(r.get('noise'))} | "
                      f"{pp(r.get('shuffled'))} | {spread(r)} | {share} | {part} | {verdict} |")
@@ -528,6 +542,7 @@ def write_results(results: dict, seeds: list[int], scale: Scale, out_dir: Path, 
         for claim, conds in results.items():
             merged.setdefault(claim, {}).update(conds)
         results = merged
+    judge(results)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=2) + "\n")
     report = out_dir / "reports" / "claims.md"
