@@ -75,7 +75,7 @@ def paper_claims(seeds: list[int] = [0], only: str | None = "kprpe",
 @flow(name="discovery-claims")
 def discovery_claims(seeds: list[int] = [0], data_seeds: list[int] = [2, 3, 4, 5, 6],
                      arms: list[str] = ["facegcd", "gcd", "static_prefix"], epochs: int = 0, quick: bool = False,
-                     out_dir: str = ".") -> dict[str, Any]:
+                     backbone: str = "default", out_dir: str = ".") -> dict[str, Any]:
     """FaceGCD against GCD, the FR features + SSK and the static-prefix ablation with the default run's recipe, mean ±
     sample std over every (data seed, seed) run with paired differences judged over test sets (data seeds); the
     numbers go to reports/discovery_claims.md, metrics/discovery_claims.json and one MLflow run ``discovery_claims``
@@ -90,16 +90,20 @@ def discovery_claims(seeds: list[int] = [0], data_seeds: list[int] = [2, 3, 4, 5
             image labelled), ``embedding`` the diagnostic with the loss on the clustered features.
         epochs: epochs per trained arm (0: params.yaml discovery.epochs).
         quick: toy size, to check the code end to end in a minute or two (numbers mean nothing).
+        backbone: the FR model every arm starts from: ``default`` (ArcFace on 150 identities) or ``strong`` (LVFace
+            on 2,000: experiments.discovery_claims.STRONG), written as reports/discovery_claims_strong.md and
+            metrics/discovery_claims_strong.json.
         out_dir: writes reports/ and metrics/ under it.
     """
     import time
 
-    from experiments.discovery_claims import QUICK, Scale, run_claims, write_results
+    from experiments.discovery_claims import choose_scale, run_claims, write_results
 
-    scale = QUICK if quick else Scale(discovery_epochs=epochs)
+    scale, name = choose_scale(quick, epochs, backbone)
     start = time.perf_counter()
     results = run_claims(list(seeds), scale, list(data_seeds), tuple(arms))
-    report = write_results(results, list(seeds), list(data_seeds), scale, time.perf_counter() - start, Path(out_dir))
+    report = write_results(results, list(seeds), list(data_seeds), scale, time.perf_counter() - start, Path(out_dir),
+                           name)
     metrics: dict[str, float] = {}
     for arm, stats in results["summary"]["arms"].items():
         for key, ms in stats.items():
@@ -110,9 +114,9 @@ def discovery_claims(seeds: list[int] = [0], data_seeds: list[int] = [2, 3, 4, 5
             if "test_sets" in d:
                 for stat in ("mean", "ci_low", "ci_high"):
                     metrics[f"{claim}/{key}/test_sets_{stat}"] = d["test_sets"][stat]
-    run_id = _log_run("discovery_claims", metrics, report, {"seeds": list(seeds), "data_seeds": list(data_seeds),
-                                                            "arms": list(arms), "epochs": epochs, "quick": quick},
-                      figures=(report.with_name("discovery_claims_curves.png"),))
+    run_id = _log_run(name, metrics, report, {"seeds": list(seeds), "data_seeds": list(data_seeds), "arms": list(arms),
+                                              "epochs": epochs, "quick": quick, "backbone": backbone},
+                      figures=(report.with_name(f"{name}_curves.png"),))
     get_run_logger().info("discovery claims → %s (MLflow run %s)", report, run_id)
     return {"report": str(report), "mlflow_run": run_id, "claims": results["summary"]["claims"]}
 

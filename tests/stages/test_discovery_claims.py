@@ -90,6 +90,34 @@ def test_the_oracle_arm_alone_trains_with_every_training_label(monkeypatch):
     assert "| chance (random partitions with the true cluster sizes) |" in report
 
 
+def test_the_strong_backbone_trains_lvface_on_its_identities_and_scores_the_blocks_after_them(monkeypatch):
+    """``--backbone strong``: the FR model every arm starts from is LVFace's staged schedule (PartialFC 0.5) on
+    ``STRONG``'s identities, and the discovery sets move to the blocks after them; the default stays plain ArcFace."""
+    import dataclasses
+
+    import experiments.discovery_claims as dc
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_fr(cfg, x, y, **kwargs):
+        seen.append((cfg, len(set(y.tolist())), len(x)))
+        raise Stop
+
+    monkeypatch.setattr(dc, "train_fr", fake_fr)
+    strong = dataclasses.replace(dc.QUICK, **{**dc.STRONG, "fr_identities": 20, "fr_images_per_identity": 3})
+    for scale in (dc.QUICK, strong):
+        with pytest.raises(Stop):
+            dc.run_claims([0], scale, [2], ("facegcd",))
+    (plain, n_plain, _), (lvface, n_strong, images) = seen
+    assert (plain.lvface, plain.sample_rate) == (False, 1.0) and n_plain == dc.QUICK.fr_identities
+    assert (lvface.lvface, lvface.sample_rate) == (True, 0.5) and (n_strong, images) == (20, 60)
+    assert dc.scored_identities(strong, 2) == {"discovery": (2, range(20 + 2 * 12, 20 + 3 * 12))}
+    assert dc.Scale(**dc.STRONG).fr_identities == 2000 and dc.Scale(**dc.STRONG).fr_lvface
+
+
 def test_with_image_outcomes_the_verdict_takes_the_test_set_as_its_unit():
     """Two data seeds × two training seeds: per test set the training seeds are averaged, so four runs that are
     all higher make two units, and a claim holds only if the test sets agree and the image interval excludes 0."""

@@ -41,6 +41,8 @@ def test_every_claims_test_set_shares_no_face_with_the_default_run():
                       **claims.scored_identities("many", claims.Scale(), d)}),
             (uiface_claims, uiface_claims.scored_identities(uiface_claims.Scale(), d)),
             (discovery_claims, discovery_claims.scored_identities(discovery_claims.Scale(), d)),
+            (discovery_claims, {"discovery strong": discovery_claims.scored_identities(
+                discovery_claims.Scale(**discovery_claims.STRONG), d)["discovery"]}),
             (fusion_claims, fusion_claims.scored_identities(data, d))) for name, ids in sets.items()}
         assert shared_faces(scored, rendered) == [], d
 
