@@ -10,6 +10,10 @@ another), then the first val face (split ``val``: never trained on) of 32 traini
 - the FR cosine of each face to its context, and the identity consistency of each context's 4 faces;
 - training seconds (what ``make run`` pays) and milliseconds per sampled face, both on one thread.
 
+``--autoencoders`` measures the ceiling a latent design's sampler cannot pass instead: each latent design's
+autoencoder alone (and ``default``: params as committed), trained as the stage trains it (one thread, float32), its
+reconstructions of 128 val faces judged the same way (and their PSNR): ``metrics/generator_autoencoders.jsonl``.
+
 Needs a finished ``train_fr@real`` and ``train_aligner`` (``dvc repro train_fr@real train_aligner``). Appends one row
 per design to ``metrics/generator_designs.jsonl`` (a design measured again replaces its row) and writes
 ``reports/generator_designs.md`` with each design's faces (``reports/generator_designs/<name>.png``). Test splits are
@@ -34,12 +38,17 @@ from tasks.common import Paths, load_params, section, write_text
 
 log = logging.getLogger("experiments.generator_designs")
 
-# name → (what it is, params `generator` delta). Each denoises the 32-px faces themselves, the UNet seeing p × p
-# patches as channels (lossless, so no decoder bounds the faces); `--judge-default` adds make run's own generator.
+# name → (what it is, params `generator` delta). The pixel designs denoise the 32-px faces themselves, the UNet
+# seeing p × p patches as channels (lossless, so no decoder bounds the faces); the latent ones change make run's
+# autoencoder; `--judge-default` adds make run's own generator.
 PIXEL = {"space": "pixel", "train.model.image_size": 32, "train.model.in_channels": 3, "train.precision": "32-true",
          "train.prediction_type": "epsilon", "train.loss_weighting": "uniform"}
 P2 = {**PIXEL, "train.model.patch_size": 2, "train.model.block_out_channels": [32, 64, 128], "train.batch_size": 32}
 P4 = {**PIXEL, "train.model.patch_size": 4, "train.model.block_out_channels": [64, 128], "train.batch_size": 64}
+TINY = {"autoencoder_train.architecture": "tiny", "autoencoder_train.precision": "32-true",
+        "train.precision": "32-true"}  # float32: what make run pays there
+F2 = {**TINY, "train.model.image_size": 16, "train.model.patch_size": 2}  # 32 px → 16×16 latent → 8×8 UNet grid
+C2 = {"autoencoder_train.latent_channels": 2, "train.model.in_channels": 2}
 V_MIN_SNR = {"train.prediction_type": "v_prediction", "train.loss_weighting": "min_snr"}
 DESIGNS: dict[str, tuple[str, dict[str, Any]]] = {
     "eps_p2": ("ε, uniform; 2×2 patches (12×16×16), UNet [32, 64, 128]; 1,356 steps of 32",
@@ -62,6 +71,19 @@ DESIGNS: dict[str, tuple[str, dict[str, Any]]] = {
                {**P4, "train.prediction_type": "edm", "train.epochs": 12}),
     "edm_p2_long": ("as edm_p2, 3× the steps (2,034)", {**P2, "train.prediction_type": "edm", "train.epochs": 18}),
     "edm_p4_long": ("as edm_p4, 3× the steps (2,052)", {**P4, "train.prediction_type": "edm", "train.epochs": 36}),
+    "tiny_f2_c4": ("latent: AutoencoderTiny [48, 48] → 4×16×16, FR term; UNet [64, 128] on its 2×2 patches",
+                   {**F2, "autoencoder_train.block_out_channels": [48, 48]}),
+    "tiny_f2_c2": ("as tiny_f2_c4 with 2 latent channels → 2×16×16 (8×8×8 patches)",
+                   {**F2, **C2, "autoencoder_train.block_out_channels": [48, 48]}),
+    "tiny32_f2_c2": ("as tiny_f2_c2 with AutoencoderTiny [32, 32] (the KL one's training cost)",
+                     {**F2, **C2, "autoencoder_train.block_out_channels": [32, 32]}),
+    "tiny_f2_c2_edm": ("as tiny_f2_c2 with EDM preconditioning",
+                       {**F2, **C2, "autoencoder_train.block_out_channels": [48, 48], "train.prediction_type": "edm"}),
+    "tiny32_f2_c2_edm": ("as tiny32_f2_c2 with EDM preconditioning",
+                         {**F2, **C2, "autoencoder_train.block_out_channels": [32, 32], "train.prediction_type": "edm"}),
+    "tiny32_f2_c1": ("as tiny32_f2_c2 with 1 latent channel → 1×16×16 (4×8×8 patches: the KL latent's size)",
+                     {**F2, "autoencoder_train.block_out_channels": [32, 32], "autoencoder_train.latent_channels": 1,
+                      "train.model.in_channels": 1}),
 }
 CONTEXTS, PER_CONTEXT = 32, 4  # val contexts, faces sampled per context
 REAL_FACES = 128  # training faces made at the generator's size: what each judge gives real faces there
@@ -150,17 +172,71 @@ def judge(name: str, paths: Paths, model_dir: Path, train_seconds: float, train_
             "identity_consistency": float(np.mean(list(per_class_consistency(emb, labels).values())))}
 
 
-def grid(faces: np.ndarray, real: np.ndarray, path: Path, columns: int = 16, zoom: int = 2, gap: int = 2) -> None:
-    """The first ``columns`` contexts' faces (one column each, ``PER_CONTEXT`` rows) over a row of real faces at the
+def measure_autoencoder(name: str, paths: Paths) -> dict[str, Any]:
+    """Train design ``name``'s autoencoder (``default``: params as committed) as ``train_generator`` trains it, on one
+    thread in float32, and judge its reconstructions of ``REAL_FACES`` val faces: one result row."""
+    import dataclasses
+
+    import torch
+
+    from ml.aligner.dfa import load_aligner
+    from ml.data.dataset import landmarks_array, load_images, read_manifest
+    from ml.generator.autoencoder import reconstruct, train_autoencoder
+    from tasks.synthesize import detector_judge
+    from tasks.train_generator import GeneratorStageConfig, identity_embeddings, load_fr, resize_faces
+
+    params = load_params(paths.params)
+    delta = DESIGNS[name][1] if name in DESIGNS else {}
+    cfg = from_mapping(GeneratorStageConfig, with_delta(section(params, "generator"), delta), "generator")
+    if cfg.space != "latent" or cfg.autoencoder:
+        raise SystemExit(f"design {name} trains no autoencoder (space {cfg.space}); --autoencoders takes latent ones")
+    ae_cfg = dataclasses.replace(cfg.autoencoder_train, precision="32-true")
+    side = cfg.train.model.image_size * ae_cfg.factor
+    fr, _, _ = load_fr(paths, cfg.fr_source, "generator.fr_source")
+    rows = read_manifest(paths.train_set / "manifest.parquet")
+    train = rows[rows["split"] == "train"].reset_index(drop=True)
+    images = load_images(paths.train_set, train)
+    faces = resize_faces(images, side)
+    landmarks = landmarks_array(train)
+    landmarks = None if landmarks is None else landmarks * (side / images.shape[1])
+    contexts = identity_embeddings(fr, faces, landmarks)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        autoencoder, history, seconds = train_autoencoder(ae_cfg, faces, contexts, fr if ae_cfg.fr_weight > 0 else None,
+                                                          landmarks, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    val = rows[rows["split"] == "val"].head(REAL_FACES).reset_index(drop=True)
+    real = resize_faces(load_images(paths.train_set, val), side)
+    recon, _ = reconstruct(autoencoder, real)
+    mse = ((recon.astype(np.float64) - real.astype(np.float64)) ** 2).mean(axis=(1, 2, 3))
+    size = int(section(params, "data")["image_size"])
+    aligner, _ = load_aligner(paths.aligner_model)
+    _, scores = aligner.predict(resize_faces(recon, size))
+    _, real_scores = aligner.predict(resize_faces(real, size))
+    detector = detector_judge(recon, real, side)
+    grid(recon, real, paths.root / "reports" / "generator_designs" / f"autoencoder_{name}.png", per_context=1)
+    return {"design": name, "what": DESIGNS[name][0] if name in DESIGNS else "make run's autoencoder",
+            "delta": delta, "train/seconds": float(seconds), "train/pixel": float(history[-1]["train/pixel"]),
+            "psnr": float(np.mean(10 * np.log10(255.0 ** 2 / np.maximum(mse, 1e-12)))),
+            "judge/face_share": float((scores >= 0.5).mean()),
+            "judge/real_at_size_face_share": float((real_scores >= 0.5).mean()),
+            **{k.replace("synthetic/judge/", "judge/"): v for k, v in detector.items()}}
+
+
+def grid(faces: np.ndarray, real: np.ndarray, path: Path, columns: int = 16, zoom: int = 2, gap: int = 2,
+         per_context: int = PER_CONTEXT) -> None:
+    """The first ``columns`` contexts' faces (one column each, ``per_context`` rows) over a row of real faces at the
     same size, at their own pixels × ``zoom`` (nearest): what the generator made, not a smoothed picture of it."""
     from PIL import Image
 
     side = faces.shape[1] * zoom
-    rows = PER_CONTEXT + 1
+    rows = per_context + 1
     canvas = np.full((rows * (side + gap) + gap, columns * (side + gap) + gap, 3), 255, dtype=np.uint8)
     for c in range(columns):
         for r in range(rows):
-            face = faces[c * PER_CONTEXT + r] if r < PER_CONTEXT else real[c]
+            face = faces[c * per_context + r] if r < per_context else real[c]
             y, x = gap + r * (side + gap), gap + c * (side + gap)
             canvas[y:y + side, x:x + side] = face.repeat(zoom, axis=0).repeat(zoom, axis=1)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -168,7 +244,7 @@ def grid(faces: np.ndarray, real: np.ndarray, path: Path, columns: int = 16, zoo
         Image.fromarray(canvas).save(tmp, format="png", optimize=True)
 
 
-def report(rows: list[dict[str, Any]]) -> str:
+def report(rows: list[dict[str, Any]], autoencoders: list[dict[str, Any]] = ()) -> str:
     def pct(row: dict[str, Any], key: str) -> str:
         return f"{100 * row[key]:.1f} %" if key in row else "—"
 
@@ -178,7 +254,9 @@ def report(rows: list[dict[str, Any]]) -> str:
              "identities (4 faces each). Chosen on and scored on: val contexts (no test split is read). A judge's share "
              "is beside the same judge on 128 real training faces made at the generator's size; `default` is "
              "`make run`'s own generator, judged the same way. ms / face: sampling with the default sampler (38 UNet "
-             "evaluations a face), read beside other work: it compares designs only roughly.", "",
+             "evaluations a face), read beside other work: it compares designs only roughly. A design measured again "
+             "replaces its row, so rows can come from different days and hosts: train s compares the designs measured "
+             "together.", "",
              "| design | train s | ms / face | aligner: faces (real) | YuNet: faces (real) | context cos | "
              "consistency | what |", "|---|---|---|---|---|---|---|---|"]
     for row in rows:
@@ -189,6 +267,22 @@ def report(rows: list[dict[str, Any]]) -> str:
     lines += ["", "Each picture: 4 faces per context, one column per context, over a row of real training faces at the "
               "same size (pixels × 2).", ""]
     lines += [f"`{row['design']}`:\n\n![{row['design']}](generator_designs/{row['design']}.png)\n" for row in rows]
+    if autoencoders:
+        lines += ["## The ceiling: each latent design's autoencoder alone", "",
+                  "`python -m experiments.generator_designs --autoencoders`: the autoencoder trained as the stage "
+                  "trains it (one thread, float32), its reconstructions of 128 val faces judged as the designs' faces "
+                  "are (chosen on and scored on: val). No sampler of that latent can make faces the judges accept "
+                  "more often than these.", "",
+                  "| autoencoder of | train s | PSNR dB | aligner: faces (real) | YuNet: faces (real) | what |",
+                  "|---|---|---|---|---|---|"]
+        for row in autoencoders:
+            lines.append(f"| `{row['design']}` | {row['train/seconds']:.0f} | {row['psnr']:.1f} | "
+                         f"{pct(row, 'judge/face_share')} ({pct(row, 'judge/real_at_size_face_share')}) | "
+                         f"{pct(row, 'judge/detector_face_share')} "
+                         f"({pct(row, 'judge/detector_real_at_size_face_share')}) | {row['what']} |")
+        lines += ["", "Each picture: reconstructions over the val faces they reconstruct (pixels × 2).", ""]
+        lines += [f"`{row['design']}`:\n\n![autoencoder {row['design']}](generator_designs/autoencoder_{row['design']}"
+                  ".png)\n" for row in autoencoders]
     return "\n".join(lines) + "\n"
 
 
@@ -203,38 +297,47 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--loss", type=float, default=float("nan"), help="with --judge: its last training loss")
     parser.add_argument("--judge-default", action="store_true", help="judge make run's models/generator as the row "
                         "`default` (seconds and loss from metrics/train_generator.json)")
-    parser.add_argument("--report-only", action="store_true", help="rewrite the report from the metrics file")
+    parser.add_argument("--autoencoders", action="store_true", help="train and judge only the autoencoders of the "
+                        "named latent designs and `default` (the ceiling their samplers cannot pass)")
+    parser.add_argument("--report-only", action="store_true", help="rewrite the report from the metrics files")
     args = parser.parse_args(argv)
-    unknown = [name for name in args.designs if name not in DESIGNS]
+    unknown = [name for name in args.designs if name not in DESIGNS and not (args.autoencoders and name == "default")]
     if unknown:
         parser.error(f"no design named {', '.join(unknown)}; the designs are {', '.join(DESIGNS)}")
     if args.judge is not None and len(args.designs) != 1:
         parser.error("--judge DIR needs exactly one design NAME")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     paths = Paths()
-    store = paths.metrics / "generator_designs.jsonl"
-    rows = {r["design"]: r for r in map(json.loads, store.read_text().splitlines())} if store.is_file() else {}
+    order = [*DESIGNS, "default"]
 
-    def keep(row: dict[str, Any]) -> None:
-        rows[row["design"]] = row
+    def stored(store: Path) -> dict[str, dict[str, Any]]:
+        return {r["design"]: r for r in map(json.loads, store.read_text().splitlines())} if store.is_file() else {}
+
+    def keep(store: Path, row: dict[str, Any]) -> None:  # read again first: designs measured in parallel add rows
+        rows = {**stored(store), row["design"]: row}
         log.info("%s: %s", row["design"], {k: v for k, v in row.items() if k not in ("what", "delta")})
-        order = [*DESIGNS, "default"]
-        store.write_text("".join(json.dumps(rows[n], sort_keys=True) + "\n" for n in order if n in rows))
+        with atomic_path(store) as tmp:
+            tmp.write_text("".join(json.dumps(rows[n], sort_keys=True) + "\n" for n in order if n in rows))
 
-    if args.judge is not None:
-        keep(judge(args.designs[0], paths, args.judge, args.seconds, args.loss))
+    designs, autoencoders = paths.metrics / "generator_designs.jsonl", paths.metrics / "generator_autoencoders.jsonl"
+    if args.autoencoders:
+        for name in args.designs or ["default"]:
+            keep(autoencoders, measure_autoencoder(name, paths))
+    elif args.judge is not None:
+        keep(designs, judge(args.designs[0], paths, args.judge, args.seconds, args.loss))
     elif args.judge_default:
         trained = json.loads((paths.metrics / "train_generator.json").read_text())
-        keep(judge("default", paths, paths.generator_model, trained["train/seconds"]
-                   + trained.get("autoencoder/seconds", 0.0), trained["train/loss"]))
+        keep(designs, judge("default", paths, paths.generator_model, trained["train/seconds"]
+                            + trained.get("autoencoder/seconds", 0.0), trained["train/loss"]))
     elif not args.report_only:
         import tempfile
 
         with tempfile.TemporaryDirectory(prefix="generator_designs_") as work:
             for name in args.designs or list(DESIGNS):
-                keep(measure(name, paths, Path(work)))
+                keep(designs, measure(name, paths, Path(work)))
+    rows, ae_rows = stored(designs), stored(autoencoders)
     write_text(paths.root / "reports" / "generator_designs.md",
-               report([rows[n] for n in [*DESIGNS, "default"] if n in rows]))
+               report([rows[n] for n in order if n in rows], [ae_rows[n] for n in order if n in ae_rows]))
 
 
 if __name__ == "__main__":

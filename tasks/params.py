@@ -77,7 +77,7 @@ INPUT_PATHS: dict[str, tuple[str, str, str]] = {
     "data.ingest_folder": ("dir", "an image folder laid out as <identity>/<image>", '""'),  # tasks/prepare
     "data.ingest_recordio": ("file", "an InsightFace train.rec with train.idx beside it", '""'),  # tasks/prepare
     "aligner.reference_faces": ("dir", "a folder <identity>/<image> of real aligned faces", '""'),  # train_aligner
-    "generator.autoencoder": ("dir", "a diffusers VQModel/AutoencoderKL folder (save_pretrained)",
+    "generator.autoencoder": ("dir", "a diffusers VQModel/AutoencoderKL/AutoencoderTiny folder (save_pretrained)",
                               "null"),  # tasks/train_generator.py
     "evaluate.bin_dir": ("dir", "a folder of InsightFace verification .bin files (lfw.bin, ...)",
                          '""'),  # tasks/evaluate

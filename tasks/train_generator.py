@@ -4,12 +4,13 @@ Each training face (``data/prepared/train``, split ``train``) is embedded by the
 ``models/fr/<generator.fr_source>``; the L2-normalised embedding is the face's identity context. The generator
 (ml/generator/uiface.py, trained by ml/generator/train.py) learns ε-prediction on (face, context) pairs,
 with the context dropped element-wise (0.25) and replaced by the learnable empty context ``c_e`` with
-probability 0.2. The embedded default runs in pixel space at ``generator.train.model.image_size`` (faces are
-resized to it); ``generator.autoencoder`` names a local diffusers ``VQModel``/``AutoencoderKL`` directory for
-latent-space runs (faces are resized to the size whose latent matches the UNet); ``generator.space: latent``
-without one trains a small diffusers ``AutoencoderKL`` first on the same faces (ml/generator/autoencoder.py: pixel
-losses plus an FR-embedding cosine term), saved with the UNet in ``models/generator/autoencoder`` and reported as
-``autoencoder/psnr`` and ``autoencoder/fr_cosine`` (plots/autoencoder_reconstructions.png).
+probability 0.2. ``generator.space: pixel`` denoises the faces at ``generator.train.model.image_size`` (faces are
+resized to it); ``generator.autoencoder`` names a local diffusers ``VQModel``/``AutoencoderKL``/``AutoencoderTiny``
+directory for latent-space runs (faces are resized to the size whose latent matches the UNet); ``generator.space:
+latent`` without one (the default) trains a small diffusers autoencoder first on the same faces
+(ml/generator/autoencoder.py: ``autoencoder_train.architecture``, pixel losses plus an FR-embedding cosine term),
+saved with the UNet in ``models/generator/autoencoder`` and reported as ``autoencoder/psnr`` and
+``autoencoder/fr_cosine`` (plots/autoencoder_reconstructions.png).
 
 Contexts follow one convention for training and sampling: the FR embedding of a face as the generator renders it
 (pixel space: resized to the UNet's size and back; latent space: the face itself, the autoencoder's output size),
@@ -32,7 +33,7 @@ import numpy as np
 from ml.atomic import atomic_path
 from ml.config import from_mapping
 from ml.errors import ConfigError, DataError
-from ml.generator.uiface import GeneratorModelConfig
+from ml.generator.uiface import GeneratorModelConfig, autoencoder_factor
 from ml.generator.autoencoder import AutoencoderConfig
 from ml.generator.train import GeneratorConfig
 from ops.tracking import registered_note
@@ -45,7 +46,7 @@ from tasks.common import (
 log = logging.getLogger(__name__)
 
 REGISTERED_MODEL = registered_model("train_generator")
-AUTOENCODER_KINDS = ("vq", "kl")
+AUTOENCODER_KINDS = ("vq", "kl", "tiny")
 SPACES = ("pixel", "latent")
 AUTOENCODER_DIR = "autoencoder"  # models/generator/autoencoder: the autoencoder trained in phase 1 (latent space)
 
@@ -74,9 +75,9 @@ class GeneratorStageConfig:
 
     fr_source: str = "real"            # the FR model whose embeddings are the identity contexts
     space: str = "pixel"               # pixel | latent (the UNet denoises an autoencoder's latent)
-    autoencoder: str | None = None     # a local diffusers VQModel/AutoencoderKL directory (latent space); none with
+    autoencoder: str | None = None     # a local diffusers VQModel/AutoencoderKL/AutoencoderTiny directory; none with
                                        # space latent: one is trained here first (autoencoder_train)
-    autoencoder_kind: str = "vq"       # vq | kl (of a given autoencoder; a trained one is kl)
+    autoencoder_kind: str = "vq"       # vq | kl | tiny (of a given autoencoder; a trained one is autoencoder_train's)
     autoencoder_train: AutoencoderConfig = field(default_factory=AutoencoderConfig)
     max_images: int = 0                # train on the first N training faces (0 = all)
     train: GeneratorConfig = field(default_factory=lambda: GeneratorConfig(
@@ -161,7 +162,7 @@ def generator_autoencoder(paths: Paths, extra: dict[str, Any], cfg: GeneratorSta
         return None
     own = Path(model_dir or paths.generator_model) / AUTOENCODER_DIR
     if (own / "config.json").is_file():
-        return load_autoencoder(own, kind="kl")
+        return load_autoencoder(own, kind=extra.get("autoencoder_kind") or "kl")
     recorded = extra.get("autoencoder") or cfg.autoencoder
     if not recorded:
         raise DataError(f"{paths.generator_model} is a {extra.get('space')} generator but names no autoencoder; "
@@ -230,7 +231,7 @@ def fit(cfg: GeneratorStageConfig, paths: Paths, model_dir: Path, *, report: boo
     trained_autoencoder = cfg.space == "latent" and autoencoder is None
     size = model_cfg.image_size  # the side of the faces the generator makes: its UNet's, × the autoencoder's factor
     if autoencoder is not None:
-        size *= 2 ** (len(autoencoder.config.block_out_channels) - 1)
+        size *= autoencoder_factor(autoencoder)
     elif trained_autoencoder:
         size *= cfg.autoencoder_train.factor
     faces = resize_faces(images, size)
@@ -266,7 +267,7 @@ def fit(cfg: GeneratorStageConfig, paths: Paths, model_dir: Path, *, report: boo
     if trained_autoencoder:
         extra["autoencoder"] = str((model_dir / AUTOENCODER_DIR).relative_to(paths.root)
                                    if model_dir.is_relative_to(paths.root) else model_dir / AUTOENCODER_DIR)
-        extra["autoencoder_kind"] = "kl"
+        extra["autoencoder_kind"] = cfg.autoencoder_train.architecture
         extra["autoencoder_train"] = {k: (list(v) if isinstance(v, tuple) else v)
                                       for k, v in dataclasses.asdict(cfg.autoencoder_train).items()}
     with atomic_path(model_dir) as tmp:  # the UNet and its autoencoder appear together

@@ -1,17 +1,23 @@
-"""The latent space of UIFace at embedded size: a small diffusers ``AutoencoderKL`` trained on the training faces.
+"""The latent space of UIFace at embedded size: a small diffusers autoencoder trained on the training faces.
 
 UIFace denoises the latent of a pre-trained autoencoder; none can be downloaded here, so ``train_autoencoder(cfg,
-images, id_embeddings, fr_model)`` fits one with Lightning on the generator's faces, per batch::
+images, id_embeddings, fr_model)`` fits one with Lightning on the generator's faces. ``architecture`` is a diffusers
+``AutoencoderTiny`` ("tiny": TAESD's plain convolutions and ReLUs, a deterministic latent z = Enc(x)) or an
+``AutoencoderKL`` ("kl": LDM's ResNet blocks, mid-block attention, a posterior). The KL one ends its decoder with a
+GroupNorm, which takes from every face the mean and spread of each channel group over the whole image, so the global
+colour of a face and its background must be rebuilt from patterns alone (faces that differ only in colour come back
+in about one); the tiny decoder has no normalisation. Per batch::
 
-    z ~ q(z | x) = N(μ(x), σ²(x)),   x̂ = D(z)
+    z ~ q(z | x) = N(μ(x), σ²(x)) (kl) or z = Enc(x) (tiny),   x̂ = Dec(z)
     L = |x̂ − x|₁ + ‖x̂ − x‖² + kl_weight · KL(q(z | x) ‖ N(0, I)) / dim(z) + fr_weight · (1 − cos(F(x̂), f))
 
 x in [−1, 1], means over elements; F the frozen FR model, f the face's unit FR embedding, on the first ``fr_batch``
-faces: the term keeps identity, which a pixel loss at this size blurs first. Then ``scaling_factor`` is set to
-1/std of the posterior means. Exact resume as in ``ml.generator.train``.
+faces: the term keeps identity, which a pixel loss at this size blurs first; the KL term is the kl architecture's
+only. Then ``scaling_factor`` is set to 1/std of the latents (kl: the posterior means). Exact resume as in
+``ml.generator.train``.
 
 Differences from the reference: LDM's VQ-f4 (3×32×32 latents of 128-px faces) was trained with perceptual and
-adversarial losses on large face sets; here a small KL autoencoder (4×8×8 latents of 32-px faces at the embedded
+adversarial losses on large face sets; here a small autoencoder (8×8 latents of 32-px faces at the embedded
 default) trains on the CPU with pixel and FR-embedding losses only (no perceptual network weights offline).
 """
 
@@ -30,7 +36,7 @@ import lightning
 import numpy as np
 import torch
 import torch.nn.functional as F
-from diffusers import AutoencoderKL
+from diffusers import AutoencoderKL, AutoencoderTiny
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -49,6 +55,7 @@ __all__ = ["AutoencoderConfig", "AutoencoderModule", "build_autoencoder", "recon
 
 log = logging.getLogger(__name__)
 
+ARCHITECTURES = ("kl", "tiny")
 LAST_CHECKPOINT = "last.ckpt"
 CHECKPOINT_KEY = "faceops_autoencoder"
 ENCODE_BATCH = 128
@@ -58,8 +65,9 @@ ENCODE_BATCH = 128
 class AutoencoderConfig:
     """``generator.autoencoder_train`` section of params.yaml."""
 
-    block_out_channels: tuple[int, ...] = (8, 16, 64)  # encoder levels; the latent side is image / 2^(levels − 1)
-    layers_per_block: int = 1
+    architecture: str = "kl"  # kl (diffusers AutoencoderKL) | tiny (AutoencoderTiny: no normalisation)
+    block_out_channels: tuple[int, ...] = (8, 16, 64)  # encoder levels (tiny: all equal); latent side: image / 2^(L−1)
+    layers_per_block: int = 1  # ResNet blocks (kl) or TAESD blocks (tiny; the first level has one) per level
     latent_channels: int = 4
     norm_num_groups: int = 8
     kl_weight: float = 1e-4
@@ -77,12 +85,15 @@ class AutoencoderConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_out_channels", tuple(int(c) for c in self.block_out_channels))
         checks = {
-            "block_out_channels": (len(self.block_out_channels) >= 1 and min(self.block_out_channels) >= 1,
-                                   "one positive channel count per level, e.g. [8, 16, 64]"),
+            "block_out_channels": (len(self.block_out_channels) >= 1 and min(self.block_out_channels) >= 1
+                                   and (self.architecture != "tiny" or len(set(self.block_out_channels)) == 1),
+                                   "one positive channel count per level, e.g. [8, 16, 64]; with architecture tiny "
+                                   "one for all (TAESD's stride-2 convolutions keep the width), e.g. [48, 48, 48]"),
             "layers_per_block": (self.layers_per_block >= 1, "≥ 1"),
             "latent_channels": (self.latent_channels >= 1, "≥ 1"),
-            "norm_num_groups": (self.norm_num_groups >= 1
-                                and all(c % self.norm_num_groups == 0 for c in self.block_out_channels),
+            "architecture": (self.architecture in ARCHITECTURES, f"one of {list(ARCHITECTURES)}"),
+            "norm_num_groups": (self.norm_num_groups >= 1 and (self.architecture != "kl" or all(
+                                c % self.norm_num_groups == 0 for c in self.block_out_channels)),
                                 "≥ 1 and a divisor of every block_out_channels entry"),
             "kl_weight": (self.kl_weight >= 0, "≥ 0"),
             "fr_weight": (self.fr_weight >= 0, "≥ 0 (0 = no identity term)"),
@@ -104,13 +115,21 @@ class AutoencoderConfig:
         return 2 ** (len(self.block_out_channels) - 1)
 
 
-def build_autoencoder(cfg: AutoencoderConfig, image_size: int) -> AutoencoderKL:
-    """A fresh diffusers ``AutoencoderKL`` of ``cfg`` for RGB ``image_size``² faces."""
+def build_autoencoder(cfg: AutoencoderConfig, image_size: int) -> AutoencoderKL | AutoencoderTiny:
+    """A fresh diffusers ``AutoencoderKL`` or ``AutoencoderTiny`` (``cfg.architecture``) for RGB ``image_size``²
+    faces."""
     if image_size % cfg.factor:
         raise ConfigError(f"{image_size}-px faces are not a multiple of the autoencoder's downsampling "
                           f"{cfg.factor} (generator.autoencoder_train.block_out_channels has "
                           f"{len(cfg.block_out_channels)} levels)")
     levels = len(cfg.block_out_channels)
+    if cfg.architecture == "tiny":
+        blocks = (1, *[cfg.layers_per_block] * (levels - 1))
+        return AutoencoderTiny(
+            encoder_block_out_channels=cfg.block_out_channels, decoder_block_out_channels=cfg.block_out_channels,
+            num_encoder_blocks=blocks, num_decoder_blocks=blocks[::-1], latent_channels=cfg.latent_channels,
+            scaling_factor=1.0,
+        )
     return AutoencoderKL(
         in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * levels,
         up_block_types=("UpDecoderBlock2D",) * levels, block_out_channels=cfg.block_out_channels,
@@ -122,7 +141,8 @@ def build_autoencoder(cfg: AutoencoderConfig, image_size: int) -> AutoencoderKL:
 class AutoencoderModule(lightning.LightningModule):
     """The autoencoder and its loss; the FR model is held outside the module's children (frozen, not saved)."""
 
-    def __init__(self, autoencoder: AutoencoderKL, cfg: AutoencoderConfig, fr_model: nn.Module | None) -> None:
+    def __init__(self, autoencoder: AutoencoderKL | AutoencoderTiny, cfg: AutoencoderConfig,
+                 fr_model: nn.Module | None) -> None:
         super().__init__()
         self.autoencoder = autoencoder
         self.cfg = cfg
@@ -136,10 +156,13 @@ class AutoencoderModule(lightning.LightningModule):
         images, ids, keypoints = batch  # uint8 (B, 3, H, W), float (B, D) unit embeddings, float (B, 5, 2) pixels
         x = images_to_unit_range(images)
         generator = torch.Generator(device=self.device).manual_seed(mix_seed(self.cfg.seed, self.global_step))
-        posterior = self.autoencoder.encode(x).latent_dist
-        y = self.autoencoder.decode(posterior.sample(generator=generator)).sample
+        if self.cfg.architecture == "tiny":  # a deterministic latent: nothing to sample, no KL term
+            y, kl = self.autoencoder.decode(self.autoencoder.encode(x).latents).sample, 0.0
+        else:
+            posterior = self.autoencoder.encode(x).latent_dist
+            y = self.autoencoder.decode(posterior.sample(generator=generator)).sample
+            kl = posterior.kl().mean() / float(np.prod(posterior.mean.shape[1:]))
         pixel = (y - x).abs().mean() + F.mse_loss(y, x)
-        kl = posterior.kl().mean() / float(np.prod(posterior.mean.shape[1:]))
         loss = pixel + self.cfg.kl_weight * kl
         b = images.shape[0]
         if self._fr and self.cfg.fr_weight > 0:
@@ -168,7 +191,8 @@ class AutoencoderModule(lightning.LightningModule):
 @torch.no_grad()
 def reconstruct(autoencoder: nn.Module, images: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
     """(uint8 reconstructions (N, H, W, 3) of uint8 ``images``, their latents (N, C, h, w)) through a diffusers
-    ``AutoencoderKL`` (the posterior means × ``scaling_factor``: the raw means while it is 1) or ``VQModel``."""
+    ``AutoencoderKL`` (the posterior means × ``scaling_factor``: the raw means while it is 1), ``AutoencoderTiny``
+    (its latents × ``scaling_factor``) or ``VQModel``."""
     device = next(autoencoder.parameters()).device
     recon, means = [], []
     for i in range(0, len(images), ENCODE_BATCH):

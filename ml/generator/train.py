@@ -46,6 +46,7 @@ from ml.generator.sampler import PREDICTION_TYPES, edm_coefficients
 from ml.generator.uiface import (
     GeneratorModelConfig,
     IDConditionedUNet,
+    autoencoder_factor,
     autoencoder_kind,
     check_latent_shape,
     encode_images,
@@ -349,7 +350,7 @@ def _training_data(
             )
         return x, "pixel"
     kind = autoencoder_kind(autoencoder)
-    factor = 2 ** (len(autoencoder.config.block_out_channels) - 1)
+    factor = autoencoder_factor(autoencoder)
     expected = m.image_size * factor
     if size != expected:
         smaller = " — smaller than the UNet needs" if size < expected else ""

@@ -3,12 +3,13 @@
 Context (paper Sec. 3.1): ``c = reshape(W·f/‖f‖₂ + b)`` (B, tokens, context_dim) from the FR embedding f
 (B, id_dim); in training, element dropout (p = 0.25) and, per sample with probability 0.2, the learnable empty
 context ``c_e`` (``nn.Parameter``, (1, tokens, context_dim)), so one network gives ε(x_t, t, c) and ε(x_t, t, c_e)
-for the two-stage sampler and CFG. Space: pixels in [−1, 1], or a diffusers ``VQModel`` / ``AutoencoderKL`` latent
-(``load_autoencoder``, ``encode_images``, ``decode_latents``); ``save_generator`` writes the EMA weights and ``extra``.
+for the two-stage sampler and CFG. Space: pixels in [−1, 1], or a diffusers ``VQModel`` / ``AutoencoderKL`` /
+``AutoencoderTiny`` latent (``load_autoencoder``, ``encode_images``, ``decode_latents``); ``save_generator`` writes
+the EMA weights and ``extra``.
 
 Differences from the reference (appendix A.1; code from IDiff-Face / LDM):
-- Small UNets on 32-px faces, not VQ-f4's 3×32×32 latent of 128-px faces with four levels: a trained KL latent
-  (4×8×8) or the pixels themselves, which ``patch_size`` p hands the UNet as p×p patches in its channels (pixel
+- Small UNets on 32-px faces, not VQ-f4's 3×32×32 latent of 128-px faces with four levels: a trained latent
+  (8×8) or the pixels themselves, which ``patch_size`` p hands the UNet as p×p patches in its channels (pixel
   unshuffle: lossless, so no decoder bounds the faces); a given VQ/KL autoencoder plugs in.
 - Element dropout rescales kept entries by 1/(1 − p) and draws from an optional generator (exact resume).
 - The context is one Linear into ``context_tokens`` tokens; the paper gives no token layout.
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from diffusers import AutoencoderKL, UNet2DConditionModel, VQModel
+from diffusers import AutoencoderKL, AutoencoderTiny, UNet2DConditionModel, VQModel
 from torch import nn
 
 from ml.errors import ConfigError, DataError
@@ -38,6 +39,7 @@ __all__ = [
     "AUTOENCODERS",
     "GeneratorModelConfig",
     "IDConditionedUNet",
+    "autoencoder_factor",
     "autoencoder_kind",
     "check_latent_shape",
     "decode_latents",
@@ -52,7 +54,7 @@ log = logging.getLogger(__name__)
 
 ARCHITECTURE = "uiface"
 FORMAT = 1
-AUTOENCODERS = {"vq": VQModel, "kl": AutoencoderKL}  # kind → diffusers class
+AUTOENCODERS = {"vq": VQModel, "kl": AutoencoderKL, "tiny": AutoencoderTiny}  # kind → diffusers class
 
 
 @dataclass(frozen=True)
@@ -231,18 +233,28 @@ class IDConditionedUNet(nn.Module):
 
 # ---------------------------------------------------------------------------------------------- autoencoders
 def autoencoder_kind(autoencoder: nn.Module) -> str:
-    """"vq" or "kl" for a diffusers VQModel / AutoencoderKL; ConfigError otherwise."""
+    """"vq", "kl" or "tiny" for a diffusers VQModel / AutoencoderKL / AutoencoderTiny; ConfigError otherwise."""
     for kind, cls in AUTOENCODERS.items():
         if isinstance(autoencoder, cls):
             return kind
     raise ConfigError(
-        f"the autoencoder must be a diffusers VQModel or AutoencoderKL, got {type(autoencoder).__name__}"
+        "the autoencoder must be a diffusers VQModel, AutoencoderKL or AutoencoderTiny, "
+        f"got {type(autoencoder).__name__}"
     )
 
 
-def load_autoencoder(path: str | os.PathLike, kind: str = "vq") -> VQModel | AutoencoderKL:
-    """A frozen diffusers ``VQModel`` (kind "vq") or ``AutoencoderKL`` ("kl") from a local ``save_pretrained``
-    directory, in eval mode. Never downloads: a missing directory or files raise ConfigError."""
+def autoencoder_factor(autoencoder: nn.Module) -> int:
+    """The encoder's downsampling: 2 per level but one (KL/VQ: the last block does not downsample; tiny: the first
+    level's convolution has stride 1, every later one stride 2)."""
+    cfg = autoencoder.config
+    levels = cfg.encoder_block_out_channels if autoencoder_kind(autoencoder) == "tiny" else cfg.block_out_channels
+    return 2 ** (len(levels) - 1)
+
+
+def load_autoencoder(path: str | os.PathLike, kind: str = "vq") -> VQModel | AutoencoderKL | AutoencoderTiny:
+    """A frozen diffusers ``VQModel`` (kind "vq"), ``AutoencoderKL`` ("kl") or ``AutoencoderTiny`` ("tiny") from a
+    local ``save_pretrained`` directory, in eval mode. Never downloads: a missing directory or files raise
+    ConfigError."""
     if kind not in AUTOENCODERS:
         raise ConfigError(f"autoencoder kind {kind!r} is not one of {sorted(AUTOENCODERS)}")
     cls = AUTOENCODERS[kind]
@@ -270,7 +282,7 @@ def latent_shape(autoencoder: nn.Module, image_size: int) -> tuple[int, int]:
     channels = cfg.latent_channels
     if kind == "vq" and getattr(cfg, "vq_embed_dim", None):
         channels = cfg.vq_embed_dim  # quant_conv maps latent_channels → vq_embed_dim
-    factor = 2 ** (len(cfg.block_out_channels) - 1)  # the encoder's last block does not downsample
+    factor = autoencoder_factor(autoencoder)
     if image_size % factor:
         raise ConfigError(
             f"{image_size}×{image_size} images are not a multiple of the autoencoder's downsampling factor {factor}"
@@ -293,13 +305,14 @@ def check_latent_shape(autoencoder: nn.Module, image_size: int, model_cfg: Gener
 
 @torch.no_grad()
 def encode_images(autoencoder: nn.Module, images: torch.Tensor) -> torch.Tensor:
-    """Images (B, 3, H, W) in [−1, 1] → latents: the quantised VQ latent, or the KL posterior mean
-    (minus ``shift_factor`` if set) × ``scaling_factor``."""
-    if autoencoder_kind(autoencoder) == "vq":
+    """Images (B, 3, H, W) in [−1, 1] → latents: the quantised VQ latent, or the KL posterior mean or the tiny
+    encoder's (deterministic) latent, minus ``shift_factor`` if set, × ``scaling_factor``."""
+    kind = autoencoder_kind(autoencoder)
+    if kind == "vq":
         h = autoencoder.encode(images).latents
         quant, _, _ = autoencoder.quantize(h)
         return quant
-    mean = autoencoder.encode(images).latent_dist.mean
+    mean = autoencoder.encode(images).latents if kind == "tiny" else autoencoder.encode(images).latent_dist.mean
     shift = getattr(autoencoder.config, "shift_factor", None) or 0.0
     return (mean - shift) * autoencoder.config.scaling_factor
 

@@ -23,7 +23,11 @@ def test_deltas_set_nested_keys_and_leave_the_rest():
 def test_every_design_is_a_valid_generator_section(name):
     params = section(load_params(Paths().params), "generator")
     cfg = from_mapping(GeneratorStageConfig, with_delta(params, DESIGNS[name][1]), "generator")
-    assert cfg.space == "pixel" and cfg.train.model.image_size == 32
+    # every design makes 32-px faces: the pixels themselves, or a latent its own autoencoder decodes to that size
+    factor = cfg.autoencoder_train.factor if cfg.space == "latent" else 1
+    assert cfg.train.model.image_size * factor == 32
+    if cfg.space == "latent":
+        assert cfg.train.model.in_channels == cfg.autoencoder_train.latent_channels
     with pytest.raises(ConfigError):  # a misspelt key in a design is refused, not ignored
         from_mapping(GeneratorStageConfig, with_delta(params, {**DESIGNS[name][1], "train.epoch": 3}), "generator")
 
@@ -35,3 +39,14 @@ def test_report_puts_each_judge_beside_its_real_rate():
     line = next(line for line in report([row]).splitlines() if line.startswith("| `edm_p2`"))
     assert "| 25.0 % (90.0 %) | — (—) | 0.300 | 0.400 |" in line
     assert "![edm_p2](generator_designs/edm_p2.png)" in report([row])
+
+
+def test_report_adds_the_autoencoder_ceilings_when_measured():
+    row = {"design": "tiny_f2_c2", "what": "x", "train/seconds": 250.0, "psnr": 27.31,
+           "judge/face_share": 0.59, "judge/real_at_size_face_share": 0.93,
+           "judge/detector_face_share": 0.52, "judge/detector_real_at_size_face_share": 0.63}
+    assert "ceiling" not in report([])
+    text = report([], [row])
+    line = next(line for line in text.splitlines() if line.startswith("| `tiny_f2_c2`"))
+    assert line == "| `tiny_f2_c2` | 250 | 27.3 | 59.0 % (93.0 %) | 52.0 % (63.0 %) | x |"
+    assert "![autoencoder tiny_f2_c2](generator_designs/autoencoder_tiny_f2_c2.png)" in text
