@@ -40,6 +40,7 @@ from ml.config import from_mapping
 from ml.data.procedural import ProceduralConfig, ProceduralFaces
 from ml.discovery.protocol import GFDOutcome, gfd_baselines, gfd_chance, gfd_ssk
 from ml.discovery.split import gfd_split
+from ml.errors import ConfigError
 from ml.eval.metrics import cluster_correct
 from ml.models.io import save_model
 from ml.train.device import resolve_precision
@@ -364,7 +365,8 @@ def render(results: dict, seeds: list[int], data_seeds: list[int], scale: Scale,
     lines = [
         "# FaceGCD claims at embedded scale",
         "",
-        f"Measured by `python -m experiments.discovery_claims` on {results.get('measured_at') or now_utc()} "
+        f"Measured by `python -m experiments.discovery_claims{' --backbone strong' if scale.fr_lvface else ''}` on "
+        f"{results.get('measured_at') or now_utc()} "
         f"in {seconds / 60:.0f} minutes: seeds {seeds} × data seeds {data_seeds} ({n} runs). "
         "Chosen on: each arm's epoch by the held-out labelled images of the known identities (val); the recipe "
         f"(`params.yaml` `discovery`) while data seeds {', '.join(map(str, LOOKED_AT))} were looked at "
@@ -469,7 +471,7 @@ def choose_scale(quick: bool, epochs: int, backbone: str) -> tuple[Scale, str]:
     recipe's) and ``backbone``: ``default`` or ``strong`` (``STRONG``; at the toy size only its schedule, to check
     the code path in a minute)."""
     if backbone not in ("default", "strong"):
-        raise ValueError(f"backbone must be default or strong, got {backbone!r}")
+        raise ConfigError(f"backbone must be default or strong, got {backbone!r}")
     scale = QUICK if quick else Scale(discovery_epochs=epochs)
     if backbone == "default":
         return scale, "discovery_claims"

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from experiments.discovery_claims import beyond_noise, summarise
+from ml.errors import ConfigError
 
 
 def _runs(arm: str, all_: list[float], novel: list[float]) -> list[dict]:
@@ -116,6 +117,9 @@ def test_the_strong_backbone_trains_lvface_on_its_identities_and_scores_the_bloc
     assert (lvface.lvface, lvface.sample_rate) == (True, 0.5) and (n_strong, images) == (20, 60)
     assert dc.scored_identities(strong, 2) == {"discovery": (2, range(20 + 2 * 12, 20 + 3 * 12))}
     assert dc.Scale(**dc.STRONG).fr_identities == 2000 and dc.Scale(**dc.STRONG).fr_lvface
+    assert dc.choose_scale(False, 0, "strong") == (dc.Scale(**dc.STRONG), "discovery_claims_strong")
+    with pytest.raises(ConfigError, match="default or strong"):
+        dc.choose_scale(False, 0, "huge")
 
 
 def test_with_image_outcomes_the_verdict_takes_the_test_set_as_its_unit():
