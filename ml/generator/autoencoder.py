@@ -3,18 +3,15 @@
 UIFace denoises the latent of a pre-trained autoencoder; none can be downloaded here, so ``train_autoencoder(cfg,
 images, id_embeddings, fr_model)`` fits one with Lightning on the generator's faces. ``architecture`` is a diffusers
 ``AutoencoderTiny`` ("tiny": TAESD's plain convolutions and ReLUs, a deterministic latent z = Enc(x)) or an
-``AutoencoderKL`` ("kl": LDM's ResNet blocks, mid-block attention, a posterior). The KL one ends its decoder with a
-GroupNorm, which takes from every face the mean and spread of each channel group over the whole image, so the global
-colour of a face and its background must be rebuilt from patterns alone (faces that differ only in colour come back
-in about one); the tiny decoder has no normalisation. Per batch::
+``AutoencoderKL`` ("kl": LDM's ResNet blocks, mid-block attention, a posterior), whose closing GroupNorm removes each
+face's mean per channel group, so global colour must be rebuilt from patterns; the tiny decoder has no norm. Per batch::
 
     z ~ q(z | x) = N(μ(x), σ²(x)) (kl) or z = Enc(x) (tiny),   x̂ = Dec(z)
     L = |x̂ − x|₁ + ‖x̂ − x‖² + kl_weight · KL(q(z | x) ‖ N(0, I)) / dim(z) + fr_weight · (1 − cos(F(x̂), f))
 
 x in [−1, 1], means over elements; F the frozen FR model, f the face's unit FR embedding, on the first ``fr_batch``
-faces: the term keeps identity, which a pixel loss at this size blurs first; the KL term is the kl architecture's
-only. Then ``scaling_factor`` is set to 1/std of the latents (kl: the posterior means). Exact resume as in
-``ml.generator.train``.
+faces: the term keeps identity, which a pixel loss at this size blurs first; the KL term is kl's only. Then
+``scaling_factor`` is set to 1/std of the latents (kl: the posterior means). Exact resume as in ``ml.generator.train``.
 
 Differences from the reference: LDM's VQ-f4 (3×32×32 latents of 128-px faces) was trained with perceptual and
 adversarial losses on large face sets; here a small autoencoder (8×8 latents of 32-px faces at the embedded
@@ -155,10 +152,10 @@ class AutoencoderModule(lightning.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
         images, ids, keypoints = batch  # uint8 (B, 3, H, W), float (B, D) unit embeddings, float (B, 5, 2) pixels
         x = images_to_unit_range(images)
-        generator = torch.Generator(device=self.device).manual_seed(mix_seed(self.cfg.seed, self.global_step))
         if self.cfg.architecture == "tiny":  # a deterministic latent: nothing to sample, no KL term
             y, kl = self.autoencoder.decode(self.autoencoder.encode(x).latents).sample, 0.0
         else:
+            generator = torch.Generator(device=self.device).manual_seed(mix_seed(self.cfg.seed, self.global_step))
             posterior = self.autoencoder.encode(x).latent_dist
             y = self.autoencoder.decode(posterior.sample(generator=generator)).sample
             kl = posterior.kl().mean() / float(np.prod(posterior.mean.shape[1:]))
