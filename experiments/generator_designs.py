@@ -38,9 +38,15 @@ from tasks.common import Paths, load_params, section, write_text
 
 log = logging.getLogger("experiments.generator_designs")
 
-# name → (what it is, params `generator` delta). The pixel designs denoise the 32-px faces themselves, the UNet
-# seeing p × p patches as channels (lossless, so no decoder bounds the faces); the latent ones change make run's
-# autoencoder; `--judge-default` adds make run's own generator.
+# name → (what it is, params `generator` delta). Every delta applies to `BEFORE`: params `generator` as it stood when
+# the designs were measured (the KL latent), so a row keeps meaning what it measured after the default moves on.
+# The pixel designs denoise the 32-px faces themselves, the UNet seeing p × p patches as channels (lossless, so no
+# decoder bounds the faces); the latent ones change that autoencoder; `--judge-default` adds make run's own generator.
+BEFORE = {"autoencoder_train.architecture": "kl", "autoencoder_train.block_out_channels": [16, 32, 64],
+          "autoencoder_train.latent_channels": 4, "train.model.image_size": 8, "train.model.in_channels": 4,
+          "train.model.patch_size": 1, "train.model.block_out_channels": [64, 128], "train.epochs": 27,
+          "train.lr": 0.001, "train.lr_schedule": "constant", "train.prediction_type": "epsilon",
+          "train.loss_weighting": "uniform"}
 PIXEL = {"space": "pixel", "train.model.image_size": 32, "train.model.in_channels": 3, "train.precision": "32-true",
          "train.prediction_type": "epsilon", "train.loss_weighting": "uniform"}
 P2 = {**PIXEL, "train.model.patch_size": 2, "train.model.block_out_channels": [32, 64, 128], "train.batch_size": 32}
@@ -84,6 +90,15 @@ DESIGNS: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny32_f2_c1": ("as tiny32_f2_c2 with 1 latent channel → 1×16×16 (4×8×8 patches: the KL latent's size)",
                      {**F2, "autoencoder_train.block_out_channels": [32, 32], "autoencoder_train.latent_channels": 1,
                       "train.model.in_channels": 1}),
+    "tiny32_f2_c2_lean": ("as tiny32_f2_c2 with UNet [48, 96], v, min-SNR-5, lr 0.002 cosine; 1,026 steps of 64",
+                          {**F2, **C2, **V_MIN_SNR, "autoencoder_train.block_out_channels": [32, 32],
+                           "train.model.block_out_channels": [48, 96], "train.epochs": 18, "train.lr": 0.002,
+                           "train.lr_schedule": "cosine"}),
+    "kl_lean": ("the KL latent with UNet [48, 96]; 1,026 steps of 64",
+                {"autoencoder_train.precision": "32-true", "train.precision": "32-true",
+                 "train.model.block_out_channels": [48, 96], "train.epochs": 18}),
+    "kl": ("the default before tiny32_f2_c2_lean: KL 4×8×8, ε, UNet [64, 128]; 1,539 steps of 64",
+           {"autoencoder_train.precision": "32-true", "train.precision": "32-true"}),
 }
 CONTEXTS, PER_CONTEXT = 32, 4  # val contexts, faces sampled per context
 REAL_FACES = 128  # training faces made at the generator's size: what each judge gives real faces there
@@ -101,15 +116,19 @@ def with_delta(generator: dict[str, Any], delta: dict[str, Any]) -> dict[str, An
     return out
 
 
+def design_section(generator: dict[str, Any], name: str) -> dict[str, Any]:
+    """params ``generator`` as design ``name`` trains it: ``BEFORE``, then the design's delta."""
+    return with_delta(with_delta(generator, BEFORE), DESIGNS[name][1])
+
+
 def measure(name: str, paths: Paths, work: Path) -> dict[str, Any]:
     """Train design ``name`` into ``work/name`` on one thread and judge it (``judge``); one result row."""
     import torch
 
     from tasks.train_generator import GeneratorStageConfig, fit
 
-    _, delta = DESIGNS[name]
     params = load_params(paths.params)
-    cfg = from_mapping(GeneratorStageConfig, with_delta(section(params, "generator"), delta), "generator")
+    cfg = from_mapping(GeneratorStageConfig, design_section(section(params, "generator"), name), "generator")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the stage's share of a 2-core run (pipeline.jobs 2)
     try:
@@ -187,7 +206,9 @@ def measure_autoencoder(name: str, paths: Paths) -> dict[str, Any]:
 
     params = load_params(paths.params)
     delta = DESIGNS[name][1] if name in DESIGNS else {}
-    cfg = from_mapping(GeneratorStageConfig, with_delta(section(params, "generator"), delta), "generator")
+    generator = section(params, "generator")
+    cfg = from_mapping(GeneratorStageConfig, design_section(generator, name) if name in DESIGNS else generator,
+                       "generator")
     if cfg.space != "latent" or cfg.autoencoder:
         raise SystemExit(f"design {name} trains no autoencoder (space {cfg.space}); --autoencoders takes latent ones")
     ae_cfg = dataclasses.replace(cfg.autoencoder_train, precision="32-true")

@@ -3,9 +3,11 @@ judge beside its real-face rate (a dash where YuNet could not run)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from experiments.generator_designs import DESIGNS, report, with_delta
+from experiments.generator_designs import DESIGNS, design_section, report, with_delta
 from ml.config import from_mapping
 from ml.errors import ConfigError
 from tasks.common import Paths, load_params, section
@@ -22,14 +24,30 @@ def test_deltas_set_nested_keys_and_leave_the_rest():
 @pytest.mark.parametrize("name", sorted(DESIGNS))
 def test_every_design_is_a_valid_generator_section(name):
     params = section(load_params(Paths().params), "generator")
-    cfg = from_mapping(GeneratorStageConfig, with_delta(params, DESIGNS[name][1]), "generator")
+    cfg = from_mapping(GeneratorStageConfig, design_section(params, name), "generator")
     # every design makes 32-px faces: the pixels themselves, or a latent its own autoencoder decodes to that size
     factor = cfg.autoencoder_train.factor if cfg.space == "latent" else 1
     assert cfg.train.model.image_size * factor == 32
     if cfg.space == "latent":
         assert cfg.train.model.in_channels == cfg.autoencoder_train.latent_channels
     with pytest.raises(ConfigError):  # a misspelt key in a design is refused, not ignored
-        from_mapping(GeneratorStageConfig, with_delta(params, {**DESIGNS[name][1], "train.epoch": 3}), "generator")
+        from_mapping(GeneratorStageConfig, with_delta(design_section(params, name), {"train.epoch": 3}), "generator")
+
+
+def test_designs_keep_their_base_when_the_default_moves():
+    """A design row means what was measured: its delta applies to BEFORE (the KL latent), whatever params.yaml's
+    default is now; the design make run adopted is the default itself on that base."""
+    params = section(load_params(Paths().params), "generator")
+    kl = from_mapping(GeneratorStageConfig, design_section(params, "kl"), "generator")
+    assert (kl.autoencoder_train.architecture, kl.train.model.in_channels, kl.train.prediction_type) == \
+        ("kl", 4, "epsilon")
+    moved = with_delta(params, {"train.prediction_type": "edm", "train.loss_weighting": "uniform", "train.lr": 0.5})
+    assert design_section(moved, "edm_p2") == design_section(params, "edm_p2")  # every key a design reads is fixed
+    adopted = from_mapping(GeneratorStageConfig, design_section(params, "tiny32_f2_c2_lean"), "generator")
+    default = from_mapping(GeneratorStageConfig, params, "generator")  # the design adopted, in the stage's precision
+    assert dataclasses.replace(adopted.train, precision=default.train.precision) == default.train
+    assert dataclasses.replace(adopted.autoencoder_train, precision=default.autoencoder_train.precision) == \
+        default.autoencoder_train
 
 
 def test_report_puts_each_judge_beside_its_real_rate():
