@@ -2,21 +2,26 @@
 
 Claim (paper Table 2): two-stage sampling with an adaptive switch and attention injection makes a synthetic set more
 diverse than CFG with the ID context at every step, and an FR model trained on it verifies real faces better; Table 3:
-the gap (REAL − SYN)/SYN at equal budget. Once (seed 0), on procedural faces (a): a teacher FR model (``vit_tiny``)
-and the generator as the pipeline trains it (KL autoencoder of 32-px faces, then the latent UNet). Per seed: contexts
-filtered from empty-context faces; per sampler mode (``MODES``) K × M faces with the same contexts and noise, their
-metrics under the teacher and an FR model trained on them, scored on that seed's held-out real identities (b: drawn
-with the seed as data seed, so each seed is an independent test set; the defaults are ``experiments.test_sets.DATA_SEEDS``);
-real-data FR models of the same budget (32-px bottleneck, native 64 px) give the gap. The accuracy verdict takes the
-test set as its unit (``experiments.test_sets.across_test_sets``, with a bootstrap interval over pairs). Writes
-``reports/uiface_claims.md`` and ``metrics/uiface_claims.json``; ``--estimate-only`` prints the expected time. Scale
-and report: ``uiface_summary``.
+the gap (REAL − SYN)/SYN at equal budget. On procedural faces (a): a teacher FR model (``vit_tiny``, seed 0) and, per
+generator seed (``Scale.generator_seeds``), the generator as the pipeline trains it (an AutoencoderTiny of 32-px
+faces, then the lean latent UNet). Per generator and data seed: contexts filtered from empty-context faces; per sampler
+mode (``MODES``, make run's ``two_stage_fixed+injection`` among them) K × M faces with the same contexts and noise,
+their metrics under the teacher (identity consistency) and in pixels (1 − SSIM within an identity: diversity measured
+apart from consistency), and an FR model trained on them, scored on that seed's held-out real identities (b: drawn
+with the seed as data seed, so each seed is an independent test set; the defaults are
+``experiments.test_sets.DATA_SEEDS``); real-data FR models of the same budget (32-px bottleneck, native 64 px) give
+the gap. Units: the data seed (test set) for "beyond noise", its numbers the mean over the generators
+(``experiments.test_sets.across_test_sets``, with a bootstrap interval over identities); the generator seed for
+stability (``uiface_summary.over_generators``). Writes ``reports/uiface_claims.md``, ``metrics/uiface_claims.json``
+and, part by part, ``metrics/uiface_claims_units.jsonl`` (``--resume`` goes on from it); ``--estimate-only`` prints
+the expected time. Scale and report: ``uiface_summary``.
 
 Differences from the reference (Sec. 4, appendix A.1), for a CPU run:
-- A small KL autoencoder and a 2-level latent UNet trained briefly, not VQ-f4 and 250k steps; FR models ``vit_tiny``
-  on 64-px procedural faces, not IR-50/ArcFace on 112-px CASIA; contexts from the teacher's 32-px-face embeddings.
+- A small AutoencoderTiny and a 2-level latent UNet (v-prediction, min-SNR) trained briefly, not VQ-f4 and 250k
+  steps; FR models ``vit_tiny`` on 64-px procedural faces, not IR-50/ArcFace on 112-px CASIA; contexts from the
+  teacher's 32-px-face embeddings.
 - 25 DDIM steps (paper 50), threshold × Δt/20 (``Scale.threshold_per_paper_step``); 4 context tokens (public: 32).
-- Diversity = 1 − intra-class cosine under the teacher, P/R on its embeddings: no VGG / Inception weights offline.
+- Diversity = 1 − SSIM within an identity, not LPIPS (no VGG weights offline); P/R on the teacher's embeddings.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ from typing import Any
 import numpy as np
 
 from experiments.test_sets import DATA_SEEDS, now_utc
-from experiments.uiface_summary import QUICK, Scale, effective_threshold, render, summarize
+from experiments.uiface_summary import (
+    MODES, QUICK, REALS, Scale, by_data_seed, effective_threshold, over_generators, render, scale_of, summarize,
+)
 
 log = logging.getLogger("experiments.uiface_claims")
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +72,7 @@ def make_data(scale: Scale, data_seed: int = 0) -> dict[str, np.ndarray]:
     from experiments.claims import make_split
 
     split = make_split("aligned", _split_scale(scale), seed=data_seed)
-    return {k: split[k] for k in ("x", "y", "tx", "pairs", "issame")}
+    return {k: split[k] for k in ("x", "y", "tx", "ty", "pairs", "issame")}
 
 
 def through_bottleneck(images: np.ndarray, scale: Scale) -> np.ndarray:
@@ -97,13 +104,8 @@ def fit_fr(images: np.ndarray, labels: np.ndarray, scale: Scale, seed: int, batc
     return train_fr(cfg, images, labels, progress=False)
 
 
-def train_once(scale: Scale, data: dict[str, np.ndarray]) -> tuple[Any, Any, Any, dict[str, Any]]:
-    """Teacher FR, autoencoder (latent runs) and generator, seed 0: (teacher, generator result, autoencoder or
-    None, setup numbers)."""
-    from ml.generator.uiface import GeneratorModelConfig
-    from ml.generator.train import GeneratorConfig, train_generator
-    from tasks.train_generator import identity_embeddings, resize_faces
-
+def train_teacher(scale: Scale, data: dict[str, np.ndarray]) -> tuple[Any, dict[str, Any]]:
+    """The teacher FR model (seed 0, the same for every run) and its numbers."""
     log.info("[setup] training the teacher FR model on %d faces (%d identities), %d epochs",
              len(data["x"]), scale.train_identities, scale.fr_epochs)
     teacher = fit_fr(data["x"], data["y"], scale, 0, scale.teacher_batch_size)
@@ -113,45 +115,57 @@ def train_once(scale: Scale, data: dict[str, np.ndarray]) -> tuple[Any, Any, Any
                                  teacher.model, through_bottleneck(data["tx"], scale), data)}
     log.info("[setup] teacher: %.1f s, held-out accuracy %.4f (native), %.4f (32-px bottleneck)",
              teacher.seconds, setup["teacher_accuracy"], setup["teacher_accuracy_32px"])
+    return teacher.model, setup
+
+
+def train_generator_seed(scale: Scale, data: dict[str, np.ndarray], teacher: Any,
+                         seed: int) -> tuple[Any, Any, dict[str, Any]]:
+    """Autoencoder (latent runs) and generator trained with ``seed`` as the pipeline trains them: (generator
+    result, autoencoder or None, its numbers)."""
+    from ml.generator.uiface import GeneratorModelConfig
+    from ml.generator.train import GeneratorConfig, train_generator
+    from tasks.train_generator import identity_embeddings, resize_faces
 
     x32 = resize_faces(data["x"], scale.gen_size)
-    contexts = identity_embeddings(teacher.model, x32, None)  # (N, 128) unit rows
-    autoencoder, faces = None, x32
+    contexts = identity_embeddings(teacher, x32, None)  # (N, 128) unit rows
+    autoencoder, faces, numbers = None, x32, {}
     if scale.latent:  # as the pipeline's train_generator: the autoencoder first, on the same faces
         from ml.generator.autoencoder import AutoencoderConfig, reconstruct, train_autoencoder
 
-        ae_cfg = AutoencoderConfig(block_out_channels=scale.ae_channels, epochs=scale.ae_epochs,
-                                   batch_size=scale.ae_batch_size, lr=scale.ae_lr, seed=0)
-        log.info("[setup] training the autoencoder on %d faces at %d px, %d epochs", len(x32), scale.gen_size,
-                 scale.ae_epochs)
-        native = identity_embeddings(teacher.model, data["x"], None)
-        autoencoder, _, ae_seconds = train_autoencoder(ae_cfg, x32, native, teacher.model, progress=False)
+        ae_cfg = AutoencoderConfig(architecture=scale.ae_architecture, block_out_channels=scale.ae_channels,
+                                   latent_channels=scale.ae_latent_channels, epochs=scale.ae_epochs,
+                                   batch_size=scale.ae_batch_size, lr=scale.ae_lr, seed=seed)
+        log.info("[generator %d] training the autoencoder on %d faces at %d px, %d epochs", seed, len(x32),
+                 scale.gen_size, scale.ae_epochs)
+        native = identity_embeddings(teacher, data["x"], None)
+        autoencoder, _, ae_seconds = train_autoencoder(ae_cfg, x32, native, teacher, progress=False)
         recon, _ = reconstruct(autoencoder, x32)
         mse = ((recon.astype(np.float64) - x32.astype(np.float64)) ** 2).mean(axis=(1, 2, 3))
-        setup.update({"autoencoder_seconds": ae_seconds,
-                      "autoencoder_psnr": float(np.mean(10 * np.log10(255.0 ** 2 / np.maximum(mse, 1e-10)))),
-                      "autoencoder_fr_cosine": float(np.mean(np.sum(
-                          identity_embeddings(teacher.model, recon, None) * native, axis=1)))})
-        log.info("[setup] autoencoder: %.1f s, PSNR %.1f dB, teacher cosine %.3f", ae_seconds,
-                 setup["autoencoder_psnr"], setup["autoencoder_fr_cosine"])
+        numbers = {"autoencoder_seconds": ae_seconds,
+                   "autoencoder_psnr": float(np.mean(10 * np.log10(255.0 ** 2 / np.maximum(mse, 1e-10)))),
+                   "autoencoder_fr_cosine": float(np.mean(np.sum(identity_embeddings(teacher, recon, None) * native,
+                                                                 axis=1)))}
+        log.info("[generator %d] autoencoder: %.1f s, PSNR %.1f dB, teacher cosine %.3f", seed, ae_seconds,
+                 numbers["autoencoder_psnr"], numbers["autoencoder_fr_cosine"])
     side = scale.unet_side
     model_cfg = GeneratorModelConfig(
-        image_size=side, in_channels=autoencoder.config.latent_channels if autoencoder is not None else 3,
-        block_out_channels=scale.gen_channels,
-        attention_heads=scale.gen_heads, context_tokens=scale.gen_context_tokens, time_context=True,
-        id_dim=contexts.shape[1])
+        image_size=side, in_channels=scale.ae_latent_channels if autoencoder is not None else 3,
+        patch_size=scale.gen_patch_size, block_out_channels=scale.gen_channels, attention_heads=scale.gen_heads,
+        context_tokens=scale.gen_context_tokens, time_context=True, id_dim=contexts.shape[1])
     gen_cfg = GeneratorConfig(model=model_cfg, epochs=scale.gen_epochs, batch_size=scale.gen_batch_size,
-                              lr=scale.gen_lr, ema_decay=scale.gen_ema_decay, seed=0)
-    log.info("[setup] training the generator on %d faces (%d px, UNet side %d), %d epochs", len(x32),
-             scale.gen_size, side, scale.gen_epochs)
+                              lr=scale.gen_lr, lr_schedule=scale.gen_lr_schedule, ema_decay=scale.gen_ema_decay,
+                              prediction_type=scale.gen_prediction_type, loss_weighting=scale.gen_loss_weighting,
+                              seed=seed)
+    log.info("[generator %d] training on %d faces (%d px, UNet side %d), %d epochs", seed, len(x32), scale.gen_size,
+             side, scale.gen_epochs)
     gen = train_generator(gen_cfg, faces, contexts, autoencoder=autoencoder, progress=False)
-    setup.update({"generator_seconds": gen.seconds, "generator_loss": float(gen.history[-1]["train/loss"]),
-                  "generator_loss_history": [float(h["train/loss"]) for h in gen.history],
-                  "generator_steps": scale.gen_epochs * math.ceil(len(x32) / min(scale.gen_batch_size, len(x32))),
-                  "generator_images_per_second": scale.gen_epochs * len(x32) / gen.seconds})
-    log.info("[setup] generator: %.1f s (%.1f img/s), loss %s", gen.seconds, setup["generator_images_per_second"],
-             " → ".join(f"{v:.4f}" for v in setup["generator_loss_history"]))
-    return teacher.model, gen, autoencoder, setup
+    numbers.update({"generator_seconds": gen.seconds, "generator_loss": float(gen.history[-1]["train/loss"]),
+                    "generator_loss_history": [float(h["train/loss"]) for h in gen.history],
+                    "generator_steps": scale.gen_epochs * math.ceil(len(x32) / min(scale.gen_batch_size, len(x32))),
+                    "generator_images_per_second": scale.gen_epochs * len(x32) / gen.seconds})
+    log.info("[generator %d] %.1f s (%.1f img/s), loss %s", seed, gen.seconds, numbers["generator_images_per_second"],
+             " → ".join(f"{v:.4f}" for v in numbers["generator_loss_history"]))
+    return gen, autoencoder, numbers
 
 
 def sampler_configs(scale: Scale, extra: dict[str, Any]) -> dict[str, Any]:
@@ -163,6 +177,7 @@ def sampler_configs(scale: Scale, extra: dict[str, Any]) -> dict[str, Any]:
     return {
         "baseline": dataclasses.replace(base, mode="baseline", attention_injection=False),
         "two_stage_fixed": dataclasses.replace(base, mode="two_stage_fixed", attention_injection=False),
+        "two_stage_fixed+injection": dataclasses.replace(base, mode="two_stage_fixed", attention_injection=True),
         "two_stage_adaptive": dataclasses.replace(base, mode="two_stage_adaptive", attention_injection=False),
         "two_stage_adaptive+injection": dataclasses.replace(base, mode="two_stage_adaptive", attention_injection=True),
     }
@@ -184,13 +199,20 @@ def switch_profile(model: Any, contexts: np.ndarray, cfg: Any, seed: int) -> dic
             "q10": np.quantile(d, 0.1, axis=1).tolist(), "q90": np.quantile(d, 0.9, axis=1).tolist()}
 
 
-def run_seed(seed: int, scale: Scale, data: dict[str, np.ndarray], teacher: Any, gen: Any,
-             autoencoder: Any = None) -> dict[str, Any]:
-    """One seed: sampling, synthetic and real FR models, scored on the seed's own held-out identities. The result's
-    ``_correct`` (per mode and real arm, each pair's outcome) feeds the summary and is not written out."""
+def test_split(scale: Scale, data: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
+    """The held-out identities and pairs data seed ``seed`` scores on (seed 0's: those the setup scored)."""
+    return make_data(scale, seed) if seed else data
+
+
+def run_modes(seed: int, scale: Scale, data: dict[str, np.ndarray], test: dict[str, np.ndarray], teacher: Any,
+              gen: Any, autoencoder: Any = None) -> dict[str, Any]:
+    """One generator on one data seed: identity contexts, every mode's faces, their metrics under the teacher and
+    in pixels, and an FR model trained on them scored on the seed's held-out pairs (``_correct``: each pair's
+    outcome per mode)."""
     from ml.errors import DataError
     from ml.generator.diversity import diversity_report
     from ml.generator.contexts import select_identity_contexts
+    from ml.generator.image_diversity import ssim_diversity
     from tasks.synthesize import generate
     from tasks.train_generator import identity_embeddings, resize_faces
 
@@ -219,9 +241,8 @@ def run_seed(seed: int, scale: Scale, data: dict[str, np.ndarray], teacher: Any,
              ", ".join(f"t={t}: {d:.4f}" for t, d in zip(d_profile["timesteps"], d_profile["median"])),
              samplers["two_stage_adaptive"].threshold)
 
-    test = make_data(scale, seed) if seed else data  # seed 0's held-out set is the one the setup scored
     correct: dict[str, np.ndarray] = {}
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng([seed, 1])
     real_idx = np.sort(rng.choice(len(data["x"]), size=min(k * m, len(data["x"])), replace=False))
     real_ref = identity_embeddings(teacher, resize_faces(data["x"][real_idx], scale.gen_size), None)
     recall_k = min(scale.recall_k, k * m - 1, len(real_ref) - 1)
@@ -239,6 +260,7 @@ def run_seed(seed: int, scale: Scale, data: dict[str, np.ndarray], teacher: Any,
         modes[mode] = {
             "accuracy": accuracy,
             "identity_consistency": report["synthetic/identity_consistency"],
+            "ssim_diversity": ssim_diversity(faces, labels),
             "diversity": report["synthetic/diversity"],
             "inter_class_mean_cos": report["synthetic/inter_class_mean_cos"],
             "inter_class_max_cos": report["synthetic/inter_class_max_cos"],
@@ -252,27 +274,42 @@ def run_seed(seed: int, scale: Scale, data: dict[str, np.ndarray], teacher: Any,
             "fr_train_seconds": fr.seconds,
         }
         r = modes[mode]
-        log.info("[seed %d] %s: acc %.4f, IC %.3f, div %.3f, recall %.3f, precision %.3f, t0 %.0f, evals %.1f "
-                 "(sampling %.0f s, FR %.0f s)", seed, mode, r["accuracy"], r["identity_consistency"], r["diversity"],
-                 r["recall"], r["precision"], r["t0_mean"], r["unet_evals_per_face"], synth_s, fr.seconds)
+        log.info("[seed %d] %s: acc %.4f, IC %.3f, 1 − SSIM %.3f, recall %.3f, precision %.3f, t0 %.0f, evals %.1f "
+                 "(sampling %.0f s, FR %.0f s)", seed, mode, r["accuracy"], r["identity_consistency"],
+                 r["ssim_diversity"], r["recall"], r["precision"], r["t0_mean"], r["unet_evals_per_face"], synth_s,
+                 fr.seconds)
+    return {"identities_found": int(k), "recall_k": int(recall_k), "modes": modes, "d_profile": d_profile,
+            "_correct": correct}
 
-    # real-data FR models with the same K × M budget: K real identities of (a), their first M images
+
+def run_reals(seed: int, scale: Scale, data: dict[str, np.ndarray], test: dict[str, np.ndarray], teacher: Any,
+              k: int) -> dict[str, Any]:
+    """The real arms of one data seed: FR models on ``k`` real identities of (a) × M images (the synthetic sets'
+    budget), through the 32-px bottleneck and native, scored on the seed's pairs; the real faces' own statistics
+    under the teacher and in pixels (at the generator's size)."""
+    from ml.generator.diversity import diversity_report
+    from ml.generator.image_diversity import ssim_diversity
+    from tasks.train_generator import identity_embeddings, resize_faces
+
+    m = scale.images_per_synthetic_identity
+    rng = np.random.default_rng([seed, 2])
     ids = np.sort(rng.choice(scale.train_identities, size=min(k, scale.train_identities), replace=False))
     sel = np.concatenate([np.flatnonzero(data["y"] == i)[:m] for i in ids])
     real_labels = np.searchsorted(ids, data["y"][sel])
     real32 = through_bottleneck(data["x"][sel], scale)
     stats = diversity_report(identity_embeddings(teacher, real32, None), real_labels)
     real_stats = {"identity_consistency": stats["synthetic/identity_consistency"],
+                  "ssim_diversity": ssim_diversity(resize_faces(data["x"][sel], scale.gen_size), real_labels),
                   "diversity": stats["synthetic/diversity"],
                   "inter_class_mean_cos": stats["synthetic/inter_class_mean_cos"]}
-    real = {}
+    real, correct = {}, {}
     for name, images in (("real_32px", real32), ("real_64px", data["x"][sel])):
         fr = fit_fr(images, real_labels, scale, seed, scale.fr_batch_size)
         real[name], correct[name] = scored(fr.model, test["tx"], test)
         log.info("[seed %d] %s FR model on %d × %d real faces: acc %.4f (%.0f s)", seed, name, len(ids), m,
                  real[name], fr.seconds)
-    return {"identities_found": int(k), "recall_k": int(recall_k), "modes": modes, "real": real,
-            "real_stats": real_stats, "d_profile": d_profile, "_correct": correct}
+    return {"real": real, "real_stats": real_stats, "_correct": correct,
+            "_identities": test["ty"][test["pairs"][:, 0]]}
 
 
 # ------------------------------------------------------------------------------------------------ estimate
@@ -290,13 +327,13 @@ def probe(scale: Scale) -> dict[str, float]:
     render_s = (time.perf_counter() - start) / 8
     from ml.generator.autoencoder import AutoencoderConfig
 
-    channels, side = (AutoencoderConfig().latent_channels if scale.latent else 3), scale.unet_side
+    channels, side = (scale.ae_latent_channels if scale.latent else 3), scale.unet_side
     model = IDConditionedUNet(GeneratorModelConfig(
-        image_size=side, in_channels=channels, block_out_channels=scale.gen_channels, attention_heads=scale.gen_heads,
-        context_tokens=scale.gen_context_tokens, id_dim=128))
+        image_size=side, in_channels=channels, patch_size=scale.gen_patch_size, block_out_channels=scale.gen_channels,
+        attention_heads=scale.gen_heads, context_tokens=scale.gen_context_tokens, id_dim=128))
     opt = torch.optim.AdamW(model.parameters(), lr=scale.gen_lr)
     b = scale.gen_batch_size
-    x, ids = torch.randn(b, channels, side, side), torch.randn(b, 128)
+    x, ids = torch.randn(model.sample_shape(b)), torch.randn(b, 128)  # the UNet's layout (patches as channels)
     times = []
     for _ in range(3):
         t = time.perf_counter()
@@ -308,7 +345,7 @@ def probe(scale: Scale) -> dict[str, float]:
     train_s = min(times[1:]) / b
     model.eval()
     n = scale.sample_batch_size
-    xs, ctx = torch.randn(n, channels, side, side), model.empty(n)
+    xs, ctx = torch.randn(model.sample_shape(n)), model.empty(n)
     times = []
     with torch.no_grad():
         for _ in range(3):
@@ -320,13 +357,17 @@ def probe(scale: Scale) -> dict[str, float]:
     if scale.latent:
         from ml.generator.autoencoder import build_autoencoder
 
-        ae = build_autoencoder(AutoencoderConfig(block_out_channels=scale.ae_channels), scale.gen_size)
+        ae = build_autoencoder(AutoencoderConfig(architecture=scale.ae_architecture,
+                                                 block_out_channels=scale.ae_channels,
+                                                 latent_channels=scale.ae_latent_channels), scale.gen_size)
         opt = torch.optim.AdamW(ae.parameters(), lr=scale.ae_lr)
         x = torch.randn(scale.ae_batch_size, 3, scale.gen_size, scale.gen_size)
         times = []
         for _ in range(3):
             t = time.perf_counter()
-            loss = (ae.decode(ae.encode(x).latent_dist.sample()).sample - x).abs().mean()
+            encoded = ae.encode(x)
+            z = encoded.latent_dist.sample() if hasattr(encoded, "latent_dist") else encoded.latents
+            loss = (ae.decode(z).sample - x).abs().mean()
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -336,50 +377,173 @@ def probe(scale: Scale) -> dict[str, float]:
 
 
 def estimate_seconds(scale: Scale, rates: dict[str, float], n_seeds: int) -> dict[str, float]:
-    """Expected wall time per part; adaptive modes are assumed to spend 1.5 UNet evaluations per step."""
+    """Expected wall time per part, every generator seed on every data seed; adaptive modes are assumed to spend
+    1.5 UNet evaluations per step."""
     n_train = scale.train_identities * scale.images_per_identity
     n_faces = n_train + scale.test_identities * scale.test_images_per_identity
     budget = scale.identities * scale.images_per_synthetic_identity
     spacing = 1000 // scale.steps
     stage2_fixed = sum(1 for i in range(scale.steps) if i * spacing < scale.fixed_t0)
-    evals_per_face = 2 * scale.steps + (scale.steps + stage2_fixed) + 2 * 1.5 * scale.steps
+    evals_per_face = 2 * scale.steps + 2 * (scale.steps + stage2_fixed) + 2 * 1.5 * scale.steps
+    gens = len(scale.generator_seeds)
     fr = lambda n: n * scale.fr_epochs * FR_SECONDS_PER_IMAGE_EPOCH + FR_OVERHEAD_SECONDS  # noqa: E731
     parts = {
         "data": n_faces * rates["render_s_per_face"],
         "teacher": fr(n_train),
-        "generator": scale.gen_epochs * n_train * rates["gen_train_s_per_image"]
-        + scale.latent * scale.ae_epochs * n_train * rates.get("ae_train_s_per_image", 0.0),
-        "sampling": n_seeds * (scale.candidates * scale.steps + budget * evals_per_face) * rates["unet_s_per_eval"],
-        "fr_models": n_seeds * 6 * fr(budget),
+        "generator": gens * (scale.gen_epochs * n_train * rates["gen_train_s_per_image"]
+                            + scale.latent * scale.ae_epochs * n_train * rates.get("ae_train_s_per_image", 0.0)),
+        "sampling": gens * n_seeds * (scale.candidates * scale.steps + budget * evals_per_face)
+        * rates["unet_s_per_eval"],
+        "fr_models": n_seeds * (gens * len(MODES) + len(REALS)) * fr(budget),
     }
     parts["total"] = sum(parts.values())
     return parts
 
 
-def run_claims(seeds: list[int], scale: Scale) -> dict[str, Any]:
+class Units:
+    """The experiment's finished parts, one JSON line each (``metrics/uiface_claims_units.jsonl`` under the output
+    folder): the teacher's and each generator's numbers, each (generator seed, data seed)'s modes, each data seed's
+    real arms, pair outcomes packed as bits. A line is written as soon as its part is done, so ``--resume`` goes on
+    where a stopped run left off; only lines of the same scale (``key``) are read back."""
+
+    def __init__(self, path: Path, scale: Scale, resume: bool) -> None:
+        import hashlib
+        import json
+
+        self.path = path
+        fields = {k: v for k, v in dataclasses.asdict(scale).items() if k != "generator_seeds"}
+        self.key = hashlib.sha256(json.dumps(fields, sort_keys=True, default=list).encode()).hexdigest()[:16]
+        self.done: dict[str, dict[str, Any]] = {}
+        if resume and path.is_file():
+            for line in path.read_text().splitlines():
+                row = json.loads(line)
+                if row.get("scale") == self.key:
+                    self.done[row["unit"]] = self._unpack(row["result"])
+            log.info("resuming: %d finished parts of this scale in %s", len(self.done), path)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("")
+
+    def add(self, unit: str, result: dict[str, Any]) -> dict[str, Any]:
+        import json
+
+        with self.path.open("a") as f:
+            f.write(json.dumps({"scale": self.key, "unit": unit, "result": self._pack(result)}, sort_keys=True) + "\n")
+        self.done[unit] = result
+        return result
+
+    @staticmethod
+    def _pack(result: dict[str, Any]) -> dict[str, Any]:
+        import base64
+
+        def arr(a: np.ndarray) -> dict[str, Any]:
+            a = np.asarray(a)
+            if a.dtype == bool:
+                return {"bits": base64.b64encode(np.packbits(a).tobytes()).decode(), "n": int(a.size)}
+            return {"ints": a.astype(np.int64).tolist()}
+
+        out = {k: v for k, v in result.items() if not k.startswith("_")}
+        if "_correct" in result:
+            out["_correct"] = {k: arr(v) for k, v in result["_correct"].items()}
+        if "_identities" in result:
+            out["_identities"] = arr(result["_identities"])
+        return out
+
+    @staticmethod
+    def _unpack(stored: dict[str, Any]) -> dict[str, Any]:
+        import base64
+
+        def arr(d: dict[str, Any]) -> np.ndarray:
+            if "bits" in d:
+                return np.unpackbits(np.frombuffer(base64.b64decode(d["bits"]), dtype=np.uint8))[:d["n"]].astype(bool)
+            return np.asarray(d["ints"], dtype=np.int64)
+
+        out = dict(stored)
+        if "_correct" in out:
+            out["_correct"] = {k: arr(v) for k, v in out["_correct"].items()}
+        if "_identities" in out:
+            out["_identities"] = arr(out["_identities"])
+        return out
+
+
+def run_claims(seeds: list[int], scale: Scale, units_path: Path | None = None, resume: bool = False
+               ) -> dict[str, Any]:
+    """Teacher once, one generator per ``scale.generator_seeds``, each on every data seed of ``seeds`` with every
+    mode, and each data seed's real arms: the results (aggregated with ``uiface_summary``). Finished parts go to
+    ``units_path`` as they finish (``Units``); ``resume`` skips those already there."""
+    import tempfile
+
+    units = Units(units_path or Path(tempfile.mkdtemp()) / "units.jsonl", scale, resume)
+    gens = list(scale.generator_seeds)
+    todo = [f"modes {g} {s}" for g in gens for s in seeds if f"modes {g} {s}" not in units.done]
+    todo += [f"real {s}" for s in seeds if f"real {s}" not in units.done]
     log.info("rendering procedural faces: %d train, %d held-out", scale.train_identities * scale.images_per_identity,
              scale.test_identities * scale.test_images_per_identity)
     data = make_data(scale)
-    teacher, gen, autoencoder, setup = train_once(scale, data)
-    per_seed: dict[str, dict] = {}
+    teacher = None
+    if todo or "teacher" not in units.done:
+        teacher, numbers = train_teacher(scale, data)
+        if "teacher" not in units.done:
+            units.add("teacher", numbers)
+    tests: dict[int, dict[str, np.ndarray]] = {}
+    for g in gens:
+        if not any(u.startswith(f"modes {g} ") for u in todo) and f"generator {g}" in units.done:
+            continue
+        gen, autoencoder, numbers = train_generator_seed(scale, data, teacher, g)
+        if f"generator {g}" not in units.done:
+            units.add(f"generator {g}", numbers)
+        for seed in seeds:
+            if f"modes {g} {seed}" in units.done:
+                continue
+            start = time.perf_counter()
+            test = tests.setdefault(seed, test_split(scale, data, seed))
+            result = run_modes(seed, scale, data, test, teacher, gen, autoencoder)
+            units.add(f"modes {g} {seed}", {**result, "generator_seed": g, "data_seed": seed,
+                                             "seconds": time.perf_counter() - start})
+            log.info("[generator %d, seed %d] done in %.0f s", g, seed, time.perf_counter() - start)
     for seed in seeds:
-        start = time.perf_counter()
-        per_seed[str(seed)] = run_seed(seed, scale, data, teacher, gen, autoencoder)
-        per_seed[str(seed)]["seconds"] = time.perf_counter() - start
-        log.info("[seed %d] done in %.0f s", seed, per_seed[str(seed)]["seconds"])
-    setup["recall_k"] = min(r["recall_k"] for r in per_seed.values())
+        if f"real {seed}" in units.done:
+            continue
+        k = min(units.done[f"modes {g} {seed}"]["identities_found"] for g in gens)
+        units.add(f"real {seed}", run_reals(seed, scale, data, tests.setdefault(seed, test_split(scale, data, seed)),
+                                            teacher, k))
+    return aggregate(units.done, seeds, gens)
+
+
+def aggregate(done: dict[str, dict[str, Any]], seeds: list[int], gens: list[int]) -> dict[str, Any]:
+    """The results of the finished parts ``done`` (``Units``): per-run and per-data-seed numbers, the summary over
+    data seeds, the stability over generator seeds and the setup (generator numbers: each, and their means)."""
+    per_run = {f"{g}:{s}": done[f"modes {g} {s}"] for g in gens for s in seeds}
+    reals = {str(s): done[f"real {s}"] for s in seeds}
+    per_seed = by_data_seed(per_run, reals)
     summary = summarize(per_seed)
-    for r in per_seed.values():
-        r.pop("_correct")
-    return {"seeds": seeds, "setup": setup, "per_seed": per_seed, "summary": summary}
+    stability = over_generators(per_run)
+    generators = {str(g): done[f"generator {g}"] for g in gens}
+    setup = {**done["teacher"], "generator_seeds": gens, "generators": generators,
+             "recall_k": min(r["recall_k"] for r in per_run.values()),
+             **{k: float(np.mean([n[k] for n in generators.values()]))
+                for k in ("generator_seconds", "generator_loss", "autoencoder_seconds", "autoencoder_psnr",
+                          "autoencoder_fr_cosine") if all(k in n for n in generators.values())},
+             "generator_steps": next(iter(generators.values()))["generator_steps"]}
+
+    def public(r: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in r.items() if not k.startswith("_")}
+
+    return {"seeds": seeds, "setup": setup, "per_seed": {s: public(r) for s, r in per_seed.items()},
+            "per_run": {k: public(r) for k, r in per_run.items()}, "stability": stability, "summary": summary}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m experiments.uiface_claims", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=list(DATA_SEEDS),
-                        help="sampling and training seeds, each also the data seed of its held-out identities "
-                             "(default: test sets no recipe was chosen on)")
+                        help="data seeds, each the sampling and FR training seed and the data seed of its own held-out "
+                             "identities (default: test sets no recipe was chosen on)")
+    parser.add_argument("--generator-seeds", type=int, nargs="+", default=None, metavar="SEED",
+                        help=f"generator training seeds, each on every data seed (default: {list(Scale().generator_seeds)})")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the finished parts in --out-dir's metrics/uiface_claims_units.jsonl (same scale) "
+                             "and run only the rest: a stopped run goes on where it left off")
     parser.add_argument("--quick", action="store_true", help="tiny scale to test the code end to end (< 2 min)")
     parser.add_argument("--out-dir", type=Path, default=ROOT, help="writes reports/ and metrics/ under it")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -393,8 +557,7 @@ def main() -> None:
         from tasks.common import write_text
 
         results = json.loads((args.out_dir / "metrics" / "uiface_claims.json").read_text())
-        scale = Scale(**{k: tuple(v) if isinstance(v, list) else v for k, v in results["scale"].items()})
-        write_text(args.out_dir / "reports" / "uiface_claims.md", render(results, scale))
+        write_text(args.out_dir / "reports" / "uiface_claims.md", render(results, scale_of(results["scale"])))
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     import lightning  # noqa: F401  (sets its loggers to INFO on import; quiet its per-run banners after that)
@@ -405,38 +568,45 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    scale = choose_scale(args.quick, args.generator_seeds)
     if args.estimate_only:
-        scale = QUICK if args.quick else Scale()
         est = estimate_seconds(scale, probe(scale), len(args.seeds))
         log.info("estimated wall time on this machine now (%d torch threads): %.1f min (%s)",
                  torch.get_num_threads(), est["total"] / 60,
                  ", ".join(f"{k} {v:.0f} s" for k, v in est.items() if k != "total"))
         return
-    ablation(args.seeds, args.quick, args.out_dir)
+    ablation(args.seeds, args.quick, args.out_dir, generator_seeds=args.generator_seeds, resume=args.resume)
 
 
-def ablation(seeds: list[int], quick: bool = False, out_dir: Path = ROOT) -> dict[str, Any]:
-    """Run the Table 2 ablation over ``seeds`` and write ``reports/uiface_claims.md`` and
-    ``metrics/uiface_claims.json`` under ``out_dir``; → the results (what the command and ``flows.experiments``
-    run)."""
+def choose_scale(quick: bool, generator_seeds: list[int] | None = None) -> Scale:
+    """``QUICK`` or the full ``Scale``, with ``generator_seeds`` where given."""
+    scale = QUICK if quick else Scale()
+    return dataclasses.replace(scale, generator_seeds=tuple(generator_seeds)) if generator_seeds else scale
+
+
+def ablation(seeds: list[int], quick: bool = False, out_dir: Path = ROOT, *, generator_seeds: list[int] | None = None,
+             resume: bool = False) -> dict[str, Any]:
+    """Run the Table 2 ablation over data ``seeds`` × ``generator_seeds`` and write ``reports/uiface_claims.md``,
+    ``metrics/uiface_claims.json`` and the finished parts (``metrics/uiface_claims_units.jsonl``) under ``out_dir``;
+    ``resume`` keeps the parts already there; → the results (what the command and ``flows.experiments`` run)."""
     import torch
 
     from tasks.common import write_json, write_text
 
-    scale = QUICK if quick else Scale()
+    scale = choose_scale(quick, generator_seeds)
     est = estimate_seconds(scale, probe(scale), len(seeds))
     log.info("scale %s", scale)
-    log.info("estimated wall time on this machine now (%d torch threads): %.1f min", torch.get_num_threads(),
-             est["total"] / 60)
+    log.info("estimated wall time on this machine now (%d torch threads), every part run: %.1f min",
+             torch.get_num_threads(), est["total"] / 60)
+    out_dir = Path(out_dir)
     start = time.perf_counter()
-    results = run_claims(list(seeds), scale)
+    results = run_claims(list(seeds), scale, out_dir / "metrics" / "uiface_claims_units.jsonl", resume)
     results["seconds"] = time.perf_counter() - start
     results["measured_at"] = now_utc()
     results["scale"] = dataclasses.asdict(scale)
     results["quick"] = quick
     results["estimate_seconds"] = est
     results["torch_threads"] = torch.get_num_threads()
-    out_dir = Path(out_dir)
     write_json(out_dir / "metrics" / "uiface_claims.json", results)
     write_text(out_dir / "reports" / "uiface_claims.md", render(results, scale))
     log.info("done in %.1f min (estimated %.1f) → %s", results["seconds"] / 60, est["total"] / 60,

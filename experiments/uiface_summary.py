@@ -27,21 +27,30 @@ class Scale:
     fr_epochs: int = 10
     teacher_batch_size: int = 64
     fr_batch_size: int = 32
-    # generator: as the pipeline's default, a KL autoencoder of gen_size-px faces (4 × 8 × 8 latents) trained first
-    # on (a) with the teacher's identity term, then the UNet in its latent; latent=False: the UNet denoises pixels
+    # generator: as the pipeline's default (params generator), an AutoencoderTiny of gen_size-px faces (2 × 16 × 16
+    # latents) trained first on (a) with the teacher's identity term, then the UNet on its 2×2 patches with
+    # v-prediction, min-SNR weighting and a cosine lr; latent=False: the UNet denoises pixels. One generator per
+    # generator seed: the seeds give the spread a training run adds (stability), the data seeds the test sets.
     gen_size: int = 32  # the faces' side the generator makes (upsampled to image_size for the FR models)
     latent: bool = True
-    ae_channels: tuple[int, ...] = (16, 32, 64)  # encoder levels: gen_size / 2^(levels − 1) = the latent side
-    ae_epochs: int = 10
-    ae_batch_size: int = 32
+    ae_architecture: str = "tiny"  # | "kl" (AutoencoderKL)
+    ae_channels: tuple[int, ...] = (32, 32)  # encoder levels: gen_size / 2^(levels − 1) = the latent side
+    ae_latent_channels: int = 2
+    ae_epochs: int = 6  # 900 steps of 16, as the pipeline's autoencoder
+    ae_batch_size: int = 16
     ae_lr: float = 2e-3
-    gen_channels: tuple[int, ...] = (64, 128)
+    gen_channels: tuple[int, ...] = (48, 96)
     gen_heads: int = 4
     gen_context_tokens: int = 4  # > 1, else cross-attention injection is a no-op (softmax over one key)
-    gen_epochs: int = 50
+    gen_patch_size: int = 2
+    gen_prediction_type: str = "v_prediction"
+    gen_loss_weighting: str = "min_snr"
+    gen_lr_schedule: str = "cosine"
+    gen_epochs: int = 27  # 1,026 steps of 64 on (a)'s 2,400 faces: the pipeline's step count
     gen_batch_size: int = 64
-    gen_lr: float = 1e-3
+    gen_lr: float = 2e-3
     gen_ema_decay: float = 0.995
+    generator_seeds: tuple[int, ...] = (0, 1, 2)
     # synthesis: sampling dominates the run (K·M faces × steps × 1–2 UNet evaluations × 4 modes × seeds)
     candidates: int = 200
     max_cosine: float = 0.7  # the pipeline's synthesize.max_cosine
@@ -68,13 +77,21 @@ class Scale:
 
 QUICK = Scale(
     train_identities=12, images_per_identity=4, test_identities=8, test_images_per_identity=6, pairs=120,
-    fr_epochs=1, gen_size=16, ae_channels=(8, 16), ae_epochs=1, gen_channels=(8, 16), gen_epochs=1, candidates=12,
-    max_cosine=0.99, identities=4, images_per_synthetic_identity=3, steps=5, sample_batch_size=64,
+    fr_epochs=1, gen_size=16, ae_channels=(8, 8), ae_epochs=8, gen_channels=(8, 16), gen_epochs=2, candidates=12,
+    max_cosine=0.9999, identities=4, images_per_synthetic_identity=3, steps=5, sample_batch_size=64,
+    generator_seeds=(0, 1),
 )
+
+# what results stored before a field existed were measured with (``scale_of``): the KL latent, ε, one generator
+LEGACY_SCALE = {"ae_architecture": "kl", "ae_channels": (16, 32, 64), "ae_latent_channels": 4, "ae_epochs": 10,
+                "ae_batch_size": 32, "gen_channels": (64, 128), "gen_patch_size": 1, "gen_prediction_type": "epsilon",
+                "gen_loss_weighting": "uniform", "gen_lr_schedule": "constant", "gen_epochs": 50, "gen_lr": 1e-3,
+                "generator_seeds": (0,)}
 
 MODES = {
     "baseline": "CFG with the ID context at every step",
     "two_stage_fixed": "`c_e` for t ≥ t0 = 500, then CFG",
+    "two_stage_fixed+injection": "t0 = 500 + attention injection: make run's sampler",
     "two_stage_adaptive": "adaptive t0: switch when d_t < th",
     "two_stage_adaptive+injection": "adaptive t0 + attention injection",
 }
@@ -85,7 +102,8 @@ REALS = {"real_32px": "real faces through the 32-px bottleneck", "real_64px": "n
 COLUMNS = [
     ("accuracy", "verification acc. (held-out real)", "pct"),
     ("identity_consistency", "identity consistency", "3f"),
-    ("diversity", "diversity (1 − IC)", "3f"),
+    ("ssim_diversity", "image diversity (1 − SSIM)", "3f"),
+    ("diversity", "1 − IC", "3f"),
     ("recall", "recall@k", "3f"),
     ("precision", "precision@k", "3f"),
     ("inter_class_mean_cos", "inter-class mean cos", "3f"),
@@ -94,6 +112,11 @@ COLUMNS = [
     ("unet_evals_per_face", "UNet evals/face", "1f"),
     ("synthesis_seconds", "synthesis s", "0f"),
 ]
+
+
+# (key, header, format) of the table of each mode against the baseline
+VERSUS = [("ssim_diversity", "image diversity", "3f"), ("diversity", "1 − IC", "3f"), ("accuracy", "accuracy", "pct"),
+          ("identity_consistency", "identity consistency", "3f"), ("recall", "recall", "3f")]
 
 
 def effective_threshold(scale: Scale, train_timesteps: int = 1000) -> float:
@@ -147,9 +170,78 @@ def with_holm(summary: dict[str, Any]) -> dict[str, Any]:
             c["verdict"] = "within noise after Holm"
     if judged:
         claim = summary["versus_baseline"][CLAIM_MODE]
-        summary["claim_diversity"], summary["claim_accuracy"] = claim["diversity"]["verdict"], claim["accuracy"]["verdict"]
+        summary["claim_diversity"] = claim[diversity_key(claim)]["verdict"]
+        summary["claim_accuracy"] = claim["accuracy"]["verdict"]
         summary["claim_holds"] = summary["claim_diversity"] == summary["claim_accuracy"] == "higher"
     return summary
+
+
+def diversity_key(metrics: dict[str, Any]) -> str:
+    """The diversity the claim is judged on: image-space (``ssim_diversity``, 1 − SSIM within an identity), a
+    measurement of its own; results stored before it have only the embedding proxy ``diversity`` (1 − identity
+    consistency, the same number as consistency with its sign turned)."""
+    return "ssim_diversity" if "ssim_diversity" in metrics else "diversity"
+
+
+def present(modes: dict[str, Any]) -> list[str]:
+    """``MODES`` in their order, those ``modes`` has (results stored before a mode was added lack it)."""
+    return [m for m in MODES if m in modes]
+
+
+def by_data_seed(per_run: dict[str, dict], reals: dict[str, dict]) -> dict[str, dict]:
+    """One entry per data seed from the runs of every generator seed on it: each mode metric averaged over the
+    generators, the pair outcomes too (a fraction correct per pair: the data seed's accuracy difference is then
+    the mean over its generators, ``experiments.test_sets.across_test_sets``), beside the seed's real arms.
+
+    ``per_run[key] = {"generator_seed", "data_seed", "identities_found", "recall_k", "modes", "d_profile",
+    "_correct": {mode: (pairs,) bool}}``; ``reals[data seed] = {"real", "real_stats", "_correct", "_identities"}``.
+    A data seed without its real arms is left out."""
+    out: dict[str, dict] = {}
+    for data_seed, real in reals.items():
+        runs = sorted((r for r in per_run.values() if str(r["data_seed"]) == str(data_seed)),
+                      key=lambda r: r["generator_seed"])
+        if not runs:
+            continue
+        modes = {m: {k: float(np.mean([r["modes"][m][k] for r in runs])) for k in runs[0]["modes"][m]}
+                 for m in present(runs[0]["modes"])}
+        entry = {"identities_found": int(min(r["identities_found"] for r in runs)),
+                 "recall_k": int(min(r["recall_k"] for r in runs)), "modes": modes,
+                 "generator_seeds": [int(r["generator_seed"]) for r in runs],
+                 "real": real["real"], "real_stats": real["real_stats"]}
+        if "d_profile" in runs[0]:
+            entry["d_profile"] = runs[0]["d_profile"]  # the first generator's
+        if all("_correct" in r for r in runs) and "_correct" in real:
+            entry["_correct"] = {**{m: np.mean([r["_correct"][m].astype(np.float64) for r in runs], axis=0)
+                                    for m in modes}, **real["_correct"]}
+            if "_identities" in real:
+                entry["_identities"] = real["_identities"]
+        out[str(data_seed)] = entry
+    return out
+
+
+def over_generators(per_run: dict[str, dict], metrics: tuple[str, ...] = ("accuracy", "identity_consistency",
+                                                                          "ssim_diversity")) -> dict[str, Any]:
+    """Stability over generator training seeds: per generator, each mode metric's mean over its data seeds;
+    their mean ± sample std over the generators, and each mode − baseline per generator (how many are higher).
+    Not a test of an effect (the data seeds are): whether one training run could have told another story."""
+    gens = sorted({int(r["generator_seed"]) for r in per_run.values()})
+
+    def mean_of(g: int, mode: str, metric: str) -> float:
+        return float(np.mean([r["modes"][mode][metric] for r in per_run.values()
+                              if int(r["generator_seed"]) == g]))
+
+    first = next(iter(per_run.values()))["modes"]
+    metrics = tuple(m for m in metrics if m in first["baseline"])
+    modes = {mode: {m: _mean_std([mean_of(g, mode, m) for g in gens]) for m in metrics} for mode in present(first)}
+    versus = {}
+    for mode in present(first):
+        if mode == "baseline":
+            continue
+        versus[mode] = {}
+        for m in metrics:
+            d = [a - b for a, b in zip(modes[mode][m]["values"], modes["baseline"][m]["values"])]
+            versus[mode][m] = {**_mean_std(d), "higher": int(sum(x > 0 for x in d)), "units": len(d)}
+    return {"generator_seeds": gens, "modes": modes, "versus_baseline": versus}
 
 
 def compare(a: list[float], b: list[float], test_sets: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -182,7 +274,8 @@ def summarize(per_seed: dict[str, dict]) -> dict[str, Any]:
     bootstrap interval over pairs), and ``real_vs_claim`` holds each real arm − the claimed mode's accuracy."""
     seeds = list(per_seed)
     modes: dict[str, dict] = {}
-    for mode in MODES:
+    names = present(per_seed[seeds[0]]["modes"])
+    for mode in names:
         keys = per_seed[seeds[0]]["modes"][mode].keys()
         agg = {k: _mean_std([per_seed[s]["modes"][mode][k] for s in seeds]) for k in keys}
         for real in REALS:
@@ -200,24 +293,29 @@ def summarize(per_seed: dict[str, dict]) -> dict[str, Any]:
             return [per_seed[s]["_correct"][arm] for s in seeds]
 
         data_of = [int(s) for s in seeds]
+        # the bootstrap draws identities (each pair's first face's) where the runs kept them, else pairs
+        ids = ([per_seed[s]["_identities"] for s in seeds] if all("_identities" in per_seed[s] for s in seeds)
+               else None)
 
     def judged(mode: str, m: str) -> dict[str, Any]:
         a, b = modes[mode][m]["values"], modes["baseline"][m]["values"]
         if not per_set:
             return compare(a, b)
-        sets = (across_test_sets(outcomes(mode), outcomes("baseline"), data_of) if m == "accuracy"
+        sets = (across_test_sets(outcomes(mode), outcomes("baseline"), data_of, identities=ids) if m == "accuracy"
                 else over_test_sets([x - y for x, y in zip(a, b)]))
         return compare(a, b, sets)
 
-    versus = {mode: {m: judged(mode, m) for m in ("diversity", "accuracy", "identity_consistency", "recall")}
-              for mode in MODES if mode != "baseline"}
+    judged_metrics = [m for m in ("ssim_diversity", "diversity", "accuracy", "identity_consistency", "recall")
+                      if m in modes["baseline"]]
+    versus = {mode: {m: judged(mode, m) for m in judged_metrics} for mode in names if mode != "baseline"}
     claim = versus[CLAIM_MODE]
-    extra = {"real_vs_claim": {r: across_test_sets(outcomes(r), outcomes(CLAIM_MODE), data_of) for r in REALS}} \
-        if per_set else {}
+    extra = {"real_vs_claim": {r: across_test_sets(outcomes(r), outcomes(CLAIM_MODE), data_of, identities=ids)
+                               for r in REALS}} if per_set else {}
+    div = claim[diversity_key(claim)]["verdict"]
     return with_holm({"modes": modes, "real": real, "real_stats": real_stats, "identities_found": found,
                       "versus_baseline": versus, **extra,
-                      "claim_holds": claim["diversity"]["verdict"] == "higher" and claim["accuracy"]["verdict"] == "higher",
-                      "claim_diversity": claim["diversity"]["verdict"], "claim_accuracy": claim["accuracy"]["verdict"]})
+                      "claim_holds": div == "higher" and claim["accuracy"]["verdict"] == "higher",
+                      "claim_diversity": div, "claim_accuracy": claim["accuracy"]["verdict"]})
 
 
 def _family(summary: dict) -> int:
@@ -237,7 +335,8 @@ def _signed(x: float, kind: str) -> str:
 
 def _claim_paragraph(summary: dict, setup: dict, scale: Scale) -> str:
     v = summary["versus_baseline"][CLAIM_MODE]
-    div, acc = v["diversity"], v["accuracy"]
+    div, acc = v[diversity_key(v)], v["accuracy"]
+    image = diversity_key(v) == "ssim_diversity"
     words = {"higher": "higher than", "lower": "lower than", "within one std": "not distinguishable from"}
 
     words["within noise"] = words["within one std"]
@@ -261,7 +360,8 @@ def _claim_paragraph(summary: dict, setup: dict, scale: Scale) -> str:
     rule = ("beyond noise over the independent test sets (at least two, the mean beyond 2 standard errors, every set "
             "on its side; for accuracy also the pair interval excluding 0), surviving Holm's correction over the "
             "table" if by_sets else "beyond one std")
-    text = (f"{verdict}: with adaptive t0 and attention injection, the embedding diversity {part(div, '3f')}; the "
+    what = "image-space diversity (1 − SSIM within an identity)" if image else "embedding diversity"
+    text = (f"{verdict}: with adaptive t0 and attention injection, the {what} {part(div, '3f')}; the "
             f"accuracy on held-out real faces of the FR model trained on the set {part(acc, 'pct')}. The claim needs "
             f"both to be higher {rule}.")
     ic = v["identity_consistency"]
@@ -314,8 +414,17 @@ def _claim_paragraph(summary: dict, setup: dict, scale: Scale) -> str:
                      "end, so they carry no identity context at all (see the d_t profile above).")
         text += (f" Sampling uses {scale.steps} DDIM steps (the paper: 50; the switch threshold "
                  f"{'is rescaled' if scale.threshold_per_paper_step else 'is not rescaled'} to the step), and "
-                 "diversity is an FR-embedding proxy, not LPIPS (no VGG weights offline).")
+                 + ("image diversity is 1 − SSIM, not LPIPS (no VGG weights offline)." if image else
+                    "diversity is an FR-embedding proxy, not LPIPS (no VGG weights offline)."))
     return text
+
+
+def scale_of(stored: dict[str, Any]) -> Scale:
+    """The ``Scale`` of stored results: a field they lack takes its ``LEGACY_SCALE`` value (what was run before
+    the field existed), lists become tuples."""
+    fields = {f.name for f in dataclasses.fields(Scale)}
+    merged = {**{k: v for k, v in LEGACY_SCALE.items() if k not in stored}, **stored}
+    return Scale(**{k: tuple(v) if isinstance(v, list) else v for k, v in merged.items() if k in fields})
 
 
 def generator_space(scale: Scale) -> str:
@@ -323,7 +432,11 @@ def generator_space(scale: Scale) -> str:
     if not scale.latent:
         return f"in pixel space at {scale.gen_size} px"
     side = scale.unet_side
-    return f"in the 4×{side}×{side} latent of a KL autoencoder of {scale.gen_size}-px faces"
+    kind = "an AutoencoderTiny" if scale.ae_architecture == "tiny" else "a KL autoencoder"
+    patches = f" in {scale.gen_patch_size}×{scale.gen_patch_size} patches" if scale.gen_patch_size > 1 else ""
+    return (f"in the {scale.ae_latent_channels}×{side}×{side} latent of {kind} of {scale.gen_size}-px "
+            f"faces{patches}, {scale.gen_prediction_type}, {scale.gen_loss_weighting} weighting, "
+            f"{scale.gen_lr_schedule} lr")
 
 
 def autoencoder_note(scale: Scale, setup: dict[str, Any]) -> str:
@@ -340,6 +453,8 @@ def render(results: dict, scale: Scale) -> str:
     """The markdown report of ``results`` (``seeds``, ``setup``, ``per_seed``, ``summary``), every std a sample std
     (``with_sample_std``, for results stored before)."""
     s, setup, seeds = with_sample_std(results["summary"]), results["setup"], results["seeds"]
+    names = present(s["modes"])
+    gens = list(setup.get("generator_seeds", [0]))
     k = setup.get("recall_k", scale.recall_k)
     found = s["identities_found"]
     when = results.get("measured_at") or now_utc()
@@ -359,7 +474,9 @@ def render(results: dict, scale: Scale) -> str:
         "protocol)" + ("; each seed draws its own held-out identities and pairs (the seed is also the data seed), so "
                        "the seeds are independent test sets." if "real_vs_claim" in s else "."),
         "",
-        f"**Trained once, seed 0 (the same for every seed).** Teacher FR: `vit_tiny`, ArcFace, {scale.fr_epochs} "
+        (f"**Trained once per generator seed ({', '.join(map(str, gens))}).** The teacher once (seed 0, the same "
+         "for every run). " if len(gens) > 1 else "**Trained once, seed 0 (the same for every seed).** ")
+        + f"Teacher FR: `vit_tiny`, ArcFace, {scale.fr_epochs} "
         f"epochs, batch {scale.teacher_batch_size}, {setup['teacher_seconds']:.0f} s; its own accuracy on the "
         f"held-out pairs of data seed 0 is {100 * setup['teacher_accuracy']:.2f} % (native 64 px) and "
         f"{100 * setup['teacher_accuracy_32px']:.2f} % on the faces through the 32-px bottleneck. Generator: UIFace "
@@ -367,31 +484,38 @@ def render(results: dict, scale: Scale) -> str:
         f"{list(scale.gen_channels)}, "
         f"{scale.gen_heads} heads, {scale.gen_context_tokens} context tokens, {scale.gen_epochs} epochs "
         f"({setup['generator_steps']} steps, batch {scale.gen_batch_size}, lr {scale.gen_lr}, EMA "
-        f"{scale.gen_ema_decay}), {setup['generator_seconds']:.0f} s, final loss {setup['generator_loss']:.4f}; "
+        f"{scale.gen_ema_decay}), {setup['generator_seconds']:.0f} s, final loss {setup['generator_loss']:.4f}"
+        + (" (means over the generators)" if len(gens) > 1 else "") + "; "
         "contexts are the teacher's L2-normalised embeddings of the 32-px training faces (upsampled to 64 px, as the "
         "generated faces are).",
         "",
         f"**Per seed.** {scale.candidates} empty-context candidates → teacher embeddings → DCFace-style filter "
         f"(cosine < {scale.max_cosine}) for N = {scale.identities} identities: found {found['mean']:.1f} ± "
-        f"{found['std']:.1f} ({', '.join(str(int(x)) for x in found['values'])}). Each mode samples M = "
+        f"{found['std']:.1f} ({', '.join(str(int(x)) for x in found['values'])}"
+        + ("; the fewest over the generators" if len(gens) > 1 else "") + "). Each mode samples M = "
         f"{scale.images_per_synthetic_identity} faces per identity with the same contexts and initial noise, "
         f"{scale.steps} DDIM steps (η = 0, w = 1); an FR model (`vit_tiny`, {scale.fr_epochs} epochs, batch "
         f"{scale.fr_batch_size}, seed = the seed) is trained on the faces upsampled to 64 px. Consistency, diversity "
-        "(1 − mean intra-class cosine: an embedding proxy for LPIPS, which needs VGG weights we do not have "
-        f"offline), inter-class separation and improved precision/recall (k = {k}, against as many real training "
-        "faces through the 32-px bottleneck) are under the teacher. t0: `c_e` only for t ≥ t0 (1000 = CFG "
+        "(1 − IC: 1 − mean intra-class cosine, the same measurement as consistency), inter-class separation and "
+        f"improved precision/recall (k = {k}, against as many real training faces through the 32-px bottleneck) are "
+        "under the teacher; image diversity is 1 − SSIM between faces of one identity (its first 8, grey levels; "
+        "LPIPS needs VGG weights we do not have offline), a measurement of the pixels, beside real identities' own. "
+        "t0: `c_e` only for t ≥ t0 (1000 = CFG "
         "throughout, 0 = never switched). Adaptive switch: d_t = mean |h_{t+Δt} − h_t| of the normalised "
         f"cross-attention maps, th = {effective_threshold(scale):g} at Δt = {1000 // scale.steps}"
         + (f" (the paper's {scale.threshold:g} for Δt = 20, scaled by Δt/20, since d_t is a change per step)"
            if scale.threshold_per_paper_step else " (the paper's value, not rescaled to the step)")
-        + ". Mean ± sample std (ddof 1) over seeds.",
+        + ". Mean ± sample std (ddof 1) over seeds"
+        + (f", each seed's numbers the mean over its {len(gens)} generators (their spread: the stability section "
+           "below)." if len(gens) > 1 else "."),
         "",
         "| mode | " + " | ".join(h.replace("@k", f"@{k}") for _, h, _ in COLUMNS) + " |",
         "|---|" + "---|" * len(COLUMNS),
     ]
-    for mode, desc in MODES.items():
+    for mode in names:
         r = s["modes"][mode]
-        lines.append(f"| `{mode}` ({desc}) | " + " | ".join(_fmt(r[key], kind) for key, _, kind in COLUMNS) + " |")
+        lines.append(f"| `{mode}` ({MODES[mode]}) | "
+                     + " | ".join(_fmt(r[key], kind) if key in r else "—" for key, _, kind in COLUMNS) + " |")
     ref = {**s["real_stats"], "accuracy": s["real"]["real_32px"]}
     lines.append("| *reference: real faces, same budget, 32-px bottleneck* | "
                  + " | ".join(_fmt(ref[key], kind) if key in ref else "—" for key, _, kind in COLUMNS) + " |")
@@ -409,12 +533,12 @@ def render(results: dict, scale: Scale) -> str:
         "Real-data FR models with the same identity × image budget as each seed's synthetic sets (K found × "
         f"{scale.images_per_synthetic_identity} images of real identities from (a), chosen per seed), same config:",
         "",
-        "| real set | verification acc. | " + " | ".join(f"gap vs `{m}`" for m in MODES) + " |",
-        "|---|---|" + "---|" * len(MODES),
+        "| real set | verification acc. | " + " | ".join(f"gap vs `{m}`" for m in names) + " |",
+        "|---|---|" + "---|" * len(names),
     ]
     for real, desc in REALS.items():
         gaps = [f"{100 * g['mean']:+.1f} ± {100 * g['std']:.1f} %"
-                for g in (s["modes"][m][f"gap_{real}"] for m in MODES)]
+                for g in (s["modes"][m][f"gap_{real}"] for m in names)]
         lines.append(f"| {desc} | {_fmt(s['real'][real], 'pct')} | " + " | ".join(gaps) + " |")
     lines += [
         "",
@@ -431,13 +555,11 @@ def render(results: dict, scale: Scale) -> str:
         "",
         "## Each mode against the baseline",
         "",
-        "| mode | Δ diversity | Δ accuracy | Δ identity consistency | Δ recall |",
-        "|---|---|---|---|---|",
+        "| mode | " + " | ".join(f"Δ {h}" for m, h, _ in VERSUS if m in s["versus_baseline"][CLAIM_MODE]) + " |",
+        "|---|" + "---|" * sum(m in s["versus_baseline"][CLAIM_MODE] for m, _, _ in VERSUS),
     ]
     for mode, v in sorted(s["versus_baseline"].items(), key=lambda kv: list(MODES).index(kv[0])):  # json sorts keys
-        cells = [f"{_signed(v[m]['diff'], kind)} ({v[m]['verdict']})"
-                 for m, kind in (("diversity", "3f"), ("accuracy", "pct"), ("identity_consistency", "3f"),
-                                 ("recall", "3f"))]
+        cells = [f"{_signed(v[m]['diff'], kind)} ({v[m]['verdict']})" for m, _, kind in VERSUS if m in v]
         lines.append(f"| `{mode}` | " + " | ".join(cells) + " |")
     lines += [
         "",
@@ -453,15 +575,41 @@ def render(results: dict, scale: Scale) -> str:
         "",
         _claim_paragraph(s, setup, scale),
         "",
+    ]
+    if "stability" in results:
+        lines += stability_lines(results["stability"])
+    lines += [
         "## Per seed",
         "",
-        "| seed | K found | " + " | ".join(f"acc `{m}`" for m in MODES) + " | " + " | ".join(f"acc {r}" for r in REALS)
+        "| seed | K found | " + " | ".join(f"acc `{m}`" for m in names) + " | " + " | ".join(f"acc {r}" for r in REALS)
         + " |",
-        "|---|---|" + "---|" * (len(MODES) + len(REALS)),
+        "|---|---|" + "---|" * (len(names) + len(REALS)),
     ]
     for seed, r in results["per_seed"].items():
         lines.append(f"| {seed} | {r['identities_found']} | "
-                     + " | ".join(f"{100 * r['modes'][m]['accuracy']:.2f}" for m in MODES) + " | "
+                     + " | ".join(f"{100 * r['modes'][m]['accuracy']:.2f}" for m in names) + " | "
                      + " | ".join(f"{100 * r['real'][x]:.2f}" for x in REALS) + " |")
     lines.append("")
     return "\n".join(lines)
+
+
+def stability_lines(stability: dict[str, Any]) -> list[str]:
+    """The report's section on generator seeds (``over_generators``)."""
+    gens = stability["generator_seeds"]
+    metrics = [(m, h, kind) for m, h, kind in COLUMNS if m in stability["modes"]["baseline"]]
+    lines = ["## Over generator seeds (stability)", "",
+             f"Each of {len(gens)} generators (training seeds {', '.join(map(str, gens))}) scored as above, its "
+             "numbers the mean over the data seeds; mean ± sample std over the generators, and each mode − baseline "
+             "per generator. A data seed, not a generator, is the unit of the verdicts above: this says whether "
+             "another training run of the generator would have told another story.", "",
+             "| mode | " + " | ".join(h for _, h, _ in metrics) + " | "
+             + " | ".join(f"Δ {h} vs baseline (higher in)" for _, h, _ in metrics) + " |",
+             "|---|" + "---|" * (2 * len(metrics))]
+    for mode, row in stability["modes"].items():
+        deltas = stability["versus_baseline"].get(mode)
+        cells = [_fmt(row[m], kind) for m, _, kind in metrics]
+        cells += (["—"] * len(metrics) if deltas is None else
+                  [f"{_signed(deltas[m]['mean'], kind)} ± {_signed(deltas[m]['std'], kind).lstrip('+')} "
+                   f"({deltas[m]['higher']} of {deltas[m]['units']})" for m, _, kind in metrics])
+        lines.append(f"| `{mode}` | " + " | ".join(cells) + " |")
+    return lines + [""]
