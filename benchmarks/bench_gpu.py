@@ -291,8 +291,8 @@ def _generator_faces(run: _Run) -> tuple[Any, Any, np.ndarray, np.ndarray]:
 
 
 def _uiface_ae(run: _Run) -> StepClock:
-    """UIFace's latent autoencoder at params.yaml ``generator.autoencoder_train`` (a diffusers ``AutoencoderKL``
-    on 32-px faces, batch 16, with the identity term through a randomly initialised FR model of the ``fr`` section)."""
+    """UIFace's latent autoencoder at params.yaml ``generator.autoencoder_train`` (a diffusers ``AutoencoderTiny``
+    or ``AutoencoderKL`` on 32-px faces, batch 16, with the identity term through a randomly initialised FR model of the ``fr`` section)."""
     from ml.fr.backbones import build_backbone
     from ml.generator.autoencoder import train_autoencoder
 
@@ -310,7 +310,7 @@ def _uiface_ae(run: _Run) -> StepClock:
 
 
 def _uiface(run: _Run) -> StepClock:
-    """The UIFace generator at params.yaml ``generator.train`` (the UNet on the 4 × 8 × 8 latent of 32-px faces
+    """The UIFace generator at params.yaml ``generator.train`` (the UNet on the latent of 32-px faces
     through an untrained autoencoder of ``generator.autoencoder_train``'s shape, batch 64, EMA; in pixel space when
     ``generator.space`` is pixel), its identity contexts of the embedded FR model's embedding size."""
     from ml.generator.autoencoder import build_autoencoder

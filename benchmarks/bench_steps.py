@@ -2,7 +2,7 @@
 CPU thread: what the fused optimiser, the foreach EMA and CAFace's per-length cluster network buy, each against the
 code path it replaced, measured in one process so that only the ratio is read.
 
-- ``unet``: one training step of the embedded latent UNet (params.yaml ``generator.train``: 4 × 8 × 8 latents,
+- ``unet``: one training step of the embedded latent UNet (params.yaml ``generator.train``: its latents,
   batch 64) — forward, backward, optimiser step and EMA update — with ``torch.optim.AdamW``'s default per-tensor
   loop and a per-tensor EMA (before) against ``ml.train.schedules.adamw`` (fused) and the module's foreach EMA.
 - ``unet`` in channels_last (what the trainer runs) against the same fused step in the default NCHW layout:

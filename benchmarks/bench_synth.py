@@ -18,7 +18,7 @@ def _generator_params() -> dict:
 def _model():
     from ml.generator.uiface import GeneratorModelConfig, IDConditionedUNet
 
-    # the embedded default's UNet (params.yaml generator.train.model: the 4×8×8 latent one), random weights
+    # the embedded default's UNet (params.yaml generator.train.model: on the latent), random weights
     spec = dict(_generator_params().get("train", {}).get("model", {}))
     spec["block_out_channels"] = tuple(spec.get("block_out_channels", (16, 32, 32)))
     torch.manual_seed(0)
@@ -34,7 +34,8 @@ def _autoencoder(latent_side: int):
     if params.get("space", "pixel") != "latent":
         return None
     spec = dict(params.get("autoencoder_train", {}))
-    cfg = AutoencoderConfig(block_out_channels=tuple(spec.get("block_out_channels", (16, 32, 64))),
+    cfg = AutoencoderConfig(architecture=str(spec.get("architecture", "kl")),
+                            block_out_channels=tuple(spec.get("block_out_channels", (16, 32, 64))),
                             latent_channels=int(spec.get("latent_channels", 4)))
     torch.manual_seed(0)
     return build_autoencoder(cfg, latent_side * cfg.factor).eval()

@@ -83,7 +83,7 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     ),
     "synthesis_throughput": (
         "benchmarks.bench_synth:bench_synthesis_throughput",
-        "UIFace faces/s of the embedded default (4×8×8 latent UNet, fixed t0 = 500 + injection, 25 DDIM steps, "
+        "UIFace faces/s of the embedded default (its latent UNet, fixed t0 = 500 + injection, 25 DDIM steps, "
         "decoded to 32 px, batch 64 identities), CPU",
         "report",
     ),

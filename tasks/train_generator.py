@@ -277,6 +277,12 @@ def fit(cfg: GeneratorStageConfig, paths: Paths, model_dir: Path, *, report: boo
     return Fitted(res, metrics, extra, rows, size, info)
 
 
+# the training loss plotted per prediction type (GeneratorConfig.prediction_type)
+LOSS_TITLES = {"epsilon": "ε-prediction", "v_prediction": "v-prediction", "edm": "EDM"}
+LOSS_LABELS = {"epsilon": "w_t ‖ε − ε_θ(x_t, t, c)‖²", "v_prediction": "w_t ‖v − v_θ(x_t, t, c)‖²",
+               "edm": "‖F_θ(x_t, σ, c) − F_target‖²"}
+
+
 def run(cfg: GeneratorStageConfig, paths: Paths, *, tracker: Any = None) -> StageResult:
     fitted = fit(cfg, paths, paths.generator_model)
     res, metrics, extra, rows, size, info = (fitted.result, fitted.metrics, fitted.extra, fitted.rows, fitted.size,
@@ -290,7 +296,8 @@ def run(cfg: GeneratorStageConfig, paths: Paths, *, tracker: Any = None) -> Stag
     write_json(paths.metrics / "train_generator.json", result.metrics)
     write_history_csv(paths.plots / "train_generator_history.csv", res.history, ["epoch", "train/loss"])
     plot_history(paths.plots / "train_generator_loss.png", [{
-        "title": "UIFace generator: ε-prediction loss", "ylabel": "‖ε − ε_θ(x_t, t, c)‖²",
+        "title": f"UIFace generator: {LOSS_TITLES[cfg.train.prediction_type]} loss ({cfg.train.loss_weighting})",
+        "ylabel": LOSS_LABELS[cfg.train.prediction_type],
         "curves": [("train/loss", res.history, "train/loss")]}])
     result.summary = (f"UIFace generator ({res.space} space, {size}px faces) trained on {len(rows)} faces with "
                       f"{fr_dir.name} contexts in {res.seconds:.0f}s → {paths.generator_model}")
