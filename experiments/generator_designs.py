@@ -14,6 +14,9 @@ another), then the first val face (split ``val``: never trained on) of 32 traini
 autoencoder alone (and ``default``: params as committed), trained as the stage trains it (one thread, float32), its
 reconstructions of 128 val faces judged the same way (and their PSNR): ``metrics/generator_autoencoders.jsonl``.
 
+``--contexts`` samples make run's own generator from the stage's identity contexts (its empty-context faces,
+embedded and filtered) and from real val faces', at guidance scales 1 to 3: ``metrics/generator_contexts.jsonl``.
+
 Needs a finished ``train_fr@real`` and ``train_aligner`` (``dvc repro train_fr@real train_aligner``). Appends one row
 per design to ``metrics/generator_designs.jsonl`` (a design measured again replaces its row) and writes
 ``reports/generator_designs.md`` with each design's faces (``reports/generator_designs/<name>.png``). Test splits are
@@ -147,9 +150,8 @@ def judge(name: str, paths: Paths, model_dir: Path, train_seconds: float, train_
 
     from ml.aligner.dfa import load_aligner
     from ml.data.dataset import load_images, read_manifest
-    from ml.generator.diversity import per_class_consistency
     from ml.generator.sampler import SamplerConfig
-    from tasks.synthesize import detector_judge, generate, load_generator_for, sampler_for
+    from tasks.synthesize import generate, load_generator_for, sampler_for
     from tasks.train_generator import GeneratorStageConfig, identity_embeddings, load_fr, resize_faces
 
     params = load_params(paths.params)
@@ -172,23 +174,85 @@ def judge(name: str, paths: Paths, model_dir: Path, train_seconds: float, train_
         ms = 1000 * (time.perf_counter() - start) / len(faces)
     finally:
         torch.set_num_threads(threads)
-    size = int(section(params, "data")["image_size"])
     aligner, _ = load_aligner(paths.aligner_model)
-    _, scores = aligner.predict(resize_faces(faces, size))
-    _, real_scores = aligner.predict(resize_faces(real, size))
-    emb = identity_embeddings(fr, resize_faces(faces, size), None)
-    labels = np.repeat(np.arange(len(contexts)), PER_CONTEXT)
-    detector = detector_judge(faces, real, side)
     grid(faces, real, paths.root / "reports" / "generator_designs" / f"{name}.png")
     what = DESIGNS[name][0] if name in DESIGNS else "make run's generator (params.yaml as committed)"
     return {"design": name, "what": what,
             "delta": DESIGNS[name][1] if name in DESIGNS else {}, "train/seconds": float(train_seconds),
             "train/loss": float(train_loss), "sample/ms_per_face": ms,
-            "judge/face_share": float((scores >= 0.5).mean()),
+            **score(faces, contexts, real, fr, aligner, int(section(params, "data")["image_size"]), side)}
+
+
+def score(faces: np.ndarray, contexts: np.ndarray, real: np.ndarray, fr: Any, aligner: Any, size: int,
+          side: int) -> dict[str, float]:
+    """The judges' shares of ``faces`` (``PER_CONTEXT`` per row of ``contexts``) beside the same judges on ``real``
+    faces at the generator's ``side``; the FR cosine of each face to its context and each context's consistency."""
+    from ml.generator.diversity import per_class_consistency
+    from tasks.synthesize import detector_judge
+    from tasks.train_generator import identity_embeddings, resize_faces
+
+    _, scores = aligner.predict(resize_faces(faces, size))
+    _, real_scores = aligner.predict(resize_faces(real, size))
+    emb = identity_embeddings(fr, resize_faces(faces, size), None)
+    labels = np.repeat(np.arange(len(contexts)), PER_CONTEXT)
+    detector = detector_judge(faces, real, side)
+    return {"judge/face_share": float((scores >= 0.5).mean()),
             "judge/real_at_size_face_share": float((real_scores >= 0.5).mean()),
             **{k.replace("synthetic/judge/", "judge/"): v for k, v in detector.items()},
             "context_cosine": float(np.mean(np.sum(emb * np.repeat(contexts, PER_CONTEXT, axis=0), axis=1))),
             "identity_consistency": float(np.mean(list(per_class_consistency(emb, labels).values())))}
+
+
+# `--contexts`: make run's generator sampled from each kind of identity context, at each guidance scale w
+CONTEXT_ROWS = [("candidates", 1.0), ("val faces", 1.0), ("candidates", 2.0), ("candidates", 3.0)]
+
+
+def judge_contexts(paths: Paths) -> list[dict[str, Any]]:
+    """Make run's generator (``models/generator``) sampled, as ``synthesize`` samples, from ``CONTEXTS`` identity
+    contexts of each kind: ``candidates``, the stage's own (its empty-context faces, embedded and filtered as
+    ``synthesize`` does: UIFace's identity search), and ``val faces``, the embeddings of real val faces of training
+    identities (what the design rows are sampled from); at guidance scale w (``synthesize.sampler.guidance_scale``)
+    per ``CONTEXT_ROWS``. Same noise for every row. → one row each (``score``)."""
+    import dataclasses
+
+    import torch
+
+    from ml.aligner.dfa import load_aligner
+    from ml.data.dataset import load_images, read_manifest
+    from ml.generator.contexts import select_identity_contexts
+    from ml.generator.sampler import SamplerConfig
+    from tasks.synthesize import SynthesizeConfig, embed_generated, generate, load_generator_for, sampler_for
+    from tasks.train_generator import GeneratorStageConfig, identity_embeddings, load_fr, resize_faces
+
+    params = load_params(paths.params)
+    generator = from_mapping(GeneratorStageConfig, section(params, "generator"), "generator")
+    synth = from_mapping(SynthesizeConfig, section(params, "synthesize"), "synthesize")
+    size = int(section(params, "data")["image_size"])
+    model, extra, autoencoder = load_generator_for(paths, generator)
+    side = int(extra["context_size"])
+    fr, _, _ = load_fr(paths, synth.fr_source, "synthesize.fr_source")
+    aligner, _ = load_aligner(paths.aligner_model)
+    sampler = sampler_for(from_mapping(SamplerConfig, section(params, "synthesize")["sampler"],
+                                       "synthesize.sampler"), extra)
+    candidates, _, _ = generate(model, None, synth.candidates, sampler, batch_size=64, seed=synth.seed * 1_000_003,
+                                autoencoder=autoencoder, desc="candidates")
+    cand_emb, _, _ = embed_generated(fr, aligner, candidates, size)
+    keep = select_identity_contexts(cand_emb, CONTEXTS, synth.max_cosine, allow_fewer=True)
+    rows = read_manifest(paths.train_set / "manifest.parquet")
+    val = rows[rows["split"] == "val"].groupby("identity").head(1).head(CONTEXTS).reset_index(drop=True)
+    kinds = {"candidates": cand_emb[keep],
+             "val faces": identity_embeddings(fr, resize_faces(load_images(paths.train_set, val), side), None)}
+    train = rows[rows["split"] == "train"].sample(REAL_FACES, random_state=0)
+    real = resize_faces(load_images(paths.train_set, train), side)
+    out = []
+    for kind, w in CONTEXT_ROWS:
+        torch.manual_seed(0)
+        faces, _, _ = generate(model, kinds[kind], PER_CONTEXT, dataclasses.replace(sampler, guidance_scale=w),
+                               batch_size=64, seed=7, autoencoder=autoencoder, desc=f"{kind}, w {w:g}")
+        out.append({"contexts": kind, "guidance_scale": w, "n_contexts": len(kinds[kind]),
+                    **score(faces, kinds[kind], real, fr, aligner, size, side)})
+        log.info("%s", out[-1])
+    return out
 
 
 def measure_autoencoder(name: str, paths: Paths) -> dict[str, Any]:
@@ -265,7 +329,8 @@ def grid(faces: np.ndarray, real: np.ndarray, path: Path, columns: int = 16, zoo
         Image.fromarray(canvas).save(tmp, format="png", optimize=True)
 
 
-def report(rows: list[dict[str, Any]], autoencoders: list[dict[str, Any]] = ()) -> str:
+def report(rows: list[dict[str, Any]], autoencoders: list[dict[str, Any]] = (),
+           contexts: list[dict[str, Any]] = ()) -> str:
     def pct(row: dict[str, Any], key: str) -> str:
         return f"{100 * row[key]:.1f} %" if key in row else "—"
 
@@ -304,6 +369,22 @@ def report(rows: list[dict[str, Any]], autoencoders: list[dict[str, Any]] = ()) 
         lines += ["", "Each picture: reconstructions over the val faces they reconstruct (pixels × 2).", ""]
         lines += [f"`{row['design']}`:\n\n![autoencoder {row['design']}](generator_designs/autoencoder_{row['design']}"
                   ".png)\n" for row in autoencoders]
+    if contexts:
+        lines += ["## Identity contexts: what the stage samples from", "",
+                  "`python -m experiments.generator_designs --contexts`: make run's generator, sampled as `synthesize` "
+                  f"samples ({PER_CONTEXT} faces each, the same noise for every row) from {CONTEXTS} contexts of two "
+                  "kinds: `candidates`, the stage's own (the generator's empty-context faces, embedded and filtered as "
+                  "UIFace's identity search does), and `val faces`, embeddings of real val faces of training identities "
+                  "(what the design rows above sample from); w: the guidance scale (`synthesize.sampler.guidance_scale`"
+                  ", make run's 1). Chosen on: nothing. Scored on: the faces (no test split).", "",
+                  "| contexts | w | aligner: faces (real) | YuNet: faces (real) | context cos | consistency |",
+                  "|---|---|---|---|---|---|"]
+        for row in contexts:
+            lines.append(f"| {row['contexts']} | {row['guidance_scale']:g} | {pct(row, 'judge/face_share')} "
+                         f"({pct(row, 'judge/real_at_size_face_share')}) | {pct(row, 'judge/detector_face_share')} "
+                         f"({pct(row, 'judge/detector_real_at_size_face_share')}) | {row['context_cosine']:.3f} | "
+                         f"{row['identity_consistency']:.3f} |")
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 
@@ -320,6 +401,8 @@ def main(argv: list[str] | None = None) -> None:
                         "`default` (seconds and loss from metrics/train_generator.json)")
     parser.add_argument("--autoencoders", action="store_true", help="train and judge only the autoencoders of the "
                         "named latent designs and `default` (the ceiling their samplers cannot pass)")
+    parser.add_argument("--contexts", action="store_true", help="sample make run's models/generator from the stage's "
+                        "own identity contexts and from real faces', at guidance 1 to 3 (metrics/generator_contexts.jsonl)")
     parser.add_argument("--report-only", action="store_true", help="rewrite the report from the metrics files")
     args = parser.parse_args(argv)
     unknown = [name for name in args.designs if name not in DESIGNS and not (args.autoencoders and name == "default")]
@@ -341,7 +424,11 @@ def main(argv: list[str] | None = None) -> None:
             tmp.write_text("".join(json.dumps(rows[n], sort_keys=True) + "\n" for n in order if n in rows))
 
     designs, autoencoders = paths.metrics / "generator_designs.jsonl", paths.metrics / "generator_autoencoders.jsonl"
-    if args.autoencoders:
+    contexts = paths.metrics / "generator_contexts.jsonl"
+    if args.contexts:
+        with atomic_path(contexts) as tmp:
+            tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in judge_contexts(paths)))
+    elif args.autoencoders:
         for name in args.designs or ["default"]:
             keep(autoencoders, measure_autoencoder(name, paths))
     elif args.judge is not None:
@@ -358,7 +445,8 @@ def main(argv: list[str] | None = None) -> None:
                 keep(designs, measure(name, paths, Path(work)))
     rows, ae_rows = stored(designs), stored(autoencoders)
     write_text(paths.root / "reports" / "generator_designs.md",
-               report([rows[n] for n in order if n in rows], [ae_rows[n] for n in order if n in ae_rows]))
+               report([rows[n] for n in order if n in rows], [ae_rows[n] for n in order if n in ae_rows],
+                      [json.loads(line) for line in contexts.read_text().splitlines()] if contexts.is_file() else []))
 
 
 if __name__ == "__main__":

@@ -68,3 +68,15 @@ def test_report_adds_the_autoencoder_ceilings_when_measured():
     line = next(line for line in text.splitlines() if line.startswith("| `tiny_f2_c2`"))
     assert line == "| `tiny_f2_c2` | 250 | 27.3 | 59.0 % (93.0 %) | 52.0 % (63.0 %) | x |"
     assert "![autoencoder tiny_f2_c2](generator_designs/autoencoder_tiny_f2_c2.png)" in text
+
+
+def test_report_puts_the_stage_contexts_beside_real_faces_contexts():
+    rows = [{"contexts": "candidates", "guidance_scale": 1.0, "judge/face_share": 0.06,
+             "judge/real_at_size_face_share": 0.95, "context_cosine": 0.434, "identity_consistency": 0.413},
+            {"contexts": "val faces", "guidance_scale": 2.0, "judge/face_share": 0.1,
+             "judge/real_at_size_face_share": 0.95, "judge/detector_face_share": 0.34,
+             "judge/detector_real_at_size_face_share": 0.69, "context_cosine": 0.5, "identity_consistency": 0.47}]
+    assert "## Identity contexts" not in report([])
+    lines = report([], [], rows).splitlines()
+    assert "| candidates | 1 | 6.0 % (95.0 %) | — (—) | 0.434 | 0.413 |" in lines
+    assert "| val faces | 2 | 10.0 % (95.0 %) | 34.0 % (69.0 %) | 0.500 | 0.470 |" in lines
