@@ -342,7 +342,9 @@ def report(rows: list[dict[str, Any]], autoencoders: list[dict[str, Any]] = (),
              "`make run`'s own generator, judged the same way. ms / face: sampling with the default sampler (38 UNet "
              "evaluations a face), read beside other work: it compares designs only roughly. A design measured again "
              "replaces its row, so rows can come from different days and hosts: train s compares the designs measured "
-             "together.", "",
+             "together, and the judges' shares the designs judged with the same FR teacher and aligner (a different "
+             "real-face share in brackets shows another aligner; `default` is trained and judged with make run's "
+             "own).", "",
              "| design | train s | ms / face | aligner: faces (real) | YuNet: faces (real) | context cos | "
              "consistency | what |", "|---|---|---|---|---|---|---|---|"]
     for row in rows:

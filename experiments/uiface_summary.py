@@ -51,7 +51,7 @@ class Scale:
     gen_lr: float = 2e-3
     gen_ema_decay: float = 0.995
     generator_seeds: tuple[int, ...] = (0, 1, 2)
-    # synthesis: sampling dominates the run (K·M faces × steps × 1–2 UNet evaluations × 4 modes × seeds)
+    # synthesis: sampling dominates the run (K·M faces × steps × 1–2 UNet evaluations × 5 modes × generators × seeds)
     candidates: int = 200
     max_cosine: float = 0.7  # the pipeline's synthesize.max_cosine
     identities: int = 50  # N asked; K ≤ N found
