@@ -342,3 +342,24 @@ def test_stored_results_of_the_kl_generator_keep_their_scale():
     assert (scale.ae_architecture, scale.gen_prediction_type, scale.generator_seeds) == ("kl", "epsilon", (0,))
     assert scale.ae_channels == (16, 32, 64) and scale.unet_side == 8
     assert scale_of({**dataclasses.asdict(Scale())}) == Scale()
+
+
+def test_report_says_when_the_adaptive_switch_comes_too_early_to_differ_from_the_baseline():
+    per_seed = fabricate([0.50, 0.52, 0.54], [0.10, 0.11, 0.12])
+    _, text = report(per_seed)
+    assert "switched early" not in text  # t0 500: half the steps on c_e
+    for r in per_seed.values():
+        r["modes"][CLAIM_MODE]["t0_mean"] = 887.0
+    _, text = report(per_seed)
+    assert "The adaptive rule switched early, at t0 ≈ 887 on average" in text
+
+
+def test_one_generator_reports_no_spread_and_says_how_to_get_one():
+    from experiments.uiface_summary import stability_lines
+
+    rng = np.random.default_rng(4)
+    one = "\n".join(stability_lines(over_generators({f"0:{s}": _run(0, s, 0.6, 0.3, rng) for s in (2, 3)})))
+    assert "its spread over training runs is not measured" in one and "--generator-seeds 0 1 2 --resume" in one
+    assert "± 0.00" not in one
+    two = "\n".join(stability_lines(over_generators({f"{g}:2": _run(g, 2, 0.6, 0.3, rng) for g in (0, 1)})))
+    assert "| `two_stage_adaptive+injection` |" in two and "(2 of 2)" in two
