@@ -95,10 +95,10 @@ def bench_synthesis_throughput(batch: int = 64, steps: int = 25) -> dict:
         cond = model.encode_context(torch.randn(batch, m.id_dim))
         cfg = SamplerConfig(mode="two_stage_fixed", t0=500, attention_injection=True, steps=steps)
         start = time.perf_counter()
-        res = sample(model.unet, cond, model.empty_context.detach(),
-                     (batch, m.in_channels, m.image_size, m.image_size), cfg)
-        faces = res.x0 if autoencoder is None else decode_latents(autoencoder, res.x0)
+        res = sample(model.unet, cond, model.empty_context.detach(), model.sample_shape(batch), cfg)
+        x0 = model.from_unet(res.x0)  # the UNet's patches back to the latent (or face)
+        faces = x0 if autoencoder is None else decode_latents(autoencoder, x0)
         seconds = time.perf_counter() - start
-    return {"faces_per_s": round(batch / seconds, 1), "unet_side": m.image_size, "face_size": int(faces.shape[-1]),
+    return {"faces_per_s": round(batch / seconds, 1), "unet_side": m.unet_shape[1], "face_size": int(faces.shape[-1]),
             "space": "latent" if autoencoder is not None else "pixel", "steps": steps,
             "threads": torch.get_num_threads()}
