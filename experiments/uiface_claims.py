@@ -12,9 +12,9 @@ with the seed as data seed, so each seed is an independent test set; the default
 ``experiments.test_sets.DATA_SEEDS``); real-data FR models of the same budget (32-px bottleneck, native 64 px) give
 the gap. Units: the data seed (test set) for "beyond noise", its numbers the mean over the generators
 (``experiments.test_sets.across_test_sets``, with a bootstrap interval over identities); the generator seed for
-stability (``uiface_summary.over_generators``). Writes ``reports/uiface_claims.md``, ``metrics/uiface_claims.json``
+stability (``uiface_runs.over_generators``). Writes ``reports/uiface_claims.md``, ``metrics/uiface_claims.json``
 and, part by part, ``metrics/uiface_claims_units.jsonl`` (``--resume`` goes on from it); ``--estimate-only`` prints
-the expected time. Scale and report: ``uiface_summary``.
+the expected time. Scale and report: ``uiface_summary``; parts and aggregation: ``uiface_runs``.
 
 Differences from the reference (Sec. 4, appendix A.1), for a CPU run:
 - A small AutoencoderTiny and a 2-level latent UNet (v-prediction, min-SNR) trained briefly, not VQ-f4 and 250k
@@ -37,9 +37,8 @@ from typing import Any
 import numpy as np
 
 from experiments.test_sets import DATA_SEEDS, now_utc
-from experiments.uiface_summary import (
-    MODES, QUICK, REALS, Scale, by_data_seed, effective_threshold, over_generators, render, scale_of, summarize,
-)
+from experiments.uiface_runs import Units, aggregate
+from experiments.uiface_summary import MODES, QUICK, REALS, Scale, effective_threshold, render, scale_of
 
 log = logging.getLogger("experiments.uiface_claims")
 ROOT = Path(__file__).resolve().parents[1]
@@ -400,72 +399,6 @@ def estimate_seconds(scale: Scale, rates: dict[str, float], n_seeds: int) -> dic
     return parts
 
 
-class Units:
-    """The experiment's finished parts, one JSON line each (``metrics/uiface_claims_units.jsonl`` under the output
-    folder): the teacher's and each generator's numbers, each (generator seed, data seed)'s modes, each data seed's
-    real arms, pair outcomes packed as bits. A line is written as soon as its part is done, so ``--resume`` goes on
-    where a stopped run left off; only lines of the same scale (``key``) are read back."""
-
-    def __init__(self, path: Path, scale: Scale, resume: bool) -> None:
-        import hashlib
-        import json
-
-        self.path = path
-        fields = {k: v for k, v in dataclasses.asdict(scale).items() if k != "generator_seeds"}
-        self.key = hashlib.sha256(json.dumps(fields, sort_keys=True, default=list).encode()).hexdigest()[:16]
-        self.done: dict[str, dict[str, Any]] = {}
-        if resume and path.is_file():
-            for line in path.read_text().splitlines():
-                row = json.loads(line)
-                if row.get("scale") == self.key:
-                    self.done[row["unit"]] = self._unpack(row["result"])
-            log.info("resuming: %d finished parts of this scale in %s", len(self.done), path)
-        else:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("")
-
-    def add(self, unit: str, result: dict[str, Any]) -> dict[str, Any]:
-        import json
-
-        with self.path.open("a") as f:
-            f.write(json.dumps({"scale": self.key, "unit": unit, "result": self._pack(result)}, sort_keys=True) + "\n")
-        self.done[unit] = result
-        return result
-
-    @staticmethod
-    def _pack(result: dict[str, Any]) -> dict[str, Any]:
-        import base64
-
-        def arr(a: np.ndarray) -> dict[str, Any]:
-            a = np.asarray(a)
-            if a.dtype == bool:
-                return {"bits": base64.b64encode(np.packbits(a).tobytes()).decode(), "n": int(a.size)}
-            return {"ints": a.astype(np.int64).tolist()}
-
-        out = {k: v for k, v in result.items() if not k.startswith("_")}
-        if "_correct" in result:
-            out["_correct"] = {k: arr(v) for k, v in result["_correct"].items()}
-        if "_identities" in result:
-            out["_identities"] = arr(result["_identities"])
-        return out
-
-    @staticmethod
-    def _unpack(stored: dict[str, Any]) -> dict[str, Any]:
-        import base64
-
-        def arr(d: dict[str, Any]) -> np.ndarray:
-            if "bits" in d:
-                return np.unpackbits(np.frombuffer(base64.b64decode(d["bits"]), dtype=np.uint8))[:d["n"]].astype(bool)
-            return np.asarray(d["ints"], dtype=np.int64)
-
-        out = dict(stored)
-        if "_correct" in out:
-            out["_correct"] = {k: arr(v) for k, v in out["_correct"].items()}
-        if "_identities" in out:
-            out["_identities"] = arr(out["_identities"])
-        return out
-
-
 def run_claims(seeds: list[int], scale: Scale, units_path: Path | None = None, resume: bool = False
                ) -> dict[str, Any]:
     """Teacher once, one generator per ``scale.generator_seeds``, each on every data seed of ``seeds`` with every
@@ -508,29 +441,6 @@ def run_claims(seeds: list[int], scale: Scale, units_path: Path | None = None, r
         units.add(f"real {seed}", run_reals(seed, scale, data, tests.setdefault(seed, test_split(scale, data, seed)),
                                             teacher, k))
     return aggregate(units.done, seeds, gens)
-
-
-def aggregate(done: dict[str, dict[str, Any]], seeds: list[int], gens: list[int]) -> dict[str, Any]:
-    """The results of the finished parts ``done`` (``Units``): per-run and per-data-seed numbers, the summary over
-    data seeds, the stability over generator seeds and the setup (generator numbers: each, and their means)."""
-    per_run = {f"{g}:{s}": done[f"modes {g} {s}"] for g in gens for s in seeds}
-    reals = {str(s): done[f"real {s}"] for s in seeds}
-    per_seed = by_data_seed(per_run, reals)
-    summary = summarize(per_seed)
-    stability = over_generators(per_run)
-    generators = {str(g): done[f"generator {g}"] for g in gens}
-    setup = {**done["teacher"], "generator_seeds": gens, "generators": generators,
-             "recall_k": min(r["recall_k"] for r in per_run.values()),
-             **{k: float(np.mean([n[k] for n in generators.values()]))
-                for k in ("generator_seconds", "generator_loss", "autoencoder_seconds", "autoencoder_psnr",
-                          "autoencoder_fr_cosine") if all(k in n for n in generators.values())},
-             "generator_steps": next(iter(generators.values()))["generator_steps"]}
-
-    def public(r: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in r.items() if not k.startswith("_")}
-
-    return {"seeds": seeds, "setup": setup, "per_seed": {s: public(r) for s, r in per_seed.items()},
-            "per_run": {k: public(r) for k, r in per_run.items()}, "stability": stability, "summary": summary}
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """The UIFace ablation's definition and its pure parts: the scale (``Scale``, ``QUICK``), the Table-2 rows
 (``MODES``), the adaptive switch threshold, and the aggregation over seeds, verdict and markdown report of the
-per-seed numbers (no training, no torch). ``experiments/uiface_claims.py`` runs the ablation.
+per-seed numbers (no training, no torch). ``experiments/uiface_claims.py`` runs the ablation, ``uiface_runs``
+averages its runs over generator seeds.
 """
 
 from __future__ import annotations
@@ -187,62 +188,6 @@ def diversity_key(metrics: dict[str, Any]) -> str:
 def present(modes: dict[str, Any]) -> list[str]:
     """``MODES`` in their order, those ``modes`` has (results stored before a mode was added lack it)."""
     return [m for m in MODES if m in modes]
-
-
-def by_data_seed(per_run: dict[str, dict], reals: dict[str, dict]) -> dict[str, dict]:
-    """One entry per data seed from the runs of every generator seed on it: each mode metric averaged over the
-    generators, the pair outcomes too (a fraction correct per pair: the data seed's accuracy difference is then
-    the mean over its generators, ``experiments.test_sets.across_test_sets``), beside the seed's real arms.
-
-    ``per_run[key] = {"generator_seed", "data_seed", "identities_found", "recall_k", "modes", "d_profile",
-    "_correct": {mode: (pairs,) bool}}``; ``reals[data seed] = {"real", "real_stats", "_correct", "_identities"}``.
-    A data seed without its real arms is left out."""
-    out: dict[str, dict] = {}
-    for data_seed, real in reals.items():
-        runs = sorted((r for r in per_run.values() if str(r["data_seed"]) == str(data_seed)),
-                      key=lambda r: r["generator_seed"])
-        if not runs:
-            continue
-        modes = {m: {k: float(np.mean([r["modes"][m][k] for r in runs])) for k in runs[0]["modes"][m]}
-                 for m in present(runs[0]["modes"])}
-        entry = {"identities_found": int(min(r["identities_found"] for r in runs)),
-                 "recall_k": int(min(r["recall_k"] for r in runs)), "modes": modes,
-                 "generator_seeds": [int(r["generator_seed"]) for r in runs],
-                 "real": real["real"], "real_stats": real["real_stats"]}
-        if "d_profile" in runs[0]:
-            entry["d_profile"] = runs[0]["d_profile"]  # the first generator's
-        if all("_correct" in r for r in runs) and "_correct" in real:
-            entry["_correct"] = {**{m: np.mean([r["_correct"][m].astype(np.float64) for r in runs], axis=0)
-                                    for m in modes}, **real["_correct"]}
-            if "_identities" in real:
-                entry["_identities"] = real["_identities"]
-        out[str(data_seed)] = entry
-    return out
-
-
-def over_generators(per_run: dict[str, dict], metrics: tuple[str, ...] = ("accuracy", "identity_consistency",
-                                                                          "ssim_diversity")) -> dict[str, Any]:
-    """Stability over generator training seeds: per generator, each mode metric's mean over its data seeds;
-    their mean ± sample std over the generators, and each mode − baseline per generator (how many are higher).
-    Not a test of an effect (the data seeds are): whether one training run could have told another story."""
-    gens = sorted({int(r["generator_seed"]) for r in per_run.values()})
-
-    def mean_of(g: int, mode: str, metric: str) -> float:
-        return float(np.mean([r["modes"][mode][metric] for r in per_run.values()
-                              if int(r["generator_seed"]) == g]))
-
-    first = next(iter(per_run.values()))["modes"]
-    metrics = tuple(m for m in metrics if m in first["baseline"])
-    modes = {mode: {m: _mean_std([mean_of(g, mode, m) for g in gens]) for m in metrics} for mode in present(first)}
-    versus = {}
-    for mode in present(first):
-        if mode == "baseline":
-            continue
-        versus[mode] = {}
-        for m in metrics:
-            d = [a - b for a, b in zip(modes[mode][m]["values"], modes["baseline"][m]["values"])]
-            versus[mode][m] = {**_mean_std(d), "higher": int(sum(x > 0 for x in d)), "units": len(d)}
-    return {"generator_seeds": gens, "modes": modes, "versus_baseline": versus}
 
 
 def compare(a: list[float], b: list[float], test_sets: dict[str, Any] | None = None) -> dict[str, Any]:

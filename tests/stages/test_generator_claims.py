@@ -9,10 +9,11 @@ import json
 import numpy as np
 import pytest
 
-from experiments.uiface_claims import Units, aggregate, estimate_seconds, sampler_configs
+from experiments.uiface_claims import estimate_seconds, sampler_configs
+from experiments.uiface_runs import Units, aggregate, by_data_seed, over_generators
 from experiments.uiface_summary import (
-    CLAIM_MODE, MODES, QUICK, Scale, by_data_seed, compare, effective_threshold, over_generators, render, scale_of,
-    summarize, with_holm, with_sample_std,
+    CLAIM_MODE, MODES, QUICK, Scale, compare, effective_threshold, render, scale_of, summarize, with_holm,
+    with_sample_std,
 )
 
 SEEDS = ["0", "1", "2"]
