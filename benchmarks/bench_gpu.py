@@ -292,7 +292,8 @@ def _generator_faces(run: _Run) -> tuple[Any, Any, np.ndarray, np.ndarray]:
 
 def _uiface_ae(run: _Run) -> StepClock:
     """UIFace's latent autoencoder at params.yaml ``generator.autoencoder_train`` (a diffusers ``AutoencoderTiny``
-    or ``AutoencoderKL`` on 32-px faces, batch 16, with the identity term through a randomly initialised FR model of the ``fr`` section)."""
+    or ``AutoencoderKL`` on 32-px faces, batch 16, with the identity term through a randomly initialised FR model of
+    the ``fr`` section)."""
     from ml.fr.backbones import build_backbone
     from ml.generator.autoencoder import train_autoencoder
 

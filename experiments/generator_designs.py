@@ -375,10 +375,11 @@ def report(rows: list[dict[str, Any]], autoencoders: list[dict[str, Any]] = (),
         lines += ["## Identity contexts: what the stage samples from", "",
                   "`python -m experiments.generator_designs --contexts`: make run's generator, sampled as `synthesize` "
                   f"samples ({PER_CONTEXT} faces each, the same noise for every row) from {CONTEXTS} contexts of two "
-                  "kinds: `candidates`, the stage's own (the generator's empty-context faces, embedded and filtered as "
-                  "UIFace's identity search does), and `val faces`, embeddings of real val faces of training identities "
-                  "(what the design rows above sample from); w: the guidance scale (`synthesize.sampler.guidance_scale`"
-                  ", make run's 1). Chosen on: nothing. Scored on: the faces (no test split).", "",
+                  "kinds: `candidates`, the stage's own (the generator's empty-context faces, embedded and filtered "
+                  "as UIFace's identity search does), and `val faces`, embeddings of real val faces of training "
+                  "identities (what the design rows above sample from); w: the guidance scale "
+                  "(`synthesize.sampler.guidance_scale`, make run's 1). Chosen on: nothing. Scored on: the faces (no "
+                  "test split).", "",
                   "| contexts | w | aligner: faces (real) | YuNet: faces (real) | context cos | consistency |",
                   "|---|---|---|---|---|---|"]
         for row in contexts:
@@ -404,7 +405,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--autoencoders", action="store_true", help="train and judge only the autoencoders of the "
                         "named latent designs and `default` (the ceiling their samplers cannot pass)")
     parser.add_argument("--contexts", action="store_true", help="sample make run's models/generator from the stage's "
-                        "own identity contexts and from real faces', at guidance 1 to 3 (metrics/generator_contexts.jsonl)")
+                        "own identity contexts and from real faces', at guidance 1 to 3 "
+                        "(metrics/generator_contexts.jsonl)")
     parser.add_argument("--report-only", action="store_true", help="rewrite the report from the metrics files")
     args = parser.parse_args(argv)
     unknown = [name for name in args.designs if name not in DESIGNS and not (args.autoencoders and name == "default")]

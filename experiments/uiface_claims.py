@@ -450,7 +450,8 @@ def main() -> None:
                         help="data seeds, each the sampling and FR training seed and the data seed of its own held-out "
                              "identities (default: test sets no recipe was chosen on)")
     parser.add_argument("--generator-seeds", type=int, nargs="+", default=None, metavar="SEED",
-                        help=f"generator training seeds, each on every data seed (default: {list(Scale().generator_seeds)})")
+                        help="generator training seeds, each on every data seed "
+                             f"(default: {list(Scale().generator_seeds)})")
     parser.add_argument("--resume", action="store_true",
                         help="keep the finished parts in --out-dir's metrics/uiface_claims_units.jsonl (same scale) "
                              "and run only the rest: a stopped run goes on where it left off")

@@ -52,7 +52,8 @@ class Scale:
     gen_lr: float = 2e-3
     gen_ema_decay: float = 0.995
     generator_seeds: tuple[int, ...] = (0, 1, 2)
-    # synthesis: sampling dominates the run (K·M faces × steps × 1–2 UNet evaluations × 5 modes × generators × seeds)
+    # synthesis: sampling dominates the run (K·M faces × steps × 1–2 UNet evaluations × 5 modes × generators ×
+    # seeds)
     candidates: int = 200
     max_cosine: float = 0.7  # the pipeline's synthesize.max_cosine
     identities: int = 50  # N asked; K ≤ N found
@@ -360,8 +361,8 @@ def _claim_paragraph(summary: dict, setup: dict, scale: Scale) -> str:
                      "end, so they carry no identity context at all (see the d_t profile above).")
         t0 = summary["modes"][CLAIM_MODE]["t0_mean"]["mean"]
         if t0 > EARLY_SWITCH:
-            text += (f" The adaptive rule switched early, at t0 ≈ {t0:.0f} on average: d_t is below th from the first "
-                     "steps (the d_t profile above), so most steps run with the ID context, as the baseline's do; "
+            text += (f" The adaptive rule switched early, at t0 ≈ {t0:.0f} on average: d_t is below th from the "
+                     "first steps (the d_t profile above), so most steps run with the ID context, as the baseline's do; "
                      "the fixed switch at t0 = 500 is the two-stage sampler this generator can be judged on (its row).")
         text += (f" Sampling uses {scale.steps} DDIM steps (the paper: 50; the switch threshold "
                  f"{'is rescaled' if scale.threshold_per_paper_step else 'is not rescaled'} to the step), and "

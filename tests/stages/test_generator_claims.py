@@ -327,7 +327,8 @@ def test_aggregate_needs_every_part_and_names_what_it_holds():
     for s in (2, 3):
         done[f"real {s}"] = _reals(rng)
     results = aggregate(done, [2, 3], [0, 1])
-    assert results["setup"]["generator_seconds"] == pytest.approx(10.5) and results["setup"]["generator_seeds"] == [0, 1]
+    assert results["setup"]["generator_seconds"] == pytest.approx(10.5)
+    assert results["setup"]["generator_seeds"] == [0, 1]
     assert "_correct" not in results["per_run"]["0:2"] and "_identities" not in results["per_seed"]["2"]
     text = render(json.loads(json.dumps(results)), QUICK)
     assert "Trained once per generator seed (0, 1)" in text and "`two_stage_fixed+injection`" in text
