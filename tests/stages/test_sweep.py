@@ -517,6 +517,10 @@ TARGETS = {  # stage → (a small space, fixed keys for 2-epoch trials on the ti
                         {"generator.space": "pixel", "generator.max_images": 16, "generator.train.epochs": 1,
                          "generator.train.batch_size": 8, "generator.train.model.image_size": 16,
                          "generator.train.model.in_channels": 3, "generator.train.model.block_out_channels": [8, 16],
+                         # a one-epoch toy: ε on whole pixels, whose empty-context faces differ enough to give the
+                         # probe two identities (v on 2×2 patches gives near-identical ones after one epoch)
+                         "generator.train.model.patch_size": 1, "generator.train.prediction_type": "epsilon",
+                         "generator.train.loss_weighting": "uniform",
                          "generator.train.accelerator": "cpu", "generator.probe.synthetic_identities": 2,
                          "generator.probe.images_per_identity": 2, "generator.probe.fr_epochs": 1}),
 }
