@@ -419,6 +419,12 @@ def run_claims(seeds: list[int], scale: Scale, units_path: Path | None = None, r
         if "teacher" not in units.done:
             units.add("teacher", numbers)
     tests: dict[int, dict[str, np.ndarray]] = {}
+
+    def test_of(seed: int) -> dict[str, np.ndarray]:  # each data seed's test set rendered once
+        if seed not in tests:
+            tests[seed] = test_split(scale, data, seed)
+        return tests[seed]
+
     for g in gens:
         if not any(u.startswith(f"modes {g} ") for u in todo) and f"generator {g}" in units.done:
             continue
@@ -429,8 +435,7 @@ def run_claims(seeds: list[int], scale: Scale, units_path: Path | None = None, r
             if f"modes {g} {seed}" in units.done:
                 continue
             start = time.perf_counter()
-            test = tests.setdefault(seed, test_split(scale, data, seed))
-            result = run_modes(seed, scale, data, test, teacher, gen, autoencoder)
+            result = run_modes(seed, scale, data, test_of(seed), teacher, gen, autoencoder)
             units.add(f"modes {g} {seed}", {**result, "generator_seed": g, "data_seed": seed,
                                              "seconds": time.perf_counter() - start})
             log.info("[generator %d, seed %d] done in %.0f s", g, seed, time.perf_counter() - start)
@@ -438,8 +443,7 @@ def run_claims(seeds: list[int], scale: Scale, units_path: Path | None = None, r
         if f"real {seed}" in units.done:
             continue
         k = min(units.done[f"modes {g} {seed}"]["identities_found"] for g in gens)
-        units.add(f"real {seed}", run_reals(seed, scale, data, tests.setdefault(seed, test_split(scale, data, seed)),
-                                            teacher, k))
+        units.add(f"real {seed}", run_reals(seed, scale, data, test_of(seed), teacher, k))
     return aggregate(units.done, seeds, gens)
 
 
