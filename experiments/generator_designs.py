@@ -188,7 +188,7 @@ def score(faces: np.ndarray, contexts: np.ndarray, real: np.ndarray, fr: Any, al
     """The judges' shares of ``faces`` (``PER_CONTEXT`` per row of ``contexts``) beside the same judges on ``real``
     faces at the generator's ``side``; the FR cosine of each face to its context and each context's consistency."""
     from ml.generator.diversity import per_class_consistency
-    from tasks.synthesize import detector_judge
+    from tasks.synthesize_judges import detector_judge
     from tasks.train_generator import identity_embeddings, resize_faces
 
     _, scores = aligner.predict(resize_faces(faces, size))
@@ -265,7 +265,7 @@ def measure_autoencoder(name: str, paths: Paths) -> dict[str, Any]:
     from ml.aligner.dfa import load_aligner
     from ml.data.dataset import landmarks_array, load_images, read_manifest
     from ml.generator.autoencoder import reconstruct, train_autoencoder
-    from tasks.synthesize import detector_judge
+    from tasks.synthesize_judges import detector_judge
     from tasks.train_generator import GeneratorStageConfig, identity_embeddings, load_fr, resize_faces
 
     params = load_params(paths.params)

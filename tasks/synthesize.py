@@ -39,6 +39,7 @@ from tasks.common import (
     Paths, StageResult, load_params, section, stage_main, write_json,
 )
 from tasks.prepare import DataConfig
+from tasks.synthesize_judges import face_judge, judge_identities, load_identity_judge
 from tasks.synthesize_plots import plot_nearest_real, plot_t0, sample_grid
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class SynthesizeConfig:
     schedule is the generator's, whatever is written there)."""
 
     fr_source: str = "real"             # FR model embedding candidate faces into identity contexts
+    identity_judge: str = "sface"       # a recogniser nobody here trained judging the identities ('' = none)
     identities: int = 24
     images_per_identity: int = 8
     candidates: int = 96                # empty-context samples to find identity contexts among
@@ -126,79 +128,6 @@ def embed_generated(fr: Any, aligner: Any, faces: np.ndarray, size: int
         landmarks, scores = aligner.predict(faces)
         landmarks = np.clip(landmarks, 0.0, float(faces.shape[1] - 1))  # pixel centres 0 … size − 1
     return identity_embeddings(fr, faces, landmarks), landmarks, scores
-
-
-def face_judge(aligner: Any, synthetic_faces: np.ndarray, synthetic_scores: np.ndarray, real_faces: np.ndarray,
-               size: int, nonfaces: int = 500, seed: int = 0, generator_size: int | None = None,
-               reconstruct: Callable[[np.ndarray], np.ndarray] | None = None) -> dict[str, float]:
-    """A judge independent of the FR model that conditions the generator: the DFA aligner (trained on procedural
-    faces against non-face crops, never on generated faces).
-
-    - its face score at its own threshold 0.5 → ``synthetic/judge/face_share`` and ``face_score_mean`` of the
-      synthetic faces, beside ``real_face_share`` (the real training faces) and ``nonface_share`` (held-out non-face
-      crops: what a blob scores);
-    - a Fréchet distance in its backbone's features (``DFA.features``, ``frechet_distance``) between the synthetic
-      faces and as many real training faces → ``synthetic/judge/frechet``, beside ``frechet_real`` (two disjoint
-      real samples of that size: what the same distribution scores, the floor) and ``frechet_nonface`` (the
-      non-face crops against real faces: what blobs score). Needs twice as many real faces as synthetic ones;
-    - where the generator makes faces smaller than ``size`` (``generator_size``), the share of the first
-      ``nonfaces`` real faces made at that size and resized back (``real_at_size_face_share``: the most a generator
-      of that size can reach), and of ``reconstruct``'s output for those faces (a latent generator's autoencoder,
-      uint8 faces in and out: ``reconstruction_face_share``, the most a generator decoding through it can reach);
-    - YuNet's detection rate beside it (``detector_judge``)."""
-    from ml.aligner.data import HELDOUT_NONFACE_START, nonface_crops
-    from ml.generator.diversity import frechet_distance
-    from tasks.train_generator import resize_faces
-
-    blobs = nonface_crops(0, HELDOUT_NONFACE_START, nonfaces, size)
-    _, real_scores = aligner.predict(real_faces)
-    _, blob_scores = aligner.predict(blobs)
-    out = {"synthetic/judge/face_share": float((synthetic_scores >= 0.5).mean()),
-           "synthetic/judge/face_score_mean": float(synthetic_scores.mean()),
-           "synthetic/judge/real_face_share": float((real_scores >= 0.5).mean()),
-           "synthetic/judge/nonface_share": float((blob_scores >= 0.5).mean())}
-    small = resize_faces(real_faces[:nonfaces], generator_size or size)
-    if generator_size is not None and generator_size != size:
-        _, at_size = aligner.predict(resize_faces(small, size))
-        out["synthetic/judge/real_at_size_face_share"] = float((at_size >= 0.5).mean())
-    if reconstruct is not None:
-        _, recon_scores = aligner.predict(resize_faces(reconstruct(small), size))
-        out["synthetic/judge/reconstruction_face_share"] = float((recon_scores >= 0.5).mean())
-    out.update(detector_judge(synthetic_faces, real_faces[:nonfaces], generator_size or size))
-    n = min(len(synthetic_faces), len(real_faces) // 2, len(blobs))
-    if n < 2:
-        return out
-    order = np.random.default_rng(seed).permutation(len(real_faces))
-    real_a, real_b = aligner.features(real_faces[order[:n]]), aligner.features(real_faces[order[n:2 * n]])
-    synthetic = aligner.features(synthetic_faces[:n])
-    return {**out, "synthetic/judge/frechet": frechet_distance(synthetic, real_a),
-            "synthetic/judge/frechet_real": frechet_distance(real_b, real_a),
-            "synthetic/judge/frechet_nonface": frechet_distance(aligner.features(blobs[:n]), real_a),
-            "synthetic/judge/frechet_faces": float(n)}
-
-
-DETECTOR_SIZE = 128  # YuNet finds faces from about 10 px on, but a crop of a few dozen pixels gives it no context
-
-
-def detector_judge(synthetic_faces: np.ndarray, real_faces: np.ndarray, generator_size: int) -> dict[str, float]:
-    """A second judge nobody here trained: the share of faces OpenCV Zoo's YuNet detector finds
-    (``ml.aligner.yunet``; each face upscaled to ``DETECTOR_SIZE`` and padded), for the synthetic faces
-    (``synthetic/judge/detector_face_share``) and for real faces made at the generator's size and upscaled the same
-    way (``detector_real_at_size_face_share``: what a perfect generator of that size scores). Empty, with a log
-    line, where YuNet cannot run (the ``reference`` extra is not installed)."""
-    from ml.aligner.yunet import yunet_available, yunet_landmarks
-    from tasks.train_generator import resize_faces
-
-    reason = yunet_available()
-    if reason is not None:
-        log.warning("synthetic/judge/detector_* skipped: %s", reason)
-        return {}
-    found = {}
-    for key, faces in (("detector_face_share", synthetic_faces),
-                       ("detector_real_at_size_face_share", resize_faces(real_faces, generator_size))):
-        _, scores = yunet_landmarks(resize_faces(faces, DETECTOR_SIZE))
-        found[f"synthetic/judge/{key}"] = float((scores > 0).mean())
-    return found
 
 
 def sampler_for(cfg: SamplerConfig, extra: dict[str, Any]) -> SamplerConfig:
@@ -382,6 +311,7 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
     model, extra, autoencoder = load_generator_for(paths, generator_cfg)
     sampler = sampler_for(cfg.sampler, extra)
     aligner, _ = load_aligner(paths.aligner_model)
+    judge = load_identity_judge(paths, cfg.identity_judge)
 
     def embed_faces(faces: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return embed_generated(fr, aligner, faces, data.image_size)
@@ -400,6 +330,7 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
     generated, generated_size = faces, faces.shape[1]
     reconstruct_faces = None if autoencoder is None else (lambda x: reconstruct(autoencoder, x)[0])
     faces = resize_faces(faces, data.image_size)
+    judged = {} if judge is None else judge_identities(judge, generated, labels, paths, generated_size, cfg.seed)
     # 3. calibrated gates: memorisation fails the stage; privacy and consistency drop identities
     real_rows = read_manifest(paths.train_set / "manifest.parquet")
     real_rows = real_rows[real_rows["split"] == "train"].reset_index(drop=True)
@@ -466,6 +397,7 @@ def run(cfg: SynthesizeConfig, data: DataConfig, generator_cfg: Any, paths: Path
                       "synthetic/candidates_kept_fraction": float(len(keep) / cfg.candidates),
                       **face_judge(aligner, faces, face_scores, real_faces, data.image_size, seed=cfg.seed,
                                    generator_size=generated_size, reconstruct=reconstruct_faces),
+                      **judged,
                       "synthetic/seconds": time.perf_counter() - start}
     write_json(paths.metrics / "synthesize.json", result.metrics)
     failed = [f"{name} {value:.3f} < synthesize.{key} = {bound}" for name, value, key, bound in (

