@@ -124,6 +124,25 @@ def test_smoke_run_trains_on_real_faces_and_scores_heldout_identities(real_rec, 
     assert gallery <= 5 and f"Not shown: rank-5, which the gallery of {gallery} identities" in report
     assert "| rank-5 |" not in report.split("## Real faces")[1].split("\n## ")[0]
     assert "ingested real faces (aligned before ingest" in report
+    # experiments.pretrained_real reads this very run: SFace far above the pixels, and CAFace on templates of the
+    # unseen real identities beside every fusion baseline, clean and degraded
+    from experiments.pretrained_real import read_run, real_templates, render
+
+    results = read_run(root)
+    assert results["identities"] == {"train": train["identity"].nunique(), "heldout": heldout["identity"].nunique(),
+                                     "discovery": discovery["identity"].nunique()}
+    results["templates"] = templates = real_templates(root)
+    assert templates["identities"] == heldout["identity"].nunique() + discovery["identity"].nunique()
+    for condition in ("clean", "degraded"):
+        part = templates["conditions"][condition]
+        assert set(part) >= {"average", "norm_weighted", "landmark_score", "caface", "vs_average", "vs_strongest"}
+        assert part["average"]["rank1"] > templates["chance_rank1"] + 0.3, condition  # SFace's features
+        assert part["vs_average"]["resampled"] == "identities"
+    clean, degraded = (templates["conditions"][c]["average"]["rank1"] for c in ("clean", "degraded"))
+    assert degraded < clean  # CAFace's training degradations cost averaging accuracy: room for a fusion to gain
+    results.update(measured_at="now", seconds=60.0, faces=942, people=24, budget="preset `smoke`")
+    text = render(results)
+    assert "| SFace (pretrained, imported) |" in text and "| CAFace |" in text and "| k-means (SFace) |" in text
     # the sample figure shows the ingested faces, not procedural ones
     from PIL import Image
 
