@@ -5,8 +5,8 @@ training faces with the run's FR contexts (``tasks.train_generator.fit``, on one
 another), then the first val face (split ``val``: never trained on) of 32 training identities gives 32 contexts,
 4 faces each, sampled as ``synthesize`` samples (params ``synthesize.sampler``). Scored:
 
-- the aligner's face score (share ≥ 0.5) and YuNet's detection rate (``tasks.synthesize.detector_judge``) of the
-  faces, each beside the same judge on 128 real training faces made at the generator's size;
+- the aligner's face score (share ≥ 0.5) and YuNet's detection rate (``tasks.synthesize_judges.detector_judge``) of
+  the faces, each beside the same judge on 128 real training faces made at the generator's size;
 - the FR cosine of each face to its context, and the identity consistency of each context's 4 faces;
 - training seconds (what ``make run`` pays) and milliseconds per sampled face, both on one thread.
 
