@@ -4,9 +4,10 @@ The papers build UIFace, CAFace and FaceGCD on a pretrained face recogniser; a r
 through ``faceops import``. This experiment does what ``docs/real-data.md`` tells a user to do and measures it: in a
 throw-away copy of the project it writes the aligned faces of ``--faces`` (identity subfolders) to an InsightFace
 RecordIO, imports OpenCV Zoo's SFace (``--sface``; the ``reference`` extra ships it) as FR source ``sface`` and runs
-the pipeline on the RecordIO (``params.yaml``'s budgets, or ``--preset``) with SFace as UIFace's, CAFace's and the
-discovery baselines' recogniser. The run splits the people by identity: training (the run's own FR model, UIFace,
-CAFace), held-out (verification) and discovery identities, none shared. It then reads, from the run's outputs:
+the pipeline on the RecordIO (``--preset pretrained``: ``params.yaml``'s budgets, a few sizes fitted to a set of tens
+of identities, UIFace's consistency gate off) with SFace as UIFace's, CAFace's and the discovery baselines'
+recogniser. The run splits the people by identity: training (the run's own FR model, UIFace, CAFace), held-out
+(verification) and discovery identities, none shared. It then reads, from the run's outputs:
 
 - **verification** of the held-out real identities (``evaluate``'s ``real.bin``, 10-fold): SFace beside the run's own
   real-trained model and the pixel baselines (raw pixels, a linear probe on the training identities' pixels);
@@ -306,7 +307,8 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--faces", type=Path, help="aligned real faces, one subfolder per identity (required)")
     parser.add_argument("--sface", type=Path, help="SFace's ONNX file (default: the `reference` extra's)")
-    parser.add_argument("--preset", help="a preset of presets.yaml for the run (default: params.yaml's budgets)")
+    parser.add_argument("--preset", default="pretrained", help="the run's preset of presets.yaml (default: "
+                        "`pretrained`, params.yaml's budgets sized for a set of tens of identities)")
     parser.add_argument("--frames", type=int, default=4, help="faces per real template (default: 4)")
     parser.add_argument("--workspace", type=Path, help="where the run's copy of the project goes (default: a "
                         "temporary folder, removed after); an existing one that finished its run is reused")

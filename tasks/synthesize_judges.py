@@ -112,7 +112,8 @@ def load_identity_judge(paths: Paths, name: str) -> Any | None:
         return load_model(paths.fr_model(name))[0]
     if name != REFERENCE_JUDGE:
         raise ConfigError(f"synthesize.identity_judge is {name!r} but {paths.fr_model(name)} holds no FR model: "
-                          f"import one (`faceops import`), name `{REFERENCE_JUDGE}` (the reference extra's) or '' (none)")
+                          f"import one (`faceops import`), or name `{REFERENCE_JUDGE}` (the reference extra's) or '' "
+                          "(none)")
     from ml.fr.pretrained import reference_sface
 
     try:
