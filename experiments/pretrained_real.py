@@ -198,7 +198,8 @@ def read_run(ws: Path) -> dict[str, Any]:
 
     evaluate, synthesize, discovery = flat("evaluate"), flat("synthesize"), flat("discovery")
     verification = {}
-    for row, key in ((SOURCE, SOURCE), ("real", "real"), ("raw_pixels", "baseline/raw_pixels"),
+    for row, key in ((SOURCE, SOURCE), ("real", "real"), ("synthetic", "synthetic"), ("real_matched", "real_matched"),
+                     ("raw_pixels", "baseline/raw_pixels"),
                      ("linear_probe", "baseline/linear_probe"), ("chance", "chance")):
         verification[row] = {m: evaluate.get(f"{key}/verification/real/{m}") for m in ("accuracy", "std")}
     verification[SOURCE]["rank1"] = evaluate.get(f"{SOURCE}/identification/rank1")
@@ -241,11 +242,15 @@ def render(results: dict[str, Any]) -> str:
              "", "## Verification of held-out real identities", "",
              "`evaluate` on `verification/real.bin` (balanced pairs of the held-out identities, 10-fold) and rank-1 "
              "against one gallery image per identity.", "",
-             "| embedding | accuracy | rank-1 |", "|---|---|---|"]
+             "| embedding | accuracy ± std over the folds | rank-1 |", "|---|---|---|"]
     names = {SOURCE: "SFace (pretrained, imported)", "real": "the run's own ViT (trained on the training identities)",
+             "synthetic": "a ViT trained on UIFace's synthetic set (conditioned on SFace)",
+             "real_matched": "a ViT trained on as many real identities × images (`real_matched`)",
              "linear_probe": "linear probe on pixels (training identities)", "raw_pixels": "raw pixels",
              "chance": "chance"}
     for row, label in names.items():
+        if row not in v:  # a report of an earlier version
+            continue
         acc, std = v[row]["accuracy"], v[row]["std"]
         lines.append(f"| {label} | {_pct(acc)}{'' if not std else f' ± {std:.1%}'} | "
                      f"{_pct(v[row].get('rank1'))} |")
