@@ -398,7 +398,9 @@ def run(cfg: EvaluateConfig, data: DataConfig, paths: Paths, *, tracker: Any = N
 
             raise DataError(f"evaluate.discovery_fr_source is {cfg.discovery_fr_source!r} but models/fr/ holds "
                             f"{', '.join(loaded)}: import it (`faceops import`) or train it first")
-        metrics.update(evaluate_discovery(cfg, data, paths, loaded[cfg.discovery_fr_source]))
+        references = {tag: loaded[tag] for tag in loaded if tag != cfg.discovery_fr_source
+                      and models[tag].get("extra", {}).get("training_source") == "pretrained"}
+        metrics.update(evaluate_discovery(cfg, data, paths, loaded[cfg.discovery_fr_source], references))
     if cfg.sets and paths.video_set.is_dir():
         from tasks.evaluate.fusion import evaluate_sets, fusion_fr_source
 

@@ -19,6 +19,7 @@ identities, FR features beside FaceGCD's and GCD's). ``render_section`` is the M
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -74,9 +75,17 @@ def facegcd_ssk(model: Any, gfd: GFDInputs, cfg: Any, data: Any) -> tuple[np.nda
                              max_iter=cfg.ssk_max_iter, seed=data.seed, nnc_k=cfg.nnc_k)
 
 
-def evaluate_discovery(cfg: Any, data: Any, paths: Paths, fr_model: Any) -> dict[str, float]:
+def reference_method(name: str) -> str:
+    """The metrics prefix of a pretrained recogniser's FR + SSK reference row (``models/fr/<name>``)."""
+    return f"pretrained_{name}_ssk"
+
+
+def evaluate_discovery(cfg: Any, data: Any, paths: Paths, fr_model: Any,
+                       references: dict[str, Any] | None = None) -> dict[str, float]:
     """Run every method, write the predictions, the plot and ``metrics/discovery.json``; → flat metrics
-    ``discovery/<method>/<subset>/<all|known|novel>`` and ``discovery/<method>/nnc``."""
+    ``discovery/<method>/<subset>/<all|known|novel>`` and ``discovery/<method>/nnc``. ``references``: pretrained
+    recognisers (``faceops import``) other than ``fr_model``, each a reference row of its features + SSK
+    (``reference_method``), beside the run's own."""
     from ml.data.dataset import landmarks_array
     from ml.discovery.protocol import gfd_baselines, gfd_chance, gfd_ssk, known_or_new_names
     from ml.discovery.facegcd import load_facegcd
@@ -87,12 +96,19 @@ def evaluate_discovery(cfg: Any, data: Any, paths: Paths, fr_model: Any) -> dict
     rows, images, labels, labelled, known, test = gfd
     from tasks.train_generator import resize_faces
 
-    size = int(fr_model.input_contract["size"])  # a pretrained 112-px model on 64-px faces: upsampled
-    keypoints = landmarks_array(rows) * (size / images.shape[1]) if needs_keypoints(fr_model) else None
-    features = {"fr": embed(fr_model, resize_faces(images, size), batch_size=cfg.batch_size, flip=cfg.flip,
-                            keypoints=keypoints)}
-    outcomes = {"fr_ssk": gfd_ssk(features["fr"], labels, labelled, known, test, n_init=cfg.ssk_n_init,
-                                  max_iter=cfg.ssk_max_iter, seed=data.seed, nnc_k=cfg.nnc_k)}
+    def fr_features(model: Any) -> np.ndarray:
+        size = int(model.input_contract["size"])  # a pretrained 112-px model on 64-px faces: upsampled
+        keypoints = landmarks_array(rows) * (size / images.shape[1]) if needs_keypoints(model) else None
+        return embed(model, resize_faces(images, size), batch_size=cfg.batch_size, flip=cfg.flip, keypoints=keypoints)
+
+    def ssk(feats: np.ndarray) -> Any:
+        return gfd_ssk(feats, labels, labelled, known, test, n_init=cfg.ssk_n_init, max_iter=cfg.ssk_max_iter,
+                       seed=data.seed, nnc_k=cfg.nnc_k)
+
+    features = {"fr": fr_features(fr_model)}
+    outcomes = {"fr_ssk": ssk(features["fr"])}
+    for name, model in (references or {}).items():
+        outcomes[reference_method(name)] = ssk(fr_features(model))
     for name, directory in (("facegcd", paths.discovery_model), ("gcd", gcd_model_dir(paths))):
         if (directory / "config.json").is_file():
             model, _ = load_facegcd(directory)
@@ -161,7 +177,11 @@ def render_section(metrics: dict[str, float]) -> list[str]:
     """Markdown lines for ``reports/benchmark.md``: All / Known / Novel per method, transductively (the headline)
     and on the test images."""
     pct = lambda v: "—" if v is None or v != v else f"{100 * v:.1f}"  # noqa: E731
+    references = sorted({k.split("/")[1] for k in metrics if re.fullmatch(r"discovery/pretrained_.+_ssk/test/all", k)})
+    labels = {**METHODS, **{m: f"`{m[len('pretrained_'):-len('_ssk')]}` features + SSK (pretrained reference)"
+                            for m in references}}
     present = [m for m in METHODS if f"discovery/{m}/test/all" in metrics]
+    present[present.index("fr_ssk") + 1 if "fr_ssk" in present else 0:0] = references
     if not present:
         return []
     lines = [
@@ -180,7 +200,7 @@ def render_section(metrics: dict[str, float]) -> list[str]:
     ]
     for m in present:
         cells = [pct(metrics.get(f"discovery/{m}/{s}/{k}")) for s in ("transductive", "test") for k in ("all", "known", "novel")]
-        lines.append(f"| {METHODS[m]} | " + " | ".join(cells) + f" | {pct(metrics.get(f'discovery/{m}/nnc'))} |")
+        lines.append(f"| {labels[m]} | " + " | ".join(cells) + f" | {pct(metrics.get(f'discovery/{m}/nnc'))} |")
     return lines + verdict(metrics) + ["", "![discovery embedding](../plots/discovery_embedding.png)"]
 
 

@@ -108,3 +108,18 @@ def test_the_report_says_when_facegcd_does_not_beat_a_baseline():
     ahead = " ".join(verdict(metrics(0.62, 0.595)))
     assert "FaceGCD beats every other method here, the best being k-means (FR features) by 2.5 points" in ahead
     assert verdict({"discovery/kmeans/transductive/all": 0.6}) == []  # no FaceGCD row: no verdict
+
+
+def test_a_pretrained_recogniser_gets_its_reference_row_beside_the_runs_fr_features():
+    from tasks.evaluate.discovery import reference_method, render_section, verdict
+
+    rows = {"fr_ssk": 0.52, reference_method("sface"): 0.97, "kmeans": 0.5, "facegcd": 0.55, "chance": 0.3}
+    metrics = {f"discovery/{m}/{s}/{k}": v for m, v in rows.items() for s in ("transductive", "test")
+               for k in ("all", "known", "novel")}
+    table = [line for line in render_section(metrics) if line.startswith("| ")][1:]
+    assert [line.split(" | ")[0] for line in table] == [
+        "| FaceGCD + SSK", "| FR features + SSK", "| `sface` features + SSK (pretrained reference)",
+        "| k-means (FR features)", "| chance (random partition, true cluster sizes)"]
+    assert table[2].startswith("| `sface` features + SSK (pretrained reference) | 97.0 | 97.0 | 97.0 |")
+    # a reference, not a competitor: the verdict weighs FaceGCD against the run's own methods only
+    assert "beats every other method here, the best being FR features + SSK" in " ".join(verdict(metrics))
