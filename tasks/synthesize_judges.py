@@ -134,6 +134,8 @@ def judge_reference(paths: Paths, identities: int, per: int, seed: int = 0) -> t
     eligible = np.sort(counts.index[counts >= per].to_numpy())
     chosen = np.random.default_rng(seed).permutation(eligible)[:identities]
     rows = rows[rows["label"].isin(chosen)].groupby("label", sort=True).head(per).reset_index(drop=True)
+    if rows.empty:  # no training identity has that many faces: identity_judge logs it and judges none
+        return np.zeros((0, 1, 1, 3), np.uint8), np.zeros(0, np.int64)
     return load_images(paths.train_set, rows), rows["label"].to_numpy()
 
 
@@ -169,11 +171,12 @@ def identity_judge(judge: Any, synthetic_faces: np.ndarray, labels: np.ndarray, 
     from tasks.train_generator import resize_faces
 
     out: dict[str, float] = {}
-    for prefix, faces, y in (("", synthetic_faces, labels),
-                             ("real_at_size_", resize_faces(real_faces, generator_size), real_labels)):
+    for prefix, faces, y in (("", synthetic_faces, labels), ("real_at_size_", real_faces, real_labels)):
         if len(np.unique(y)) < 2:
             log.warning("synthetic/judge/%sidentity_*: fewer than 2 identities to judge", prefix)
             continue
+        if prefix:  # made at the generator's size, as a generator of that size would make them
+            faces = resize_faces(faces, generator_size)
         emb = embed(judge, resize_faces(faces, int(judge.input_contract["size"])), flip=False)
         out[f"synthetic/judge/{prefix}identity_consistency"] = identity_consistency(emb, y)
         out[f"synthetic/judge/{prefix}identity_auc"] = pair_auc(emb, y)
