@@ -15,9 +15,9 @@
 
 Metrics (``metrics/synthesize.json``): identity gap, pixel correlation, privacy distributions, SSIM and embedding
 diversity, identity consistency, inter-class separation, Improved P/R (k = 10) against real training faces, the
-t0 distribution, UNet evaluations per face, each gate's threshold and reference (``synthetic/gate/*``) and the judges
-nobody conditioning the generator is (``synthetic/judge/*``: ``tasks/synthesize_judges.py``). Keys are
-``synthesize.*`` params.
+t0 distribution, UNet evaluations per face, each gate's threshold and reference (``synthetic/gate/*``) and the
+judges other than the FR model conditioning the generator (``synthetic/judge/*``: ``tasks/synthesize_judges.py``).
+Keys are ``synthesize.*`` params.
 """
 
 from __future__ import annotations
