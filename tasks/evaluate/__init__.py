@@ -355,6 +355,13 @@ def model_dirs(paths: Paths) -> list[tuple[str, Path]]:
     return found
 
 
+def pretrained_references(loaded: dict[str, Any], configs: dict[str, dict], own: str) -> dict[str, Any]:
+    """The imported recognisers (``faceops import``: ``extra.training_source`` pretrained) among ``loaded`` other
+    than ``own``, the model a table's methods stand on: each gets a reference row there."""
+    return {tag: model for tag, model in loaded.items()
+            if tag != own and configs[tag].get("extra", {}).get("training_source") == "pretrained"}
+
+
 def plot_roc(curves: dict[str, tuple[np.ndarray, np.ndarray]], path: Path) -> None:
     plt = pyplot()
 
@@ -398,9 +405,8 @@ def run(cfg: EvaluateConfig, data: DataConfig, paths: Paths, *, tracker: Any = N
 
             raise DataError(f"evaluate.discovery_fr_source is {cfg.discovery_fr_source!r} but models/fr/ holds "
                             f"{', '.join(loaded)}: import it (`faceops import`) or train it first")
-        references = {tag: loaded[tag] for tag in loaded if tag != cfg.discovery_fr_source
-                      and models[tag].get("extra", {}).get("training_source") == "pretrained"}
-        metrics.update(evaluate_discovery(cfg, data, paths, loaded[cfg.discovery_fr_source], references))
+        metrics.update(evaluate_discovery(cfg, data, paths, loaded[cfg.discovery_fr_source],
+                                          pretrained_references(loaded, models, cfg.discovery_fr_source)))
     if cfg.sets and paths.video_set.is_dir():
         from tasks.evaluate.fusion import evaluate_sets, fusion_fr_source
 
@@ -411,7 +417,8 @@ def run(cfg: EvaluateConfig, data: DataConfig, paths: Paths, *, tracker: Any = N
             raise DataError(f"models/fusion was trained on models/fr/{source}, which models/fr/ no longer holds "
                             f"({', '.join(loaded)}): import it again or retrain with `dvc repro train_fusion`")
         metrics.update(evaluate_sets(cfg, data, paths, loaded.get(source, next(iter(loaded.values()))),
-                                     chunk_size=cfg.fusion_chunk_size))
+                                     chunk_size=cfg.fusion_chunk_size,
+                                     references=pretrained_references(loaded, models, source)))
     metrics.update(chance_metrics(cfg, paths, sets))
     if cfg.baselines:
         m, c = evaluate_baselines(cfg, paths, data, sets)

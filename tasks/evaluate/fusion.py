@@ -6,6 +6,7 @@ manifest's; ``sets/face_inputs/*`` say which), ``caface`` (``models/fusion``, st
 frames) and ``quality_oracle`` (unit features weighted by the manifest's true quality: a reference, not a method).
 On procedural videos a second reference, ``clean_capture``: each probe's frames rendered again without the capture
 degradations (``ml.data.surveillance.clean_capture``) and averaged, what removing degradation would give averaging.
+Each imported recogniser other than the FR model gets a reference row of its own features averaged.
 
 - templates (``data/prepared/templates``): 1:1 verification, TAR@FAR 1e-5..1e-2;
 - videos (``data/prepared/videos``): galleries *single* (one still) and *booking* (all stills, same fusion);
@@ -19,6 +20,7 @@ Writes ``metrics/sets.json`` and ``plots/fusion_gain.png``; ``render_section`` i
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -253,9 +255,17 @@ def fusion_fr_source(paths: Paths, default: str = "real") -> str:
     return Path(fr_model).name or default
 
 
-def evaluate_sets(cfg: Any, data: Any, paths: Paths, fr_model: Any, chunk_size: int = 64) -> dict[str, float]:
+def reference_method(name: str) -> str:
+    """The metrics name of a pretrained recogniser's reference row (``models/fr/<name>``'s features, averaged)."""
+    return f"pretrained_{name}_average"
+
+
+def evaluate_sets(cfg: Any, data: Any, paths: Paths, fr_model: Any, chunk_size: int = 64,
+                  references: dict[str, Any] | None = None) -> dict[str, float]:
     """Every fusion method on templates and videos → flat metrics ``sets/<part>/<method>/<metric>``, the
-    single-gallery intervals and CAFace's diagnostics (see the module docstring)."""
+    single-gallery intervals and CAFace's diagnostics (see the module docstring). ``references``: pretrained
+    recognisers (``faceops import``) other than ``fr_model``, each a reference row of its own features averaged
+    (``reference_method``) on the templates and videos, beside the methods over ``fr_model``'s."""
     from ml.data.dataset import read_manifest
     from ml.aligner.metrics import spearman
     from ml.fusion.diagnostics import caface_diagnostics, paired_difference, rank1_hits, wilson_interval
@@ -290,7 +300,7 @@ def evaluate_sets(cfg: Any, data: Any, paths: Paths, fr_model: Any, chunk_size: 
     galleries: dict[str, dict[str, np.ndarray]] = {}
     hits: dict[str, np.ndarray] = {}  # per mated probe: rank-1 hit against the single gallery
 
-    def identify(method: str, probes: np.ndarray, booking: np.ndarray) -> None:
+    def identify(method: str, probes: np.ndarray, booking: np.ndarray, single: np.ndarray = single) -> None:
         for name, gallery in (("booking", booking), ("single", single)):
             for k, v in video_identification(probes, probe_ids, gallery, gallery_ids, ranks=cfg.ranks,
                                              fpirs=cfg.fpirs).items():
@@ -308,6 +318,13 @@ def evaluate_sets(cfg: Any, data: Any, paths: Paths, fr_model: Any, chunk_size: 
     clean = clean_capture_templates(fr_model, paths, data, rows, cfg.batch_size)
     if clean is not None:  # the clean frames against the stills as averaging fuses them
         identify(CLEAN, clean, galleries["average"]["booking"])
+    for name, model in (references or {}).items():  # a recogniser nobody here trained, its features averaged
+        method = reference_method(name)
+        for k, v in template_fusion(model, None, paths, data, cfg.batch_size, ["average"], chunk_size).items():
+            metrics[f"sets/templates/{method}/{k.removeprefix('average/')}"] = v
+        own = split_videos(rows, _frames(model, None, paths.video_set, rows, data, cfg.batch_size))
+        identify(method, _fuse("average", own.probe, own.probe_groups, None, data, chunk_size),
+                 _fuse("average", own.gallery, own.gallery_groups, None, data, chunk_size), own.single)
     # CAFace and the references against averaging; CAFace also against each quality-weighting baseline
     pairs = [(m, "average") for m in ("caface", "quality_oracle", CLEAN)] + [("caface", b) for b in WEIGHTING_BASELINES]
     for method, baseline in pairs:
@@ -501,8 +518,11 @@ def render_section(metrics: dict[str, float]) -> list[str]:
     methods = [m for m in LABELS if f"sets/templates/{m}/tar@far=1e-2" in metrics]
     if not methods:
         return []
-    labels = {**LABELS, "chance": CHANCE}
-    rows = methods + (["chance"] if "sets/templates/chance/tar@far=1e-2" in metrics else [])
+    references = sorted({k.split("/")[2] for k in metrics
+                         if re.fullmatch(r"sets/templates/pretrained_.+_average/tar@far=1e-2", k)})
+    labels = {**LABELS, "chance": CHANCE, **{m: f"`{m[len('pretrained_'):-len('_average')]}` features, averaged "
+                                               "(pretrained reference)" for m in references}}
+    rows = methods + references + (["chance"] if "sets/templates/chance/tar@far=1e-2" in metrics else [])
     fars = [f"tar@far={f:.0e}".replace("e-0", "e-") for f in FARS]
     lines = ["", "## Set fusion: IJB-B/C-style templates (1:1 verification, TAR %)", "",
              "Chosen on: CAFace keeps its last step; its recipe (lr, `lambda_u`, prefix, steps) was first picked on "
@@ -529,7 +549,7 @@ def render_section(metrics: dict[str, float]) -> list[str]:
               "| fusion | single: rank-1 (95 % CI) | single: rank-5 | single: TPIR@FPIR 1 % | booking: rank-1 | "
               "booking: rank-5 | booking: TPIR@FPIR 1 % |", "|---|---|---|---|---|---|---|"]
     labels[CLEAN] = CLEAN_LABEL
-    video_rows = methods + [r for r in (CLEAN, "chance") if f"sets/videos_single/{r}/rank1" in metrics]
+    video_rows = methods + [r for r in (*references, CLEAN, "chance") if f"sets/videos_single/{r}/rank1" in metrics]
     for m in video_rows:
         cells = [pct(metrics.get(f"sets/videos_{g}/{m}/{k}")) for g in ("single", "booking")
                  for k in ("rank1", "rank5", "tpir@fpir=1e-2")]
@@ -548,7 +568,7 @@ def render_section(metrics: dict[str, float]) -> list[str]:
     if sizes:
         lines += ["", "Rank-1 (booking gallery) when each probe is fused from N random frames (CAFace Fig. 1c):", "",
                   "| fusion | " + " | ".join(f"N = {s}" for s in sizes) + " |", "|---|" + "---|" * len(sizes)]
-        for m in rows:
+        for m in (r for r in rows if r not in references):  # references: whole probes only
             lines.append(f"| {labels[m]} | " + " | ".join(pct(metrics.get(f"sets/gain/{m}/n={s}/rank1")) for s in sizes) + " |")
     if "sets/order/caface/rank1/mean" in metrics:
         lines += ["", f"CAFace under 5 random frame orders (streamed in chunks): rank-1 "

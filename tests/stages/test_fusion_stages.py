@@ -128,7 +128,14 @@ def test_zero_quality_probes_by_hand():
 
 def test_evaluate_sets_adds_the_oracle_intervals_and_caface_diagnostics(workspace, trained):
     model, _ = load_model(workspace.fr_model("real"))
-    metrics = sets_eval.evaluate_sets(EvaluateConfig(batch_size=16), DATA, workspace, model, chunk_size=4)
+    metrics = sets_eval.evaluate_sets(EvaluateConfig(batch_size=16), DATA, workspace, model, chunk_size=4,
+                                      references={"same": model})
+    # a pretrained recogniser's reference row: its own features averaged; the run's own model as the "reference"
+    # must reproduce the average row to the bit, templates, single and booking galleries alike
+    ref = sets_eval.reference_method("same")
+    for key in [k for k in metrics if "/average/" in k and not k.startswith("sets/gain/")]:
+        assert metrics[key.replace("/average/", f"/{ref}/")] == metrics[key], key
+    assert not any(k.startswith(f"sets/gain/{ref}/") for k in metrics)
     assert all(math.isfinite(v) for v in metrics.values()), {k: v for k, v in metrics.items() if not math.isfinite(v)}
     for method in sets_eval.LABELS:
         low, high = (metrics[f"sets/videos_single/{method}/rank1_ci_{b}"] for b in ("low", "high"))
@@ -165,6 +172,8 @@ def test_evaluate_sets_adds_the_oracle_intervals_and_caface_diagnostics(workspac
     assert metrics["sets/videos_single/chance/tpir@fpir=1e-2"] == pytest.approx(0.01 * gallery)
     assert metrics["sets/templates/chance/tar@far=1e-3"] == 1e-3 and metrics["sets/gain/chance/n=1/rank1"] == gallery
     assert f"| {sets_eval.CHANCE} | " in report
+    label = "| `same` features, averaged (pretrained reference) | "
+    assert report.count(label) == 2  # the templates and the videos table, not the probe-size curve
     recipe = json.loads((workspace.fusion_model / "config.json").read_text())["extra"]["recipe"]
     steps = recipe["epochs"] * recipe["steps_per_epoch"]
     assert metrics["sets/caface/lambda_u"] == recipe["lambda_u"] and metrics["sets/caface/train_steps"] == steps

@@ -202,3 +202,13 @@ def test_sface_verifies_real_faces_far_above_pixels(glint24):
     sface = OnnxEmbedder(_sface(), "BGR", 0.0, 1.0)
     auc, pixels = probe_auc(sface, faces, labels), pixel_auc(faces, labels)
     assert auc > 0.97 and auc > pixels + 0.2, (auc, pixels)
+
+
+def test_every_imported_recogniser_but_the_tables_own_is_a_reference():
+    from tasks.evaluate import pretrained_references
+
+    loaded = {"real": "vit", "sface": "onnx", "arc": "iresnet", "synthetic": "vit"}
+    configs = {"real": {"extra": {"training_source": "real"}}, "sface": {"extra": {"training_source": "pretrained"}},
+               "arc": {"extra": {"training_source": "pretrained"}}, "synthetic": {}}
+    assert pretrained_references(loaded, configs, "real") == {"sface": "onnx", "arc": "iresnet"}
+    assert pretrained_references(loaded, configs, "sface") == {"arc": "iresnet"}  # the table's own model is no reference
