@@ -127,10 +127,10 @@ def real_templates(ws: Path, frames: int = 4, seed: int = 0, batch_size: int = 6
     from ml.data.dataset import load_images, read_manifest
     from ml.fusion.caface import load_caface
     from ml.fusion.diagnostics import rank1_hits
-    from ml.fusion.sets import features_and_styles, fuse_templates, template_verification
+    from ml.fusion.sets import features_and_styles, template_verification
     from ml.models.io import load_model
     from tasks.common import load_params, section
-    from tasks.evaluate.fusion import face_inputs, load_frame_aligner
+    from tasks.evaluate.fusion import Frames, face_inputs, fuse_frames, load_frame_aligner
     from tasks.prepare import DataConfig
     from tasks.train_fusion import degraded_copies
 
@@ -161,13 +161,9 @@ def real_templates(ws: Path, frames: int = 4, seed: int = 0, batch_size: int = 6
         feats, styles = features_and_styles(fr_model, faces, batch_size=batch_size, resize=True, progress=True)
         landmarks, scores = face_inputs(aligner, faces, rows.iloc[members], batch_size)
         hits, part = {}, {}
+        inputs = Frames(feats, styles, landmarks, scores, np.ones(len(feats), np.float32))
         for method in METHODS:
-            extra: dict[str, Any] = {}
-            if method == "landmark_score":
-                extra = {"landmarks": landmarks, "face_scores": scores, "image_size": float(data.image_size)}
-            if method == "caface":
-                extra = {"model": caface}
-            fused = fuse_templates(method, feats, groups, styles=styles, **extra)
+            fused = fuse_frames(method, inputs, groups, caface, data)
             hits[method] = rank1_hits(fused, template_ids, still, ids[gallery])
             verified = template_verification(fused, pairs, labels, fars=(1e-2,))
             part[method] = {"rank1": float(hits[method].mean()), "tar@far=1e-2": verified["tar@far=1e-2"]}

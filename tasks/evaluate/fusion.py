@@ -205,7 +205,10 @@ def zero_quality_probes(quality: np.ndarray, groups: np.ndarray, threshold: floa
     return int((best < threshold).sum())
 
 
-def _fuse(method: str, frames: Frames, groups: np.ndarray, caface: Any, data: Any, chunk_size: int) -> np.ndarray:
+def fuse_frames(method: str, frames: Frames, groups: np.ndarray, caface: Any, data: Any, chunk_size: int = 64
+                ) -> np.ndarray:
+    """(T, D) templates of ``frames`` grouped by ``groups`` (0..T-1), fused by ``method`` with the inputs it takes
+    (landmarks and face scores, the CAFace model, true quality); ``data`` gives the image size."""
     from ml.fusion.sets import fuse_templates
 
     feats, styles = frames.feats, frames.styles
@@ -236,7 +239,7 @@ def template_fusion(fr_model: Any, caface: Any, paths: Paths, data: Any, batch_s
     pairs = index_pairs(pairs, tids)
     metrics: dict[str, float] = {}
     for method in methods:
-        templates = _fuse(method, frames, groups, caface, data, chunk_size)
+        templates = fuse_frames(method, frames, groups, caface, data, chunk_size)
         for k, v in template_verification(templates, pairs, labels, fars=FARS).items():
             metrics[f"{method}/{k}"] = v
     return metrics
@@ -312,8 +315,8 @@ def evaluate_sets(cfg: Any, data: Any, paths: Paths, fr_model: Any, chunk_size: 
             metrics[f"sets/videos_single/{method}/rank1_ci_high"] = high
 
     for method in methods:
-        probes = _fuse(method, p_frames, p_groups, caface, data, chunk_size)
-        galleries[method] = {"booking": _fuse(method, g_frames, g_groups, caface, data, chunk_size), "single": single}
+        probes = fuse_frames(method, p_frames, p_groups, caface, data, chunk_size)
+        galleries[method] = {"booking": fuse_frames(method, g_frames, g_groups, caface, data, chunk_size), "single": single}
         identify(method, probes, galleries[method]["booking"])
     clean = clean_capture_templates(fr_model, paths, data, rows, cfg.batch_size)
     if clean is not None:  # the clean frames against the stills as averaging fuses them
@@ -323,8 +326,8 @@ def evaluate_sets(cfg: Any, data: Any, paths: Paths, fr_model: Any, chunk_size: 
         for k, v in template_fusion(model, None, paths, data, cfg.batch_size, ["average"], chunk_size).items():
             metrics[f"sets/templates/{method}/{k.removeprefix('average/')}"] = v
         own = split_videos(rows, _frames(model, None, paths.video_set, rows, data, cfg.batch_size))
-        identify(method, _fuse("average", own.probe, own.probe_groups, None, data, chunk_size),
-                 _fuse("average", own.gallery, own.gallery_groups, None, data, chunk_size), own.single)
+        identify(method, fuse_frames("average", own.probe, own.probe_groups, None, data, chunk_size),
+                 fuse_frames("average", own.gallery, own.gallery_groups, None, data, chunk_size), own.single)
     # CAFace and the references against averaging; CAFace also against each quality-weighting baseline
     pairs = [(m, "average") for m in ("caface", "quality_oracle", CLEAN)] + [("caface", b) for b in WEIGHTING_BASELINES]
     for method, baseline in pairs:
