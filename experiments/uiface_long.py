@@ -1,0 +1,149 @@
+"""Where UIFace's targets stand with time: ``faceops run --preset uiface-long`` beside the default run.
+
+``python -m experiments.uiface_long --workspace DIR`` clones this checkout into DIR (when DIR does not exist), runs
+``make setup`` there, then times ``faceops run --preset uiface-long`` (nothing else should run beside it: its wall
+time is part of the result), and writes ``reports/uiface_long.md``, ``reports/uiface_long/synthetic_samples.png`` and
+``metrics/uiface_long.json`` here: each target of docs/methods/generator.md for the default run (this checkout's
+committed metrics) and for the long run side by side, then the long run's UIFace section as its own report renders
+it (judges, Table 3, gates). ``--log FILE --wall-seconds S`` records a run already made in DIR (the ``faceops run``
+output and its wall time) instead of running it. Chosen on: nothing (each generator keeps its last epoch). Scored on:
+each run's own samples, judges and held-out verification pairs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.bench_default_run import STAGE_LINE
+from tasks.common import Paths, write_json, write_text
+from tasks.evaluate.synthetic import TARGETS, synthetic_section
+
+PRESET = "uiface-long"
+ROOT = Path(__file__).resolve().parents[1]
+RUN_FILE = "uiface_long_run.json"  # in the workspace: how the run went (wall and stage seconds, commit)
+
+
+def stage_seconds(stdout: str) -> dict[str, float]:
+    """Each stage's seconds from ``faceops run``'s closing summary table."""
+    return {m[1]: float(m[3]) for m in map(STAGE_LINE.match, stdout.splitlines()) if m}
+
+
+def record(ws: Path, stdout: str, wall_s: float) -> dict[str, Any]:
+    """Write ``RUN_FILE`` in ``ws`` for a finished run whose ``faceops run`` printed ``stdout``."""
+    from benchmarks.bench_default_run import _machine
+
+    commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ws, capture_output=True,
+                            text=True).stdout.strip()
+    run = {"preset": PRESET, "commit": commit, "wall_s": round(wall_s, 1), "minutes": round(wall_s / 60, 1),
+           "stage_s": stage_seconds(stdout), **_machine()}
+    write_json(ws / RUN_FILE, run)
+    return run
+
+
+def run_preset(ws: Path) -> dict[str, Any]:
+    """Clone this checkout into ``ws`` unless it exists, install it and time ``faceops run --preset uiface-long``."""
+    if not ws.exists():
+        subprocess.run(["git", "clone", "-q", str(ROOT), str(ws)], check=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "MLFLOW_", "PREFECT_API"))}
+    subprocess.run(["make", "setup"], cwd=ws, env=env, check=True, capture_output=True)
+    start = time.perf_counter()
+    out = subprocess.run([str(ws / ".venv" / "bin" / "faceops"), "run", "--preset", PRESET], cwd=ws, env=env,
+                         capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    (ws / "uiface_long.log").write_text(out.stdout + out.stderr)
+    if out.returncode != 0:
+        raise RuntimeError(f"faceops run --preset {PRESET} failed in {ws}; log: {ws / 'uiface_long.log'}")
+    return record(ws, out.stdout, wall)
+
+
+def read_run(root: Path) -> dict[str, Any]:
+    """The metrics a run's targets read (``metrics/synthesize.json``, ``evaluate.json``, ``train_generator.json``)
+    and its FR models' configs (Table 3's budgets)."""
+    def flat(name: str) -> dict[str, Any]:
+        path = root / "metrics" / f"{name}.json"
+        found = json.loads(path.read_text()) if path.is_file() else {}
+        return found.get("metrics", found)
+
+    models = {p.parent.name: json.loads(p.read_text()) for p in sorted((root / "models" / "fr").glob("*/config.json"))}
+    return {"synthesize": flat("synthesize"), "evaluate": flat("evaluate"), "train_generator": flat("train_generator"),
+            "models": models}
+
+
+def targets(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """{target: {"value", "goal", "unit", "sense", "met"}} for each target of ``TARGETS`` the run has inputs for."""
+    out = {}
+    for what, value, _, goal, unit, sense in TARGETS:
+        try:
+            v = float(value(run["synthesize"], run["evaluate"], run["train_generator"]))
+        except KeyError:
+            continue
+        out[what] = {"value": v, "goal": goal, "unit": unit, "sense": sense,
+                     "met": v >= goal if sense == "≥" else v <= goal}
+    return out
+
+
+def render(default: dict[str, dict[str, Any]], long: dict[str, dict[str, Any]], run: dict[str, Any],
+           section: list[str]) -> str:
+    """The report: both runs' targets side by side, then the long run's UIFace section."""
+    cell = lambda t: "—" if t is None else f"{t['value']:.1f} {t['unit']}" + ("" if t["met"] else " (missed)")  # noqa: E731
+    stages = run["stage_s"]
+    lines = [f"# UIFace with time: `--preset {PRESET}` beside the default run", "",
+             f"`python -m experiments.uiface_long --workspace DIR`: `faceops run --preset {PRESET}` on a fresh clone "
+             f"of {run['commit']} ({run['cpu']}, {run['cores']} cores, bf16 {run['cpu_has_bf16']}, AMX "
+             f"{run['cpu_has_amx']}), beside the default run's committed metrics. The preset is the pixel-space "
+             "design (`reports/generator_designs.md`: no decoder bounds its faces) with five times `uiface-pixel`'s "
+             "UNet steps; every other stage as the default run. Chosen on: nothing (each generator keeps its last "
+             "epoch). Scored on: each run's own samples, judges and held-out verification pairs.", "",
+             f"The run took {run['minutes']:.1f} min wall (installing not included), `train_generator` "
+             f"{stages.get('train_generator', float('nan')):.0f} s and `synthesize` "
+             f"{stages.get('synthesize', float('nan')):.0f} s.", "",
+             "| target | goal | default run | `uiface-long` |", "|---|---|---|---|"]
+    for what in dict.fromkeys([*default, *long]):
+        t = long.get(what) or default[what]
+        lines.append(f"| {what} | {t['sense']} {t['goal']:g} {t['unit']} | {cell(default.get(what))} | "
+                     f"{cell(long.get(what))} |")
+    lines += ["", f"## The `{PRESET}` run's synthetic data, as its own report renders it", *section[3:]]
+    return "\n".join(lines).replace("../plots/synthetic_samples.png", "uiface_long/synthetic_samples.png") + "\n"
+
+
+def write(ws: Path, out_root: Path = ROOT) -> str:
+    """Render the report for the finished run in ``ws`` against ``out_root``'s default run; write it there."""
+    run = json.loads((ws / RUN_FILE).read_text())
+    long, default = read_run(ws), read_run(out_root)
+    section = synthetic_section(long["synthesize"], long["evaluate"], long["models"], long["train_generator"])
+    text = render(targets(default), targets(long), run, section)
+    picture = out_root / "reports" / "uiface_long" / "synthetic_samples.png"
+    picture.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(Paths(ws).plots / "synthetic_samples.png", picture)
+    write_json(out_root / "metrics" / "uiface_long.json", {"run": run, "default": targets(default),
+                                                           "uiface_long": targets(long)})
+    write_text(out_root / "reports" / "uiface_long.md", text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog="Runs about two hours on 2 cores; nothing else should run beside it.")
+    parser.add_argument("--workspace", type=Path, required=True, help="where the run is made (a clone of this "
+                        "checkout is made there if it does not exist), or was made (with --log)")
+    parser.add_argument("--log", type=Path, help="record a run already made in --workspace: its `faceops run` output")
+    parser.add_argument("--wall-seconds", type=float, help="with --log: the run's wall time")
+    args = parser.parse_args(argv)
+    if args.log is not None:
+        if args.wall_seconds is None:
+            parser.error("--log needs --wall-seconds (the run's wall time)")
+        record(args.workspace, args.log.read_text(), args.wall_seconds)
+    elif not (args.workspace / RUN_FILE).is_file():
+        run_preset(args.workspace)
+    print(write(args.workspace))
+
+
+if __name__ == "__main__":
+    main()
