@@ -76,6 +76,65 @@ def read_run(root: Path) -> dict[str, Any]:
             "models": models}
 
 
+DENOISE_T = (20, 60, 140, 300, 500)  # timesteps of the one-step denoising profile: the last DDIM steps to mid-way
+
+
+def denoising_profile(model: Any, x0: Any, context: Any, schedule: dict[str, Any], timesteps=DENOISE_T,
+                      seed: int = 0) -> list[dict[str, float]]:
+    """How well the UNet removes noise in one step, per timestep t: faces ``x0`` (B, C, H, W) in the UNet's layout
+    are noised to x_t with their ``context`` (B, tokens, dim) and ε̂ is read off the output (``epsilon_from``).
+    Per t: σ_t, the cosine of ε̂ with the true ε and their norm ratio (below 1: the UNet leaves part of the noise in),
+    and the mean square error of x̂_0 = (x_t − √(1 − ᾱ)·ε̂)/√ᾱ against that of x_t/√ᾱ (no denoising at all)."""
+    import torch
+
+    from ml.generator.sampler import epsilon_from
+    from ml.generator.train import make_noise_scheduler
+
+    scheduler = make_noise_scheduler(schedule)
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for t in timesteps:
+        eps = torch.randn(x0.shape, generator=gen)
+        tt = torch.full((len(x0),), int(t))
+        x_t = scheduler.add_noise(x0, eps, tt)
+        abar = scheduler.alphas_cumprod[int(t)].double()
+        with torch.no_grad():
+            out = model(x_t, tt, context)
+        e = epsilon_from(out.double(), x_t.double(), abar, schedule.get("prediction_type", "epsilon"))
+        x0_hat = (x_t.double() - (1 - abar).sqrt() * e) / abar.sqrt()
+        rows.append({"t": int(t), "sigma": float(((1 - abar) / abar).sqrt()),
+                     "eps_cosine": float(torch.nn.functional.cosine_similarity(e.flatten(1), eps.double().flatten(1))
+                                         .mean()),
+                     "eps_norm_ratio": float(e.norm() / eps.double().norm()),
+                     "x0_mse": float((x0_hat - x0.double()).pow(2).mean()),
+                     "undenoised_mse": float((x_t.double() / abar.sqrt() - x0.double()).pow(2).mean())})
+    return rows
+
+
+def denoising(ws: Path, faces: int = 64) -> list[dict[str, float]]:
+    """``denoising_profile`` of the pixel-space generator in ``ws`` on the first ``faces`` val faces of its training
+    identities, each with its own FR context (empty for a latent generator: its faces are not the UNet's input)."""
+    import torch
+
+    from ml.data.dataset import load_images, read_manifest
+    from ml.generator.train import images_to_unit_range
+    from ml.models.io import read_model_config
+    from tasks.synthesize import load_generator_for
+    from tasks.train_generator import identity_embeddings, load_fr, resize_faces
+
+    paths = Paths(ws)
+    if read_model_config(paths.generator_model, what="UIFace generator").get("extra", {}).get("space") != "pixel":
+        return []
+    model, extra, _ = load_generator_for(paths, None)
+    rows = read_manifest(paths.train_set / "manifest.parquet")
+    val = rows[rows["split"] == "val"].head(faces).reset_index(drop=True)
+    images = resize_faces(load_images(paths.train_set, val), int(extra["context_size"]))
+    fr, _, _ = load_fr(paths, Path(extra["fr_model"]).name, "generator.fr_source")
+    context = model.encode_context(torch.as_tensor(identity_embeddings(fr, images, None), dtype=torch.float32))
+    x0 = model.to_unet(images_to_unit_range(torch.from_numpy(images).permute(0, 3, 1, 2)))
+    return denoising_profile(model, x0, context, extra["noise_schedule"])
+
+
 def targets(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """{target: {"value", "goal", "unit", "sense", "met"}} for each target of ``TARGETS`` the run has inputs for."""
     out = {}
@@ -89,9 +148,22 @@ def targets(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def profile_lines(profile: list[dict[str, float]]) -> list[str]:
+    """Markdown for ``denoising_profile``'s rows (nothing when there are none)."""
+    if not profile:
+        return []
+    return ["", "## Where its faces' grain comes from: one denoising step of the long run's UNet", "",
+            "`denoising_profile`: 64 val faces of training identities, each with its own context, noised to x_t and "
+            "denoised once. A norm ratio below 1 is noise the UNet leaves in; DDIM's last steps (t ≤ 40 of 25 "
+            "steps) hand that remainder to the faces. Scored on: val faces.", "",
+            "| t | σ_t | cos(ε̂, ε) | ‖ε̂‖ / ‖ε‖ | MSE of x̂_0 | MSE without denoising |", "|---|---|---|---|---|---|",
+            *(f"| {r['t']} | {r['sigma']:.3f} | {r['eps_cosine']:.3f} | {r['eps_norm_ratio']:.3f} | {r['x0_mse']:.4f} "
+              f"| {r['undenoised_mse']:.4f} |" for r in profile)]
+
+
 def render(default: dict[str, dict[str, Any]], long: dict[str, dict[str, Any]], run: dict[str, Any],
-           section: list[str]) -> str:
-    """The report: both runs' targets side by side, then the long run's UIFace section."""
+           section: list[str], profile: list[dict[str, float]] = ()) -> str:
+    """The report: both runs' targets side by side, the long run's UIFace section, its denoising profile."""
     cell = lambda t: "—" if t is None else f"{t['value']:.1f} {t['unit']}" + ("" if t["met"] else " (missed)")  # noqa: E731
     stages = run["stage_s"]
     lines = [f"# UIFace with time: `--preset {PRESET}` beside the default run", "",
@@ -109,7 +181,8 @@ def render(default: dict[str, dict[str, Any]], long: dict[str, dict[str, Any]], 
         t = long.get(what) or default[what]
         lines.append(f"| {what} | {t['sense']} {t['goal']:g} {t['unit']} | {cell(default.get(what))} | "
                      f"{cell(long.get(what))} |")
-    lines += ["", f"## The `{PRESET}` run's synthetic data, as its own report renders it", *section[3:]]
+    lines += ["", f"## The `{PRESET}` run's synthetic data, as its own report renders it", *section[3:],
+              *profile_lines(list(profile))]
     return "\n".join(lines).replace("../plots/synthetic_samples.png", "uiface_long/synthetic_samples.png") + "\n"
 
 
@@ -118,12 +191,13 @@ def write(ws: Path, out_root: Path = ROOT) -> str:
     run = json.loads((ws / RUN_FILE).read_text())
     long, default = read_run(ws), read_run(out_root)
     section = synthetic_section(long["synthesize"], long["evaluate"], long["models"], long["train_generator"])
-    text = render(targets(default), targets(long), run, section)
+    profile = denoising(ws) if (Paths(ws).generator_model / "config.json").is_file() else []
+    text = render(targets(default), targets(long), run, section, profile)
     picture = out_root / "reports" / "uiface_long" / "synthetic_samples.png"
     picture.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(Paths(ws).plots / "synthetic_samples.png", picture)
     write_json(out_root / "metrics" / "uiface_long.json", {"run": run, "default": targets(default),
-                                                           "uiface_long": targets(long)})
+                                                           "uiface_long": targets(long), "denoising": profile})
     write_text(out_root / "reports" / "uiface_long.md", text)
     return text
 

@@ -55,3 +55,26 @@ def test_a_finished_run_is_recorded_from_its_summary_table(tmp_path):
     assert uiface_long.stage_seconds(stdout) == {"prepare": 53.5, "train_generator": 4012.0, "evaluate": 1.0}
     with pytest.raises(SystemExit):
         uiface_long.main(["--workspace", str(tmp_path), "--log", str(tmp_path / "log")])  # no wall time
+
+
+def test_the_denoising_profile_of_an_exact_and_of_a_useless_unet():
+    """A UNet that knows ε removes all the noise (cosine 1, norm ratio 1, x̂_0 exact); one that answers 0 removes
+    none (x̂_0's error is the noisy input's own)."""
+    import torch
+
+    from ml.generator.train import make_noise_scheduler
+
+    schedule = {"num_train_timesteps": 1000, "beta_start": 1e-4, "beta_end": 0.02, "beta_schedule": "linear",
+                "prediction_type": "epsilon"}
+    abar = make_noise_scheduler(schedule).alphas_cumprod.double()
+    x0 = torch.rand(4, 3, 8, 8) * 2 - 1
+    oracle = lambda x_t, t, c: ((x_t.double() - abar[t[0]].sqrt() * x0) / (1 - abar[t[0]]).sqrt()).float()  # noqa: E731
+    exact = uiface_long.denoising_profile(oracle, x0, None, schedule, timesteps=(20, 300))
+    assert [r["t"] for r in exact] == [20, 300]
+    for r in exact:
+        assert r["eps_cosine"] == pytest.approx(1.0, abs=1e-5) and r["eps_norm_ratio"] == pytest.approx(1.0, abs=1e-5)
+        assert r["x0_mse"] < 1e-9 < r["undenoised_mse"]
+    assert exact[0]["sigma"] == pytest.approx(float(((1 - abar[20]) / abar[20]).sqrt()))
+    useless = uiface_long.denoising_profile(lambda x_t, t, c: torch.zeros_like(x_t), x0, None, schedule, timesteps=(60,))
+    assert useless[0]["eps_norm_ratio"] == 0.0
+    assert useless[0]["x0_mse"] == pytest.approx(useless[0]["undenoised_mse"])
