@@ -79,6 +79,8 @@ DESIGNS: dict[str, tuple[str, dict[str, Any]]] = {
     "edm_p4": ("EDM preconditioning; 4×4 patches, UNet [64, 128]; 684 steps of 64",
                {**P4, "train.prediction_type": "edm", "train.epochs": 12}),
     "edm_p2_long": ("as edm_p2, 3× the steps (2,034)", {**P2, "train.prediction_type": "edm", "train.epochs": 18}),
+    "edm_p2_x15": ("as edm_p2, 15× its steps (10,170): `--preset uiface-long`'s generator, trained in its run",
+                   {**P2, "train.prediction_type": "edm", "train.epochs": 90}),
     "edm_p4_long": ("as edm_p4, 3× the steps (2,052)", {**P4, "train.prediction_type": "edm", "train.epochs": 36}),
     "tiny_f2_c4": ("latent: AutoencoderTiny [48, 48] → 4×16×16, FR term; UNet [64, 128] on its 2×2 patches",
                    {**F2, "autoencoder_train.block_out_channels": [48, 48]}),
