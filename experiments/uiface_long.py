@@ -111,9 +111,10 @@ def denoising_profile(model: Any, x0: Any, context: Any, schedule: dict[str, Any
     return rows
 
 
-def denoising(ws: Path, faces: int = 64) -> list[dict[str, float]]:
-    """``denoising_profile`` of the pixel-space generator in ``ws`` on the first ``faces`` val faces of its training
-    identities, each with its own FR context (empty for a latent generator: its faces are not the UNet's input)."""
+def denoising(ws: Path, faces: int = 64, model_dir: Path | None = None) -> list[dict[str, float]]:
+    """``denoising_profile`` of the pixel-space generator in ``model_dir`` (default: ``ws``'s) on the first ``faces``
+    val faces of ``ws``'s training identities, each with its own FR context (empty for a latent generator: its faces
+    are not the UNet's input)."""
     import torch
 
     from ml.data.dataset import load_images, read_manifest
@@ -123,9 +124,10 @@ def denoising(ws: Path, faces: int = 64) -> list[dict[str, float]]:
     from tasks.train_generator import identity_embeddings, load_fr, resize_faces
 
     paths = Paths(ws)
-    if read_model_config(paths.generator_model, what="UIFace generator").get("extra", {}).get("space") != "pixel":
+    model_dir = model_dir or paths.generator_model
+    if read_model_config(model_dir, what="UIFace generator").get("extra", {}).get("space") != "pixel":
         return []
-    model, extra, _ = load_generator_for(paths, None)
+    model, extra, _ = load_generator_for(paths, None, model_dir)
     rows = read_manifest(paths.train_set / "manifest.parquet")
     val = rows[rows["split"] == "val"].head(faces).reset_index(drop=True)
     images = resize_faces(load_images(paths.train_set, val), int(extra["context_size"]))

@@ -316,7 +316,8 @@ def evaluate_sets(cfg: Any, data: Any, paths: Paths, fr_model: Any, chunk_size: 
 
     for method in methods:
         probes = fuse_frames(method, p_frames, p_groups, caface, data, chunk_size)
-        galleries[method] = {"booking": fuse_frames(method, g_frames, g_groups, caface, data, chunk_size), "single": single}
+        booking = fuse_frames(method, g_frames, g_groups, caface, data, chunk_size)
+        galleries[method] = {"booking": booking, "single": single}
         identify(method, probes, galleries[method]["booking"])
     clean = clean_capture_templates(fr_model, paths, data, rows, cfg.batch_size)
     if clean is not None:  # the clean frames against the stills as averaging fuses them
