@@ -47,23 +47,29 @@ def _clone(dst: Path, commit: str) -> Path:
     return dst
 
 
-def _make_run(root: Path) -> dict:
-    """``make run`` in ``root``: wall and CPU seconds, each stage's seconds from the summary table."""
+def stage_seconds(stdout: str) -> dict[str, float]:
+    """Each stage's seconds from ``faceops run``'s closing summary table."""
+    return {m[1]: float(m[3]) for m in map(STAGE_LINE.match, stdout.splitlines()) if m}
+
+
+def timed_run(root: Path, command: tuple[str, ...] = ("make", "run"), log: str = "make_run.log") -> dict:
+    """``command`` (default ``make run``) in ``root``, its output in ``root/log``: wall and CPU seconds, each
+    stage's seconds from the summary table; RuntimeError naming the log when it fails."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "MLFLOW_", "PREFECT_API"))}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    out = subprocess.run(["make", "run"], cwd=root, env=env, capture_output=True, text=True)
+    out = subprocess.run(list(command), cwd=root, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    (root / "make_run.log").write_text(out.stdout + out.stderr)
+    (root / log).write_text(out.stdout + out.stderr)
     if out.returncode != 0:
-        raise RuntimeError(f"make run failed in {root} (exit {out.returncode}); log: {root / 'make_run.log'}")
-    stages = {m[1]: float(m[3]) for m in map(STAGE_LINE.match, out.stdout.splitlines()) if m}
+        raise RuntimeError(f"{' '.join(command)} failed in {root} (exit {out.returncode}); log: {root / log}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return {"wall_s": round(wall, 1), "minutes": round(wall / 60, 1), "core_s": round(cpu, 1), "stage_s": stages}
+    return {"wall_s": round(wall, 1), "minutes": round(wall / 60, 1), "core_s": round(cpu, 1),
+            "stage_s": stage_seconds(out.stdout)}
 
 
-def _machine() -> dict:
+def machine_facts() -> dict:
     from faceops.doctor import _cpu_name
     from ml.train.device import available_cores, cpu_has_amx, cpu_has_bf16
 
@@ -103,8 +109,8 @@ def bench_make_run() -> dict:
     commit = _head()  # what the clone checks out: HEAD may move while the run takes its minutes
     root = _clone(RUNS / "alone", commit)
     before = speed_probe()
-    run = _make_run(root)
-    return {"commit": commit[:12], **run, "probe_s_before": before, "probe_s_after": speed_probe(), **_machine()}
+    run = timed_run(root)
+    return {"commit": commit[:12], **run, "probe_s_before": before, "probe_s_after": speed_probe(), **machine_facts()}
 
 
 # what a default run's outputs depend on: a clone of another commit that differs only elsewhere is the same run
@@ -166,7 +172,7 @@ def bench_reproducibility() -> dict:
     if command:
         start = time.perf_counter()
         job = subprocess.Popen(command, shell=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        run = _make_run(loaded)
+        run = timed_run(loaded)
         beside = {"beside": command, "beside_exit": job.wait(), "beside_minutes": round((time.perf_counter() - start)
                                                                                         / 60, 1)}
     else:
@@ -176,10 +182,10 @@ def bench_reproducibility() -> dict:
         for h in hogs:
             h.start()
         try:
-            run = _make_run(loaded)
+            run = timed_run(loaded)
         finally:
             for h in hogs:
                 h.terminate()
         beside = {"beside": f"{cores} busy processes"}
     return {"commit": commit[:12], "loaded_minutes": run["minutes"], **beside, **compare_runs(alone, loaded),
-            **_machine()}
+            **machine_facts()}

@@ -51,7 +51,7 @@ import numpy as np
 from experiments.test_sets import across_test_sets, now_utc
 from ml.errors import ConfigError, DataError
 from ml.fr.pretrained import reference_sface_file
-from tasks.common import Paths, write_json, write_text
+from tasks.common import Paths, read_stage_metrics, write_json, write_text
 
 log = logging.getLogger("experiments.pretrained_real")
 
@@ -179,11 +179,7 @@ def real_templates(ws: Path, frames: int = 4, seed: int = 0, batch_size: int = 6
 
 def read_run(ws: Path) -> dict[str, Any]:
     """The numbers of the run in ``ws`` this report shows (see the module docstring)."""
-    def flat(name: str) -> dict[str, float]:
-        tree = json.loads((ws / "metrics" / f"{name}.json").read_text())
-        return tree.get("metrics", tree)
-
-    evaluate, synthesize, discovery = flat("evaluate"), flat("synthesize"), flat("discovery")
+    evaluate, synthesize, discovery = (read_stage_metrics(ws, n) for n in ("evaluate", "synthesize", "discovery"))
     verification = {}
     for row, key in ((SOURCE, SOURCE), ("real", "real"), ("synthetic", "synthetic"), ("real_matched", "real_matched"),
                      ("raw_pixels", "baseline/raw_pixels"),

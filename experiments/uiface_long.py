@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_default_run import STAGE_LINE
-from tasks.common import Paths, write_json, write_text
+from benchmarks.bench_default_run import machine_facts, stage_seconds, timed_run
+from tasks.common import Paths, read_stage_metrics, write_json, write_text
 from tasks.evaluate.synthetic import TARGETS, synthetic_section
 
 PRESET = "uiface-long"
@@ -30,19 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN_FILE = "uiface_long_run.json"  # in the workspace: how the run went (wall and stage seconds, commit)
 
 
-def stage_seconds(stdout: str) -> dict[str, float]:
-    """Each stage's seconds from ``faceops run``'s closing summary table."""
-    return {m[1]: float(m[3]) for m in map(STAGE_LINE.match, stdout.splitlines()) if m}
-
-
-def record(ws: Path, stdout: str, wall_s: float) -> dict[str, Any]:
-    """Write ``RUN_FILE`` in ``ws`` for a finished run whose ``faceops run`` printed ``stdout``."""
-    from benchmarks.bench_default_run import _machine
-
+def record(ws: Path, run: dict[str, Any]) -> dict[str, Any]:
+    """Write ``RUN_FILE`` in ``ws`` for a finished run: ``run`` has its ``wall_s`` and ``stage_s``."""
     commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ws, capture_output=True,
                             text=True).stdout.strip()
-    run = {"preset": PRESET, "commit": commit, "wall_s": round(wall_s, 1), "minutes": round(wall_s / 60, 1),
-           "stage_s": stage_seconds(stdout), **_machine()}
+    run = {"preset": PRESET, "commit": commit, "minutes": round(run["wall_s"] / 60, 1), **run, **machine_facts()}
     write_json(ws / RUN_FILE, run)
     return run
 
@@ -51,29 +41,16 @@ def run_preset(ws: Path) -> dict[str, Any]:
     """Clone this checkout into ``ws`` unless it exists, install it and time ``faceops run --preset uiface-long``."""
     if not ws.exists():
         subprocess.run(["git", "clone", "-q", str(ROOT), str(ws)], check=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "MLFLOW_", "PREFECT_API"))}
-    subprocess.run(["make", "setup"], cwd=ws, env=env, check=True, capture_output=True)
-    start = time.perf_counter()
-    out = subprocess.run([str(ws / ".venv" / "bin" / "faceops"), "run", "--preset", PRESET], cwd=ws, env=env,
-                         capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    (ws / "uiface_long.log").write_text(out.stdout + out.stderr)
-    if out.returncode != 0:
-        raise RuntimeError(f"faceops run --preset {PRESET} failed in {ws}; log: {ws / 'uiface_long.log'}")
-    return record(ws, out.stdout, wall)
+    timed_run(ws, ("make", "setup"), log="setup.log")
+    return record(ws, timed_run(ws, (str(ws / ".venv" / "bin" / "faceops"), "run", "--preset", PRESET),
+                                log="uiface_long.log"))
 
 
 def read_run(root: Path) -> dict[str, Any]:
     """The metrics a run's targets read (``metrics/synthesize.json``, ``evaluate.json``, ``train_generator.json``)
     and its FR models' configs (Table 3's budgets)."""
-    def flat(name: str) -> dict[str, Any]:
-        path = root / "metrics" / f"{name}.json"
-        found = json.loads(path.read_text()) if path.is_file() else {}
-        return found.get("metrics", found)
-
     models = {p.parent.name: json.loads(p.read_text()) for p in sorted((root / "models" / "fr").glob("*/config.json"))}
-    return {"synthesize": flat("synthesize"), "evaluate": flat("evaluate"), "train_generator": flat("train_generator"),
-            "models": models}
+    return {**{n: read_stage_metrics(root, n) for n in ("synthesize", "evaluate", "train_generator")}, "models": models}
 
 
 DENOISE_T = (20, 60, 140, 300, 500)  # timesteps of the one-step denoising profile: the last DDIM steps to mid-way
@@ -215,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.log is not None:
         if args.wall_seconds is None:
             parser.error("--log needs --wall-seconds (the run's wall time)")
-        record(args.workspace, args.log.read_text(), args.wall_seconds)
+        record(args.workspace, {"wall_s": round(args.wall_seconds, 1), "stage_s": stage_seconds(args.log.read_text())})
     elif not (args.workspace / RUN_FILE).is_file():
         run_preset(args.workspace)
     print(write(args.workspace))

@@ -328,6 +328,16 @@ def write_json(path: Path | str, payload: Any) -> Path:
     return path
 
 
+def read_stage_metrics(root: Path | str, name: str) -> dict[str, Any]:
+    """A run's ``metrics/<name>.json`` under ``root`` as flat metrics (a file that wraps them under ``metrics`` is
+    unwrapped); {} when the stage has not written it."""
+    path = Path(root) / "metrics" / f"{name}.json"
+    if not path.is_file():
+        return {}
+    tree = json.loads(path.read_text())
+    return tree.get("metrics", tree)
+
+
 def write_text(path: Path | str, text: str) -> Path:
     path = Path(path)
     with atomic_path(path) as tmp:

@@ -78,3 +78,14 @@ def test_the_denoising_profile_of_an_exact_and_of_a_useless_unet():
     useless = uiface_long.denoising_profile(lambda x_t, t, c: torch.zeros_like(x_t), x0, None, schedule, timesteps=(60,))
     assert useless[0]["eps_norm_ratio"] == 0.0
     assert useless[0]["x0_mse"] == pytest.approx(useless[0]["undenoised_mse"])
+
+
+def test_a_stage_metrics_file_is_read_flat_wrapped_or_not(tmp_path):
+    from tasks.common import read_stage_metrics
+
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "discovery.json").write_text(json.dumps({"metrics": {"a/b": 0.5}, "seconds": 3}))
+    (tmp_path / "metrics" / "evaluate.json").write_text(json.dumps({"a/b": 0.25}))
+    assert read_stage_metrics(tmp_path, "discovery") == {"a/b": 0.5}
+    assert read_stage_metrics(tmp_path, "evaluate") == {"a/b": 0.25}
+    assert read_stage_metrics(tmp_path, "synthesize") == {}  # not written yet
